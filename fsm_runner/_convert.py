@@ -1,0 +1,35 @@
+"""The one cattrs converter, shared by the spec and the journal records.
+
+UTC ISO-8601 datetimes, enums by value, and fields equal to their default left out of
+unstructured dicts, so adding a field with a default never changes a spec's hash and records
+written before a field existed load with its default.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import cattrs
+
+__all__ = ["converter", "format_utc", "parse_utc"]
+
+converter = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
+
+
+def format_utc(value: dt.datetime) -> str:
+    """Format a datetime as UTC ISO-8601 (naive datetimes are taken to be UTC)."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=dt.timezone.utc)
+    return value.astimezone(dt.timezone.utc).isoformat()
+
+
+def parse_utc(value: str | dt.datetime) -> dt.datetime:
+    """Parse an ISO-8601 timestamp into an aware UTC datetime."""
+    parsed = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(value)
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.timezone.utc)
+    return parsed.astimezone(dt.timezone.utc)
+
+
+converter.register_unstructure_hook(dt.datetime, format_utc)
+converter.register_structure_hook(dt.datetime, lambda value, _: parse_utc(value))

@@ -1,0 +1,669 @@
+"""The engine: drives runs through a machine, one journaled transition per step.
+
+Per step the engine takes the run's row, calls the handler of its state, asks the compiled
+machine where the handler's event leads (guards read the run), and commits the transition and
+the new run row in one journal transaction. A crash anywhere leaves the run at its last
+committed state; :meth:`Engine.resume` continues from there, so no completed phase runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from fsm_runner.events import RunEvent, event_name
+from fsm_runner.exceptions import (
+    HandlerResultError,
+    PayloadError,
+    PhaseError,
+    PhaseTimeoutError,
+    RunAbortedError,
+    RunConflictError,
+    RunTerminalError,
+    SpecError,
+    SpecMismatchError,
+)
+from fsm_runner.journal import Journal, SqliteJournal
+from fsm_runner.machine import Guard, compile_spec
+from fsm_runner.phases import (
+    PhaseContext,
+    PhaseHandler,
+    PhaseResult,
+    split_handler,
+    to_phase_result,
+)
+from fsm_runner.records import RunRecord, TransitionRecord, utc_now
+from fsm_runner.spec import MachineSpec, Outcome, State
+
+__all__ = ["Engine", "Listener"]
+
+#: Called with each transition after it is committed, and the run row it produced.
+Listener = Callable[[TransitionRecord, RunRecord], None]
+
+_log = logging.getLogger("fsm_runner.engine")
+_SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
+_TIMEOUT = RunEvent.TIMEOUT.value
+_USER_ABORTED = RunEvent.USER_ABORTED.value
+_RETRIED = RunEvent.RETRIED.value
+_MAX_ABORT_TRIES = 20
+
+
+def _error_info(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+@attrs.frozen
+class _Outcome:
+    """What calling a handler came to: a result, or the error it raised."""
+
+    result: PhaseResult | None
+    error: BaseException | None
+    duration_ms: float
+
+
+@attrs.define
+class _Step:
+    run: RunRecord
+    state: State
+    ctx: PhaseContext
+    started: float
+
+
+class Engine:
+    """Runs machines durably: start runs, step them, run them to the end, resume, abort.
+
+    Args:
+        spec: the machine every run of this engine follows.
+        handlers: phase handlers by the names the spec's states give.
+        journal: where runs are journaled; a :class:`SqliteJournal` at ``./fsm-runner.db``
+            when not given.
+        guards: guard functions by name; each reads the run and returns a bool.
+        services: the host's services, handed to every handler through ``ctx.services``.
+        listeners: called with each transition after it is committed (errors are logged).
+        clock: a monotonic clock in seconds, for deadlines and durations.
+        sleep: how to wait between retries in sync runs.
+        async_sleep: how to wait between retries in async runs.
+        allow_spec_change: resume runs that started under another spec, as long as their
+            current state exists in this one.
+
+    Raises:
+        SpecError: the spec is invalid, or names handlers or guards that are not given.
+    """
+
+    def __init__(
+        self,
+        spec: MachineSpec,
+        /,
+        *,
+        handlers: Mapping[str, PhaseHandler],
+        journal: Journal | None = None,
+        guards: Mapping[str, Guard] | None = None,
+        services: Mapping[str, Any] | None = None,
+        listeners: Iterable[Listener] = (),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        allow_spec_change: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.handlers = dict(handlers)
+        self.guards = dict(guards or {})
+        spec.validate(handlers=self.handlers, guards=self.guards)
+        try:
+            self._handlers = {name: split_handler(h) for name, h in self.handlers.items()}
+        except TypeError as exc:
+            raise SpecError([str(exc)], machine=spec.name) from None
+        self._machine = compile_spec(spec)
+        self.journal: Journal = journal if journal is not None else SqliteJournal()
+        self.services: Mapping[str, Any] = dict(services or {})
+        self.listeners = list(listeners)
+        self.clock = clock
+        self.sleep = sleep
+        self.async_sleep = async_sleep
+        self.allow_spec_change = allow_spec_change
+        self._spec_json = spec.to_json()
+        self._active: dict[str, PhaseContext] = {}
+        self._aborts: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"Engine({self.spec.name!r}, journal={self.journal!r})"
+
+    def with_journal(self, journal: Journal) -> Engine:
+        """Return an engine like this one that journals to ``journal``."""
+        return Engine(
+            self.spec,
+            handlers=self.handlers,
+            journal=journal,
+            guards=self.guards,
+            services=self.services,
+            listeners=self.listeners,
+            clock=self.clock,
+            sleep=self.sleep,
+            async_sleep=self.async_sleep,
+            allow_spec_change=self.allow_spec_change,
+        )
+
+    def close(self) -> None:
+        """Close the event loop used for async handlers in sync runs (the journal is the host's)."""
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def start(
+        self,
+        input: Any = None,  # noqa: A002 - "input" is the name users know from the design
+        *,
+        run_id: str | None = None,
+        context: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
+    ) -> str:
+        """Start a run in the initial state and journal its transition seq 0.
+
+        Args:
+            input: the run's JSON input, readable by every phase as ``ctx.input``.
+            run_id: the run's id; a new random one when not given.
+            context: the run's initial JSON context.
+            parent_run_id: the run that starts this one, if any.
+
+        Returns:
+            The run's id.
+
+        Raises:
+            RunExistsError: a run with ``run_id`` exists.
+            PayloadError: the input or context is not JSON-serialisable; nothing was written.
+            JournalError: the journal failed; nothing was written.
+        """
+        initial = self.spec.state(self.spec.initial)
+        run_id = run_id or uuid.uuid4().hex
+        now = utc_now()
+        iteration = 1 if initial.starts_iteration else 0
+        run = RunRecord(
+            run_id=run_id,
+            machine=self.spec.name,
+            spec_hash=self.spec.spec_hash,
+            state=initial.name,
+            input=input,
+            context=dict(context or {}),
+            iteration=iteration,
+            created_at=now,
+            updated_at=now,
+            parent_run_id=parent_run_id,
+        )
+        first = TransitionRecord(
+            run_id=run_id,
+            seq=0,
+            from_state=None,
+            event=RunEvent.STARTED.value,
+            to_state=initial.name,
+            iteration=iteration,
+            at=now,
+        )
+        self._check_json(run_id, "input", input)
+        self._check_json(run_id, "context", run.context)
+        self.journal.create_run(run, first, spec_json=self._spec_json)
+        self._notify(first, run)
+        return run_id
+
+    # -- the sync loop -------------------------------------------------------------------------
+
+    def step(self, run_id: str) -> TransitionRecord | None:
+        """Run the current state's phase once and journal where it led.
+
+        Returns:
+            The committed transition, or ``None`` when the state has no handler (it waits for
+            :meth:`send`).
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has ended.
+            SpecMismatchError: the run started under another spec (see ``allow_spec_change``).
+            InvalidTransitionError: the handler's event is not allowed in the state; nothing
+                was written and the phase runs again on resume.
+            PhaseError: the phase failed and the spec has no transition for that failure.
+            RunConflictError: another writer advanced the run while the phase ran.
+        """
+        return self._step(self.journal.load(run_id))[0]
+
+    def run(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+        """Step the run until it ends, waits for an event, or ``max_steps`` steps were taken.
+
+        Returns:
+            The run as it stands at the end.
+
+        Raises:
+            The errors of :meth:`step`; when another writer ended the run meanwhile (an abort
+            from another process), the ended run is returned instead.
+        """
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        steps = 0
+        while (max_steps is None or steps < max_steps) and not run.ended:
+            try:
+                transition, after = self._step(run)
+            except RunConflictError:
+                run = self.journal.load(run_id)
+                if run.ended:
+                    return run
+                raise
+            if transition is None:
+                break
+            run = after
+            steps += 1
+        return run
+
+    def resume(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+        """Continue a run from its journaled state (the run row is read; history is not).
+
+        Raises:
+            RunTerminalError: the run has ended; fork it instead.
+            SpecMismatchError: the run started under another spec.
+        """
+        return self.run(run_id, max_steps=max_steps)
+
+    def _step(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
+        self._check_runnable(run)
+        pending_abort = self._aborts.get(run.run_id) or run.abort_reason
+        if pending_abort is not None:
+            return self._commit_abort(run, pending_abort)
+        step = self._prepare(run)
+        if step is None:
+            return None, run
+        try:
+            outcome = self._call_sync(step)
+        finally:
+            self._release(run.run_id)
+        wait = self._retry_wait(step, outcome)
+        if wait is None:
+            return self._finish(step, outcome)
+        committed = self._commit_retry(step, outcome)
+        self.sleep(wait)
+        return committed
+
+    def _call_sync(self, step: _Step) -> _Outcome:
+        run_fn, validate_fn = self._handlers[step.state.handler or ""]
+        try:
+            value = None
+            if validate_fn is not None:
+                value = self._await_sync(validate_fn(step.ctx), step)
+            if value is None:
+                value = self._await_sync(run_fn(step.ctx), step)
+            return self._outcome(step, value, None)
+        except Exception as exc:  # noqa: BLE001 - every handler failure is journaled, not raised
+            return self._outcome(step, None, exc)
+
+    def _await_sync(self, value: Any, step: _Step) -> Any:
+        if not inspect.isawaitable(value):
+            return value
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self._with_deadline(value, step))
+
+    # -- the async loop ------------------------------------------------------------------------
+
+    async def astep(self, run_id: str) -> TransitionRecord | None:
+        """Async :meth:`step`: async handlers are awaited (and cancelled at their deadline)."""
+        return (await self._astep(self.journal.load(run_id)))[0]
+
+    async def arun(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+        """Async :meth:`run`."""
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        steps = 0
+        while (max_steps is None or steps < max_steps) and not run.ended:
+            try:
+                transition, after = await self._astep(run)
+            except RunConflictError:
+                run = self.journal.load(run_id)
+                if run.ended:
+                    return run
+                raise
+            if transition is None:
+                break
+            run = after
+            steps += 1
+        return run
+
+    async def aresume(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+        """Async :meth:`resume`."""
+        return await self.arun(run_id, max_steps=max_steps)
+
+    async def _astep(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
+        self._check_runnable(run)
+        pending_abort = self._aborts.get(run.run_id) or run.abort_reason
+        if pending_abort is not None:
+            return self._commit_abort(run, pending_abort)
+        step = self._prepare(run)
+        if step is None:
+            return None, run
+        try:
+            outcome = await self._call_async(step)
+        finally:
+            self._release(run.run_id)
+        wait = self._retry_wait(step, outcome)
+        if wait is None:
+            return self._finish(step, outcome)
+        committed = self._commit_retry(step, outcome)
+        await self.async_sleep(wait)
+        return committed
+
+    async def _call_async(self, step: _Step) -> _Outcome:
+        run_fn, validate_fn = self._handlers[step.state.handler or ""]
+        try:
+            value = None
+            if validate_fn is not None:
+                value = validate_fn(step.ctx)
+                if inspect.isawaitable(value):
+                    value = await self._with_deadline(value, step)
+            if value is None:
+                value = run_fn(step.ctx)
+                if inspect.isawaitable(value):
+                    value = await self._with_deadline(value, step)
+            return self._outcome(step, value, None)
+        except Exception as exc:  # noqa: BLE001 - every handler failure is journaled, not raised
+            return self._outcome(step, None, exc)
+
+    async def _with_deadline(self, awaitable: Awaitable[Any], step: _Step) -> Any:
+        remaining = step.ctx.remaining
+        if remaining is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, timeout=max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            raise PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout) from None
+
+    # -- external events and abort -------------------------------------------------------------
+
+    def send(self, run_id: str, event: Any, *, output: Any = None) -> RunRecord:
+        """Journal an external event for the run (e.g. an approval for a waiting state).
+
+        Raises:
+            InvalidTransitionError: the run's state does not allow the event; nothing changed.
+            RunTerminalError: the run has ended.
+        """
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        name = event_name(event)
+        self._check_json(run_id, "output", output)
+        return self._commit(
+            run,
+            name,
+            self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
+            result={"output": output} if output is not None else None,
+            duration_ms=0.0,
+        )[1]
+
+    def abort(self, run_id: str, reason: str) -> RunRecord:
+        """Abort a run from any non-terminal state; nothing journaled is removed.
+
+        A run this engine is advancing right now is told through ``ctx.cancelled`` and stops
+        between phases; any other run is moved at once (a worker in another process that was
+        advancing it finds its next commit refused and stops).
+
+        Returns:
+            The run after the abort (or with the abort requested, if a phase is running here).
+
+        Raises:
+            RunTerminalError: the run has already ended.
+        """
+        with self._lock:
+            ctx = self._active.get(run_id)
+            if ctx is not None:
+                self._aborts[run_id] = reason
+                ctx.request_cancel(reason)
+        if ctx is not None:
+            return self.journal.request_abort(run_id, reason)
+        for _ in range(_MAX_ABORT_TRIES):
+            run = self.journal.load(run_id)
+            self._check_runnable(run, check_spec=False)
+            try:
+                return self._commit_abort(run, reason)[1]
+            except RunConflictError:
+                continue  # another writer moved it meanwhile; look again
+        raise RunConflictError(run_id=run_id, expected_seq=-1)
+
+    def _commit_abort(self, run: RunRecord, reason: str) -> tuple[TransitionRecord, RunRecord]:
+        error = {"type": _USER_ABORTED, "message": reason}
+        if self._machine.allows(run.state, _USER_ABORTED):
+            dest, status = self._machine.resolve(run.state, _USER_ABORTED, run, self.guards), None
+        else:
+            dest, status = run.state, Outcome.ABORTED  # no abort exit: the run stops where it is
+        return self._commit(
+            run,
+            _USER_ABORTED,
+            dest,
+            result={"error": error},
+            duration_ms=0.0,
+            error=error,
+            status=status,
+        )
+
+    # -- shared step machinery -----------------------------------------------------------------
+
+    def _check_runnable(self, run: RunRecord, *, check_spec: bool = True) -> None:
+        if run.ended:
+            raise RunTerminalError(run_id=run.run_id, state=run.state, status=run.status.value)
+        if check_spec and run.spec_hash != self.spec.spec_hash:
+            if not self.allow_spec_change:
+                raise SpecMismatchError(
+                    run_id=run.run_id, expected=run.spec_hash, found=self.spec.spec_hash
+                )
+            if not self.spec.has_state(run.state):
+                raise SpecMismatchError(
+                    run_id=run.run_id,
+                    expected=run.spec_hash,
+                    found=self.spec.spec_hash,
+                    detail=f" which has no state {run.state!r}",
+                )
+
+    def _prepare(self, run: RunRecord) -> _Step | None:
+        state = self.spec.state(run.state)
+        if state.handler is None:
+            return None
+        started = self.clock()
+        deadline = started + state.timeout if state.timeout is not None else None
+        ctx = PhaseContext(
+            run=run,
+            services=self.services,
+            logger=logging.LoggerAdapter(
+                logging.getLogger(f"fsm_runner.phase.{self.spec.name}.{state.name}"),
+                {"run_id": run.run_id, "state": state.name},
+            ),
+            deadline=deadline,
+            timeout=state.timeout,
+            clock=self.clock,
+        )
+        with self._lock:
+            self._active[run.run_id] = ctx
+        return _Step(run=run, state=state, ctx=ctx, started=started)
+
+    def _release(self, run_id: str) -> None:
+        with self._lock:
+            self._active.pop(run_id, None)
+
+    def _outcome(self, step: _Step, value: Any, error: BaseException | None) -> _Outcome:
+        duration_ms = (self.clock() - step.started) * 1000.0
+        if error is not None:
+            return _Outcome(None, error, duration_ms)
+        result = to_phase_result(value)
+        if result is None:
+            detail = (
+                f"returned {type(value).__name__} {value!r:.80}; expected a PhaseResult, an event"
+                " (str or str enum) or a RunStatus"
+            )
+            return _Outcome(
+                None,
+                HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail),
+                duration_ms,
+            )
+        for what, payload in (("output", result.output), ("context", result.context)):
+            if payload:
+                try:
+                    json.dumps(payload)
+                except (TypeError, ValueError) as exc:
+                    detail = f"returned {what} that is not JSON-serialisable ({exc})"
+                    return _Outcome(
+                        None,
+                        HandlerResultError(
+                            run_id=step.run.run_id, state=step.state.name, detail=detail
+                        ),
+                        duration_ms,
+                    )
+        deadline = step.ctx.deadline
+        if deadline is not None and self.clock() > deadline:
+            timeout = PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout)
+            return _Outcome(None, timeout, duration_ms)
+        return _Outcome(result, None, duration_ms)
+
+    def _retry_wait(self, step: _Step, outcome: _Outcome) -> float | None:
+        """Seconds to wait before retrying a failed phase, or ``None`` to not retry it."""
+        policy = step.state.retry
+        if (
+            policy is None
+            or outcome.error is None
+            or isinstance(outcome.error, (PhaseTimeoutError, RunAbortedError, HandlerResultError))
+            or step.run.attempt >= policy.max_attempts
+        ):
+            return None
+        return policy.wait(step.run.attempt)
+
+    def _commit_retry(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+        assert outcome.error is not None
+        error = _error_info(outcome.error)
+        return self._commit(
+            step.run,
+            _RETRIED,
+            step.state.name,
+            result={"error": error},
+            duration_ms=outcome.duration_ms,
+            error=error,
+            attempt=step.run.attempt + 1,
+        )
+
+    def _finish(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+        run = step.run
+        if isinstance(outcome.error, RunAbortedError):
+            return self._commit_abort(run, outcome.error.reason)
+        if outcome.error is not None:
+            error = _error_info(outcome.error)
+            event = _TIMEOUT if isinstance(outcome.error, PhaseTimeoutError) else _SYSTEM_ERROR
+            if event == _TIMEOUT and not self._machine.allows(run.state, _TIMEOUT):
+                event = _SYSTEM_ERROR
+            if not self._machine.allows(run.state, event):
+                if isinstance(outcome.error, HandlerResultError):
+                    raise outcome.error
+                raise PhaseError(run_id=run.run_id, state=run.state, event=event, error=error)
+            dest = self._machine.resolve(run.state, event, run, self.guards, run_id=run.run_id)
+            return self._commit(
+                run, event, dest, result={"error": error}, duration_ms=outcome.duration_ms,
+                error=error,
+            )  # fmt: skip
+        result = outcome.result
+        assert result is not None
+        guarded = run
+        if result.context:
+            guarded = attrs.evolve(run, context={**run.context, **result.context})
+        dest = self._machine.resolve(
+            run.state, result.event, guarded, self.guards, run_id=run.run_id
+        )
+        payload: dict[str, Any] = {}
+        if result.output is not None:
+            payload["output"] = result.output
+        if result.context:
+            payload["context"] = dict(result.context)
+        error_payload: Any = None
+        if result.error is not None:
+            error_payload = (
+                dict(result.error) if isinstance(result.error, Mapping)
+                else {"type": result.event, "message": str(result.error)}
+            )  # fmt: skip
+            payload["error"] = error_payload
+        return self._commit(
+            guarded,
+            result.event,
+            dest,
+            result=payload or None,
+            duration_ms=outcome.duration_ms,
+            error=error_payload,
+        )
+
+    def _commit(
+        self,
+        run: RunRecord,
+        event: str,
+        dest: str,
+        *,
+        result: Mapping[str, Any] | None,
+        duration_ms: float,
+        error: Mapping[str, Any] | None = None,
+        attempt: int | None = None,
+        status: Outcome | None = None,
+    ) -> tuple[TransitionRecord, RunRecord]:
+        dest_state = self.spec.state(dest)
+        iteration = run.iteration + 1 if dest_state.starts_iteration else run.iteration
+        now = utc_now()
+        seq = run.seq + 1
+        transition = TransitionRecord(
+            run_id=run.run_id,
+            seq=seq,
+            from_state=run.state,
+            event=event,
+            to_state=dest,
+            iteration=iteration,
+            attempt=run.attempt,
+            at=now,
+            duration_ms=duration_ms,
+            result=result,
+        )
+        after = attrs.evolve(
+            run,
+            state=dest,
+            status=status or dest_state.final_outcome,
+            seq=seq,
+            iteration=iteration,
+            attempt=attempt or 1,
+            error=error,
+            updated_at=now,
+            abort_reason=None if event == _USER_ABORTED else run.abort_reason,
+        )
+        self.journal.commit(after, transition)
+        if after.ended:
+            with self._lock:
+                self._aborts.pop(run.run_id, None)
+        self._notify(transition, after)
+        return transition, after
+
+    def _notify(self, transition: TransitionRecord, run: RunRecord) -> None:
+        for listener in self.listeners:
+            try:
+                listener(transition, run)
+            except Exception:  # noqa: BLE001, PERF203 - a listener must never undo a committed step
+                _log.exception(
+                    "listener %r failed on %s seq %s", listener, run.run_id, transition.seq
+                )
+
+    @staticmethod
+    def _check_json(run_id: str, what: str, value: Any) -> None:
+        if value is None:
+            return
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None

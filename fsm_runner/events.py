@@ -1,0 +1,85 @@
+"""The standard event vocabulary and the structured outcomes a phase can report.
+
+Events are past-tense facts (``BUILD_FAILED``, ``VERIFY_PASSED``). Host apps may use their own
+``str`` enums or plain strings: the engine only ever stores an event's string value.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["ENGINE_EVENTS", "STATUS_EVENTS", "RunEvent", "RunStatus", "event_name"]
+
+
+class RunEvent(str, enum.Enum):
+    """The standard events; a transition's ``event`` may be one of these or any host string."""
+
+    STARTED = "STARTED"
+    PHASE_COMPLETED = "PHASE_COMPLETED"
+    PHASE_FAILED = "PHASE_FAILED"
+    PHASE_INCOMPLETE = "PHASE_INCOMPLETE"
+    BUILD_SUCCEEDED = "BUILD_SUCCEEDED"
+    BUILD_FAILED = "BUILD_FAILED"
+    SNAPSHOT_TAKEN = "SNAPSHOT_TAKEN"
+    SNAPSHOT_FAILED = "SNAPSHOT_FAILED"
+    VERIFY_PASSED = "VERIFY_PASSED"
+    VERIFY_FAILED = "VERIFY_FAILED"
+    VERIFY_FAILED_RETRYABLE = "VERIFY_FAILED_RETRYABLE"
+    FEEDBACK_READY = "FEEDBACK_READY"
+    SERVER_UNREACHABLE = "SERVER_UNREACHABLE"
+    SERVER_RECOVERED = "SERVER_RECOVERED"
+    RETRIED = "RETRIED"
+    SYSTEM_ERROR = "SYSTEM_ERROR"
+    TIMEOUT = "TIMEOUT"
+    INTERRUPTED = "INTERRUPTED"
+    USER_ABORTED = "USER_ABORTED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RunStatus(enum.IntEnum):
+    """A phase's structured outcome, with the exit code a CLI would report for it."""
+
+    OK = 0
+    ERROR = 1
+    INCOMPLETE = 2
+    SERVER_UNREACHABLE = 3
+    INTERRUPTED = 130
+
+    @property
+    def event(self) -> RunEvent:
+        """The event a phase that ends with this status reports."""
+        return STATUS_EVENTS[self]
+
+
+#: How a :class:`RunStatus` returned by a handler maps to an event.
+STATUS_EVENTS: dict[RunStatus, RunEvent] = {
+    RunStatus.OK: RunEvent.PHASE_COMPLETED,
+    RunStatus.ERROR: RunEvent.PHASE_FAILED,
+    RunStatus.INCOMPLETE: RunEvent.PHASE_INCOMPLETE,
+    RunStatus.SERVER_UNREACHABLE: RunEvent.SERVER_UNREACHABLE,
+    RunStatus.INTERRUPTED: RunEvent.INTERRUPTED,
+}
+
+#: Events the engine itself journals without a spec transition: the first row of a run,
+#: a retried attempt (a self transition), and an abort from a state with no USER_ABORTED exit.
+ENGINE_EVENTS: frozenset[str] = frozenset(
+    {RunEvent.STARTED.value, RunEvent.RETRIED.value, RunEvent.USER_ABORTED.value}
+)
+
+
+def event_name(event: str | enum.Enum) -> str:
+    """Return the string an event is journaled as (an enum's value, or the string itself).
+
+    Raises:
+        TypeError: if ``event`` is neither a string nor a string-valued enum.
+    """
+    if isinstance(event, enum.Enum):
+        value = event.value
+        if not isinstance(value, str):
+            raise TypeError(f"event enum {event!r} must have a string value")
+        return value
+    if isinstance(event, str):
+        return event
+    raise TypeError(f"an event must be a str or a str enum, not {type(event).__name__}")

@@ -1,0 +1,319 @@
+"""The one exception tree of fsm_runner.
+
+Every error the library raises on purpose is a subclass of :class:`FsmRunnerError`; foreign
+exceptions (``sqlite3.Error``, ``transitions.MachineError``) are mapped at the module that talks
+to them and never leak. Each error carries structured attributes and builds its own message::
+
+    FsmRunnerError
+    ├── SpecError                     (also ValueError)  .problems
+    ├── InvalidTransitionError        (also ValueError)  .run_id .state .event .reason
+    ├── PhaseError                                       .run_id .state .event .error
+    │   └── HandlerResultError        (also TypeError)   .run_id .state .detail
+    ├── PayloadError                  (also TypeError)   .run_id .what .detail
+    ├── PhaseTimeoutError             (also TimeoutError) .state .deadline
+    ├── RunAbortedError                                  .run_id .reason
+    ├── JournalError                                     .path .detail
+    │   ├── SchemaVersionError                           .found .supported
+    │   ├── SpecMismatchError                            .run_id .expected .found
+    │   └── RunConflictError                             .run_id .expected_seq
+    ├── RunNotFoundError              (also KeyError)    .run_id
+    ├── RunExistsError                                   .run_id
+    ├── RunTerminalError                                 .run_id .state .status
+    ├── LeaseError                                       .run_id
+    │   ├── LeaseHeldError                               .owner .expires_at
+    │   └── LeaseLostError                               .token
+    ├── EffectOutcomeUnknownError                        .run_id .state .effect
+    └── CapabilityError                                  .state .operation
+
+Only :mod:`fsm_runner.cli` turns these into exit codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "CapabilityError",
+    "EffectOutcomeUnknownError",
+    "FsmRunnerError",
+    "HandlerResultError",
+    "InvalidTransitionError",
+    "JournalError",
+    "LeaseError",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "PayloadError",
+    "PhaseError",
+    "PhaseTimeoutError",
+    "RunAbortedError",
+    "RunConflictError",
+    "RunExistsError",
+    "RunNotFoundError",
+    "RunTerminalError",
+    "SchemaVersionError",
+    "SpecError",
+    "SpecMismatchError",
+]
+
+
+class FsmRunnerError(Exception):
+    """Base of every error fsm_runner raises on purpose."""
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def message(self) -> str:
+        """The human-readable, one-line description of the error."""
+        return str(self.args[0]) if self.args else type(self).__name__
+
+
+class SpecError(FsmRunnerError, ValueError):
+    """A machine spec is invalid; ``problems`` lists every problem found, not just the first."""
+
+    def __init__(self, problems: Iterable[str], *, machine: str | None = None) -> None:
+        self.problems: tuple[str, ...] = tuple(problems)
+        self.machine = machine
+        super().__init__(self.problems)
+
+    @property
+    def message(self) -> str:
+        """Every problem, in one message."""
+        head = f"invalid machine spec {self.machine!r}" if self.machine else "invalid machine spec"
+        return f"{head}: " + "; ".join(self.problems)
+
+
+class InvalidTransitionError(FsmRunnerError, ValueError):
+    """An event that the run's current state does not allow; nothing was changed."""
+
+    def __init__(
+        self, *, run_id: str | None, state: str, event: str, reason: str = "not allowed"
+    ) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.event = event
+        self.reason = reason
+        super().__init__(run_id, state, event, reason)
+
+    @property
+    def message(self) -> str:
+        """Name the run, state and event."""
+        where = f"run {self.run_id}: " if self.run_id else ""
+        return f"{where}event {self.event!r} is {self.reason} in state {self.state!r}"
+
+
+class PhaseError(FsmRunnerError):
+    """A phase failed and the spec has no transition to follow for that failure.
+
+    The run is left unchanged in ``state``, so it can be resumed once the spec or the handler
+    is fixed.
+    """
+
+    def __init__(
+        self, *, run_id: str, state: str, event: str, error: Mapping[str, Any] | None = None
+    ) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.event = event
+        self.error = dict(error or {})
+        super().__init__(run_id, state, event)
+
+    @property
+    def message(self) -> str:
+        """Say what failed and that nothing moved."""
+        detail = ""
+        if self.error:
+            detail = f" ({self.error.get('type')}: {self.error.get('message')})"
+        return (
+            f"run {self.run_id}: phase {self.state!r} ended with {self.event}{detail} but the spec "
+            f"has no {self.event} transition from {self.state!r}; the run stays in {self.state!r}"
+        )
+
+
+class HandlerResultError(PhaseError, TypeError):
+    """A phase handler returned something that is not a valid result."""
+
+    def __init__(self, *, run_id: str, state: str, detail: str) -> None:
+        self.detail = detail
+        super().__init__(run_id=run_id, state=state, event="SYSTEM_ERROR")
+
+    @property
+    def message(self) -> str:
+        """Say which handler returned what."""
+        return f"run {self.run_id}: handler of state {self.state!r} {self.detail}"
+
+
+class PayloadError(FsmRunnerError, TypeError):
+    """A payload given to the engine (input, context, event output) is not JSON-serialisable."""
+
+    def __init__(self, *, run_id: str, what: str, detail: str) -> None:
+        self.run_id = run_id
+        self.what = what
+        self.detail = detail
+        super().__init__(
+            f"run {run_id}: {what} is not JSON-serialisable ({detail}); nothing was written"
+        )
+
+
+class PhaseTimeoutError(FsmRunnerError, TimeoutError):
+    """Raised by ``ctx.check()`` once a phase is past its deadline; the engine journals TIMEOUT."""
+
+    def __init__(self, *, state: str, timeout: float | None) -> None:
+        self.state = state
+        self.timeout = timeout
+        super().__init__(f"phase {state!r} ran past its timeout of {timeout}s")
+
+
+class RunAbortedError(FsmRunnerError):
+    """Raised by ``ctx.check()`` once an abort of the run was requested."""
+
+    def __init__(self, *, run_id: str, reason: str) -> None:
+        self.run_id = run_id
+        self.reason = reason
+        super().__init__(f"run {run_id} was aborted: {reason}")
+
+
+class JournalError(FsmRunnerError):
+    """The journal cannot be opened, read or written; nothing was changed."""
+
+    def __init__(self, detail: str, *, path: str | None = None) -> None:
+        self.detail = detail
+        self.path = path
+        super().__init__(detail, path)
+
+    @property
+    def message(self) -> str:
+        """Name the journal and the problem."""
+        return f"journal {self.path}: {self.detail}" if self.path else f"journal: {self.detail}"
+
+
+class SchemaVersionError(JournalError):
+    """The journal was written by a newer fsm_runner (or its schema is unknown)."""
+
+    def __init__(self, *, found: int, supported: int, path: str | None = None) -> None:
+        self.found = found
+        self.supported = supported
+        super().__init__(
+            f"schema version {found} is newer than this fsm_runner supports ({supported}); "
+            "upgrade fsm_runner to open it",
+            path=path,
+        )
+
+
+class SpecMismatchError(JournalError):
+    """A run is resumed under a spec other than the one it started with."""
+
+    def __init__(self, *, run_id: str, expected: str, found: str, detail: str = "") -> None:
+        self.run_id = run_id
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"run {run_id} started with spec {expected[:12]} but the engine has spec "
+            f"{found[:12]}{detail}; pass allow_spec_change=True to resume it anyway"
+        )
+
+
+class RunConflictError(JournalError):
+    """Another writer advanced the run first (its last seq is not the one this writer read)."""
+
+    def __init__(self, *, run_id: str, expected_seq: int, path: str | None = None) -> None:
+        self.run_id = run_id
+        self.expected_seq = expected_seq
+        super().__init__(
+            f"run {run_id} was advanced by another writer (expected last seq {expected_seq}); "
+            "nothing was written",
+            path=path,
+        )
+
+
+class RunNotFoundError(FsmRunnerError, KeyError):
+    """No run with that id exists in the journal."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(run_id)
+
+    @property
+    def message(self) -> str:
+        """Name the missing run."""
+        return f"no run {self.run_id!r} in the journal"
+
+
+class RunExistsError(FsmRunnerError):
+    """A run with that id already exists."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(run_id)
+
+    @property
+    def message(self) -> str:
+        """Name the duplicate run id."""
+        return f"a run {self.run_id!r} already exists in the journal"
+
+
+class RunTerminalError(FsmRunnerError):
+    """The run has ended (terminal state or aborted) and cannot be advanced; fork it instead."""
+
+    def __init__(self, *, run_id: str, state: str, status: str) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.status = status
+        super().__init__(run_id, state, status)
+
+    @property
+    def message(self) -> str:
+        """Name the run and how it ended."""
+        return (
+            f"run {self.run_id} has ended ({self.status} in state {self.state!r}) and cannot be "
+            "resumed; fork it to run again"
+        )
+
+
+class LeaseError(FsmRunnerError):
+    """Base of errors about who may advance a run."""
+
+    def __init__(self, run_id: str, detail: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"run {run_id}: {detail}")
+
+
+class LeaseHeldError(LeaseError):
+    """Another worker holds a live lease on the run."""
+
+    def __init__(self, run_id: str, *, owner: str, expires_at: str) -> None:
+        self.owner = owner
+        self.expires_at = expires_at
+        super().__init__(run_id, f"lease held by {owner} until {expires_at}")
+
+
+class LeaseLostError(LeaseError):
+    """This worker's lease expired and was taken over; it must stop without writing."""
+
+    def __init__(self, run_id: str, *, token: int) -> None:
+        self.token = token
+        super().__init__(run_id, f"lease token {token} was taken over by another worker")
+
+
+class EffectOutcomeUnknownError(FsmRunnerError):
+    """An effect was caught in flight by a crash and is not declared idempotent."""
+
+    def __init__(self, *, run_id: str, state: str, effect: str) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.effect = effect
+        super().__init__(
+            f"run {run_id}: effect {effect!r} in state {state!r} was in flight when the "
+            "process stopped; its outcome is unknown"
+        )
+
+
+class CapabilityError(FsmRunnerError):
+    """A state tried an operation it is not allowed to perform."""
+
+    def __init__(self, *, state: str | None, operation: str, detail: str = "") -> None:
+        self.state = state
+        self.operation = operation
+        where = f"in state {state!r}" if state else "outside any phase handler"
+        super().__init__(f"operation {operation!r} is not allowed {where}{detail}")

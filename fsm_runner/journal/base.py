@@ -1,0 +1,103 @@
+"""The journal seam: where runs and their transitions are stored.
+
+The engine talks to storage only through :class:`Journal`. Every implementation keeps the same
+contract, and the journal test suite runs against each of them:
+
+* :meth:`Journal.create_run` writes a run row and its transition seq 0 in one transaction,
+  together with the spec's canonical JSON (kept once per spec hash).
+* :meth:`Journal.commit` writes the next transition and the updated run row in one
+  transaction. It is refused — writing nothing — unless the stored run's last seq is exactly the
+  one before the new transition's (``RunConflictError``), so two writers can never both advance
+  one run from the same state, and seqs have no gaps.
+* :meth:`Journal.load` reads the run row alone: resuming never replays history.
+* Every failure of the medium (locked, full, read-only, corrupt) is a :class:`JournalError`;
+  nothing half-written is ever visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.spec import Outcome
+
+__all__ = ["Durability", "Journal"]
+
+#: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
+#: ``power``: it also survives power loss (synchronous=FULL).
+Durability = Literal["process", "power"]
+
+
+@runtime_checkable
+class Journal(Protocol):
+    """Durable storage of runs and their transitions."""
+
+    @property
+    def location(self) -> str:
+        """Where the journal lives, for messages (a path, ``:memory:``, a URL)."""
+
+    def create_run(self, run: RunRecord, first: TransitionRecord, *, spec_json: str) -> None:
+        """Store a new run with its transition seq 0 and its spec, in one transaction.
+
+        Raises:
+            RunExistsError: a run with that id exists.
+            JournalError: the medium failed; nothing was written.
+        """
+
+    def commit(self, run: RunRecord, transition: TransitionRecord) -> None:
+        """Store ``transition`` and the run row it leads to (``run``), in one transaction.
+
+        ``transition.seq`` must be one more than the stored run's seq, and ``run.seq`` must equal
+        ``transition.seq``.
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunConflictError: the stored run is not at ``transition.seq - 1`` (another writer
+                advanced it); nothing was written.
+            JournalError: the medium failed; nothing was written.
+        """
+
+    def load(self, run_id: str) -> RunRecord:
+        """Return the run's row.
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+
+    def transitions(
+        self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
+    ) -> Sequence[TransitionRecord]:
+        """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order.
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: Outcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+    ) -> Sequence[RunRecord]:
+        """Return runs, newest first, filtered by machine, status and parent."""
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash.
+
+        Raises:
+            JournalError: the journal does not hold that spec.
+        """
+
+    def request_abort(self, run_id: str, reason: str) -> RunRecord:
+        """Mark an active run as to be aborted (a worker carries it out between phases).
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has already ended.
+        """
+
+    def close(self) -> None:
+        """Release the journal's resources; further use raises ``JournalError``."""

@@ -1,0 +1,173 @@
+"""An in-memory journal with the same contract as the SQLite one: for tests and throwaway runs.
+
+Records are frozen, so storing the objects themselves is safe; JSON payloads are checked on
+write exactly as the SQLite journal checks them, so code that passes here passes there.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import attrs
+
+from fsm_runner.events import RunEvent
+from fsm_runner.exceptions import (
+    JournalError,
+    RunConflictError,
+    RunExistsError,
+    RunNotFoundError,
+    RunTerminalError,
+)
+from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.spec import Outcome
+
+__all__ = ["MemoryJournal"]
+
+
+def _check_json(*values: Any) -> None:
+    for value in values:
+        if value is not None:
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as exc:
+                raise JournalError(f"payload is not JSON-serialisable: {exc}") from None
+
+
+class MemoryJournal:
+    """A journal held in this process's memory; gone when the process ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._runs: dict[str, RunRecord] = {}
+        self._transitions: dict[str, list[TransitionRecord]] = {}
+        self._specs: dict[str, str] = {}
+        self._closed = False
+
+    @property
+    def location(self) -> str:
+        """Always ``:memory:``."""
+        return ":memory:"
+
+    def __repr__(self) -> str:
+        return f"MemoryJournal(runs={len(self._runs)})"
+
+    def __enter__(self) -> MemoryJournal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Mark the journal closed; its data stays readable to nobody."""
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise JournalError("is closed", path=":memory:")
+
+    def create_run(self, run: RunRecord, first: TransitionRecord, *, spec_json: str) -> None:
+        """Store a new run with its transition seq 0 and its spec."""
+        _check_json(run.input, run.context, run.error, first.result)
+        with self._lock:
+            self._check_open()
+            if run.run_id in self._runs:
+                raise RunExistsError(run.run_id)
+            self._specs.setdefault(run.spec_hash, spec_json)
+            self._runs[run.run_id] = run
+            self._transitions[run.run_id] = [first]
+
+    def commit(self, run: RunRecord, transition: TransitionRecord) -> None:
+        """Store ``transition`` and the run row it leads to."""
+        if run.seq != transition.seq:
+            raise ValueError("run.seq must equal transition.seq")
+        _check_json(run.context, run.error, transition.result)
+        with self._lock:
+            self._check_open()
+            stored = self._runs.get(run.run_id)
+            if stored is None:
+                raise RunNotFoundError(run.run_id)
+            if stored.seq != transition.seq - 1:
+                raise RunConflictError(
+                    run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
+                )
+            # Only the columns a commit owns change, as in the SQLite UPDATE.
+            self._runs[run.run_id] = attrs.evolve(
+                stored,
+                state=run.state,
+                status=run.status,
+                seq=run.seq,
+                iteration=run.iteration,
+                attempt=run.attempt,
+                context=run.context,
+                error=run.error,
+                updated_at=run.updated_at,
+                # an abort request stays until the USER_ABORTED commit that carries it out
+                abort_reason=(
+                    None if transition.event == RunEvent.USER_ABORTED.value else stored.abort_reason
+                ),
+            )
+            self._transitions[run.run_id].append(transition)
+
+    def request_abort(self, run_id: str, reason: str) -> RunRecord:
+        """Mark an active run as to be aborted."""
+        with self._lock:
+            run = self.load(run_id)
+            if run.ended:
+                raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+            run = self._runs[run_id] = attrs.evolve(run, abort_reason=reason)
+            return run
+
+    def load(self, run_id: str) -> RunRecord:
+        """Return the run's row."""
+        with self._lock:
+            self._check_open()
+            try:
+                return self._runs[run_id]
+            except KeyError:
+                raise RunNotFoundError(run_id) from None
+
+    def transitions(
+        self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
+    ) -> list[TransitionRecord]:
+        """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
+        with self._lock:
+            self.load(run_id)
+            return [
+                t
+                for t in self._transitions[run_id]
+                if t.seq >= from_seq and (to_seq is None or t.seq <= to_seq)
+            ]
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: Outcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[RunRecord]:
+        """Return runs, newest first, filtered by machine, status and parent."""
+        wanted = Outcome(status) if status is not None else None
+        with self._lock:
+            self._check_open()
+            ordered = list(self._runs.values())
+        ordered.reverse()  # insertion order is creation order; newest first
+        ordered.sort(key=lambda run: run.created_at, reverse=True)
+        selected = [
+            run
+            for run in ordered
+            if (machine is None or run.machine == machine)
+            and (wanted is None or run.status is wanted)
+            and (parent_run_id is None or run.parent_run_id == parent_run_id)
+        ]
+        return selected if limit is None else selected[:limit]
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash."""
+        with self._lock:
+            try:
+                return self._specs[spec_hash]
+            except KeyError:
+                raise JournalError(f"holds no spec {spec_hash[:12]}", path=":memory:") from None

@@ -1,0 +1,533 @@
+"""The SQLite journal: the embedded default, one file that sqlite-utils and Datasette can browse.
+
+Schema and migrations go through ``sqlite-utils``; the hot path (one commit per transition) uses
+prepared SQL on the raw connection, in WAL mode, inside ``BEGIN IMMEDIATE`` with a busy timeout
+so concurrent writers queue instead of failing with "database is locked".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+from sqlite_utils.migrations import Migrations
+
+from fsm_runner.events import RunEvent
+from fsm_runner.exceptions import (
+    JournalError,
+    RunConflictError,
+    RunExistsError,
+    RunNotFoundError,
+    RunTerminalError,
+    SchemaVersionError,
+)
+from fsm_runner.journal.base import Durability
+from fsm_runner.records import (
+    RunRecord,
+    TransitionRecord,
+    format_utc,
+    structure,
+    utc_now,
+)
+from fsm_runner.spec import Outcome
+
+__all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "SqliteJournal"]
+
+#: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
+APPLICATION_ID = 0x46534D52
+#: The schema version this fsm_runner writes; a journal with a higher one is refused.
+SCHEMA_VERSION = 1
+#: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
+DEFAULT_PATH = "fsm-runner.db"
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_JSON_COLUMNS = ("input", "context", "error")
+
+_migrations = Migrations("fsm_runner")
+
+
+@_migrations()
+def m0001_initial(db: sqlite_utils.Database) -> None:
+    """Create the version-1 schema: meta, specs, runs and transitions."""
+    db["meta"].create({"key": str, "value": str}, pk="key")  # type: ignore[union-attr]
+    db["specs"].create(  # type: ignore[union-attr]
+        {"spec_hash": str, "machine": str, "json": str, "created_at": str}, pk="spec_hash"
+    )
+    db["runs"].create(  # type: ignore[union-attr]
+        {
+            "run_id": str,
+            "machine": str,
+            "spec_hash": str,
+            "state": str,
+            "status": str,
+            "seq": int,
+            "iteration": int,
+            "attempt": int,
+            "input": str,
+            "context": str,
+            "error": str,
+            "created_at": str,
+            "updated_at": str,
+            "parent_run_id": str,
+            "forked_from": str,
+            "abort_reason": str,
+            "lease_owner": str,
+            "lease_expires_at": str,
+            "lease_token": int,
+        },
+        pk="run_id",
+        not_null={"machine", "spec_hash", "state", "status", "seq", "created_at"},
+        defaults={"lease_token": 0, "iteration": 0, "attempt": 1},
+        foreign_keys=[("spec_hash", "specs", "spec_hash")],
+    )
+    db["runs"].create_index(["machine", "created_at"])  # type: ignore[union-attr]
+    db["runs"].create_index(["status", "created_at"])  # type: ignore[union-attr]
+    db["runs"].create_index(["created_at"])  # type: ignore[union-attr]
+    db["runs"].create_index(["parent_run_id"])  # type: ignore[union-attr]
+    db["transitions"].create(  # type: ignore[union-attr]
+        {
+            "run_id": str,
+            "seq": int,
+            "from_state": str,
+            "event": str,
+            "to_state": str,
+            "iteration": int,
+            "attempt": int,
+            "at": str,
+            "duration_ms": float,
+            "result": str,
+        },
+        pk=("run_id", "seq"),
+        not_null={"event", "to_state", "at"},
+        foreign_keys=[("run_id", "runs", "run_id")],
+    )
+    db["meta"].insert_all(  # type: ignore[union-attr]
+        [
+            {"key": "schema_version", "value": "1"},
+            {"key": "format", "value": "fsm_runner journal"},
+        ],
+        replace=True,
+    )
+
+
+_MIGRATION_VERSIONS = {"m0001_initial": 1}
+
+_UPDATE_RUN = (
+    "UPDATE runs SET state = ?, status = ?, seq = ?, iteration = ?, attempt = ?, context = ?,"
+    " error = ?, updated_at = ?, abort_reason = CASE WHEN ? THEN NULL ELSE abort_reason END"
+    " WHERE run_id = ? AND seq = ?"
+)
+_INSERT_TRANSITION = (
+    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
+    " duration_ms, result) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_RUN_COLUMNS = (
+    "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
+    "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
+    "abort_reason", "lease_owner", "lease_expires_at", "lease_token",
+)  # fmt: skip
+_INSERT_RUN = (
+    f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
+)
+
+
+def _dumps(value: Any) -> str | None:
+    if value is None:
+        return None
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _json_or_none(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class SqliteJournal:
+    """A journal in one SQLite file (WAL mode).
+
+    Args:
+        path: the database file; created with the schema if it does not exist.
+        durability: ``process`` (default, synchronous=NORMAL: survives a killed process) or
+            ``power`` (synchronous=FULL: survives power loss).
+        busy_timeout: seconds a writer waits for another one before giving up.
+
+    Raises:
+        JournalError: the file is not a SQLite database, not an fsm_runner journal, corrupt,
+            read-only where a write is needed, or cannot be opened.
+        SchemaVersionError: the journal was written by a newer fsm_runner.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = DEFAULT_PATH,
+        *,
+        durability: Durability = "process",
+        busy_timeout: float = 30.0,
+    ) -> None:
+        if durability not in ("process", "power"):
+            raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
+        self.path = str(Path(path).absolute()) if str(path) != ":memory:" else ":memory:"
+        self.durability: Durability = durability
+        self._lock = threading.RLock()
+        self._closed = False
+        self._check_header()
+        with self._errors():
+            self._conn = sqlite3.connect(
+                self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        try:
+            with self._errors():
+                self._db = sqlite_utils.Database(self._conn, execute_plugins=False)
+                self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+                self._open_schema()
+                self._conn.execute(
+                    "PRAGMA synchronous = " + ("FULL" if durability == "power" else "NORMAL")
+                )
+                self._conn.execute("PRAGMA foreign_keys = ON")
+        except BaseException:
+            self._conn.close()
+            raise
+
+    @property
+    def location(self) -> str:
+        """The journal file's absolute path."""
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"SqliteJournal({self.path!r}, durability={self.durability!r})"
+
+    def __enter__(self) -> SqliteJournal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; further use raises ``JournalError``."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
+
+    # -- opening -------------------------------------------------------------------------------
+
+    def _check_header(self) -> None:
+        if self.path == ":memory:":
+            return
+        try:
+            with open(self.path, "rb") as handle:
+                header = handle.read(len(_SQLITE_HEADER))
+        except FileNotFoundError:
+            parent = Path(self.path).parent
+            if not parent.is_dir():
+                raise JournalError("its directory does not exist", path=self.path) from None
+            return
+        except OSError as exc:
+            raise JournalError(f"cannot be read: {exc.strerror}", path=self.path) from None
+        if header and header != _SQLITE_HEADER:
+            raise JournalError(
+                "is not a SQLite database (a corrupt or foreign file); nothing was changed",
+                path=self.path,
+            )
+
+    def _open_schema(self) -> None:
+        conn = self._conn
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        if app_id not in (0, APPLICATION_ID):
+            raise JournalError(
+                f"is a SQLite database of another application (application_id {app_id:#x}), "
+                "not an fsm_runner journal",
+                path=self.path,
+            )
+        if app_id == APPLICATION_ID and self._stored_version() == SCHEMA_VERSION:
+            self._enable_wal()
+            return  # the common case: an up-to-date journal, opened without taking a write lock
+        tables = set(self._db.table_names())
+        if app_id == 0 and tables - {"_sqlite_migrations"}:
+            raise JournalError(
+                "is a SQLite database but not an fsm_runner journal (it has tables "
+                f"{', '.join(sorted(tables)[:5])})",
+                path=self.path,
+            )
+        self._enable_wal()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._refuse_newer_schema()
+            _migrations.apply(self._db)
+            self._conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _refuse_newer_schema(self) -> None:
+        found = self._stored_version()
+        unknown = {m.name for m in _migrations.applied(self._db)} - set(_MIGRATION_VERSIONS)
+        if (found is not None and found > SCHEMA_VERSION) or unknown:
+            raise SchemaVersionError(found=found or 0, supported=SCHEMA_VERSION, path=self.path)
+
+    def _enable_wal(self) -> None:
+        if self.path == ":memory:":
+            return
+        mode = self._conn.execute("PRAGMA journal_mode").fetchone()[0]
+        if str(mode).lower() != "wal":
+            self._conn.execute("PRAGMA journal_mode = WAL")
+
+    def _stored_version(self) -> int | None:
+        try:
+            row = self._conn.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'"
+            ).fetchone()
+        except sqlite3.OperationalError:
+            return None  # no meta table yet
+        if row is None:
+            return None
+        try:
+            return int(row[0])
+        except ValueError:
+            raise JournalError(
+                f"has an unreadable schema version {row[0]!r}", path=self.path
+            ) from None
+
+    # -- error mapping -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Map ``sqlite3`` errors to :class:`JournalError`; they never leave this module."""
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise JournalError(self._describe(exc), path=self.path) from exc
+
+    @staticmethod
+    def _describe(exc: sqlite3.Error) -> str:
+        text = str(exc)
+        lowered = text.lower()
+        if "locked" in lowered or "busy" in lowered:
+            return (
+                "is locked by another writer for longer than the busy timeout; nothing was written"
+            )
+        if "readonly" in lowered or "read-only" in lowered:
+            return "is read-only; nothing was written"
+        if "full" in lowered:
+            return "the disk (or the journal's size limit) is full; nothing was written"
+        if "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered:
+            return f"is corrupt ({text}); nothing was changed"
+        if "unable to open" in lowered:
+            return "cannot be opened (check the path and its permissions)"
+        return f"SQLite error: {text}"
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One short ``BEGIN IMMEDIATE`` transaction; rolled back on any error."""
+        with self._lock, self._errors():
+            if self._closed:
+                raise JournalError("is closed", path=self.path)
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._errors():
+            if self._closed:
+                raise JournalError("is closed", path=self.path)
+            yield self._conn
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def create_run(self, run: RunRecord, first: TransitionRecord, *, spec_json: str) -> None:
+        """Store a new run with its transition seq 0 and its spec, in one transaction."""
+        run_row = self._run_params(run)
+        transition_row = self._transition_params(first)
+        try:
+            with self._write() as conn:
+                conn.execute(
+                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
+                )
+                conn.execute(_INSERT_RUN, run_row)
+                conn.execute(_INSERT_TRANSITION, transition_row)
+        except JournalError as exc:
+            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "runs.run_id" in str(
+                exc.__cause__
+            ):
+                raise RunExistsError(run.run_id) from None
+            raise
+
+    def commit(self, run: RunRecord, transition: TransitionRecord) -> None:
+        """Store ``transition`` and the run row it leads to, in one transaction."""
+        if run.seq != transition.seq:
+            raise ValueError("run.seq must equal transition.seq")
+        update = (
+            run.state,
+            run.status.value,
+            run.seq,
+            run.iteration,
+            run.attempt,
+            _dumps(run.context),
+            _dumps(run.error),
+            format_utc(run.updated_at),
+            transition.event == RunEvent.USER_ABORTED.value,  # the abort carried out clears it
+            run.run_id,
+            transition.seq - 1,
+        )
+        insert = self._transition_params(transition)
+        with self._write() as conn:
+            if conn.execute(_UPDATE_RUN, update).rowcount != 1:
+                raise self._commit_refusal(conn, run.run_id, transition.seq - 1)
+            conn.execute(_INSERT_TRANSITION, insert)
+
+    def _commit_refusal(
+        self, conn: sqlite3.Connection, run_id: str, expected_seq: int
+    ) -> Exception:
+        if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+            return RunNotFoundError(run_id)
+        return RunConflictError(run_id=run_id, expected_seq=expected_seq, path=self.path)
+
+    def request_abort(self, run_id: str, reason: str) -> RunRecord:
+        """Mark an active run as to be aborted."""
+        with self._write() as conn:
+            run = self._load(conn, run_id)
+            if run.ended:
+                raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+            conn.execute("UPDATE runs SET abort_reason = ? WHERE run_id = ?", (reason, run_id))
+        return self.load(run_id)
+
+    @staticmethod
+    def _run_params(run: RunRecord) -> tuple[Any, ...]:
+        values = []
+        for column in _RUN_COLUMNS:
+            value = getattr(run, column)
+            if column in _JSON_COLUMNS:
+                value = _dumps(value)
+            elif column == "status":
+                value = value.value
+            elif column in ("created_at", "updated_at", "lease_expires_at") and value is not None:
+                value = format_utc(value)
+            values.append(value)
+        return tuple(values)
+
+    @staticmethod
+    def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
+        return (
+            transition.run_id,
+            transition.seq,
+            transition.from_state,
+            transition.event,
+            transition.to_state,
+            transition.iteration,
+            transition.attempt,
+            format_utc(transition.at),
+            transition.duration_ms,
+            _dumps(transition.result),
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def load(self, run_id: str) -> RunRecord:
+        """Return the run's row (one primary-key lookup; history is not read)."""
+        with self._read() as conn:
+            return self._load(conn, run_id)
+
+    def _load(self, conn: sqlite3.Connection, run_id: str) -> RunRecord:
+        cursor = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+        row = cursor.fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return self._run_from_row(cursor.description, row)
+
+    def _run_from_row(self, description: Any, row: Sequence[Any]) -> RunRecord:
+        data = {column[0]: value for column, value in zip(description, row, strict=True)}
+        for column in _JSON_COLUMNS:
+            data[column] = _json_or_none(data[column])
+        if data["context"] is None:
+            data["context"] = {}
+        try:
+            return structure(data, RunRecord)
+        except Exception as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self.path
+            ) from exc
+
+    def transitions(
+        self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
+    ) -> list[TransitionRecord]:
+        """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
+        with self._read() as conn:
+            if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+                raise RunNotFoundError(run_id)
+            cursor = conn.execute(
+                "SELECT * FROM transitions WHERE run_id = ? AND seq >= ? AND seq <= ? ORDER BY seq",
+                (run_id, from_seq, to_seq if to_seq is not None else 2**62),
+            )
+            names = [column[0] for column in cursor.description]
+            records = []
+            for row in cursor:
+                data = dict(zip(names, row, strict=True))
+                data["result"] = _json_or_none(data["result"])
+                records.append(structure(data, TransitionRecord))
+            return records
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: Outcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[RunRecord]:
+        """Return runs, newest first, filtered by machine, status and parent."""
+        where: list[str] = []
+        params: list[Any] = []
+        for column, value in (
+            ("machine", machine),
+            ("status", Outcome(status).value if status is not None else None),
+            ("parent_run_id", parent_run_id),
+        ):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        sql = "SELECT * FROM runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, rowid DESC"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(int(limit))
+        with self._read() as conn:
+            cursor = conn.execute(sql, params)
+            return [self._run_from_row(cursor.description, row) for row in cursor.fetchall()]
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash."""
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT json FROM specs WHERE spec_hash = ?", (spec_hash,)
+            ).fetchone()
+        if row is None:
+            raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.path)
+        return str(row[0])
+
+    def meta(self) -> Mapping[str, str]:
+        """The journal's ``meta`` table (schema version, format)."""
+        with self._read() as conn:
+            return dict(conn.execute("SELECT key, value FROM meta").fetchall())

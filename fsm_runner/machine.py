@@ -1,0 +1,119 @@
+"""Compiling a spec to a ``transitions`` machine, once per spec, shared by every run.
+
+The compiled ``transitions.Machine`` is built without models: runs never become models (that
+would cost ~26 KiB and up to 240 µs each). Instead the (state, event) → candidate transitions
+table is read out of the compiled machine once, and :meth:`CompiledMachine.resolve` answers from
+it, evaluating only the guards. The journal, not a ``transitions`` model, holds each run's state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import transitions
+
+from fsm_runner.exceptions import InvalidTransitionError
+from fsm_runner.spec import MachineSpec
+
+__all__ = ["CompiledMachine", "Guard", "compile_spec"]
+
+#: A guard reads the run (a :class:`fsm_runner.RunRecord`) and says whether an edge may be taken.
+Guard = Callable[[Any], bool]
+
+
+@attrs.frozen
+class _Edge:
+    dest: str
+    conditions: tuple[tuple[str, bool], ...]
+
+
+class CompiledMachine:
+    """A spec compiled once; answers "where does this event lead from this state?".
+
+    Use :func:`compile_spec`, which caches one instance per spec hash.
+    """
+
+    def __init__(self, spec: MachineSpec) -> None:
+        self.spec = spec
+        self.machine = transitions.Machine(
+            model=None,
+            states=[state.name for state in spec.states],
+            initial=spec.initial,
+            auto_transitions=False,
+            name=spec.name,
+        )
+        for (source, event), candidates in spec.edges.items():
+            for candidate in candidates:
+                self.machine.add_transition(
+                    event,
+                    source,
+                    candidate.dest,
+                    conditions=list(candidate.guards),
+                    unless=list(candidate.unless),
+                )
+        self._table: dict[tuple[str, str], tuple[_Edge, ...]] = {}
+        for event_name, compiled_event in self.machine.events.items():
+            for source, compiled in compiled_event.transitions.items():
+                self._table[(source, event_name)] = tuple(
+                    _Edge(
+                        dest=str(transition.dest),
+                        conditions=tuple(
+                            (str(condition.func), bool(condition.target))
+                            for condition in transition.conditions
+                        ),
+                    )
+                    for transition in compiled
+                )
+
+    def allows(self, state: str, event: str) -> bool:
+        """Whether ``event`` has any transition out of ``state`` (guards not evaluated)."""
+        return (state, event) in self._table
+
+    def resolve(
+        self,
+        state: str,
+        event: str,
+        run: object,
+        guards: Mapping[str, Guard],
+        *,
+        run_id: str | None = None,
+    ) -> str:
+        """Return the destination of ``event`` in ``state`` for ``run``.
+
+        Raises:
+            InvalidTransitionError: if the state has no such transition, or every candidate's
+                guards reject it.
+        """
+        candidates = self._table.get((state, event))
+        if candidates is None:
+            raise InvalidTransitionError(run_id=run_id, state=state, event=event)
+        for edge in candidates:
+            if all(bool(guards[name](run)) is target for name, target in edge.conditions):
+                return edge.dest
+        raise InvalidTransitionError(
+            run_id=run_id, state=state, event=event, reason="rejected by every guard"
+        )
+
+
+_cache: dict[str, CompiledMachine] = {}
+_cache_lock = threading.Lock()
+
+
+def compile_spec(spec: MachineSpec) -> CompiledMachine:
+    """Return the compiled machine for ``spec``, building it only the first time.
+
+    Raises:
+        SpecError: if the spec is not valid.
+    """
+    key = spec.spec_hash
+    compiled = _cache.get(key)
+    if compiled is None:
+        spec.validate()
+        with _cache_lock:
+            compiled = _cache.get(key)
+            if compiled is None:
+                compiled = _cache[key] = CompiledMachine(spec)
+    return compiled

@@ -1,0 +1,190 @@
+"""Phase handlers: what runs on entry to a state, what it is given, and what it returns.
+
+A handler is thin glue between the machine and the host's services. It is either a plain
+callable ``handler(ctx)`` or an object with ``run(ctx)`` (and optionally ``validate(ctx)``),
+sync or ``async``. It returns a :class:`PhaseResult`, or for short just the event (a string or a
+str enum) or a :class:`fsm_runner.RunStatus`. Raising is fine: the engine journals
+``SYSTEM_ERROR`` with the exception's type, message and traceback, and follows the spec.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+import threading
+import types
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from fsm_runner.events import RunStatus, event_name
+from fsm_runner.exceptions import PhaseTimeoutError, RunAbortedError
+from fsm_runner.records import RunRecord
+
+__all__ = [
+    "HandlerReturn",
+    "PhaseContext",
+    "PhaseHandler",
+    "PhaseHandlerObject",
+    "PhaseResult",
+    "to_phase_result",
+]
+
+
+def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return types.MappingProxyType(dict(value or {}))
+
+
+@attrs.frozen
+class PhaseResult:
+    """What a phase reports back to the engine.
+
+    Args:
+        event: what happened (``BUILD_FAILED``, ``VERIFY_PASSED``, a host event …); the spec
+            decides where it leads.
+        output: JSON-serialisable output of the phase, journaled with the transition (checked
+            at write time: anything else is refused with a clear error).
+        context: updates merged into the run's context (JSON-serialisable).
+        error: a description of a failure the phase handled itself (a string or a JSON object).
+    """
+
+    event: str = attrs.field(converter=event_name)
+    output: Any = None
+    context: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    error: str | Mapping[str, Any] | None = None
+
+
+#: What a handler may return.
+HandlerReturn = PhaseResult | str | enum.Enum | RunStatus
+
+
+@attrs.define(eq=False)
+class PhaseContext:
+    """Everything a phase handler may look at; it cannot change the run except by returning.
+
+    Attributes:
+        run: a read-only snapshot of the run as journaled before this phase.
+        services: the host's services, injected into the engine (read-only mapping).
+        logger: a logger for the phase, named after the machine and state.
+        deadline: the clock time by which the phase must end, or ``None``.
+    """
+
+    run: RunRecord
+    services: Mapping[str, Any]
+    logger: logging.LoggerAdapter[logging.Logger]
+    deadline: float | None = None
+    timeout: float | None = None
+    _clock: Callable[[], float] = attrs.field(default=None, alias="clock")
+    _cancel: threading.Event = attrs.field(factory=threading.Event, alias="cancel")
+    _abort_reason: str | None = attrs.field(default=None, alias="abort_reason")
+
+    @property
+    def run_id(self) -> str:
+        """The run's id."""
+        return self.run.run_id
+
+    @property
+    def state(self) -> str:
+        """The state whose phase is running."""
+        return self.run.state
+
+    @property
+    def iteration(self) -> int:
+        """The run's current iteration."""
+        return self.run.iteration
+
+    @property
+    def attempt(self) -> int:
+        """Which attempt of this visit this is (1-based): escalate on later attempts."""
+        return self.run.attempt
+
+    @property
+    def input(self) -> Any:
+        """The JSON input the run was started with."""
+        return self.run.input
+
+    @property
+    def context(self) -> Mapping[str, Any]:
+        """A read-only view of the run's context."""
+        return types.MappingProxyType(dict(self.run.context))
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether an abort of the run was requested while this phase runs."""
+        return self._cancel.is_set()
+
+    @property
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (may be negative), or ``None`` without one."""
+        if self.deadline is None:
+            return None
+        return self.deadline - self._clock()
+
+    def check(self) -> None:
+        """Raise if the phase should stop now; call it between units of work.
+
+        Raises:
+            RunAbortedError: an abort of the run was requested.
+            PhaseTimeoutError: the phase is past its deadline.
+        """
+        if self._cancel.is_set():
+            raise RunAbortedError(run_id=self.run_id, reason=self._abort_reason or "aborted")
+        if self.deadline is not None and self._clock() >= self.deadline:
+            raise PhaseTimeoutError(state=self.state, timeout=self.timeout)
+
+    def request_cancel(self, reason: str) -> None:
+        """Tell the phase an abort was requested (the engine calls this; handlers need not)."""
+        self._abort_reason = reason
+        self._cancel.set()
+
+
+@runtime_checkable
+class PhaseHandlerObject(Protocol):
+    """A handler as an object: ``run(ctx)`` does the work, ``validate(ctx)`` is optional.
+
+    If the object also has ``validate(ctx)``, it is called first; when it returns a result
+    (not ``None``), that result is used and ``run`` is not called (e.g. a precondition failed).
+    Either method may be ``async``.
+    """
+
+    def run(self, ctx: PhaseContext) -> HandlerReturn | Awaitable[HandlerReturn]:
+        """Do the phase's work and say what happened."""
+
+
+#: A phase handler: a callable taking the context, or an object with ``run(ctx)``.
+PhaseHandler = (
+    Callable[[PhaseContext], HandlerReturn | Awaitable[HandlerReturn]] | PhaseHandlerObject
+)
+
+
+def split_handler(
+    handler: PhaseHandler,
+) -> tuple[Callable[[PhaseContext], Any], Callable[[PhaseContext], Any] | None]:
+    """Return the handler's ``run`` and ``validate`` callables.
+
+    Raises:
+        TypeError: if ``handler`` is neither callable nor has a callable ``run``.
+    """
+    run = getattr(handler, "run", None)
+    if callable(run) and not inspect.isfunction(handler) and not inspect.ismethod(handler):
+        validate = getattr(handler, "validate", None)
+        return run, validate if callable(validate) else None
+    if callable(handler):
+        return handler, None
+    raise TypeError(f"a phase handler must be callable or have run(ctx), not {handler!r}")
+
+
+def to_phase_result(value: object) -> PhaseResult | None:
+    """Read a handler's return value as a :class:`PhaseResult`; ``None`` if it is not one."""
+    if isinstance(value, PhaseResult):
+        return value
+    if isinstance(value, RunStatus):
+        return PhaseResult(value.event)
+    if isinstance(value, (str, enum.Enum)):
+        try:
+            return PhaseResult(value) if event_name(value) else None
+        except TypeError:
+            return None
+    return None

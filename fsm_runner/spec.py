@@ -1,0 +1,382 @@
+"""Declarative machine specs: states, transitions, retry policies, validation and a content hash.
+
+A :class:`MachineSpec` is plain data (frozen attrs classes). It round-trips through a dict and
+canonical JSON, and its :attr:`MachineSpec.spec_hash` identifies it: a run remembers the hash of
+the spec it started with, and the journal keeps each spec's JSON so a run can be replayed and
+drawn without importing the host app.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import json
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import cattrs.gen
+
+from fsm_runner._convert import converter
+from fsm_runner.events import event_name
+from fsm_runner.exceptions import SpecError
+
+__all__ = ["WILDCARD", "MachineSpec", "Outcome", "RetryPolicy", "State", "Transition"]
+
+#: A transition source that stands for every non-terminal state.
+WILDCARD = "*"
+
+
+class Outcome(str, enum.Enum):
+    """How a run that reaches a state has ended (``active`` while it has not)."""
+
+    ACTIVE = "active"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@attrs.frozen
+class RetryPolicy:
+    """Retry a phase whose handler raised, with exponential backoff, before giving up.
+
+    Every failed attempt is journaled as a ``RETRIED`` self transition, so it stays visible;
+    once ``max_attempts`` attempts have failed the spec's ``SYSTEM_ERROR`` transition is followed.
+
+    Args:
+        max_attempts: attempts in all, the first one included (>= 1).
+        wait_initial: seconds to wait after the first failure.
+        wait_max: the longest wait between two attempts.
+        wait_exp_base: how much each wait grows over the one before.
+    """
+
+    max_attempts: int = 3
+    wait_initial: float = 0.1
+    wait_max: float = 5.0
+    wait_exp_base: float = 2.0
+
+    def wait(self, failed_attempt: int) -> float:
+        """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
+        exponent = max(failed_attempt - 1, 0)
+        return float(min(self.wait_initial * self.wait_exp_base**exponent, self.wait_max))
+
+    def problems(self) -> Iterator[str]:
+        """Yield what is wrong with this policy."""
+        if self.max_attempts < 1:
+            yield f"max_attempts must be >= 1, not {self.max_attempts}"
+        if self.wait_initial < 0 or self.wait_max < 0 or self.wait_exp_base < 1:
+            yield "waits must be >= 0 and wait_exp_base >= 1"
+
+
+def _optional_outcome(value: Outcome | str | None) -> Outcome | None:
+    return None if value is None else Outcome(value)
+
+
+@attrs.frozen
+class State:
+    """One state of a machine.
+
+    Args:
+        name: the state's name, a participle or adjective (``building``, ``succeeded``).
+        handler: name of the phase handler run on entry; ``None`` for a state that waits for an
+            external event (:meth:`fsm_runner.Engine.send`) and for terminal states.
+        terminal: the run ends here; a terminal state has no exits and no handler.
+        outcome: for a terminal state, how the run ended (``succeeded`` unless said otherwise).
+        timeout: seconds the handler may take before the engine journals ``TIMEOUT``.
+        retry: how often a raising handler is retried before ``SYSTEM_ERROR`` is followed.
+        starts_iteration: entering this state starts a new iteration of the run.
+        description: free text, shown in diagrams and ``fsm-runner show``.
+    """
+
+    name: str
+    handler: str | None = None
+    terminal: bool = False
+    outcome: Outcome | None = attrs.field(default=None, converter=_optional_outcome)
+    timeout: float | None = None
+    retry: RetryPolicy | None = None
+    starts_iteration: bool = False
+    description: str = ""
+
+    @property
+    def final_outcome(self) -> Outcome:
+        """How a run that enters this state stands afterwards."""
+        if not self.terminal:
+            return Outcome.ACTIVE
+        return self.outcome or Outcome.SUCCEEDED
+
+
+def _source_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class Transition:
+    """An edge: on ``event`` in any of ``source``, go to ``dest`` if the guards allow it.
+
+    Args:
+        source: a state name, several, or ``"*"`` for every non-terminal state.
+        event: the event (a string or a str enum such as :class:`fsm_runner.RunEvent`).
+        dest: the state the run moves to.
+        guards: names of guards (registered with the engine) that must all return true.
+        unless: names of guards that must all return false.
+    """
+
+    source: tuple[str, ...] = attrs.field(converter=_source_tuple)
+    event: str = attrs.field(converter=event_name)
+    dest: str
+    guards: tuple[str, ...] = attrs.field(default=(), converter=_source_tuple)
+    unless: tuple[str, ...] = attrs.field(default=(), converter=_source_tuple)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether any guard decides if this transition is taken."""
+        return bool(self.guards or self.unless)
+
+
+@attrs.frozen
+class MachineSpec:
+    """A whole machine: states, transitions and the initial state.
+
+    Args:
+        name: the machine's name (runs are listed by it).
+        states: every state, in the order diagrams and listings show them.
+        transitions: every edge; for one (state, event) pair, explicit sources are tried before
+            wildcard ones, each in declaration order, and the first whose guards pass wins.
+        initial: where runs start; the first state when not given.
+    """
+
+    name: str
+    states: tuple[State, ...] = attrs.field(converter=tuple)
+    transitions: tuple[Transition, ...] = attrs.field(converter=tuple)
+    initial: str = attrs.field(default="")
+
+    def __attrs_post_init__(self) -> None:
+        if not self.initial and self.states:
+            object.__setattr__(self, "initial", self.states[0].name)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, State]:
+        return {state.name: state for state in self.states}
+
+    def state(self, name: str) -> State:
+        """Return the state called ``name``.
+
+        Raises:
+            KeyError: if there is no such state.
+        """
+        return self._by_name[name]
+
+    def has_state(self, name: str) -> bool:
+        """Whether the spec has a state called ``name``."""
+        return name in self._by_name
+
+    @property
+    def terminal_states(self) -> tuple[str, ...]:
+        """Names of the terminal states."""
+        return tuple(state.name for state in self.states if state.terminal)
+
+    def expand_source(self, transition: Transition) -> tuple[str, ...]:
+        """The states a transition leaves from, with ``*`` as every non-terminal state."""
+        if WILDCARD in transition.source:
+            return tuple(state.name for state in self.states if not state.terminal)
+        return transition.source
+
+    @functools.cached_property
+    def edges(self) -> dict[tuple[str, str], tuple[Transition, ...]]:
+        """Candidate transitions per (state, event): explicit sources first, then wildcards."""
+        explicit: dict[tuple[str, str], list[Transition]] = {}
+        wildcard: dict[tuple[str, str], list[Transition]] = {}
+        for transition in self.transitions:
+            table = wildcard if WILDCARD in transition.source else explicit
+            for source in self.expand_source(transition):
+                table.setdefault((source, transition.event), []).append(transition)
+        keys = list(explicit) + [key for key in wildcard if key not in explicit]
+        return {key: tuple(explicit.get(key, []) + wildcard.get(key, [])) for key in keys}
+
+    def events_from(self, state: str) -> tuple[str, ...]:
+        """The events that have at least one transition out of ``state``."""
+        return tuple(event for source, event in self.edges if source == state)
+
+    @property
+    def handler_names(self) -> frozenset[str]:
+        """Every handler name the states refer to."""
+        return frozenset(state.handler for state in self.states if state.handler)
+
+    @property
+    def guard_names(self) -> frozenset[str]:
+        """Every guard name the transitions refer to."""
+        return frozenset(
+            name
+            for transition in self.transitions
+            for name in transition.guards + transition.unless
+        )
+
+    def validate(
+        self,
+        *,
+        handlers: Collection[str] | Mapping[str, object] | None = None,
+        guards: Collection[str] | Mapping[str, object] | None = None,
+    ) -> None:
+        """Check the spec and raise one :class:`SpecError` listing every problem.
+
+        Args:
+            handlers: the handler names registered with the engine; when given, a handler that
+                a state names but that is not registered is a problem.
+            guards: likewise for guard names.
+
+        Raises:
+            SpecError: with ``problems`` holding one line per problem.
+        """
+        problems = list(self._problems(handlers, guards))
+        if problems:
+            raise SpecError(problems, machine=self.name)
+
+    def _problems(
+        self,
+        handlers: Collection[str] | Mapping[str, object] | None,
+        guards: Collection[str] | Mapping[str, object] | None,
+    ) -> Iterator[str]:
+        yield from self._state_problems(handlers)
+        yield from self._transition_problems(guards)
+        if self.has_state(self.initial):
+            yield from self._graph_problems()
+
+    def _state_problems(  # noqa: PLR0912 - one flat list of independent checks reads best
+        self, handlers: Collection[str] | Mapping[str, object] | None
+    ) -> Iterator[str]:
+        if not self.name:
+            yield "the machine has no name"
+        if not self.states:
+            yield "the machine has no states"
+        seen: set[str] = set()
+        for state in self.states:
+            if not state.name or state.name == WILDCARD:
+                yield f"invalid state name {state.name!r}"
+            if state.name in seen:
+                yield f"state {state.name!r} is declared twice"
+            seen.add(state.name)
+            if state.terminal and state.handler:
+                yield f"terminal state {state.name!r} has a handler ({state.handler!r})"
+            if not state.terminal and state.outcome is not None:
+                yield f"non-terminal state {state.name!r} has an outcome"
+            if state.terminal and state.outcome is Outcome.ACTIVE:
+                yield f"terminal state {state.name!r} cannot have outcome 'active'"
+            if state.timeout is not None and state.timeout <= 0:
+                yield f"state {state.name!r} has a timeout <= 0"
+            if state.retry is not None:
+                yield from (f"state {state.name!r}: {p}" for p in state.retry.problems())
+            if handlers is not None and state.handler and state.handler not in handlers:
+                yield f"state {state.name!r} names handler {state.handler!r}, not registered"
+        if self.states and not self.has_state(self.initial):
+            yield f"initial state {self.initial!r} is not a state"
+        elif self.states and self.state(self.initial).terminal:
+            yield f"initial state {self.initial!r} is terminal"
+
+    def _transition_problems(  # noqa: PLR0912 - one flat list of independent checks
+        self, guards: Collection[str] | Mapping[str, object] | None
+    ) -> Iterator[str]:
+        for index, transition in enumerate(self.transitions):
+            label = f"transition #{index} ({'|'.join(transition.source)} -{transition.event}->)"
+            if not transition.event:
+                yield f"{label} has no event"
+            if not transition.source:
+                yield f"{label} has no source"
+            for source in transition.source:
+                if source == WILDCARD:
+                    continue
+                if not self.has_state(source):
+                    yield f"{label}: unknown source state {source!r}"
+                elif self.state(source).terminal:
+                    yield f"{label}: terminal state {source!r} has an exit"
+            if not self.has_state(transition.dest):
+                yield f"{label}: unknown destination state {transition.dest!r}"
+            if guards is not None:
+                for name in transition.guards + transition.unless:
+                    if name not in guards:
+                        yield f"{label}: guard {name!r} is not registered"
+        for (state, event), candidates in self.edges.items():
+            if any(not candidate.guarded for candidate in candidates[:-1]):
+                dests = ", ".join(candidate.dest for candidate in candidates)
+                yield (
+                    f"ambiguous: state {state!r} has {len(candidates)} transitions on {event!r} "
+                    f"(to {dests}) and an unguarded one is not the last"
+                )
+
+    def _graph_problems(self) -> Iterator[str]:
+        reachable = {self.initial}
+        queue = deque([self.initial])
+        while queue:
+            current = queue.popleft()
+            for (source, _event), candidates in self.edges.items():
+                if source != current:
+                    continue
+                for candidate in candidates:
+                    if self.has_state(candidate.dest) and candidate.dest not in reachable:
+                        reachable.add(candidate.dest)
+                        queue.append(candidate.dest)
+        exits = {source for source, _event in self.edges}
+        for state in self.states:
+            if state.name not in reachable:
+                yield f"state {state.name!r} is unreachable from {self.initial!r}"
+            if not state.terminal and state.name not in exits:
+                yield f"non-terminal state {state.name!r} is a dead end (no transition leaves it)"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as plain data (fields equal to their default are left out)."""
+        data: dict[str, Any] = converter.unstructure(self)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MachineSpec:
+        """Build a spec from :meth:`to_dict` output (or hand-written data of the same shape).
+
+        Raises:
+            SpecError: if the data does not describe a spec.
+        """
+        try:
+            return converter.structure(dict(data), cls)
+        except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:
+            raise SpecError([f"cannot read spec data: {exc}"]) from None
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no whitespace; the input of :attr:`spec_hash`."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> MachineSpec:
+        """Build a spec from :meth:`to_json` output.
+
+        Raises:
+            SpecError: if the text is not JSON describing a spec.
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise SpecError([f"spec JSON is not valid: {exc}"]) from None
+        if not isinstance(data, dict):
+            raise SpecError(["spec JSON must be an object"])
+        return cls.from_dict(data)
+
+    @functools.cached_property
+    def spec_hash(self) -> str:
+        """SHA-256 of the canonical JSON: the same spec always has the same hash."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:
+    fields = dict(data)
+    for key in ("source", "guards", "unless"):
+        if isinstance(fields.get(key), str):
+            fields[key] = [fields[key]]
+    return _transition_from_dict(fields)
+
+
+_transition_from_dict = cattrs.gen.make_dict_structure_fn(Transition, converter)
+converter.register_structure_hook(Transition, _structure_transition)
