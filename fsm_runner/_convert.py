@@ -13,14 +13,19 @@ import cattrs
 
 __all__ = ["converter", "format_utc", "parse_utc"]
 
+_UTC = dt.timezone.utc
+
 converter = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
 
 
 def format_utc(value: dt.datetime) -> str:
     """Format a datetime as UTC ISO-8601 (naive datetimes are taken to be UTC)."""
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=dt.timezone.utc)
-    return value.astimezone(dt.timezone.utc).isoformat()
+    tzinfo = value.tzinfo
+    if tzinfo is _UTC:  # the hot path: the engine's own timestamps
+        return value.isoformat()
+    if tzinfo is None:
+        value = value.replace(tzinfo=_UTC)
+    return value.astimezone(_UTC).isoformat()
 
 
 def parse_utc(value: str | dt.datetime) -> dt.datetime:

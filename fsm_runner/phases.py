@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-import threading
 import types
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -60,25 +59,60 @@ class PhaseResult:
 HandlerReturn = PhaseResult | str | enum.Enum | RunStatus
 
 
-@attrs.define(eq=False)
 class PhaseContext:
     """Everything a phase handler may look at; it cannot change the run except by returning.
+
+    Built by the engine for each phase (cheaply: it sits on the hot path).
 
     Attributes:
         run: a read-only snapshot of the run as journaled before this phase.
         services: the host's services, injected into the engine (read-only mapping).
-        logger: a logger for the phase, named after the machine and state.
         deadline: the clock time by which the phase must end, or ``None``.
+        timeout: the state's timeout in seconds, or ``None``.
     """
 
-    run: RunRecord
-    services: Mapping[str, Any]
-    logger: logging.LoggerAdapter[logging.Logger]
-    deadline: float | None = None
-    timeout: float | None = None
-    _clock: Callable[[], float] = attrs.field(default=None, alias="clock")
-    _cancel: threading.Event = attrs.field(factory=threading.Event, alias="cancel")
-    _abort_reason: str | None = attrs.field(default=None, alias="abort_reason")
+    __slots__ = (
+        "_abort_reason",
+        "_clock",
+        "_logger",
+        "_logger_name",
+        "deadline",
+        "run",
+        "services",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        run: RunRecord,
+        *,
+        services: Mapping[str, Any],
+        clock: Callable[[], float],
+        deadline: float | None = None,
+        timeout: float | None = None,
+        logger_name: str = "fsm_runner.phase",
+    ) -> None:
+        self.run = run
+        self.services = services
+        self.deadline = deadline
+        self.timeout = timeout
+        self._clock = clock
+        self._logger_name = logger_name
+        self._logger: logging.LoggerAdapter[logging.Logger] | None = None
+        self._abort_reason: str | None = None
+
+    def __repr__(self) -> str:
+        return f"PhaseContext(run_id={self.run.run_id!r}, state={self.run.state!r})"
+
+    @property
+    def logger(self) -> logging.LoggerAdapter[logging.Logger]:
+        """A logger for the phase, named after the machine and state, carrying the run id."""
+        if self._logger is None:
+            self._logger = logging.LoggerAdapter(
+                logging.getLogger(self._logger_name),
+                {"run_id": self.run.run_id, "state": self.run.state},
+            )
+        return self._logger
 
     @property
     def run_id(self) -> str:
@@ -113,7 +147,7 @@ class PhaseContext:
     @property
     def cancelled(self) -> bool:
         """Whether an abort of the run was requested while this phase runs."""
-        return self._cancel.is_set()
+        return self._abort_reason is not None
 
     @property
     def remaining(self) -> float | None:
@@ -129,15 +163,14 @@ class PhaseContext:
             RunAbortedError: an abort of the run was requested.
             PhaseTimeoutError: the phase is past its deadline.
         """
-        if self._cancel.is_set():
-            raise RunAbortedError(run_id=self.run_id, reason=self._abort_reason or "aborted")
+        if self._abort_reason is not None:
+            raise RunAbortedError(run_id=self.run_id, reason=self._abort_reason)
         if self.deadline is not None and self._clock() >= self.deadline:
             raise PhaseTimeoutError(state=self.state, timeout=self.timeout)
 
     def request_cancel(self, reason: str) -> None:
         """Tell the phase an abort was requested (the engine calls this; handlers need not)."""
         self._abort_reason = reason
-        self._cancel.set()
 
 
 @runtime_checkable
@@ -176,8 +209,19 @@ def split_handler(
     raise TypeError(f"a phase handler must be callable or have run(ctx), not {handler!r}")
 
 
+_PLAIN: dict[str, PhaseResult] = {}
+
+
 def to_phase_result(value: object) -> PhaseResult | None:
     """Read a handler's return value as a :class:`PhaseResult`; ``None`` if it is not one."""
+    if type(value) is str:
+        # The hot path: a bare event. Results are frozen, so one per event can be shared.
+        result = _PLAIN.get(value)
+        if result is None and value:
+            result = PhaseResult(value)
+            if len(_PLAIN) < 1024:
+                _PLAIN[value] = result
+        return result
     if isinstance(value, PhaseResult):
         return value
     if isinstance(value, RunStatus):
