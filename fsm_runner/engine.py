@@ -46,7 +46,7 @@ from fsm_runner.phases import (
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.spec import MachineSpec, Outcome, State
 
-__all__ = ["Engine", "Listener"]
+__all__ = ["Engine", "Listener", "abort_run"]
 
 #: Called with each transition after it is committed, and the run row it produced.
 Listener = Callable[[TransitionRecord, RunRecord], None]
@@ -436,30 +436,17 @@ class Engine:
                 ctx.request_cancel(reason)
         if ctx is not None:
             return self.journal.request_abort(run_id, reason)
-        for _ in range(_MAX_ABORT_TRIES):
-            run = self.journal.load(run_id)
-            self._check_runnable(run, check_spec=False)
-            try:
-                return self._commit_abort(run, reason)[1]
-            except RunConflictError:
-                continue  # another writer moved it meanwhile; look again
-        raise RunConflictError(run_id=run_id, expected_seq=-1)
+        return abort_run(
+            self.journal, run_id, reason, spec=self.spec, guards=self.guards, _notify=self._notify
+        )
 
     def _commit_abort(self, run: RunRecord, reason: str) -> tuple[TransitionRecord, RunRecord]:
-        error = {"type": _USER_ABORTED, "message": reason}
-        if self._machine.allows(run.state, _USER_ABORTED):
-            dest, status = self._machine.resolve(run.state, _USER_ABORTED, run, self.guards), None
-        else:
-            dest, status = run.state, Outcome.ABORTED  # no abort exit: the run stops where it is
-        return self._commit(
-            run,
-            _USER_ABORTED,
-            dest,
-            result={"error": error},
-            duration_ms=0.0,
-            error=error,
-            status=status,
-        )
+        transition, after = _abort_records(self.spec, run, reason, self.guards)
+        self.journal.commit(after, transition)
+        with self._lock:
+            self._aborts.pop(run.run_id, None)
+        self._notify(transition, after)
+        return transition, after
 
     # -- shared step machinery -----------------------------------------------------------------
 
@@ -514,7 +501,7 @@ class Engine:
                 HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail),
                 duration_ms,
             )
-        for what, payload in (("output", result.output), ("context", result.context)):
+        for what, payload in (("output", result.output), ("context", dict(result.context))):
             if payload:
                 try:
                     json.dumps(payload)
@@ -617,43 +604,16 @@ class Engine:
         attempt: int | None = None,
         status: Outcome | None = None,
     ) -> tuple[TransitionRecord, RunRecord]:
-        dest_state = self.spec.state(dest)
-        iteration = run.iteration + 1 if dest_state.starts_iteration else run.iteration
-        now = utc_now()
-        seq = run.seq + 1
-        transition = TransitionRecord(
-            run.run_id,
-            seq,
-            run.state,
+        transition, after = _advance(
+            self.spec,
+            run,
             event,
             dest,
-            iteration,
-            run.attempt,
-            now,
-            duration_ms,
-            result,
-        )
-        # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
-        after = RunRecord(
-            run.run_id,
-            run.machine,
-            run.spec_hash,
-            dest,
-            status or dest_state.final_outcome,
-            seq,
-            iteration,
-            attempt or 1,
-            run.input,
-            run.context,
-            error,
-            run.created_at,
-            now,
-            run.parent_run_id,
-            run.forked_from,
-            None if event == _USER_ABORTED else run.abort_reason,
-            run.lease_owner,
-            run.lease_expires_at,
-            run.lease_token,
+            result=result,
+            duration_ms=duration_ms,
+            error=error,
+            attempt=attempt,
+            status=status,
         )
         self.journal.commit(after, transition)
         if after.ended:
@@ -679,3 +639,117 @@ class Engine:
             json.dumps(value)
         except (TypeError, ValueError) as exc:
             raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
+
+
+def _advance(
+    spec: MachineSpec,
+    run: RunRecord,
+    event: str,
+    dest: str,
+    *,
+    result: Mapping[str, Any] | None,
+    duration_ms: float,
+    error: Mapping[str, Any] | None = None,
+    attempt: int | None = None,
+    status: Outcome | None = None,
+) -> tuple[TransitionRecord, RunRecord]:
+    """Build the transition ``run`` takes on ``event`` to ``dest``, and the run row it leads to."""
+    dest_state = spec.state(dest)
+    iteration = run.iteration + 1 if dest_state.starts_iteration else run.iteration
+    now = utc_now()
+    seq = run.seq + 1
+    transition = TransitionRecord(
+        run.run_id, seq, run.state, event, dest, iteration, run.attempt, now, duration_ms, result
+    )
+    # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
+    after = RunRecord(
+        run.run_id,
+        run.machine,
+        run.spec_hash,
+        dest,
+        status or dest_state.final_outcome,
+        seq,
+        iteration,
+        attempt or 1,
+        run.input,
+        run.context,
+        error,
+        run.created_at,
+        now,
+        run.parent_run_id,
+        run.forked_from,
+        None if event == _USER_ABORTED else run.abort_reason,
+        run.lease_owner,
+        run.lease_expires_at,
+        run.lease_token,
+    )
+    return transition, after
+
+
+def _abort_records(
+    spec: MachineSpec, run: RunRecord, reason: str, guards: Mapping[str, Guard] | None
+) -> tuple[TransitionRecord, RunRecord]:
+    machine = compile_spec(spec)
+    error = {"type": _USER_ABORTED, "message": reason}
+    if machine.allows(run.state, _USER_ABORTED):
+        try:
+            dest = machine.resolve(run.state, _USER_ABORTED, run, guards or {}, run_id=run.run_id)
+        except KeyError as exc:
+            raise SpecError(
+                [
+                    f"the USER_ABORTED transition from {run.state!r} needs guard {exc.args[0]!r}; "
+                    "abort through an engine (or `fsm-runner abort --app`) that has it"
+                ],
+                machine=spec.name,
+            ) from None
+        status = None
+    else:
+        dest, status = run.state, Outcome.ABORTED  # no abort exit: the run stops where it is
+    return _advance(
+        spec,
+        run,
+        _USER_ABORTED,
+        dest,
+        result={"error": error},
+        duration_ms=0.0,
+        error=error,
+        status=status,
+    )
+
+
+def abort_run(
+    journal: Journal,
+    run_id: str,
+    reason: str,
+    *,
+    spec: MachineSpec | None = None,
+    guards: Mapping[str, Guard] | None = None,
+    _notify: Listener | None = None,
+) -> RunRecord:
+    """Abort a run that no engine in this process is advancing (operators, the CLI).
+
+    The run follows its spec's ``USER_ABORTED`` transition, or, where its state has none, stops
+    where it is with status ``aborted``. The spec is read from the journal unless ``spec`` is
+    the one the run started with. Nothing journaled is removed.
+
+    Raises:
+        RunNotFoundError: no such run.
+        RunTerminalError: the run has already ended.
+        RunConflictError: other writers kept advancing the run; try again.
+    """
+    for _ in range(_MAX_ABORT_TRIES):
+        run = journal.load(run_id)
+        if run.ended:
+            raise RunTerminalError(run_id=run.run_id, state=run.state, status=run.status.value)
+        run_spec = spec
+        if run_spec is None or run_spec.spec_hash != run.spec_hash:
+            run_spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+        transition, after = _abort_records(run_spec, run, reason, guards)
+        try:
+            journal.commit(after, transition)
+        except RunConflictError:
+            continue  # another writer moved it meanwhile; look again
+        if _notify is not None:
+            _notify(transition, after)
+        return after
+    raise RunConflictError(run_id=run_id, expected_seq=-1, path=journal.location)

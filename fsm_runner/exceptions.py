@@ -254,7 +254,7 @@ class RunExistsError(FsmRunnerError):
 
 
 class RunTerminalError(FsmRunnerError):
-    """The run has ended (terminal state or aborted) and cannot be advanced; fork it instead."""
+    """The run has ended (terminal state or aborted) and cannot be advanced."""
 
     def __init__(self, *, run_id: str, state: str, status: str) -> None:
         self.run_id = run_id
@@ -267,7 +267,7 @@ class RunTerminalError(FsmRunnerError):
         """Name the run and how it ended."""
         return (
             f"run {self.run_id} has ended ({self.status} in state {self.state!r}) and cannot be "
-            "resumed; fork it to run again"
+            "resumed or advanced"
         )
 
 

@@ -84,6 +84,9 @@ class Journal(Protocol):
     ) -> Sequence[RunRecord]:
         """Return runs, newest first, filtered by machine, status and parent."""
 
+    def run_ids(self, prefix: str, *, limit: int = 2) -> Sequence[str]:
+        """Return up to ``limit`` run ids that start with ``prefix`` (for abbreviated ids)."""
+
     def spec_json(self, spec_hash: str) -> str:
         """Return the canonical JSON of the spec with that hash.
 

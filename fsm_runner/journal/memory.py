@@ -164,6 +164,12 @@ class MemoryJournal:
         ]
         return selected if limit is None else selected[:limit]
 
+    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Return up to ``limit`` run ids that start with ``prefix``."""
+        with self._lock:
+            self._check_open()
+            return sorted(run_id for run_id in self._runs if run_id.startswith(prefix))[:limit]
+
     def spec_json(self, spec_hash: str) -> str:
         """Return the canonical JSON of the spec with that hash."""
         with self._lock:

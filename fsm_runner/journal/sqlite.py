@@ -613,6 +613,15 @@ class SqliteJournal:
             cursor = conn.execute(sql, params)
             return [self._run_from_row(cursor.description, row) for row in cursor.fetchall()]
 
+    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Return up to ``limit`` run ids that start with ``prefix``."""
+        with self._read() as conn:
+            rows = conn.execute(
+                "SELECT run_id FROM runs WHERE run_id >= ? AND run_id < ? ORDER BY run_id LIMIT ?",
+                (prefix, prefix + "\U0010ffff", limit),
+            ).fetchall()
+        return [str(row[0]) for row in rows]
+
     def spec_json(self, spec_hash: str) -> str:
         """Return the canonical JSON of the spec with that hash."""
         with self._read() as conn:

@@ -1,0 +1,318 @@
+"""The ``fsm-runner`` command line: list, inspect, resume and abort journaled runs.
+
+The CLI is thin: every command opens the journal, calls the library and prints. It is the only
+place where errors become exit codes: a user's mistake prints one line on stderr, never a
+traceback. Heavy imports happen inside the commands, so ``fsm-runner --help`` stays fast.
+
+Exit codes: 0 ok, 1 failure (including a run that ended failed or aborted), 2 usage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+if TYPE_CHECKING:
+    from fsm_runner.engine import Engine
+    from fsm_runner.journal import Journal
+    from fsm_runner.records import RunRecord, TransitionRecord
+
+__all__ = ["cli", "main"]
+
+ENV_JOURNAL = "FSM_RUNNER_JOURNAL"
+DEFAULT_JOURNAL = "fsm-runner.db"
+
+
+class _Group(click.Group):
+    """A group that turns library errors into one-line messages and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from fsm_runner.exceptions import FsmRunnerError
+
+        try:
+            return super().invoke(ctx)
+        except FsmRunnerError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+class _State:
+    """What the group hands its commands: where the journal is."""
+
+    def __init__(self, journal_path: str) -> None:
+        self.journal_path = journal_path
+        self._journal: Journal | None = None
+
+    def journal(self, *, must_exist: bool = True) -> Journal:
+        if self._journal is None:
+            from fsm_runner.journal import open_journal
+
+            location = self.journal_path
+            path = location.removeprefix("sqlite:///")
+            if must_exist and location != ":memory:" and not Path(path).exists():
+                _fail(
+                    f"no journal at {Path(path).absolute()} "
+                    f"(pass --journal PATH or set {ENV_JOURNAL})"
+                )
+            self._journal = open_journal(location)
+        return self._journal
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+
+
+def _fail(message: str) -> NoReturn:
+    raise click.ClickException(message)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--journal",
+    "journal_path",
+    envvar=ENV_JOURNAL,
+    default=DEFAULT_JOURNAL,
+    show_default=True,
+    metavar="PATH",
+    help=f"The SQLite journal file (also from ${ENV_JOURNAL}).",
+)
+@click.version_option(package_name="fsm-runner", prog_name="fsm-runner")
+@click.pass_context
+def cli(ctx: click.Context, journal_path: str) -> None:
+    """Run long, multi-phase jobs as durable state machines, and operate their journal.
+
+    Exit codes: 0 ok, 1 failure (also a run that ended failed or aborted), 2 usage error.
+    Run ids may be abbreviated to any unique prefix.
+    """
+    state = _State(journal_path)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
+
+
+def _resolve_run_id(journal: Journal, run_id: str) -> str:
+    from fsm_runner.exceptions import RunNotFoundError
+
+    matches = journal.run_ids(run_id, limit=2)
+    if run_id in matches or len(matches) == 1:
+        return run_id if run_id in matches else matches[0]
+    if not matches:
+        raise RunNotFoundError(run_id)
+    _fail(f"run id prefix {run_id!r} is ambiguous; give more characters")
+
+
+def _time(value: Any) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
+
+
+def _json_dump(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False))
+
+
+def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> None:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    for row in [headers, *rows]:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+@cli.command()
+@click.option("--machine", help="Only runs of this machine.")
+@click.option(
+    "--status",
+    type=click.Choice(["active", "succeeded", "failed", "aborted"]),
+    help="Only runs with this status.",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_obj
+def runs(state: _State, machine: str | None, status: str | None, limit: int, as_json: bool) -> None:
+    """List runs, newest first."""
+    from fsm_runner.records import unstructure
+
+    found = state.journal().runs(machine=machine, status=status, limit=limit)
+    if as_json:
+        _json_dump([unstructure(run) for run in found])
+        return
+    if not found:
+        click.echo("no runs")
+        return
+    rows = [
+        (
+            run.run_id[:12],
+            run.machine,
+            run.state,
+            run.status.value,
+            str(run.seq),
+            str(run.iteration),
+            _time(run.updated_at),
+        )
+        for run in found
+    ]
+    _table(rows, ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)"))
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_obj
+def show(state: _State, run_id: str, as_json: bool) -> None:
+    """Show a run: its summary and its timeline of transitions."""
+    from fsm_runner.records import unstructure
+
+    journal = state.journal()
+    run = journal.load(_resolve_run_id(journal, run_id))
+    timeline = journal.transitions(run.run_id)
+    if as_json:
+        _json_dump({"run": unstructure(run), "transitions": [unstructure(t) for t in timeline]})
+        return
+    _print_summary(run)
+    click.echo("")
+    _print_timeline(timeline)
+
+
+def _print_summary(run: RunRecord) -> None:
+    pairs = [
+        ("run", run.run_id),
+        ("machine", f"{run.machine} (spec {run.spec_hash[:12]})"),
+        ("state", f"{run.state} ({run.status.value})"),
+        ("seq", f"{run.seq}   iteration {run.iteration}   attempt {run.attempt}"),
+        ("started", f"{_time(run.created_at)} UTC   updated {_time(run.updated_at)} UTC"),
+        ("input", json.dumps(run.input, ensure_ascii=False)),
+        ("context", json.dumps(dict(run.context), ensure_ascii=False)),
+    ]
+    if run.parent_run_id:
+        pairs.append(("parent", run.parent_run_id))
+    if run.forked_from:
+        pairs.append(("forked", run.forked_from))
+    if run.abort_reason:
+        pairs.append(("abort", f"requested: {run.abort_reason}"))
+    if run.error:
+        pairs.append(("error", f"{run.error.get('type')}: {run.error.get('message')}"))
+    for key, value in pairs:
+        click.echo(f"{key:<9}{value}")
+
+
+def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
+    rows = []
+    for t in timeline:
+        error = t.error
+        rows.append(
+            (
+                str(t.seq),
+                t.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+                t.from_state or "-",
+                t.event,
+                t.to_state,
+                f"{t.duration_ms:.1f}",
+                f"{error.get('type')}: {error.get('message')}"[:80] if error else "",
+            )
+        )
+    _table(rows, ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
+
+
+def _load_app(spec: str) -> Engine:
+    """Import ``MODULE:ATTR``: an Engine, or a zero-argument factory returning one."""
+    from fsm_runner.engine import Engine
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise click.BadParameter("expected MODULE:ATTR, e.g. myapp.jobs:engine", param_hint="--app")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        _fail(f"cannot import {module_name!r}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the user's module failed at import; say so in one line
+        _fail(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            _fail(f"{module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if isinstance(target, Engine):
+        return target
+    if callable(target):
+        factory: Callable[[], Any] = target
+        try:
+            produced = factory()
+        except Exception as exc:  # noqa: BLE001 - the user's factory failed; say so in one line
+            _fail(f"{spec} failed: {type(exc).__name__}: {exc}")
+        if isinstance(produced, Engine):
+            return produced
+        _fail(f"{spec} returned {type(produced).__name__}, not an fsm_runner Engine")
+    _fail(f"{spec} is {type(target).__name__}, not an Engine or a factory returning one")
+
+
+def _echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
+    error = transition.error
+    note = f"  ({error.get('type')}: {error.get('message')})" if error else ""
+    click.echo(
+        f"{transition.seq:>4}  {transition.from_state or '-'} --{transition.event}--> "
+        f"{transition.to_state}{note}"
+    )
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--app",
+    required=True,
+    metavar="MODULE:ATTR",
+    help="The host app: an Engine, or a zero-argument factory returning one.",
+)
+@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many steps.")
+@click.pass_obj
+def resume(state: _State, run_id: str, app: str, max_steps: int | None) -> None:
+    """Resume a run from its last journaled state, with the handlers of --app.
+
+    The run continues in the journal given to fsm-runner (--journal), whatever journal the
+    app's engine was built with. Prints each transition as it is committed.
+    """
+    journal = state.journal()
+    run_id = _resolve_run_id(journal, run_id)
+    engine = _load_app(app).with_journal(journal)
+    engine.listeners.append(_echo_transition)
+    try:
+        run = engine.resume(run_id, max_steps=max_steps)
+    finally:
+        engine.close()
+    click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
+    if run.status.value in ("failed", "aborted"):
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--reason", required=True, help="Why the run is aborted (journaled).")
+@click.option(
+    "--app",
+    metavar="MODULE:ATTR",
+    help="The host app, needed only when the spec's USER_ABORTED transition has guards.",
+)
+@click.pass_obj
+def abort(state: _State, run_id: str, reason: str, app: str | None) -> None:
+    """Abort a run: it follows its USER_ABORTED transition, or stops where it is."""
+    from fsm_runner.engine import abort_run
+
+    journal = state.journal()
+    run_id = _resolve_run_id(journal, run_id)
+    guards = _load_app(app).guards if app else None
+    run = abort_run(journal, run_id, reason, guards=guards)
+    click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``fsm-runner`` console script."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="fsm-runner")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m fsm_runner.examples.release``."""

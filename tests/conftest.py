@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import pytest
+
+from fsm_runner import MemoryJournal, SqliteJournal
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def journal(request, tmp_path):
+    """Every journal implementation, fresh for each test (SQLite in a real file)."""
+    if request.param == "memory":
+        j = MemoryJournal()
+    else:
+        j = SqliteJournal(tmp_path / "journal.db")
+    yield j
+    j.close()
+
+
+@pytest.fixture
+def sqlite_journal(tmp_path):
+    j = SqliteJournal(tmp_path / "journal.db")
+    yield j
+    j.close()
