@@ -140,6 +140,14 @@ class Transition:
         return bool(self.guards or self.unless)
 
 
+def _state_tuple(value: Iterable[State]) -> tuple[State, ...]:
+    return tuple(value)
+
+
+def _transition_tuple(value: Iterable[Transition]) -> tuple[Transition, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class MachineSpec:
     """A whole machine: states, transitions and the initial state.
@@ -153,8 +161,8 @@ class MachineSpec:
     """
 
     name: str
-    states: tuple[State, ...] = attrs.field(converter=tuple)
-    transitions: tuple[Transition, ...] = attrs.field(converter=tuple)
+    states: tuple[State, ...] = attrs.field(converter=_state_tuple)
+    transitions: tuple[Transition, ...] = attrs.field(converter=_transition_tuple)
     initial: str = attrs.field(default="")
 
     def __attrs_post_init__(self) -> None:
