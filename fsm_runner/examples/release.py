@@ -110,9 +110,8 @@ def make_engine(journal_path: str | os.PathLike[str] = "fsm-runner.db") -> Engin
 
 
 def _print(transition: TransitionRecord, run: RunRecord) -> None:
-    print(
-        f"{transition.seq:>3}  {transition.from_state or '-':<11} --{transition.event}--> {run.state}"
-    )
+    source = transition.from_state or "-"
+    print(f"{transition.seq:>3}  {source:<11} --{transition.event}--> {run.state}")
 
 
 def main(argv: list[str] | None = None) -> int:
