@@ -246,7 +246,9 @@ class Engine:
             PhaseError: the phase failed and the spec has no transition for that failure.
             RunConflictError: another writer advanced the run while the phase ran.
         """
-        return self._step(self.journal.load(run_id))[0]
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        return self._step(run)[0]
 
     def run(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """Step the run until it ends, waits for an event, or ``max_steps`` steps were taken.
@@ -285,7 +287,8 @@ class Engine:
         return self.run(run_id, max_steps=max_steps)
 
     def _step(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
-        self._check_runnable(run)
+        # The caller has checked the run is runnable: either loaded and checked, or the row
+        # this engine just committed (same spec, not ended).
         pending_abort = self._aborts.get(run.run_id) or run.abort_reason
         if pending_abort is not None:
             return self._commit_abort(run, pending_abort)
@@ -296,6 +299,8 @@ class Engine:
             outcome = self._call_sync(step)
         finally:
             self._release(run.run_id)
+        if outcome.error is None:
+            return self._finish(step, outcome)
         wait = self._retry_wait(step, outcome)
         if wait is None:
             return self._finish(step, outcome)
@@ -310,7 +315,9 @@ class Engine:
             if validate_fn is not None:
                 value = self._await_sync(validate_fn(step.ctx), step)
             if value is None:
-                value = self._await_sync(run_fn(step.ctx), step)
+                value = run_fn(step.ctx)
+                if not isinstance(value, _PLAIN_RETURNS):
+                    value = self._await_sync(value, step)
             return self._outcome(step, value, None)
         except Exception as exc:  # noqa: BLE001 - every handler failure is journaled, not raised
             return self._outcome(step, None, exc)
@@ -326,7 +333,9 @@ class Engine:
 
     async def astep(self, run_id: str) -> TransitionRecord | None:
         """Async :meth:`step`: async handlers are awaited (and cancelled at their deadline)."""
-        return (await self._astep(self.journal.load(run_id)))[0]
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        return (await self._astep(run))[0]
 
     async def arun(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """Async :meth:`run`."""
@@ -352,7 +361,6 @@ class Engine:
         return await self.arun(run_id, max_steps=max_steps)
 
     async def _astep(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
-        self._check_runnable(run)
         pending_abort = self._aborts.get(run.run_id) or run.abort_reason
         if pending_abort is not None:
             return self._commit_abort(run, pending_abort)
@@ -501,24 +509,27 @@ class Engine:
                 HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail),
                 duration_ms,
             )
-        for what, payload in (("output", result.output), ("context", dict(result.context))):
-            if payload:
-                try:
-                    json.dumps(payload)
-                except (TypeError, ValueError) as exc:
-                    detail = f"returned {what} that is not JSON-serialisable ({exc})"
-                    return _Outcome(
-                        None,
-                        HandlerResultError(
-                            run_id=step.run.run_id, state=step.state.name, detail=detail
-                        ),
-                        duration_ms,
-                    )
+        if result.output is not None or result.context:
+            problem = self._payload_problem(step, result)
+            if problem is not None:
+                return _Outcome(None, problem, duration_ms)
         deadline = step.ctx.deadline
         if deadline is not None and self.clock() > deadline:
             timeout = PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout)
             return _Outcome(None, timeout, duration_ms)
         return _Outcome(result, None, duration_ms)
+
+    @staticmethod
+    def _payload_problem(step: _Step, result: PhaseResult) -> HandlerResultError | None:
+        for what, payload in (("output", result.output), ("context", dict(result.context))):
+            try:
+                json.dumps(payload)
+            except (TypeError, ValueError) as exc:  # noqa: PERF203 - two items, off the hot path
+                detail = f"returned {what} that is not JSON-serialisable ({exc})"
+                return HandlerResultError(
+                    run_id=step.run.run_id, state=step.state.name, detail=detail
+                )
+        return None
 
     def _retry_wait(self, step: _Step, outcome: _Outcome) -> float | None:
         """Seconds to wait before retrying a failed phase, or ``None`` to not retry it."""
@@ -571,6 +582,11 @@ class Engine:
         dest = self._machine.resolve(
             run.state, result.event, guarded, self.guards, run_id=run.run_id
         )
+        if result.output is None and not result.context and result.error is None:
+            # The hot path: a bare event, nothing to store beside it.
+            return self._commit(
+                run, result.event, dest, result=None, duration_ms=outcome.duration_ms
+            )
         payload: dict[str, Any] = {}
         if result.output is not None:
             payload["output"] = result.output

@@ -91,6 +91,8 @@ class CompiledMachine:
         if candidates is None:
             raise InvalidTransitionError(run_id=run_id, state=state, event=event)
         for edge in candidates:
+            if not edge.conditions:
+                return edge.dest
             if all(bool(guards[name](run)) is target for name, target in edge.conditions):
                 return edge.dest
         raise InvalidTransitionError(

@@ -1,0 +1,275 @@
+from __future__ import annotations
+
+import importlib.resources
+import inspect
+import re
+import types
+
+import pytest
+
+import fsm_runner
+from fsm_runner import exceptions
+from fsm_runner.exceptions import (
+    CapabilityError,
+    EffectOutcomeUnknownError,
+    FsmRunnerError,
+    HandlerResultError,
+    InvalidTransitionError,
+    JournalError,
+    LeaseError,
+    LeaseHeldError,
+    LeaseLostError,
+    PayloadError,
+    PhaseError,
+    PhaseTimeoutError,
+    RunAbortedError,
+    RunConflictError,
+    RunExistsError,
+    RunNotFoundError,
+    RunTerminalError,
+    SchemaVersionError,
+    SpecError,
+    SpecMismatchError,
+)
+
+
+def isort_style_key(name: str) -> tuple[int, str]:
+    """Ruff's RUF022 order: CONSTANTS, then CamelCase, then everything else."""
+    if name.isupper():
+        group = 0
+    elif name[:1].isupper():
+        group = 1
+    else:
+        group = 2
+    return group, name
+
+
+def public_names(module: types.ModuleType) -> set[str]:
+    """Names a module defines or re-exports on purpose (not submodules, not __future__)."""
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and name != "annotations"  # `from __future__ import annotations` leaves this behind
+    }
+
+
+#: One instance of every exception, with the attribute values it must carry.
+SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = {
+    FsmRunnerError: (FsmRunnerError("something failed"), {}),
+    SpecError: (SpecError(["a is bad", "b is bad"], machine="m"), {"machine": "m"}),
+    InvalidTransitionError: (
+        InvalidTransitionError(run_id="r1", state="building", event="NEXT"),
+        {"run_id": "r1", "state": "building", "event": "NEXT", "reason": "not allowed"},
+    ),
+    PhaseError: (
+        PhaseError(
+            run_id="r1", state="building", event="SYSTEM_ERROR", error={"type": "E", "message": "m"}
+        ),
+        {"run_id": "r1", "state": "building", "event": "SYSTEM_ERROR"},
+    ),
+    HandlerResultError: (
+        HandlerResultError(run_id="r1", state="building", detail="returned 42"),
+        {"run_id": "r1", "state": "building", "detail": "returned 42"},
+    ),
+    PayloadError: (
+        PayloadError(run_id="r1", what="input", detail="set is not JSON"),
+        {"run_id": "r1", "what": "input", "detail": "set is not JSON"},
+    ),
+    PhaseTimeoutError: (
+        PhaseTimeoutError(state="building", timeout=2.5),
+        {"state": "building", "timeout": 2.5},
+    ),
+    RunAbortedError: (
+        RunAbortedError(run_id="r1", reason="operator"),
+        {"run_id": "r1", "reason": "operator"},
+    ),
+    JournalError: (
+        JournalError("is read-only", path="/tmp/j.db"),
+        {"detail": "is read-only", "path": "/tmp/j.db"},
+    ),
+    SchemaVersionError: (
+        SchemaVersionError(found=99, supported=1, path="/tmp/j.db"),
+        {"found": 99, "supported": 1, "path": "/tmp/j.db"},
+    ),
+    SpecMismatchError: (
+        SpecMismatchError(run_id="r1", expected="a" * 64, found="b" * 64),
+        {"run_id": "r1", "expected": "a" * 64, "found": "b" * 64},
+    ),
+    RunConflictError: (
+        RunConflictError(run_id="r1", expected_seq=4, path="/tmp/j.db"),
+        {"run_id": "r1", "expected_seq": 4},
+    ),
+    RunNotFoundError: (RunNotFoundError("r1"), {"run_id": "r1"}),
+    RunExistsError: (RunExistsError("r1"), {"run_id": "r1"}),
+    RunTerminalError: (
+        RunTerminalError(run_id="r1", state="done", status="succeeded"),
+        {"run_id": "r1", "state": "done", "status": "succeeded"},
+    ),
+    LeaseError: (LeaseError("r1", "no lease"), {"run_id": "r1"}),
+    LeaseHeldError: (
+        LeaseHeldError("r1", owner="worker-2", expires_at="2024-05-01T12:00:00+00:00"),
+        {"run_id": "r1", "owner": "worker-2", "expires_at": "2024-05-01T12:00:00+00:00"},
+    ),
+    LeaseLostError: (LeaseLostError("r1", token=7), {"run_id": "r1", "token": 7}),
+    EffectOutcomeUnknownError: (
+        EffectOutcomeUnknownError(run_id="r1", state="mutating", effect="push"),
+        {"run_id": "r1", "state": "mutating", "effect": "push"},
+    ),
+    CapabilityError: (
+        CapabilityError(state="verifying", operation="write"),
+        {"state": "verifying", "operation": "write"},
+    ),
+}
+
+
+class TestAll:
+    """fsm_runner.__all__ is the public contract: sorted, complete, importable."""
+
+    def test_sorted(self):
+        assert fsm_runner.__all__ == sorted(fsm_runner.__all__, key=isort_style_key)
+
+    def test_no_duplicates(self):
+        assert len(set(fsm_runner.__all__)) == len(fsm_runner.__all__)
+
+    def test_complete(self):
+        assert public_names(fsm_runner) == set(fsm_runner.__all__)
+
+    def test_every_name_is_importable(self):
+        namespace: dict[str, object] = {}
+        exec("from fsm_runner import *", namespace)  # the star import is the subject
+
+        for name in fsm_runner.__all__:
+            assert namespace[name] is getattr(fsm_runner, name)
+
+    @pytest.mark.parametrize(
+        "name",
+        [
+            "Engine",
+            "MachineSpec",
+            "State",
+            "Transition",
+            "RetryPolicy",
+            "RunEvent",
+            "RunStatus",
+            "Journal",
+            "SqliteJournal",
+            "MemoryJournal",
+            "open_journal",
+            "RunRecord",
+            "TransitionRecord",
+            "FsmRunnerError",
+            "SpecError",
+            "InvalidTransitionError",
+            "JournalError",
+            "RunNotFoundError",
+            "RunTerminalError",
+        ],
+    )
+    def test_design_names_are_exported(self, name):
+        assert name in fsm_runner.__all__
+
+    def test_py_typed(self):
+        assert importlib.resources.files("fsm_runner").joinpath("py.typed").is_file()
+
+
+class TestExceptionModule:
+    """fsm_runner.exceptions exports the whole tree."""
+
+    def test_all_is_sorted(self):
+        assert exceptions.__all__ == sorted(exceptions.__all__, key=isort_style_key)
+
+    def test_all_covers_every_error_class(self):
+        defined = {
+            name
+            for name, value in vars(exceptions).items()
+            if inspect.isclass(value)
+            and issubclass(value, FsmRunnerError)
+            and value.__module__ == exceptions.__name__
+        }
+
+        assert defined == set(exceptions.__all__)
+
+    def test_every_exported_error_has_a_sample_here(self):
+        assert {cls.__name__ for cls in SAMPLES} == set(exceptions.__all__)
+
+    @pytest.mark.parametrize(
+        ("child", "parent"),
+        [
+            (SpecError, ValueError),
+            (InvalidTransitionError, ValueError),
+            (HandlerResultError, PhaseError),
+            (HandlerResultError, TypeError),
+            (PayloadError, TypeError),
+            (PhaseTimeoutError, TimeoutError),
+            (SchemaVersionError, JournalError),
+            (SpecMismatchError, JournalError),
+            (RunConflictError, JournalError),
+            (RunNotFoundError, KeyError),
+            (LeaseHeldError, LeaseError),
+            (LeaseLostError, LeaseError),
+        ],
+    )
+    def test_tree(self, child, parent):
+        assert issubclass(child, parent)
+        assert issubclass(child, FsmRunnerError)
+
+    def test_every_error_is_an_fsm_runner_error(self):
+        for name in exceptions.__all__:
+            assert issubclass(getattr(exceptions, name), FsmRunnerError)
+
+
+class TestExceptionMessages:
+    """Every error builds a one-line message from its structured attributes."""
+
+    @pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda cls: cls.__name__)
+    def test_one_line_message(self, cls):
+        error, _ = SAMPLES[cls]
+
+        text = str(error)
+
+        assert type(error) is cls
+        assert text
+        assert "\n" not in text
+        assert text == error.message
+
+    @pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda cls: cls.__name__)
+    def test_structured_attributes(self, cls):
+        error, attributes = SAMPLES[cls]
+
+        for name, value in attributes.items():
+            assert getattr(error, name) == value
+
+    @pytest.mark.parametrize("cls", list(SAMPLES), ids=lambda cls: cls.__name__)
+    def test_message_names_the_run(self, cls):
+        error, attributes = SAMPLES[cls]
+
+        if "run_id" in attributes:
+            assert re.search(r"\br1\b", str(error)), str(error)
+
+    def test_run_not_found_is_a_key_error_with_a_plain_message(self):
+        error = RunNotFoundError("x")
+
+        assert error.run_id == "x"
+        assert isinstance(error, KeyError)
+        assert str(error) == "no run 'x' in the journal"
+        with pytest.raises(KeyError):
+            raise error
+
+    def test_spec_error_lists_every_problem(self):
+        error = SpecError(["first problem", "second problem"], machine="m")
+
+        assert error.problems == ("first problem", "second problem")
+        assert isinstance(error, ValueError)
+        assert str(error) == "invalid machine spec 'm': first problem; second problem"
+
+    def test_journal_error_names_the_journal(self):
+        assert str(JournalError("is full", path="/j.db")) == "journal /j.db: is full"
+        assert str(JournalError("is full")) == "journal: is full"
+
+    def test_schema_version_error_names_both_versions(self):
+        text = str(SchemaVersionError(found=99, supported=1))
+
+        assert "99" in text
+        assert "(1)" in text
