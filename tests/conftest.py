@@ -8,10 +8,7 @@ from fsm_runner import MemoryJournal, SqliteJournal
 @pytest.fixture(params=["memory", "sqlite"])
 def journal(request, tmp_path):
     """Every journal implementation, fresh for each test (SQLite in a real file)."""
-    if request.param == "memory":
-        j = MemoryJournal()
-    else:
-        j = SqliteJournal(tmp_path / "journal.db")
+    j = MemoryJournal() if request.param == "memory" else SqliteJournal(tmp_path / "journal.db")
     yield j
     j.close()
 

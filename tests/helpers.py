@@ -16,7 +16,8 @@ def linear_spec(*phases: str, name: str = "linear") -> MachineSpec:
         State("canceled", terminal=True, outcome="aborted"),
     ]
     transitions = [
-        Transition(phase, NEXT, nxt) for phase, nxt in zip(phases, [*phases[1:], "done"], strict=True)
+        Transition(phase, NEXT, nxt)
+        for phase, nxt in zip(phases, [*phases[1:], "done"], strict=True)
     ]
     transitions += [
         Transition("*", RunEvent.SYSTEM_ERROR, "failed"),

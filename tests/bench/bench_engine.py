@@ -93,7 +93,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    print(f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version}, {platform.machine()}")
+    print(
+        f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version}, {platform.machine()}"
+    )
     print(f"{args.steps} steps x {args.rounds} rounds, medians\n")
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,8 +115,12 @@ def main() -> int:
                 failed = ratio < TARGET
                 verdict = f"  target >= {TARGET}: {verdict}"
             print(f"durability {durability}:")
-            print(f"  engine  {engine_median:>9,.0f} journaled steps/s  ({1e6 / engine_median:.1f} us/step)")
-            print(f"  raw     {raw_median:>9,.0f} commits/s          ({1e6 / raw_median:.1f} us/commit)")
+            print(
+                f"  engine  {engine_median:>9,.0f} journaled steps/s  ({1e6 / engine_median:.1f} us/step)"
+            )
+            print(
+                f"  raw     {raw_median:>9,.0f} commits/s          ({1e6 / raw_median:.1f} us/commit)"
+            )
             print(f"  ratio   {ratio:.2f}{verdict}")
     return 1 if failed else 0
 

@@ -1,0 +1,225 @@
+"""The fsm-runner CLI through click's CliRunner, on real journals in tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from fsm_runner import SqliteJournal
+from fsm_runner.cli import cli
+from fsm_runner.examples import release
+
+APP = "fsm_runner.examples.release:make_engine"
+
+
+@pytest.fixture
+def journal_path(tmp_path):
+    return tmp_path / "journal.db"
+
+
+@pytest.fixture
+def invoke(journal_path):
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(cli, ["--journal", str(journal_path), *args], catch_exceptions=False)
+
+    return invoke
+
+
+def start_release(journal_path, tmp_path, stop_after: int | None) -> str:
+    engine = release.make_engine(journal_path)
+    run_id = engine.start({"version": "9.9.9", "workspace": str(tmp_path / "ws")})
+    engine.run(run_id, max_steps=stop_after)
+    engine.journal.close()
+    return run_id
+
+
+def one_line_error(result, code: int = 1) -> str:
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+class TestHelp:
+    """Every command documents itself."""
+
+    def test_every_command_has_help_text(self):
+        runner = CliRunner()
+        assert cli.help
+        for name, command in cli.commands.items():
+            assert command.help, f"{name} has no help text"
+            result = runner.invoke(cli, [name, "--help"])
+            assert result.exit_code == 0
+            assert command.help.split("\n")[0] in result.output
+
+    def test_group_help_documents_exit_codes(self):
+        result = CliRunner().invoke(cli, ["-h"])
+        assert result.exit_code == 0
+        assert "Exit codes" in result.output
+
+
+class TestRuns:
+    """`fsm-runner runs`."""
+
+    def test_lists_runs_newest_first(self, invoke, journal_path, tmp_path):
+        first = start_release(journal_path, tmp_path, None)
+        second = start_release(journal_path, tmp_path, 1)
+        result = invoke("runs")
+        assert result.exit_code == 0
+        lines = result.output.splitlines()
+        assert lines[0].split()[:4] == ["RUN", "MACHINE", "STATE", "STATUS"]
+        assert lines[1].startswith(second[:12])
+        assert lines[2].startswith(first[:12])
+
+    def test_json_and_filters(self, invoke, journal_path, tmp_path):
+        done = start_release(journal_path, tmp_path, None)
+        active = start_release(journal_path, tmp_path, 1)
+        data = json.loads(invoke("runs", "--json").output)
+        assert [run["run_id"] for run in data] == [active, done]
+        data = json.loads(invoke("runs", "--json", "--status", "succeeded").output)
+        assert [run["run_id"] for run in data] == [done]
+        assert json.loads(invoke("runs", "--json", "--machine", "other").output) == []
+        assert len(json.loads(invoke("runs", "--json", "--limit", "1").output)) == 1
+
+    def test_empty_journal(self, invoke, journal_path):
+        SqliteJournal(journal_path).close()
+        result = invoke("runs")
+        assert result.exit_code == 0
+        assert result.output.strip() == "no runs"
+
+    def test_missing_journal_is_one_line(self, invoke, journal_path):
+        line = one_line_error(invoke("runs"))
+        assert "no journal at" in line
+        assert not journal_path.exists()
+
+    def test_corrupt_journal_is_one_line(self, invoke, journal_path):
+        journal_path.write_bytes(b"\x00garbage" * 1000)
+        line = one_line_error(invoke("runs"))
+        assert "not a SQLite database" in line
+        assert journal_path.read_bytes() == b"\x00garbage" * 1000
+
+    def test_journal_from_environment(self, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        result = CliRunner().invoke(cli, ["runs"], env={"FSM_RUNNER_JOURNAL": str(journal_path)})
+        assert run_id[:12] in result.output
+
+
+class TestShow:
+    """`fsm-runner show RUN`."""
+
+    def test_summary_and_timeline(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        result = invoke("show", run_id[:6])
+        assert result.exit_code == 0, result.output
+        assert run_id in result.output
+        assert "published (succeeded)" in result.output
+        for event in ("STARTED", "FETCHED", "BUILT", "TESTS_PASSED", "PUBLISHED"):
+            assert event in result.output
+
+    def test_json(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        data = json.loads(invoke("show", run_id, "--json").output)
+        assert data["run"]["state"] == "testing"
+        assert [t["seq"] for t in data["transitions"]] == [0, 1, 2]
+        assert data["transitions"][2]["result"]["output"] == {"archive": "release-9.9.9.tar.gz"}
+
+    def test_unknown_run(self, invoke, journal_path, tmp_path):
+        start_release(journal_path, tmp_path, None)
+        assert "no run 'nope'" in one_line_error(invoke("show", "nope"))
+
+    def test_ambiguous_prefix(self, invoke, journal_path):
+        engine = release.make_engine(journal_path)
+        engine.start({"version": "1", "workspace": "x"}, run_id="abc1")
+        engine.start({"version": "1", "workspace": "x"}, run_id="abc2")
+        engine.journal.close()
+        assert "ambiguous" in one_line_error(invoke("show", "abc"))
+        assert invoke("show", "abc1").exit_code == 0
+
+    def test_failed_run_shows_its_error(self, invoke, journal_path, tmp_path):
+        engine = release.make_engine(journal_path)
+        run_id = engine.start({"version": "1"})  # no workspace: the first phase raises
+        engine.run(run_id)
+        engine.journal.close()
+        result = invoke("show", run_id)
+        assert "failed (failed)" in result.output
+        assert "KeyError" in result.output
+
+
+class TestResume:
+    """`fsm-runner resume RUN --app MODULE:ATTR`."""
+
+    def test_finishes_an_interrupted_run(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        result = invoke("resume", run_id[:8], "--app", APP)
+        assert result.exit_code == 0, result.output
+        assert "testing --TESTS_PASSED--> publishing" in result.output
+        assert "succeeded in state 'published'" in result.output
+        with SqliteJournal(journal_path) as journal:
+            events = [t.event for t in journal.transitions(run_id)]
+        assert events == ["STARTED", "FETCHED", "BUILT", "TESTS_PASSED", "PUBLISHED"]
+
+    def test_max_steps(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        result = invoke("resume", run_id, "--app", APP, "--max-steps", "1")
+        assert result.exit_code == 0
+        assert "active in state 'testing'" in result.output
+
+    def test_ended_run_is_refused(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        assert "has ended" in one_line_error(invoke("resume", run_id, "--app", APP))
+
+    @pytest.mark.parametrize(
+        ("app", "message"),
+        [
+            ("no_such_module_xyz:engine", "cannot import"),
+            ("fsm_runner.examples.release:nothing", "has no attribute"),
+            ("fsm_runner.examples.release:SPEC", "not an Engine"),
+            ("fsm_runner.examples.release:fetch", "failed: TypeError"),
+        ],
+    )
+    def test_bad_app(self, invoke, journal_path, tmp_path, app, message):
+        run_id = start_release(journal_path, tmp_path, 1)
+        assert message in one_line_error(invoke("resume", run_id, "--app", app))
+
+    def test_app_without_colon_is_a_usage_error(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        result = invoke("resume", run_id, "--app", "fsm_runner")
+        assert result.exit_code == 2
+        assert "MODULE:ATTR" in result.output
+
+    def test_failed_run_exits_1(self, invoke, journal_path, tmp_path):
+        engine = release.make_engine(journal_path)
+        run_id = engine.start({"version": "1"})  # no workspace: the first phase raises
+        engine.journal.close()
+        result = invoke("resume", run_id, "--app", APP)
+        assert result.exit_code == 1
+        assert "failed in state 'failed'" in result.output
+
+
+class TestAbort:
+    """`fsm-runner abort RUN --reason TEXT`."""
+
+    def test_aborts_through_the_spec(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        result = invoke("abort", run_id, "--reason", "not needed")
+        assert result.exit_code == 0, result.output
+        assert "aborted in state 'canceled'" in result.output
+        with SqliteJournal(journal_path) as journal:
+            run = journal.load(run_id)
+            last = journal.transitions(run_id)[-1]
+        assert (run.state, run.status.value) == ("canceled", "aborted")
+        assert last.event == "USER_ABORTED"
+        assert last.error == {"type": "USER_ABORTED", "message": "not needed"}
+
+    def test_reason_is_required(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        assert invoke("abort", run_id).exit_code == 2
+
+    def test_ended_run(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        assert "has ended" in one_line_error(invoke("abort", run_id, "--reason", "x"))
