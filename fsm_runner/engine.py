@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import traceback
+import types
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -132,7 +133,7 @@ class Engine:
             raise SpecError([str(exc)], machine=spec.name) from None
         self._machine = compile_spec(spec)
         self.journal: Journal = journal if journal is not None else SqliteJournal()
-        self.services: Mapping[str, Any] = dict(services or {})
+        self.services: Mapping[str, Any] = types.MappingProxyType(dict(services or {}))
         self.listeners = list(listeners)
         self.clock = clock
         self.sleep = sleep

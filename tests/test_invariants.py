@@ -25,6 +25,7 @@ from fsm_runner import (
 )
 from fsm_runner.events import ENGINE_EVENTS
 from fsm_runner.exceptions import RunConflictError, SpecMismatchError
+from fsm_runner.machine import compile_spec
 from fsm_runner.testing import FakeClock, ScriptedHandler
 from tests.helpers import NEXT, linear_spec
 
@@ -400,13 +401,16 @@ class TestInvariant7TerminalStatesAreEnds:
         spec = linear_spec("a", "b")  # has "*" -SYSTEM_ERROR-> failed and "*" -USER_ABORTED->
         wildcard = next(t for t in spec.transitions if t.source == ("*",))
         assert set(spec.expand_source(wildcard)) == {"a", "b"}
+        machine = compile_spec(spec)
         for terminal in spec.terminal_states:
             assert spec.events_from(terminal) == ()
+            assert not machine.allows(terminal, SYSTEM_ERROR)
+            assert not machine.allows(terminal, USER_ABORTED)
         engine = Engine(spec, handlers={"a": noop, "b": noop}, journal=journal)
         run_id = engine.start()
         engine.run(run_id)
         before = snapshot(journal, run_id)
-        with pytest.raises(RunTerminalError):
+        with pytest.raises((RunTerminalError, InvalidTransitionError)):
             engine.send(run_id, RunEvent.SYSTEM_ERROR)
         assert snapshot(journal, run_id) == before
 

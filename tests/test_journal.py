@@ -1,0 +1,768 @@
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import random
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from fsm_runner import (
+    Journal,
+    JournalError,
+    MemoryJournal,
+    Outcome,
+    RunEvent,
+    RunNotFoundError,
+    RunRecord,
+    RunTerminalError,
+    SqliteJournal,
+    TransitionRecord,
+    open_journal,
+)
+from fsm_runner.exceptions import RunConflictError, RunExistsError, SchemaVersionError
+from fsm_runner.journal import SCHEMA_VERSION
+from fsm_runner.journal.sqlite import APPLICATION_ID
+from tests.helpers import NEXT, linear_spec
+
+SPEC = linear_spec("building", "verifying")
+T0 = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+#: Every kind of JSON value, nested, with non-ASCII text.
+PAYLOAD = {
+    "text": "héllo ✓ 日本",
+    "quote": 'say "hi"\n\ttab',
+    "int": 3,
+    "big": 2**53,
+    "float": 1.5,
+    "negative": -0.25,
+    "true": True,
+    "false": False,
+    "none": None,
+    "list": [1, "two", {"three": [3.0]}],
+    "nested": {"deep": {"deeper": [], "empty": {}}},
+}
+
+
+def minutes(n: float) -> dt.datetime:
+    return T0 + dt.timedelta(minutes=n)
+
+
+def start(
+    journal: Journal,
+    run_id: str = "r1",
+    *,
+    machine: str = SPEC.name,
+    created: float = 0,
+    parent: str | None = None,
+    **fields: Any,
+) -> RunRecord:
+    """Create a run in ``building`` at seq 0, the way the engine does."""
+    run = RunRecord(
+        run_id,
+        machine,
+        SPEC.spec_hash,
+        "building",
+        created_at=minutes(created),
+        updated_at=minutes(created),
+        parent_run_id=parent,
+        **fields,
+    )
+    first = TransitionRecord(
+        run_id, 0, None, RunEvent.STARTED.value, "building", at=minutes(created)
+    )
+    journal.create_run(run, first, spec_json=SPEC.to_json())
+    return run
+
+
+def next_step(
+    run: RunRecord,
+    to_state: str,
+    *,
+    event: str = NEXT,
+    seq: int | None = None,
+    result: Any = None,
+    **changes: Any,
+) -> tuple[RunRecord, TransitionRecord]:
+    """The run row and transition that move ``run`` to ``to_state`` (by default at the next seq)."""
+    seq = run.seq + 1 if seq is None else seq
+    when = run.updated_at + dt.timedelta(seconds=1)
+    after = attrs.evolve(run, state=to_state, seq=seq, updated_at=when, **changes)
+    transition = TransitionRecord(
+        run.run_id,
+        seq,
+        run.state,
+        event,
+        to_state,
+        iteration=after.iteration,
+        attempt=after.attempt,
+        at=when,
+        duration_ms=1.5,
+        result=result,
+    )
+    return after, transition
+
+
+def advance(journal: Journal, run: RunRecord, to_state: str, **kwargs: Any) -> RunRecord:
+    after, transition = next_step(run, to_state, **kwargs)
+    journal.commit(after, transition)
+    return after
+
+
+def snapshot(journal: Journal, run_id: str = "r1") -> tuple[RunRecord, list[TransitionRecord]]:
+    return journal.load(run_id), list(journal.transitions(run_id))
+
+
+#: Changes to the run row beyond what the transition implies: with and without them, a
+#: commit takes different paths in the SQLite journal (trigger only, or trigger + UPDATE).
+ROW_CHANGES = [
+    pytest.param({}, id="transition-only"),
+    pytest.param({"attempt": 2, "context": {"k": "v"}}, id="with-row-update"),
+]
+
+
+class TestCreateAndLoad:
+    """create_run stores the run row, its seq 0 and its spec."""
+
+    def test_is_a_journal(self, journal):
+        assert isinstance(journal, Journal)
+
+    def test_load_returns_the_run_as_created(self, journal):
+        run = start(journal, input={"task": "x"}, context={"a": 1})
+
+        assert journal.load("r1") == run
+
+    def test_first_transition(self, journal):
+        start(journal)
+
+        (first,) = journal.transitions("r1")
+
+        assert (first.seq, first.from_state, first.event, first.to_state) == (
+            0,
+            None,
+            "STARTED",
+            "building",
+        )
+        assert first.at == T0
+
+    def test_spec_json_is_kept(self, journal):
+        start(journal)
+
+        assert journal.spec_json(SPEC.spec_hash) == SPEC.to_json()
+
+    def test_unknown_spec_hash(self, journal):
+        with pytest.raises(JournalError, match="holds no spec"):
+            journal.spec_json("f" * 64)
+
+    def test_duplicate_run_id(self, journal):
+        run = start(journal, input="first")
+
+        with pytest.raises(RunExistsError) as info:
+            start(journal, input="second")
+
+        assert info.value.run_id == "r1"
+        assert snapshot(journal) == (run, [journal.transitions("r1")[0]])
+        assert journal.load("r1").input == "first"
+
+    def test_missing_run(self, journal):
+        with pytest.raises(RunNotFoundError) as info:
+            journal.load("nope")
+        assert info.value.run_id == "nope"
+        with pytest.raises(RunNotFoundError):
+            journal.transitions("nope")
+
+
+class TestCommit:
+    """commit writes the next transition and the run row together, or nothing."""
+
+    def test_commits_advance_the_run(self, journal):
+        run = start(journal)
+        run = advance(journal, run, "verifying", iteration=1, context={"built": True})
+        run = advance(
+            journal,
+            run,
+            "failed",
+            event=RunEvent.SYSTEM_ERROR.value,
+            status=Outcome.FAILED,
+            error={"type": "RuntimeError", "message": "boom"},
+        )
+
+        loaded = journal.load("r1")
+
+        assert loaded == run
+        assert (loaded.state, loaded.seq, loaded.status, loaded.iteration) == (
+            "failed",
+            2,
+            Outcome.FAILED,
+            1,
+        )
+        assert loaded.context == {"built": True}
+        assert loaded.ended
+
+    def test_transitions_in_seq_order(self, journal):
+        run = start(journal)
+        expected = [journal.transitions("r1")[0]]
+        for state in ("verifying", "building", "verifying", "done"):
+            run, transition = next_step(run, state)
+            journal.commit(run, transition)
+            expected.append(transition)
+
+        assert journal.transitions("r1") == expected
+        assert [t.seq for t in journal.transitions("r1")] == [0, 1, 2, 3, 4]
+        assert journal.transitions("r1", from_seq=2) == expected[2:]
+        assert journal.transitions("r1", from_seq=1, to_seq=3) == expected[1:4]
+        assert journal.transitions("r1", to_seq=0) == expected[:1]
+
+    @pytest.mark.parametrize("changes", ROW_CHANGES)
+    def test_seq_gap_is_refused(self, journal, changes):
+        run = advance(journal, start(journal), "verifying")
+        before = snapshot(journal)
+
+        with pytest.raises(RunConflictError) as info:
+            journal.commit(*next_step(run, "done", seq=3, **changes))
+
+        assert info.value.run_id == "r1"
+        assert info.value.expected_seq == 2
+        assert snapshot(journal) == before
+
+    @pytest.mark.parametrize("changes", ROW_CHANGES)
+    @pytest.mark.parametrize("seq", [0, 1])
+    def test_stale_seq_is_refused(self, journal, changes, seq):
+        run = advance(journal, start(journal), "verifying")
+        before = snapshot(journal)
+
+        with pytest.raises(RunConflictError) as info:
+            journal.commit(*next_step(run, "done", seq=seq, **changes))
+
+        assert info.value.expected_seq == seq - 1
+        assert snapshot(journal) == before
+
+    def test_two_writers_from_the_same_state(self, journal):
+        run = start(journal)
+        journal.commit(*next_step(run, "verifying", context={"writer": 1}))
+
+        with pytest.raises(RunConflictError):
+            journal.commit(*next_step(run, "failed", context={"writer": 2}))
+
+        loaded = journal.load("r1")
+        assert (loaded.state, loaded.context) == ("verifying", {"writer": 1})
+        assert len(journal.transitions("r1")) == 2
+
+    @pytest.mark.parametrize("seq", [0, 1])
+    def test_missing_run(self, journal, seq):
+        ghost = RunRecord("ghost", SPEC.name, SPEC.spec_hash, "building", created_at=T0)
+
+        with pytest.raises(RunNotFoundError) as info:
+            journal.commit(*next_step(ghost, "verifying", seq=seq))
+
+        assert info.value.run_id == "ghost"
+        assert journal.runs() == []
+        start(journal, "ghost")  # nothing was left behind under that id
+        assert [t.seq for t in journal.transitions("ghost")] == [0]
+
+    def test_run_seq_must_match_transition_seq(self, journal):
+        run = start(journal)
+        after, transition = next_step(run, "verifying")
+
+        with pytest.raises(ValueError, match=r"run\.seq must equal transition\.seq"):
+            journal.commit(attrs.evolve(after, seq=5), transition)
+
+        assert journal.load("r1") == run
+
+    @pytest.mark.parametrize(
+        "payload", [PAYLOAD, [1, [2, [3]]], "just text", 42, 0, False, None], ids=repr
+    )
+    def test_input_round_trips(self, journal, payload):
+        start(journal, input=payload)
+
+        assert journal.load("r1").input == payload
+
+    def test_json_payloads_round_trip(self, journal):
+        run = start(journal, input=PAYLOAD, context={"payload": PAYLOAD})
+        error = {"type": "ValueError", "message": "bad ✓", "traceback": "line 1\nline 2"}
+        advance(
+            journal,
+            run,
+            "verifying",
+            context={"after": PAYLOAD},
+            error=error,
+            result={"output": PAYLOAD, "error": error},
+        )
+
+        loaded = journal.load("r1")
+        transition = journal.transitions("r1")[1]
+
+        assert loaded.input == PAYLOAD
+        assert loaded.context == {"after": PAYLOAD}
+        assert loaded.error == error
+        assert transition.result == {"output": PAYLOAD, "error": error}
+        assert transition.output == PAYLOAD
+        assert transition.duration_ms == 1.5
+
+
+class TestAbort:
+    """request_abort marks an active run; a USER_ABORTED commit carries it out."""
+
+    def test_request_abort(self, journal):
+        start(journal)
+
+        marked = journal.request_abort("r1", "operator asked")
+
+        assert marked.abort_reason == "operator asked"
+        assert journal.load("r1").abort_reason == "operator asked"
+        assert journal.load("r1").state == "building"
+        assert len(journal.transitions("r1")) == 1
+
+    def test_reason_survives_ordinary_commits(self, journal):
+        run = start(journal)
+        journal.request_abort("r1", "operator asked")
+
+        run = advance(journal, run, "verifying")  # the writer's row knows nothing of the abort
+        run = advance(journal, run, "verifying", attempt=2, context={"k": 1})
+
+        assert run.abort_reason is None
+        assert journal.load("r1").abort_reason == "operator asked"
+
+    def test_user_aborted_commit_clears_the_reason(self, journal):
+        run = start(journal)
+        run = advance(journal, run, "verifying")
+        journal.request_abort("r1", "operator asked")
+
+        advance(
+            journal,
+            journal.load("r1"),
+            "canceled",
+            event=RunEvent.USER_ABORTED.value,
+            status=Outcome.ABORTED,
+        )
+
+        loaded = journal.load("r1")
+        assert loaded.abort_reason is None
+        assert (loaded.state, loaded.status) == ("canceled", Outcome.ABORTED)
+
+    def test_ended_run_cannot_be_aborted(self, journal):
+        run = start(journal)
+        advance(journal, run, "done", status=Outcome.SUCCEEDED)
+
+        with pytest.raises(RunTerminalError) as info:
+            journal.request_abort("r1", "too late")
+
+        assert (info.value.run_id, info.value.state, info.value.status) == (
+            "r1",
+            "done",
+            "succeeded",
+        )
+        assert journal.load("r1").abort_reason is None
+
+    def test_missing_run(self, journal):
+        with pytest.raises(RunNotFoundError):
+            journal.request_abort("nope", "why")
+
+
+class TestRuns:
+    """runs() lists runs newest first, filtered by machine, status and parent."""
+
+    @pytest.fixture
+    def populated(self, journal):
+        # created out of order: the listing follows created_at, not insertion
+        start(journal, "r2", machine="beta", created=2, parent="r1")
+        start(journal, "r1", machine="alpha", created=1)
+        r3 = start(journal, "r3", machine="alpha", created=3, parent="r1")
+        advance(journal, r3, "failed", event="SYSTEM_ERROR", status=Outcome.FAILED)
+        start(journal, "r4", machine="alpha", created=4)
+        return journal
+
+    @staticmethod
+    def ids(runs: Any) -> list[str]:
+        return [run.run_id for run in runs]
+
+    def test_newest_first(self, populated):
+        assert self.ids(populated.runs()) == ["r4", "r3", "r2", "r1"]
+
+    @pytest.mark.parametrize(
+        ("filters", "expected"),
+        [
+            ({"machine": "alpha"}, ["r4", "r3", "r1"]),
+            ({"machine": "beta"}, ["r2"]),
+            ({"machine": "gamma"}, []),
+            ({"status": "failed"}, ["r3"]),
+            ({"status": Outcome.FAILED}, ["r3"]),
+            ({"status": Outcome.ACTIVE}, ["r4", "r2", "r1"]),
+            ({"status": "succeeded"}, []),
+            ({"parent_run_id": "r1"}, ["r3", "r2"]),
+            ({"machine": "alpha", "parent_run_id": "r1"}, ["r3"]),
+            ({"machine": "alpha", "status": "active"}, ["r4", "r1"]),
+            ({"limit": 2}, ["r4", "r3"]),
+            ({"machine": "alpha", "limit": 1}, ["r4"]),
+            ({"limit": 0}, []),
+        ],
+        ids=repr,
+    )
+    def test_filters(self, populated, filters, expected):
+        assert self.ids(populated.runs(**filters)) == expected
+
+    def test_runs_are_full_records(self, populated):
+        assert populated.runs(machine="beta") == [populated.load("r2")]
+
+    def test_ties_list_the_later_run_first(self, journal):
+        start(journal, "first", created=0)
+        start(journal, "second", created=0)
+
+        assert self.ids(journal.runs()) == ["second", "first"]
+
+    def test_empty(self, journal):
+        assert journal.runs() == []
+
+
+class TestClosed:
+    """A closed journal refuses every use with JournalError."""
+
+    @pytest.mark.parametrize(
+        "use",
+        [
+            lambda j: j.load("r1"),
+            lambda j: j.transitions("r1"),
+            lambda j: j.runs(),
+            lambda j: j.spec_json(SPEC.spec_hash),
+            lambda j: j.request_abort("r1", "why"),
+            lambda j: j.commit(*next_step(j.run, "verifying")),
+            lambda j: start(j, "r2"),
+        ],
+        ids=["load", "transitions", "runs", "spec_json", "request_abort", "commit", "create_run"],
+    )
+    def test_use_after_close(self, journal, use):
+        journal.run = start(journal)
+        journal.close()
+
+        with pytest.raises(JournalError, match="is closed"):
+            use(journal)
+
+    def test_close_twice(self, journal):
+        journal.close()
+        journal.close()
+
+
+# -- SQLite only ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def raw(path: Path) -> Iterator[sqlite3.Connection]:
+    """A separate, plain sqlite3 connection to a journal file."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def assert_consistent(path: Path, run_id: str = "r1") -> list[int]:
+    """Invariants 1 and 2, read straight from the file: state = last to_state, gapless seqs."""
+    with raw(path) as conn:
+        state, seq = conn.execute(
+            "SELECT state, seq FROM runs WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        rows = conn.execute(
+            "SELECT seq, to_state FROM transitions WHERE run_id = ? ORDER BY seq", (run_id,)
+        ).fetchall()
+    seqs = [row[0] for row in rows]
+    assert seqs == list(range(len(seqs)))
+    assert (state, seq) == (rows[-1][1], rows[-1][0])
+    return seqs
+
+
+def big_result(n: int) -> dict[str, str]:
+    return {"output": f"{n}:" + "x" * 4000}
+
+
+class TestSqliteFile:
+    """The SQLite journal's file: WAL, durability, the trigger, reopening."""
+
+    def test_wal_mode(self, tmp_path):
+        path = tmp_path / "j.db"
+        SqliteJournal(path).close()
+
+        with raw(path) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert conn.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+
+    @pytest.mark.parametrize(
+        ("durability", "synchronous"), [("power", 2), ("process", 1), (None, 1)]
+    )
+    def test_durability(self, tmp_path, durability, synchronous):
+        options = {} if durability is None else {"durability": durability}
+        with SqliteJournal(tmp_path / "j.db", **options) as journal:
+            assert journal._conn.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+            assert journal.durability == (durability or "process")
+
+    def test_unknown_durability(self, tmp_path):
+        with pytest.raises(ValueError, match="durability"):
+            SqliteJournal(tmp_path / "j.db", durability="paranoid")  # type: ignore[arg-type]
+
+    def test_meta(self, sqlite_journal):
+        assert sqlite_journal.meta()["schema_version"] == str(SCHEMA_VERSION)
+
+    def test_location_is_the_absolute_path(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        with SqliteJournal("j.db") as journal:
+            assert journal.location == str(tmp_path / "j.db")
+
+    def test_trigger_keeps_the_run_row_on_a_direct_insert(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+
+        with raw(path) as conn:
+            conn.execute(
+                "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
+                " attempt, at) VALUES ('r1', 1, 'building', 'NEXT', 'verifying', 3, 1, ?)",
+                (minutes(5).isoformat(),),
+            )
+            assert conn.execute("SELECT state, seq, iteration FROM runs").fetchone() == (
+                "verifying",
+                1,
+                3,
+            )
+            with pytest.raises(sqlite3.IntegrityError, match="not at the seq before"):
+                conn.execute(
+                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, at)"
+                    " VALUES ('r1', 5, 'verifying', 'NEXT', 'done', ?)",
+                    (minutes(6).isoformat(),),
+                )
+        assert assert_consistent(path) == [0, 1]
+
+    def test_reopen_keeps_everything(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            run = start(journal, input=PAYLOAD)
+            run = advance(journal, run, "verifying", context={"k": "v"}, result=big_result(1))
+            journal.request_abort("r1", "later")
+            before = snapshot(journal)
+
+        with SqliteJournal(path) as journal:
+            assert snapshot(journal) == before
+            assert journal.spec_json(SPEC.spec_hash) == SPEC.to_json()
+            advance(journal, run, "done", status=Outcome.SUCCEEDED)
+            assert journal.load("r1").seq == 2
+
+    def test_writes_from_another_connection_are_seen(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as first, SqliteJournal(path) as second:
+            run = start(first)
+            run = advance(second, second.load("r1"), "verifying")
+
+            with pytest.raises(RunConflictError):
+                first.commit(*next_step(start_row(first), "failed", context={"stale": True}))
+            assert first.load("r1") == run
+
+
+def start_row(journal: Journal) -> RunRecord:
+    """The run as it stood at seq 0 (what a stale writer would still hold)."""
+    return attrs.evolve(journal.load("r1"), state="building", seq=0)
+
+
+class TestSqliteOpen:
+    """Opening a file that is not a usable journal raises JournalError, never sqlite3.Error."""
+
+    def test_random_bytes(self, tmp_path):
+        path = tmp_path / "j.db"
+        junk = random.Random(1).randbytes(8192)
+        path.write_bytes(junk)
+
+        with pytest.raises(JournalError, match="not a SQLite database") as info:
+            SqliteJournal(path)
+
+        assert info.value.path == str(path)
+        assert path.read_bytes() == junk
+
+    def test_truncated_journal(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            run = start(journal)
+            for n in range(1, 40):
+                run = advance(journal, run, "verifying", result=big_result(n))
+        assert not Path(f"{path}-wal").exists()
+        assert path.stat().st_size > 3000
+        with path.open("r+b") as handle:
+            handle.truncate(3000)
+
+        with pytest.raises(JournalError) as info:  # on open, or at the latest on reading
+            journal = SqliteJournal(path)
+            try:
+                journal.load("r1")
+                journal.transitions("r1")
+                journal.runs()
+            finally:
+                journal.close()
+
+        assert not isinstance(info.value, sqlite3.Error)
+
+    def test_foreign_database(self, tmp_path):
+        path = tmp_path / "j.db"
+        with raw(path) as conn:
+            conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY, total REAL)")
+            conn.execute("INSERT INTO invoices (total) VALUES (9.5)")
+
+        with pytest.raises(JournalError, match="not an fsm_runner journal"):
+            SqliteJournal(path)
+
+        with raw(path) as conn:  # nothing was changed
+            tables = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+            assert tables == [("invoices",)]
+            assert conn.execute("PRAGMA application_id").fetchone()[0] == 0
+            assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+    @pytest.mark.parametrize("with_tables", [True, False])
+    def test_other_application_id(self, tmp_path, with_tables):
+        path = tmp_path / "j.db"
+        with raw(path) as conn:
+            conn.execute("PRAGMA application_id = 1234")
+            if with_tables:
+                conn.execute("CREATE TABLE t (x)")
+
+        with pytest.raises(JournalError, match="another application") as info:
+            SqliteJournal(path)
+
+        assert "not an fsm_runner journal" in str(info.value)
+
+    def test_newer_schema_version(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+        with raw(path) as conn:
+            conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+
+        with pytest.raises(SchemaVersionError) as info:
+            SqliteJournal(path)
+
+        assert (info.value.found, info.value.supported) == (99, SCHEMA_VERSION)
+        assert isinstance(info.value, JournalError)
+        with raw(path) as conn:  # refused, not migrated
+            assert conn.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'"
+            ).fetchone() == ("99",)
+
+    def test_empty_file_becomes_a_journal(self, tmp_path):
+        path = tmp_path / "j.db"
+        path.touch()
+
+        with SqliteJournal(path) as journal:
+            start(journal)
+            assert journal.load("r1").state == "building"
+
+    def test_missing_directory(self, tmp_path):
+        with pytest.raises(JournalError, match="directory does not exist"):
+            SqliteJournal(tmp_path / "nope" / "j.db")
+
+
+class TestSqliteFailures:
+    """A read-only or full medium fails a write with JournalError and writes nothing."""
+
+    @pytest.mark.parametrize("changes", ROW_CHANGES)
+    def test_read_only(self, sqlite_journal, changes):
+        run = advance(sqlite_journal, start(sqlite_journal), "verifying")
+        before = snapshot(sqlite_journal)
+        sqlite_journal._conn.execute("PRAGMA query_only = ON")
+
+        with pytest.raises(JournalError, match="read-only") as info:
+            sqlite_journal.commit(*next_step(run, "done", **changes))
+
+        assert not isinstance(info.value, RunConflictError)
+        assert snapshot(sqlite_journal) == before
+        sqlite_journal._conn.execute("PRAGMA query_only = OFF")
+        sqlite_journal.commit(*next_step(run, "done", **changes))  # the journal still works
+        assert sqlite_journal.load("r1").seq == 3
+
+    @pytest.mark.parametrize(
+        "write",
+        [lambda j: start(j, "r2"), lambda j: j.request_abort("r1", "why")],
+        ids=["create_run", "request_abort"],
+    )
+    def test_read_only_other_writes(self, sqlite_journal, write):
+        start(sqlite_journal)
+        sqlite_journal._conn.execute("PRAGMA query_only = ON")
+
+        with pytest.raises(JournalError, match="read-only"):
+            write(sqlite_journal)
+
+        assert sqlite_journal.runs() == [sqlite_journal.load("r1")]
+        assert sqlite_journal.load("r1").abort_reason is None
+
+    @pytest.mark.parametrize("changes", ROW_CHANGES)
+    def test_disk_full(self, tmp_path, changes):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            run = start(journal)
+            conn = journal._conn
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages}")
+
+            for n in range(1, 100):
+                step_changes = {k: (n if k == "attempt" else v) for k, v in changes.items()}
+                after, transition = next_step(
+                    run, "verifying", result=big_result(n), **step_changes
+                )
+                try:
+                    journal.commit(after, transition)
+                except JournalError as exc:
+                    assert "full" in str(exc)
+                    break
+                run = after
+            else:
+                pytest.fail("the journal never filled up")
+
+            assert journal.load("r1") == run
+            assert [t.seq for t in journal.transitions("r1")] == list(range(run.seq + 1))
+            assert_consistent(path)
+
+            conn.execute(f"PRAGMA max_page_count = {pages * 100}")
+            journal.commit(after, transition)  # once there is room, the same commit succeeds
+            assert journal.load("r1") == after
+        assert assert_consistent(path)[-1] == after.seq
+
+
+class TestOpenJournal:
+    """open_journal picks the implementation from the location."""
+
+    def test_memory(self):
+        journal = open_journal(":memory:")
+
+        assert isinstance(journal, MemoryJournal)
+        assert journal.location == ":memory:"
+        journal.close()
+
+    @pytest.mark.parametrize(
+        "spelling",
+        [
+            lambda path: path,
+            lambda path: str(path),
+            lambda path: f"sqlite:///{path}",
+        ],
+        ids=["pathlike", "str", "url"],
+    )
+    def test_sqlite(self, tmp_path, spelling):
+        path = tmp_path / "j.db"
+
+        journal = open_journal(spelling(path))
+
+        try:
+            assert isinstance(journal, SqliteJournal)
+            assert journal.location == str(path)
+            start(journal)
+        finally:
+            journal.close()
+        assert path.is_file()
+        assert assert_consistent(path) == [0]
+
+    def test_durability_is_passed_on(self, tmp_path):
+        journal = open_journal(os.fspath(tmp_path / "j.db"), durability="power")
+
+        try:
+            assert isinstance(journal, SqliteJournal)
+            assert journal._conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+        finally:
+            journal.close()
