@@ -8,10 +8,11 @@ written before a field existed load with its default.
 from __future__ import annotations
 
 import datetime as dt
+import enum
 
 import cattrs
 
-__all__ = ["converter", "format_utc", "parse_utc"]
+__all__ = ["by_value", "converter", "format_utc", "parse_utc"]
 
 _UTC = dt.timezone.utc
 
@@ -36,5 +37,20 @@ def parse_utc(value: str | dt.datetime) -> dt.datetime:
     return parsed.astimezone(dt.timezone.utc)
 
 
+def _is_enum(cls: object) -> bool:
+    return isinstance(cls, type) and issubclass(cls, enum.Enum)
+
+
+def by_value(*enums: type[enum.Enum]) -> None:
+    """Unstructure these enums to their plain values.
+
+    cattrs dispatches ``str``-mixin enums to its ``str`` passthrough (``str`` precedes ``Enum``
+    in their MRO), so each one is registered by name.
+    """
+    for cls in enums:
+        converter.register_unstructure_hook(cls, lambda member: member.value)
+
+
 converter.register_unstructure_hook(dt.datetime, format_utc)
+converter.register_unstructure_hook_func(_is_enum, lambda member: member.value)
 converter.register_structure_hook(dt.datetime, lambda value, _: parse_utc(value))

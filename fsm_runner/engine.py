@@ -70,6 +70,20 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
     }
 
 
+class _HandlerTimeoutError(Exception):
+    """Carries a ``TimeoutError`` the handler raised itself past ``asyncio.wait_for``."""
+
+    def __init__(self, error: TimeoutError) -> None:
+        self.error = error
+
+
+async def _own_timeouts(awaitable: Awaitable[Any]) -> Any:
+    try:
+        return await awaitable
+    except TimeoutError as exc:
+        raise _HandlerTimeoutError(exc) from exc
+
+
 class _Outcome(NamedTuple):
     """What calling a handler came to: a result, or the error it raised."""
 
@@ -222,6 +236,8 @@ class Engine:
             to_state=initial.name,
             iteration=iteration,
             at=now,
+            # the journal alone reproduces the run row (invariant 8), initial context included
+            result={"context": dict(run.context)} if run.context else None,
         )
         self._check_json(run_id, "input", input)
         self._check_json(run_id, "context", run.context)
@@ -400,7 +416,9 @@ class Engine:
         if remaining is None:
             return await awaitable
         try:
-            return await asyncio.wait_for(awaitable, timeout=max(remaining, 0.0))
+            return await asyncio.wait_for(_own_timeouts(awaitable), timeout=max(remaining, 0.0))
+        except _HandlerTimeoutError as own:
+            raise own.error from None  # the handler's own TimeoutError, not the deadline's
         except asyncio.TimeoutError:
             raise PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout) from None
 
@@ -672,7 +690,10 @@ def _advance(
 ) -> tuple[TransitionRecord, RunRecord]:
     """Build the transition ``run`` takes on ``event`` to ``dest``, and the run row it leads to."""
     dest_state = spec.state(dest)
-    iteration = run.iteration + 1 if dest_state.starts_iteration else run.iteration
+    # Entering a starts_iteration state starts an iteration; a retry or an in-place stop is
+    # the same visit.
+    same_visit = dest == run.state and (event == _RETRIED or status is Outcome.ABORTED)
+    iteration = run.iteration + (dest_state.starts_iteration and not same_visit)
     now = utc_now()
     seq = run.seq + 1
     transition = TransitionRecord(

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import cattrs.gen
 
-from fsm_runner._convert import converter
+from fsm_runner._convert import by_value, converter
 from fsm_runner.events import event_name
 from fsm_runner.exceptions import SpecError
 
@@ -55,10 +55,10 @@ class RetryPolicy:
         wait_exp_base: how much each wait grows over the one before.
     """
 
-    max_attempts: int = 3
-    wait_initial: float = 0.1
-    wait_max: float = 5.0
-    wait_exp_base: float = 2.0
+    max_attempts: int = attrs.field(default=3, converter=int)
+    wait_initial: float = attrs.field(default=0.1, converter=float)
+    wait_max: float = attrs.field(default=5.0, converter=float)
+    wait_exp_base: float = attrs.field(default=2.0, converter=float)
 
     def wait(self, failed_attempt: int) -> float:
         """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
@@ -71,6 +71,10 @@ class RetryPolicy:
             yield f"max_attempts must be >= 1, not {self.max_attempts}"
         if self.wait_initial < 0 or self.wait_max < 0 or self.wait_exp_base < 1:
             yield "waits must be >= 0 and wait_exp_base >= 1"
+
+
+def _optional_float(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _optional_outcome(value: Outcome | str | None) -> Outcome | None:
@@ -97,7 +101,7 @@ class State:
     handler: str | None = None
     terminal: bool = False
     outcome: Outcome | None = attrs.field(default=None, converter=_optional_outcome)
-    timeout: float | None = None
+    timeout: float | None = attrs.field(default=None, converter=_optional_float)
     retry: RetryPolicy | None = None
     starts_iteration: bool = False
     description: str = ""
@@ -386,5 +390,6 @@ def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:
     return _transition_from_dict(fields)
 
 
+by_value(Outcome)
 _transition_from_dict = cattrs.gen.make_dict_structure_fn(Transition, converter)
 converter.register_structure_hook(Transition, _structure_transition)

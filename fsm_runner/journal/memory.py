@@ -173,6 +173,7 @@ class MemoryJournal:
     def spec_json(self, spec_hash: str) -> str:
         """Return the canonical JSON of the spec with that hash."""
         with self._lock:
+            self._check_open()
             try:
                 return self._specs[spec_hash]
             except KeyError:

@@ -406,6 +406,16 @@ class SqliteJournal:
         """
         if run.seq != transition.seq:
             raise ValueError("run.seq must equal transition.seq")
+        if transition.seq < 1:  # seq 0 is written by create_run only
+            with self._read() as conn:
+                exists = conn.execute(
+                    "SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)
+                ).fetchone()
+            if exists is None:
+                raise RunNotFoundError(run.run_id)
+            raise RunConflictError(
+                run_id=run.run_id, expected_seq=transition.seq - 1, path=self.path
+            )
         at = transition.at
         insert = (
             transition.run_id,
