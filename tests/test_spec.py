@@ -442,6 +442,15 @@ class TestHash:
         assert spec.to_json() == canonical
         assert spec.spec_hash == hashlib.sha256(canonical.encode()).hexdigest()
 
+    def test_to_dict_is_plain_data(self):
+        spec = rich_spec()
+
+        data = spec.to_dict()
+
+        assert type(data["states"][-1]["outcome"]) is str
+        assert type(data["transitions"][0]["event"]) is str
+        assert json.loads(json.dumps(data)) == json.loads(spec.to_json())
+
 
 class TestParts:
     """State, Transition and RetryPolicy on their own."""
