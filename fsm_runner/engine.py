@@ -9,6 +9,7 @@ committed state; :meth:`Engine.resume` continues from there, so no completed pha
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import enum
 import inspect
 import json
@@ -18,7 +19,7 @@ import time
 import traceback
 import types
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -44,7 +45,15 @@ from fsm_runner.phases import (
     split_handler,
     to_phase_result,
 )
-from fsm_runner.records import RunRecord, TransitionRecord, utc_now
+from fsm_runner.records import (
+    ITERATION_FIELDS,
+    ArtifactRecord,
+    ErrorType,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    utc_now,
+)
 from fsm_runner.spec import MachineSpec, Outcome, State
 
 __all__ = ["Engine", "Listener", "abort_run"]
@@ -241,7 +250,10 @@ class Engine:
         )
         self._check_json(run_id, "input", input)
         self._check_json(run_id, "context", run.context)
-        self.journal.create_run(run, first, spec_json=self._spec_json)
+        opened = (
+            [IterationRecord(run_id, 1, state=initial.name, started_at=now)] if iteration else []
+        )
+        self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
         self._notify(first, run)
         return run_id
 
@@ -528,7 +540,7 @@ class Engine:
                 HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail),
                 duration_ms,
             )
-        if result.output is not None or result.context:
+        if result.output is not None or result.context or result.iteration or result.artifacts:
             problem = self._payload_problem(step, result)
             if problem is not None:
                 return _Outcome(None, problem, duration_ms)
@@ -540,7 +552,19 @@ class Engine:
 
     @staticmethod
     def _payload_problem(step: _Step, result: PhaseResult) -> HandlerResultError | None:
-        for what, payload in (("output", result.output), ("context", dict(result.context))):
+        unknown = set(result.iteration) - ITERATION_FIELDS
+        if unknown:
+            detail = f"returned unknown iteration fields {sorted(unknown)}"
+            return HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail)
+        if result.iteration and step.run.iteration == 0 and not step.state.starts_iteration:
+            detail = "returned iteration updates, but the run has no iteration yet"
+            return HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail)
+        for what, payload in (
+            ("output", result.output),
+            ("context", dict(result.context)),
+            ("iteration", dict(result.iteration)),
+            ("artifacts", [artifact.content for artifact in result.artifacts]),
+        ):
             try:
                 json.dumps(payload)
             except (TypeError, ValueError) as exc:  # noqa: PERF203 - two items, off the hot path
@@ -598,10 +622,17 @@ class Engine:
         guarded = run
         if result.context:
             guarded = attrs.evolve(run, context={**run.context, **result.context})
-        dest = self._machine.resolve(
+        dest, reason = self._machine.resolve_edge(
             run.state, result.event, guarded, self.guards, run_id=run.run_id
         )
-        if result.output is None and not result.context and result.error is None:
+        if (
+            result.output is None
+            and not result.context
+            and result.error is None
+            and not reason
+            and not result.iteration
+            and not result.artifacts
+        ):
             # The hot path: a bare event, nothing to store beside it.
             return self._commit(
                 run, result.event, dest, result=None, duration_ms=outcome.duration_ms
@@ -618,6 +649,10 @@ class Engine:
                 else {"type": result.event, "message": str(result.error)}
             )  # fmt: skip
             payload["error"] = error_payload
+        if reason:
+            payload["reason"] = reason
+            if error_payload is None:
+                error_payload = {"type": result.event, "message": reason}
         return self._commit(
             guarded,
             result.event,
@@ -625,6 +660,8 @@ class Engine:
             result=payload or None,
             duration_ms=outcome.duration_ms,
             error=error_payload,
+            iteration_updates=result.iteration,
+            artifacts=result.artifacts,
         )
 
     def _commit(
@@ -638,6 +675,8 @@ class Engine:
         error: Mapping[str, Any] | None = None,
         attempt: int | None = None,
         status: Outcome | None = None,
+        iteration_updates: Mapping[str, Any] | None = None,
+        artifacts: Sequence[ArtifactRecord] = (),
     ) -> tuple[TransitionRecord, RunRecord]:
         transition, after = _advance(
             self.spec,
@@ -650,12 +689,68 @@ class Engine:
             attempt=attempt,
             status=status,
         )
-        self.journal.commit(after, transition)
+        iterations: Sequence[IterationRecord] = ()
+        if (after.iteration > 0 or run.iteration > 0) and (
+            iteration_updates
+            or after.iteration != run.iteration
+            or after.ended
+            or event in (_SYSTEM_ERROR, _TIMEOUT)
+        ):
+            iterations = self._iteration_rows(run, after, transition, iteration_updates or {})
+        if artifacts:
+            artifacts = [
+                attrs.evolve(
+                    artifact,
+                    run_id=run.run_id,
+                    seq=transition.seq,
+                    iteration=after.iteration,
+                    created_at=transition.at,
+                )
+                for artifact in artifacts
+            ]
+        if iterations or artifacts:
+            self.journal.commit(after, transition, iterations=iterations, artifacts=artifacts)
+        else:
+            self.journal.commit(after, transition)
         if after.ended:
             with self._lock:
                 self._aborts.pop(run.run_id, None)
         self._notify(transition, after)
         return transition, after
+
+    def _iteration_rows(
+        self,
+        run: RunRecord,
+        after: RunRecord,
+        transition: TransitionRecord,
+        updates: Mapping[str, Any],
+    ) -> list[IterationRecord]:
+        """The iteration records a transition writes.
+
+        A phase's updates go to the iteration it ran in; a transition into a
+        ``starts_iteration`` state also opens the next iteration's record.
+        """
+        now = transition.at
+        rows: list[IterationRecord] = []
+        starts_next = after.iteration != run.iteration
+        if run.iteration > 0:
+            current = self.journal.iteration(run.run_id, run.iteration) or IterationRecord(
+                run.run_id, run.iteration, started_at=run.updated_at
+            )
+            changes = dict(updates)
+            if transition.event in (_SYSTEM_ERROR, _TIMEOUT) and "error_type" not in changes:
+                error = transition.error or {}
+                changes["error_type"] = (
+                    ErrorType.TIMEOUT if transition.event == _TIMEOUT else ErrorType.SYSTEM_ERROR
+                )
+                changes["error_message"] = f"{error.get('type')}: {error.get('message')}"
+            if changes:
+                current = attrs.evolve(current, **changes)
+            rows.append(_touch(current, run.state if starts_next else after.state, now))
+        if starts_next:
+            opened = IterationRecord(after.run_id, after.iteration, started_at=now)
+            rows.append(_touch(opened, after.state, now))
+        return rows
 
     def _notify(self, transition: TransitionRecord, run: RunRecord) -> None:
         for listener in self.listeners:
@@ -674,6 +769,17 @@ class Engine:
             json.dumps(value)
         except (TypeError, ValueError) as exc:
             raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
+
+
+def _touch(record: IterationRecord, state: str, now: dt.datetime) -> IterationRecord:
+    started = record.started_at or now
+    return attrs.evolve(
+        record,
+        state=state,
+        started_at=started,
+        completed_at=now,
+        duration_ms=(now - started).total_seconds() * 1000.0,
+    )
 
 
 def _advance(

@@ -28,6 +28,7 @@ Guard = Callable[[Any], bool]
 class _Edge:
     dest: str
     conditions: tuple[tuple[str, bool], ...]
+    reason: str = ""
 
 
 class CompiledMachine:
@@ -57,6 +58,7 @@ class CompiledMachine:
         self._table: dict[tuple[str, str], tuple[_Edge, ...]] = {}
         for event_name, compiled_event in self.machine.events.items():
             for source, compiled in compiled_event.transitions.items():
+                declared = spec.edges[(source, event_name)]  # added in this order above
                 self._table[(source, event_name)] = tuple(
                     _Edge(
                         dest=str(transition.dest),
@@ -64,8 +66,9 @@ class CompiledMachine:
                             (str(condition.func), bool(condition.target))
                             for condition in transition.conditions
                         ),
+                        reason=candidate.reason,
                     )
-                    for transition in compiled
+                    for transition, candidate in zip(compiled, declared, strict=True)
                 )
 
     def allows(self, state: str, event: str) -> bool:
@@ -87,14 +90,26 @@ class CompiledMachine:
             InvalidTransitionError: if the state has no such transition, or every candidate's
                 guards reject it.
         """
+        return self.resolve_edge(state, event, run, guards, run_id=run_id)[0]
+
+    def resolve_edge(
+        self,
+        state: str,
+        event: str,
+        run: object,
+        guards: Mapping[str, Guard],
+        *,
+        run_id: str | None = None,
+    ) -> tuple[str, str]:
+        """Like :meth:`resolve`, and also return the chosen transition's ``reason``."""
         candidates = self._table.get((state, event))
         if candidates is None:
             raise InvalidTransitionError(run_id=run_id, state=state, event=event)
         for edge in candidates:
-            if not edge.conditions:
-                return edge.dest
-            if all(bool(guards[name](run)) is target for name, target in edge.conditions):
-                return edge.dest
+            if not edge.conditions or all(
+                bool(guards[name](run)) is target for name, target in edge.conditions
+            ):
+                return edge.dest, edge.reason
         raise InvalidTransitionError(
             run_id=run_id, state=state, event=event, reason="rejected by every guard"
         )

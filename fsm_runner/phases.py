@@ -13,14 +13,14 @@ import enum
 import inspect
 import logging
 import types
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from fsm_runner.events import RunStatus, event_name
 from fsm_runner.exceptions import PhaseTimeoutError, RunAbortedError
-from fsm_runner.records import RunRecord
+from fsm_runner.records import ArtifactRecord, RunRecord
 
 __all__ = [
     "HandlerReturn",
@@ -36,6 +36,10 @@ def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return types.MappingProxyType(dict(value or {}))
 
 
+def _artifact_tuple(value: Iterable[ArtifactRecord]) -> tuple[ArtifactRecord, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class PhaseResult:
     """What a phase reports back to the engine.
@@ -47,12 +51,19 @@ class PhaseResult:
             at write time: anything else is refused with a clear error).
         context: updates merged into the run's context (JSON-serialisable).
         error: a description of a failure the phase handled itself (a string or a JSON object).
+        iteration: updates to the current iteration's record (fields of
+            :class:`fsm_runner.records.IterationRecord`: tokens, cost, levels run …), written in
+            the same transaction as the transition.
+        artifacts: artifacts to journal with the transition (see
+            :class:`fsm_runner.records.ArtifactRecord`).
     """
 
     event: str = attrs.field(converter=event_name)
     output: Any = None
     context: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
     error: str | Mapping[str, Any] | None = None
+    iteration: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    artifacts: tuple[ArtifactRecord, ...] = attrs.field(default=(), converter=_artifact_tuple)
 
 
 #: What a handler may return.

@@ -7,15 +7,20 @@ engine's back. Timestamps are aware UTC datetimes; JSON payloads are plain Pytho
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import attrs
 
-from fsm_runner._convert import converter, format_utc, parse_utc
+from fsm_runner._convert import by_value, converter, format_utc, parse_utc
 from fsm_runner.spec import Outcome
 
 __all__ = [
+    "ITERATION_FIELDS",
+    "ArtifactRecord",
+    "ErrorType",
+    "IterationRecord",
     "RunRecord",
     "TransitionRecord",
     "converter",
@@ -126,6 +131,135 @@ class TransitionRecord:
         return error if isinstance(error, Mapping) else None
 
 
+class ErrorType(str, enum.Enum):
+    """How an iteration went wrong, if it did."""
+
+    NONE = "none"
+    AGENT_CRASH = "agent_crash"
+    AGENT_FAILURE = "agent_failure"
+    VERIFICATION_FAILED = "verification_failed"
+    TIMEOUT = "timeout"
+    SYSTEM_ERROR = "system_error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _levels(value: Any) -> tuple[str, ...]:
+    return tuple(value or ())
+
+
+@attrs.frozen
+class IterationRecord:
+    """What happened in one iteration of a run (one pass through its ``starts_iteration`` state).
+
+    The engine opens the record when the iteration starts and writes it in the same journal
+    transaction as each transition that updates it (phases update it through
+    ``PhaseResult(iteration={...})``). Records written before a field existed load with its
+    default.
+
+    Attributes:
+        run_id: the run.
+        iteration: the iteration's number (1-based).
+        state: the state the run was in at the record's last update.
+        started_at: when the iteration started.
+        completed_at: when its last transition was committed.
+        duration_ms: from start to last transition.
+        snapshot_id: the workspace snapshot taken in this iteration.
+        feedback: the feedback this iteration's build was given.
+        feedback_fallback: whether that feedback is the fallback (its generator failed).
+        agent_session_id: the agent session this iteration's build ran in.
+        agent_result_ref: reference (artifact name) of the stored agent result.
+        agent_duration_ms: how long the agent ran.
+        success: whether the agent run succeeded.
+        model: the model the agent used.
+        tokens_input: tokens in.
+        tokens_output: tokens out.
+        tokens_total: tokens in all.
+        cost_usd: what the agent run cost.
+        verification_ref: reference (artifact name) of the stored verification report.
+        passed: whether verification passed.
+        levels_run: the verification levels run, e.g. ``("L0", "L1")``.
+        verification_duration_ms: how long verification took.
+        error_type: how the iteration went wrong, if it did.
+        error_message: the error, in one line.
+        error_details: structured details, e.g. the failed level and check.
+        extra: fields of the host's own.
+    """
+
+    run_id: str
+    iteration: int
+    state: str = ""
+    started_at: dt.datetime | None = None
+    completed_at: dt.datetime | None = None
+    duration_ms: float | None = None
+    snapshot_id: str | None = None
+    feedback: str | None = None
+    feedback_fallback: bool = False
+    agent_session_id: str | None = None
+    agent_result_ref: str | None = None
+    agent_duration_ms: float | None = None
+    success: bool | None = None
+    model: str | None = None
+    tokens_input: int | None = None
+    tokens_output: int | None = None
+    tokens_total: int | None = None
+    cost_usd: float | None = None
+    verification_ref: str | None = None
+    passed: bool | None = None
+    levels_run: tuple[str, ...] = attrs.field(default=(), converter=_levels)
+    verification_duration_ms: float | None = None
+    error_type: ErrorType = attrs.field(default=ErrorType.NONE, converter=ErrorType)
+    error_message: str | None = None
+    error_details: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+#: The fields a phase may update through ``PhaseResult(iteration={...})``.
+ITERATION_FIELDS: frozenset[str] = frozenset(
+    field.name
+    for field in attrs.fields(IterationRecord)
+    if field.name not in ("run_id", "iteration", "started_at", "completed_at", "duration_ms")
+)
+
+
+@attrs.frozen
+class ArtifactRecord:
+    """Something a phase produced and kept: an agent result, a verification report, a file.
+
+    Handlers return artifacts in ``PhaseResult(artifacts=[...])``; the engine journals them in
+    the same transaction as the phase's transition. An artifact whose storage failed is
+    recorded too, with ``status="failed"`` and the error — a failed write never fails a phase.
+
+    Attributes:
+        name: the artifact's name, unique within its run (e.g. ``agent-2``).
+        kind: what it is (``agent_result``, ``verification_report``, …).
+        content: its JSON content, kept in the journal.
+        path: where a copy was written, if anywhere.
+        sha256: the SHA-256 of that copy.
+        size: its size in bytes.
+        status: ``stored`` or ``failed``.
+        error: why storing it failed.
+        run_id: the run (set by the engine).
+        seq: the transition it was committed with (set by the engine).
+        iteration: the run's iteration then (set by the engine).
+        created_at: when it was committed (set by the engine).
+    """
+
+    name: str
+    kind: str = "artifact"
+    content: Any = None
+    path: str | None = None
+    sha256: str | None = None
+    size: int | None = None
+    status: str = "stored"
+    error: str | None = None
+    run_id: str = ""
+    seq: int = 0
+    iteration: int = 0
+    created_at: dt.datetime | None = None
+
+
 _DEFAULTED: dict[type, frozenset[str]] = {}
 
 
@@ -160,3 +294,6 @@ def unstructure(record: object) -> dict[str, Any]:
             value = getattr(record, field.name)
             data[field.name] = converter.unstructure(value)
     return data
+
+
+by_value(ErrorType)

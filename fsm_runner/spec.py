@@ -130,6 +130,8 @@ class Transition:
         dest: the state the run moves to.
         guards: names of guards (registered with the engine) that must all return true.
         unless: names of guards that must all return false.
+        reason: why a run takes this transition, recorded as the run's error when it does
+            (for fallbacks such as ``"iteration limit spent"``).
     """
 
     source: tuple[str, ...] = attrs.field(converter=_source_tuple)
@@ -137,6 +139,7 @@ class Transition:
     dest: str
     guards: tuple[str, ...] = attrs.field(default=(), converter=_source_tuple)
     unless: tuple[str, ...] = attrs.field(default=(), converter=_source_tuple)
+    reason: str = ""
 
     @property
     def guarded(self) -> bool:
@@ -314,7 +317,10 @@ class MachineSpec:
                     if name not in guards:
                         yield f"{label}: guard {name!r} is not registered"
         for (state, event), candidates in self.edges.items():
-            if any(not candidate.guarded for candidate in candidates[:-1]):
+            # An explicit source overrides a wildcard on purpose; ambiguity is within each group.
+            explicit = [c for c in candidates if WILDCARD not in c.source]
+            wildcard = [c for c in candidates if WILDCARD in c.source]
+            if any(not c.guarded for group in (explicit, wildcard) for c in group[:-1]):
                 dests = ", ".join(candidate.dest for candidate in candidates)
                 yield (
                     f"ambiguous: state {state!r} has {len(candidates)} transitions on {event!r} "

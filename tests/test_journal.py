@@ -269,7 +269,7 @@ class TestCommit:
         run = start(journal)
         after, transition = next_step(run, "verifying")
 
-        with pytest.raises(ValueError, match=r"run\.seq must equal transition\.seq"):
+        with pytest.raises(ValueError, match=r"must equal the transition's seq"):
             journal.commit(attrs.evolve(after, seq=5), transition)
 
         assert journal.load("r1") == run

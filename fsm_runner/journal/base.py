@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.records import ArtifactRecord, IterationRecord, RunRecord, TransitionRecord
 from fsm_runner.spec import Outcome
 
 __all__ = ["Durability", "Journal"]
@@ -37,19 +37,36 @@ class Journal(Protocol):
     def location(self) -> str:
         """Where the journal lives, for messages (a path, ``:memory:``, a URL)."""
 
-    def create_run(self, run: RunRecord, first: TransitionRecord, *, spec_json: str) -> None:
-        """Store a new run with its transition seq 0 and its spec, in one transaction.
+    def create_run(
+        self,
+        run: RunRecord,
+        first: TransitionRecord,
+        *,
+        spec_json: str,
+        iterations: Sequence[IterationRecord] = (),
+    ) -> None:
+        """Store a new run with its transition seq 0, its spec and iterations, in one transaction.
 
         Raises:
             RunExistsError: a run with that id exists.
             JournalError: the medium failed; nothing was written.
         """
 
-    def commit(self, run: RunRecord, transition: TransitionRecord) -> None:
+    def commit(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        *,
+        iterations: Sequence[IterationRecord] = (),
+        artifacts: Sequence[ArtifactRecord] = (),
+    ) -> None:
         """Store ``transition`` and the run row it leads to (``run``), in one transaction.
 
-        ``transition.seq`` must be one more than the stored run's seq, and ``run.seq`` must equal
-        ``transition.seq``.
+        ``transition.seq`` must be one more than the stored run's seq; ``run.seq`` and
+        ``run.state`` must equal the transition's ``seq`` and ``to_state``. ``iterations`` are
+        stored (inserted or replaced by run and iteration) and ``artifacts`` stored (replaced by
+        run and name) in the same transaction. An abort request on the run stays until the
+        ``USER_ABORTED`` transition that carries it out.
 
         Raises:
             RunNotFoundError: no such run.
@@ -64,6 +81,15 @@ class Journal(Protocol):
         Raises:
             RunNotFoundError: no such run.
         """
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+
+    def iterations(self, run_id: str) -> Sequence[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+
+    def artifacts(self, run_id: str) -> Sequence[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
 
     def transitions(
         self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None

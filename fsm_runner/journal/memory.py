@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +21,13 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
     RunTerminalError,
 )
-from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.records import (
+    ArtifactRecord,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    unstructure,
+)
 from fsm_runner.spec import Outcome
 
 __all__ = ["MemoryJournal"]
@@ -35,6 +42,11 @@ def _check_json(*values: Any) -> None:
                 raise JournalError(f"payload is not JSON-serialisable: {exc}") from None
 
 
+def _check_pair(run: RunRecord, transition: TransitionRecord) -> None:
+    if run.seq != transition.seq or run.state != transition.to_state:
+        raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
+
+
 class MemoryJournal:
     """A journal held in this process's memory; gone when the process ends."""
 
@@ -43,6 +55,8 @@ class MemoryJournal:
         self._runs: dict[str, RunRecord] = {}
         self._transitions: dict[str, list[TransitionRecord]] = {}
         self._specs: dict[str, str] = {}
+        self._iterations: dict[str, dict[int, IterationRecord]] = {}
+        self._artifacts: dict[str, dict[str, ArtifactRecord]] = {}
         self._closed = False
 
     @property
@@ -67,8 +81,15 @@ class MemoryJournal:
         if self._closed:
             raise JournalError("is closed", path=":memory:")
 
-    def create_run(self, run: RunRecord, first: TransitionRecord, *, spec_json: str) -> None:
-        """Store a new run with its transition seq 0 and its spec."""
+    def create_run(
+        self,
+        run: RunRecord,
+        first: TransitionRecord,
+        *,
+        spec_json: str,
+        iterations: Sequence[IterationRecord] = (),
+    ) -> None:
+        """Store a new run with its transition seq 0, its spec and iterations."""
         _check_json(run.input, run.context, run.error, first.result)
         with self._lock:
             self._check_open()
@@ -77,12 +98,20 @@ class MemoryJournal:
             self._specs.setdefault(run.spec_hash, spec_json)
             self._runs[run.run_id] = run
             self._transitions[run.run_id] = [first]
+            self._iterations[run.run_id] = {record.iteration: record for record in iterations}
 
-    def commit(self, run: RunRecord, transition: TransitionRecord) -> None:
-        """Store ``transition`` and the run row it leads to."""
-        if run.seq != transition.seq:
-            raise ValueError("run.seq must equal transition.seq")
+    def commit(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        *,
+        iterations: Sequence[IterationRecord] = (),
+        artifacts: Sequence[ArtifactRecord] = (),
+    ) -> None:
+        """Store ``transition`` and the run row it leads to, with iterations and artifacts."""
+        _check_pair(run, transition)
         _check_json(run.context, run.error, transition.result)
+        _check_json(*(unstructure(i) for i in iterations), *(a.content for a in artifacts))
         with self._lock:
             self._check_open()
             stored = self._runs.get(run.run_id)
@@ -109,6 +138,12 @@ class MemoryJournal:
                 ),
             )
             self._transitions[run.run_id].append(transition)
+            for record in iterations:
+                self._iterations.setdefault(run.run_id, {})[record.iteration] = record
+            for artifact in artifacts:
+                named = self._artifacts.setdefault(run.run_id, {})
+                named.pop(artifact.name, None)  # replaced by name, and ordered as committed
+                named[artifact.name] = artifact
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted."""
@@ -127,6 +162,24 @@ class MemoryJournal:
                 return self._runs[run_id]
             except KeyError:
                 raise RunNotFoundError(run_id) from None
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+        with self._lock:
+            self._check_open()
+            return self._iterations.get(run_id, {}).get(iteration)
+
+    def iterations(self, run_id: str) -> list[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+        with self._lock:
+            self.load(run_id)
+            return [record for _, record in sorted(self._iterations.get(run_id, {}).items())]
+
+    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
+        with self._lock:
+            self.load(run_id)
+            return list(self._artifacts.get(run_id, {}).values())
 
     def transitions(
         self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None

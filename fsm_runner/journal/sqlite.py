@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import enum
 import json
 import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import attrs
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
@@ -31,8 +33,11 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal.base import Durability
 from fsm_runner.records import (
+    ArtifactRecord,
+    IterationRecord,
     RunRecord,
     TransitionRecord,
+    converter,
     format_utc,
     structure,
     utc_now,
@@ -44,10 +49,11 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "SqliteJournal"]
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
+T = TypeVar("T")
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _JSON_COLUMNS = ("input", "context", "error")
 
@@ -134,7 +140,80 @@ def m0001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
-_MIGRATION_VERSIONS = {"m0001_initial": 1}
+@_migrations()
+def m0002_iterations_artifacts(db: sqlite_utils.Database) -> None:
+    """Version 2: per-iteration records and artifacts."""
+    db["iterations"].create(  # type: ignore[union-attr]
+        {
+            "run_id": str,
+            "iteration": int,
+            "state": str,
+            "started_at": str,
+            "completed_at": str,
+            "duration_ms": float,
+            "snapshot_id": str,
+            "feedback": str,
+            "feedback_fallback": int,
+            "agent_session_id": str,
+            "agent_result_ref": str,
+            "agent_duration_ms": float,
+            "success": int,
+            "model": str,
+            "tokens_input": int,
+            "tokens_output": int,
+            "tokens_total": int,
+            "cost_usd": float,
+            "verification_ref": str,
+            "passed": int,
+            "levels_run": str,
+            "verification_duration_ms": float,
+            "error_type": str,
+            "error_message": str,
+            "error_details": str,
+            "extra": str,
+        },
+        pk=("run_id", "iteration"),
+        foreign_keys=[("run_id", "runs", "run_id")],
+    )
+    db["artifacts"].create(  # type: ignore[union-attr]
+        {
+            "id": int,
+            "run_id": str,
+            "name": str,
+            "kind": str,
+            "seq": int,
+            "iteration": int,
+            "status": str,
+            "path": str,
+            "sha256": str,
+            "size": int,
+            "error": str,
+            "content": str,
+            "created_at": str,
+        },
+        pk="id",
+        not_null={"run_id", "name"},
+        foreign_keys=[("run_id", "runs", "run_id")],
+    )
+    db["artifacts"].create_index(["run_id", "name"], unique=True)  # type: ignore[union-attr]
+    db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+
+
+_MIGRATION_VERSIONS = {"m0001_initial": 1, "m0002_iterations_artifacts": 2}
+_ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
+_ITERATION_JSON = ("levels_run", "error_details", "extra")
+_UPSERT_ITERATION = (
+    f"INSERT OR REPLACE INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
+    f" VALUES ({', '.join('?' * len(_ITERATION_COLUMNS))})"
+)
+_ARTIFACT_COLUMNS = (
+    "run_id", "name", "kind", "seq", "iteration", "status", "path", "sha256", "size", "error",
+    "content", "created_at",
+)  # fmt: skip
+_UPSERT_ARTIFACT = (
+    f"INSERT OR REPLACE INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
+    f" VALUES ({', '.join('?' * len(_ARTIFACT_COLUMNS))})"
+)
 
 #: How many runs' last written rows the journal remembers to write only changed columns.
 _REMEMBERED_RUNS = 10_000
@@ -155,7 +234,12 @@ _INSERT_RUN = (
 def _dumps(value: Any) -> str | None:
     if value is None:
         return None
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise JournalError(
+            f"payload is not JSON-serialisable ({exc}); nothing was written"
+        ) from None
 
 
 def _json_or_none(text: str | None) -> Any:
@@ -374,8 +458,15 @@ class SqliteJournal:
 
     # -- writes --------------------------------------------------------------------------------
 
-    def create_run(self, run: RunRecord, first: TransitionRecord, *, spec_json: str) -> None:
-        """Store a new run with its transition seq 0 and its spec, in one transaction."""
+    def create_run(
+        self,
+        run: RunRecord,
+        first: TransitionRecord,
+        *,
+        spec_json: str,
+        iterations: Sequence[IterationRecord] = (),
+    ) -> None:
+        """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
         run_row = self._run_params(run)
         transition_row = self._transition_params(first)
         try:
@@ -387,6 +478,8 @@ class SqliteJournal:
                 )
                 conn.execute(_INSERT_RUN, run_row)
                 conn.execute(_INSERT_TRANSITION, transition_row)
+                for record in iterations:
+                    conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
             self._remember(run)
         except JournalError as exc:
             if isinstance(exc.__cause__, sqlite3.IntegrityError) and "runs.run_id" in str(
@@ -395,7 +488,14 @@ class SqliteJournal:
                 raise RunExistsError(run.run_id) from None
             raise
 
-    def commit(self, run: RunRecord, transition: TransitionRecord) -> None:
+    def commit(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        *,
+        iterations: Sequence[IterationRecord] = (),
+        artifacts: Sequence[ArtifactRecord] = (),
+    ) -> None:
         """Store ``transition`` and the run row it leads to, in one transaction.
 
         The ``transitions_advance_run`` trigger moves the run row (state, seq, iteration,
@@ -404,8 +504,8 @@ class SqliteJournal:
         Other changed columns are written by an UPDATE in the same ``BEGIN IMMEDIATE``
         transaction.
         """
-        if run.seq != transition.seq:
-            raise ValueError("run.seq must equal transition.seq")
+        if run.seq != transition.seq or run.state != transition.to_state:
+            raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
         if transition.seq < 1:  # seq 0 is written by create_run only
             with self._read() as conn:
                 exists = conn.execute(
@@ -430,15 +530,20 @@ class SqliteJournal:
             None if transition.result is None else _dumps(transition.result),
         )
         extra = self._extra_update(run, transition)
+        rows: list[tuple[str, tuple[Any, ...]]] = []
+        if extra is not None:
+            rows.append(extra)
+        rows.extend((_UPSERT_ITERATION, self._iteration_params(record)) for record in iterations)
+        rows.extend((_UPSERT_ARTIFACT, self._artifact_params(artifact)) for artifact in artifacts)
         with self._lock:
             if self._closed:
                 raise JournalError("is closed", path=self.path)
             cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
             try:
-                if extra is None:
+                if not rows:
                     cursor.execute(_INSERT_TRANSITION, insert)
                 else:
-                    self._commit_with_update(cursor, insert, *extra)
+                    self._commit_with_rows(cursor, insert, rows)
             except sqlite3.IntegrityError as exc:
                 self._written.pop(run.run_id, None)
                 raise self._commit_refusal(exc, run.run_id, transition.seq - 1) from None
@@ -447,13 +552,17 @@ class SqliteJournal:
                 raise JournalError(self._describe(exc), path=self.path) from exc
             self._remember(run)
 
-    def _commit_with_update(
-        self, cursor: sqlite3.Cursor, insert: tuple[Any, ...], sql: str, params: tuple[Any, ...]
+    def _commit_with_rows(
+        self,
+        cursor: sqlite3.Cursor,
+        insert: tuple[Any, ...],
+        rows: Sequence[tuple[str, tuple[Any, ...]]],
     ) -> None:
         cursor.execute("BEGIN IMMEDIATE")
         try:
             cursor.execute(_INSERT_TRANSITION, insert)
-            cursor.execute(sql, params)
+            for sql, params in rows:
+                cursor.execute(sql, params)
             cursor.execute("COMMIT")
         except BaseException:
             if self._conn.in_transaction:
@@ -546,6 +655,32 @@ class SqliteJournal:
         return tuple(values)
 
     @staticmethod
+    def _iteration_params(record: IterationRecord) -> tuple[Any, ...]:
+        values: list[Any] = []
+        for column in _ITERATION_COLUMNS:
+            value = getattr(record, column)
+            if column in _ITERATION_JSON:
+                value = _dumps(converter.unstructure(value))
+            elif isinstance(value, dt.datetime):
+                value = format_utc(value)
+            elif isinstance(value, enum.Enum):
+                value = value.value
+            values.append(value)
+        return tuple(values)
+
+    @staticmethod
+    def _artifact_params(artifact: ArtifactRecord) -> tuple[Any, ...]:
+        values: list[Any] = []
+        for column in _ARTIFACT_COLUMNS:
+            value = getattr(artifact, column)
+            if column == "content":
+                value = _dumps(value)
+            elif isinstance(value, dt.datetime):
+                value = format_utc(value)
+            values.append(value)
+        return tuple(values)
+
+    @staticmethod
     def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
         return (
             transition.run_id,
@@ -587,6 +722,57 @@ class SqliteJournal:
         except Exception as exc:  # a row we cannot read must not be misread
             raise JournalError(
                 f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self.path
+            ) from exc
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+        records = self._iterations("WHERE run_id = ? AND iteration = ?", (run_id, iteration))
+        return records[0] if records else None
+
+    def iterations(self, run_id: str) -> list[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+        self.load(run_id)
+        return self._iterations("WHERE run_id = ? ORDER BY iteration", (run_id,))
+
+    def _iterations(self, where: str, params: tuple[Any, ...]) -> list[IterationRecord]:
+        with self._read() as conn:
+            cursor = conn.execute(f"SELECT * FROM iterations {where}", params)
+            names = [column[0] for column in cursor.description]
+            rows = cursor.fetchall()
+        records = []
+        for row in rows:
+            data = dict(zip(names, row, strict=True))
+            for column in _ITERATION_JSON:
+                data[column] = _json_or_none(data[column])
+            for column in ("success", "passed", "feedback_fallback"):
+                if data[column] is not None:
+                    data[column] = bool(data[column])
+            records.append(self._structure(data, IterationRecord))
+        return records
+
+    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
+        self.load(run_id)
+        with self._read() as conn:
+            cursor = conn.execute(
+                f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts WHERE run_id = ?"
+                " ORDER BY id",
+                (run_id,),
+            )
+            rows = cursor.fetchall()
+        records = []
+        for row in rows:
+            data = dict(zip(_ARTIFACT_COLUMNS, row, strict=True))
+            data["content"] = _json_or_none(data["content"])
+            records.append(self._structure(data, ArtifactRecord))
+        return records
+
+    def _structure(self, data: dict[str, Any], cls: type[T]) -> T:
+        try:
+            return structure(data, cls)
+        except Exception as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"has an unreadable {cls.__name__} row ({exc})", path=self.path
             ) from exc
 
     def transitions(
