@@ -8,6 +8,7 @@ it, evaluating only the guards. The journal, not a ``transitions`` model, holds 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -70,6 +71,18 @@ class CompiledMachine:
                     )
                     for transition, candidate in zip(compiled, declared, strict=True)
                 )
+
+    @functools.cached_property
+    def plain_edges(self) -> dict[tuple[str, str], str]:
+        """(state, event) → destination, where the first candidate has no guard and no reason.
+
+        The engine's hot path answers from this table without evaluating anything.
+        """
+        return {
+            key: edges[0].dest
+            for key, edges in self._table.items()
+            if not edges[0].conditions and not edges[0].reason
+        }
 
     def allows(self, state: str, event: str) -> bool:
         """Whether ``event`` has any transition out of ``state`` (guards not evaluated)."""

@@ -93,10 +93,9 @@ class PhaseContext:
         "timeout",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - the engine builds one per step, positionally
         self,
         run: RunRecord,
-        *,
         services: Mapping[str, Any],
         clock: Callable[[], float],
         deadline: float | None = None,

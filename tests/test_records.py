@@ -101,14 +101,14 @@ class TestConverter:
     def test_datetimes_are_utc_iso_8601(self):
         data = unstructure(full_transition())
 
-        assert data["at"] == "2024-05-01T12:30:00+00:00"
+        assert data["at"] == "2024-05-01T12:30:00.000000+00:00"
 
     def test_aware_datetimes_are_converted_to_utc(self):
         transition = attrs.evolve(
             full_transition(), at=dt.datetime(2024, 5, 1, 14, 30, tzinfo=CEST)
         )
 
-        assert unstructure(transition)["at"] == "2024-05-01T12:30:00+00:00"
+        assert unstructure(transition)["at"] == "2024-05-01T12:30:00.000000+00:00"
 
     def test_naive_datetimes_are_taken_as_utc(self):
         naive = dt.datetime(2024, 5, 1, 12, 30)
@@ -117,14 +117,14 @@ class TestConverter:
         data = unstructure(transition)
         back = structure(data, TransitionRecord)
 
-        assert data["at"] == "2024-05-01T12:30:00+00:00"
+        assert data["at"] == "2024-05-01T12:30:00.000000+00:00"
         assert back.at == naive.replace(tzinfo=UTC)
         assert back.at.tzinfo is UTC
 
     @pytest.mark.parametrize(
         ("text", "expected"),
         [
-            ("2024-05-01T12:30:00+00:00", dt.datetime(2024, 5, 1, 12, 30, tzinfo=UTC)),
+            ("2024-05-01T12:30:00.000000+00:00", dt.datetime(2024, 5, 1, 12, 30, tzinfo=UTC)),
             ("2024-05-01T14:30:00+02:00", dt.datetime(2024, 5, 1, 12, 30, tzinfo=UTC)),
             ("2024-05-01T12:30:00", dt.datetime(2024, 5, 1, 12, 30, tzinfo=UTC)),
             (
@@ -253,3 +253,31 @@ class TestRecords:
         assert failed.output == 3
         assert failed.error == {"type": "E"}
         assert TransitionRecord("r1", 1, "a", "X", "b", result={"error": "text"}).error is None
+
+
+class TestFormatUtc:
+    """Timestamps are fixed-width UTC ISO-8601, so their text sorts as time does."""
+
+    def test_fixed_width_across_seconds_and_zones(self):
+        from fsm_runner.records import format_utc
+
+        base = dt.datetime(2026, 1, 2, 3, 4, 5, 999999, tzinfo=dt.timezone.utc)
+        texts = [
+            format_utc(base),
+            format_utc(base + dt.timedelta(microseconds=1)),
+            format_utc(base + dt.timedelta(seconds=1, microseconds=1)),
+            format_utc(
+                (base + dt.timedelta(seconds=2)).astimezone(dt.timezone(dt.timedelta(hours=5)))
+            ),
+        ]
+        assert texts == [
+            "2026-01-02T03:04:05.999999+00:00",
+            "2026-01-02T03:04:06.000000+00:00",
+            "2026-01-02T03:04:07.000000+00:00",
+            "2026-01-02T03:04:07.999999+00:00",
+        ]
+        assert sorted(texts) == texts
+        assert {len(text) for text in texts} == {32}
+        assert [dt.datetime.fromisoformat(t) for t in texts][1] == base + dt.timedelta(
+            microseconds=1
+        )

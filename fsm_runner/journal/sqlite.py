@@ -504,6 +504,62 @@ class SqliteJournal:
         Other changed columns are written by an UPDATE in the same ``BEGIN IMMEDIATE``
         transaction.
         """
+        seq = transition.seq
+        if run.seq != seq or run.state != transition.to_state or seq < 1:
+            self._refuse_malformed(run, transition)
+        at = transition.at
+        insert = (
+            transition.run_id,
+            seq,
+            transition.from_state,
+            transition.event,
+            transition.to_state,
+            transition.iteration,
+            transition.attempt,
+            format_utc(at),
+            transition.duration_ms,
+            None if transition.result is None else _dumps(transition.result),
+        )
+        run_id = run.run_id
+        known = self._written.get(run_id)
+        if (
+            known is not None  # the hot path: the trigger alone writes everything that changed
+            and known.seq == seq - 1
+            and run.status is known.status
+            and run.attempt == known.attempt
+            and run.context is known.context
+            and run.error is known.error
+            and transition.event != _USER_ABORTED
+        ):
+            extra = None
+        else:
+            extra = self._extra_update(run, transition)
+        rows: list[tuple[str, tuple[Any, ...]]] | None = None
+        if extra is not None or iterations or artifacts:  # off the hot path
+            rows = [extra] if extra is not None else []
+            rows += [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
+            rows += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
+        written = self._written
+        with self._lock:
+            if self._closed:
+                raise JournalError("is closed", path=self.path)
+            cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
+            try:
+                if rows is None:
+                    cursor.execute(_INSERT_TRANSITION, insert)
+                else:
+                    self._commit_with_rows(cursor, insert, rows)
+            except sqlite3.IntegrityError as exc:
+                written.pop(run_id, None)
+                raise self._commit_refusal(exc, run_id, seq - 1) from None
+            except sqlite3.Error as exc:
+                written.pop(run_id, None)
+                raise JournalError(self._describe(exc), path=self.path) from exc
+            if len(written) >= _REMEMBERED_RUNS:
+                written.clear()
+            written[run_id] = run
+
+    def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
         if run.seq != transition.seq or run.state != transition.to_state:
             raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
         if transition.seq < 1:  # seq 0 is written by create_run only
@@ -516,41 +572,6 @@ class SqliteJournal:
             raise RunConflictError(
                 run_id=run.run_id, expected_seq=transition.seq - 1, path=self.path
             )
-        at = transition.at
-        insert = (
-            transition.run_id,
-            transition.seq,
-            transition.from_state,
-            transition.event,
-            transition.to_state,
-            transition.iteration,
-            transition.attempt,
-            at.isoformat() if at.tzinfo is _UTC else format_utc(at),
-            transition.duration_ms,
-            None if transition.result is None else _dumps(transition.result),
-        )
-        extra = self._extra_update(run, transition)
-        rows: list[tuple[str, tuple[Any, ...]]] = []
-        if extra is not None:
-            rows.append(extra)
-        rows.extend((_UPSERT_ITERATION, self._iteration_params(record)) for record in iterations)
-        rows.extend((_UPSERT_ARTIFACT, self._artifact_params(artifact)) for artifact in artifacts)
-        with self._lock:
-            if self._closed:
-                raise JournalError("is closed", path=self.path)
-            cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
-            try:
-                if not rows:
-                    cursor.execute(_INSERT_TRANSITION, insert)
-                else:
-                    self._commit_with_rows(cursor, insert, rows)
-            except sqlite3.IntegrityError as exc:
-                self._written.pop(run.run_id, None)
-                raise self._commit_refusal(exc, run.run_id, transition.seq - 1) from None
-            except sqlite3.Error as exc:
-                self._written.pop(run.run_id, None)
-                raise JournalError(self._describe(exc), path=self.path) from exc
-            self._remember(run)
 
     def _commit_with_rows(
         self,
