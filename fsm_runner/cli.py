@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ import click
 if TYPE_CHECKING:
     from fsm_runner.engine import Engine
     from fsm_runner.journal import Journal
-    from fsm_runner.records import RunRecord, TransitionRecord
+    from fsm_runner.records import ArtifactRecord, IterationRecord, RunRecord, TransitionRecord
 
 __all__ = ["cli", "main"]
 
@@ -169,12 +170,71 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
     journal = state.journal()
     run = journal.load(_resolve_run_id(journal, run_id))
     timeline = journal.transitions(run.run_id)
+    iterations = journal.iterations(run.run_id)
+    artifacts = journal.artifacts(run.run_id)
     if as_json:
-        _json_dump({"run": unstructure(run), "transitions": [unstructure(t) for t in timeline]})
+        _json_dump(
+            {
+                "run": unstructure(run),
+                "transitions": [unstructure(t) for t in timeline],
+                "iterations": [unstructure(i) for i in iterations],
+                "artifacts": [_artifact_summary(a) for a in artifacts],
+            }
+        )
         return
     _print_summary(run)
     click.echo("")
     _print_timeline(timeline)
+    if iterations:
+        click.echo("")
+        _print_iterations(iterations)
+    if artifacts:
+        click.echo("")
+        _table(
+            [
+                (a.name, a.kind, str(a.seq), a.status, a.path or "(in journal)", a.error or "")
+                for a in artifacts
+            ],
+            ("ARTIFACT", "KIND", "SEQ", "STATUS", "WHERE", "ERROR"),
+        )
+
+
+def _artifact_summary(artifact: ArtifactRecord) -> dict[str, Any]:
+    from fsm_runner.records import unstructure
+
+    data = unstructure(artifact)
+    data.pop("content", None)  # `export` writes contents; listings stay short
+    return data
+
+
+def _print_iterations(iterations: Sequence[IterationRecord]) -> None:
+    rows = []
+    for record in iterations:
+        tokens = "-" if record.tokens_total is None else str(record.tokens_total)
+        cost = "-" if record.cost_usd is None else f"{record.cost_usd:.4f}"
+        ok = {True: "yes", False: "no", None: "-"}
+        error = "" if record.error_type.value == "none" else record.error_type.value
+        if record.error_message:
+            error = f"{error}: {record.error_message}"[:60]
+        rows.append(
+            (
+                str(record.iteration),
+                record.state,
+                ok[record.success],
+                ok[record.passed],
+                ",".join(record.levels_run) or "-",
+                tokens,
+                cost,
+                "-" if record.duration_ms is None else f"{record.duration_ms / 1000:.1f}s",
+                "yes" if record.feedback else "-",
+                error,
+            )
+        )
+    _table(
+        rows,
+        ("ITER", "STATE", "AGENT OK", "PASSED", "LEVELS", "TOKENS", "COST $", "TIME", "FEEDBACK",
+         "ERROR"),
+    )  # fmt: skip
 
 
 def _print_summary(run: RunRecord) -> None:
@@ -264,13 +324,13 @@ def _echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
 @click.argument("run_id", metavar="RUN")
 @click.option(
     "--app",
-    required=True,
     metavar="MODULE:ATTR",
-    help="The host app: an Engine, or a zero-argument factory returning one.",
+    help="The host app: an Engine, or a zero-argument factory returning one. Optional for runs"
+    " whose input names their app (as `demo` and `agent-loop` runs do).",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many steps.")
 @click.pass_obj
-def resume(state: _State, run_id: str, app: str, max_steps: int | None) -> None:
+def resume(state: _State, run_id: str, app: str | None, max_steps: int | None) -> None:
     """Resume a run from its last journaled state, with the handlers of --app.
 
     The run continues in the journal given to fsm-runner (--journal), whatever journal the
@@ -278,6 +338,11 @@ def resume(state: _State, run_id: str, app: str, max_steps: int | None) -> None:
     """
     journal = state.journal()
     run_id = _resolve_run_id(journal, run_id)
+    if app is None:
+        run_input = journal.load(run_id).input
+        app = run_input.get("app") if isinstance(run_input, dict) else None
+        if not isinstance(app, str):
+            raise click.UsageError("this run's input names no app; pass --app MODULE:ATTR")
     engine = _load_app(app).with_journal(journal)
     engine.listeners.append(_echo_transition)
     try:
@@ -307,6 +372,47 @@ def abort(state: _State, run_id: str, reason: str, app: str | None) -> None:
     guards = _load_app(app).guards if app else None
     run = abort_run(journal, run_id, reason, guards=guards)
     click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument(
+    "directory", metavar="DIR", type=click.Path(file_okay=False, writable=True, path_type=Path)
+)
+@click.pass_obj
+def export(state: _State, run_id: str, directory: Path) -> None:
+    """Write a run to DIR as JSON files.
+
+    run.json (the run and its transitions), iteration-N.json for each iteration, and one
+    file per artifact named after it (agent-N.json, verification-N.json for agent-loop runs).
+    """
+    from fsm_runner.records import unstructure
+
+    journal = state.journal()
+    run = journal.load(_resolve_run_id(journal, run_id))
+    files: dict[str, Any] = {
+        "run.json": {
+            "run": unstructure(run),
+            "transitions": [unstructure(t) for t in journal.transitions(run.run_id)],
+        }
+    }
+    for record in journal.iterations(run.run_id):
+        files[f"iteration-{record.iteration}.json"] = unstructure(record)
+    for artifact in journal.artifacts(run.run_id):
+        # artifact names come from handlers: keep them inside DIR whatever they hold
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", artifact.name).lstrip(".") or "artifact"
+        files[f"{safe}.json"] = (
+            artifact.content if artifact.status == "stored" else _artifact_summary(artifact)
+        )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (directory / name).write_text(
+                json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+            )
+    except OSError as exc:
+        _fail(f"cannot write to {directory}: {exc.strerror or exc}")
+    click.echo(f"wrote {len(files)} files to {directory}: {', '.join(sorted(files))}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
