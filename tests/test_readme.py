@@ -28,7 +28,7 @@ def test_readme_quick_start_has_exactly_two_commands():
     quick_start = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"```bash\n(.*?)```", quick_start, flags=re.DOTALL)
     assert len(commands) == 2
-    assert "fsm_runner.examples.release" in commands[0]
+    assert "fsm-runner demo" in commands[0]
     assert "pytest" in commands[1]
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
     assert commands[1].strip() in ci
