@@ -166,7 +166,7 @@ class IterationRecord:
         completed_at: when its last transition was committed.
         duration_ms: from start to last transition.
         snapshot_id: the workspace snapshot taken in this iteration.
-        feedback: the feedback this iteration's build was given.
+        feedback: the feedback generated in this iteration, for the next build.
         feedback_fallback: whether that feedback is the fallback (its generator failed).
         agent_session_id: the agent session this iteration's build ran in.
         agent_result_ref: reference (artifact name) of the stored agent result.

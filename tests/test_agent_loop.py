@@ -204,7 +204,12 @@ class TestBuildPhase:
         result = BuildPhase().run(make_ctx("building", agent=FakeAgent(failed)))
 
         assert result.event == RunEvent.BUILD_FAILED.value
-        message = f"agent exited with {changes['exit_code']}: Traceback: boom"
+        head = (
+            "agent timed out"
+            if changes.get("timed_out")
+            else f"agent exited with {changes['exit_code']}"
+        )
+        message = f"{head}: Traceback: boom"
         assert result.error == {"type": error_type.value, "message": message}
         assert result.iteration["success"] is False
         assert result.iteration["error_type"] is error_type
@@ -293,7 +298,17 @@ class TestSnapshotPhase:
             "type": "snapshot_failed",
             "message": "RuntimeError: not a git repository",
         }
-        assert result.iteration == {}
+        assert dict(result.iteration) == {
+            "error_type": ErrorType.SYSTEM_ERROR,
+            "error_message": "snapshot failed: RuntimeError: not a git repository",
+        }
+
+    def test_bad_iteration_limit_is_refused(self):
+        from fsm_runner.presets.agent_loop import QueuePhase
+
+        ctx = make_ctx("queued", input={"task": "t", "workspace": "/w", "max_iterations": 0})
+        with pytest.raises(ValueError, match="max_iterations"):
+            QueuePhase().run(ctx)
 
 
 class TestVerifyPhase:

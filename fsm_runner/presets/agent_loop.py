@@ -136,8 +136,7 @@ DEFAULT_MAX_ITERATIONS = 3
 
 
 def _iterations_left(run: RunRecord) -> bool:
-    limit = int(run.input.get("max_iterations") or DEFAULT_MAX_ITERATIONS)
-    return run.iteration < limit
+    return run.iteration < int(run.input.get("max_iterations", DEFAULT_MAX_ITERATIONS))
 
 
 def _time_left(run: RunRecord) -> bool:
@@ -355,6 +354,9 @@ class QueuePhase:
         missing = [key for key in ("task", "workspace") if not _input(ctx, key)]
         if missing:
             raise ValueError(f"the run's input lacks {', '.join(missing)}")
+        limit = _input(ctx, "max_iterations", DEFAULT_MAX_ITERATIONS)
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_iterations must be a whole number >= 1, not {limit!r}")
         return PhaseResult(RUN_ACCEPTED)
 
 
@@ -413,7 +415,9 @@ class BuildPhase:
         if error_type is ErrorType.NONE:
             error_type = ErrorType.AGENT_FAILURE  # exit code 0 but the agent said it failed
         tail = (result.stderr or result.stdout)[-500:].strip()
-        message = f"agent exited with {result.exit_code}" + (f": {tail}" if tail else "")
+        message = (
+            "agent timed out" if result.timed_out else f"agent exited with {result.exit_code}"
+        ) + (f": {tail}" if tail else "")
         updates |= {"error_type": error_type, "error_message": message}
         return PhaseResult(
             BUILD_FAILED,
@@ -436,7 +440,12 @@ class SnapshotPhase:
         except Exception as exc:  # noqa: BLE001 - a failed snapshot is an event, not a crash
             message = f"{type(exc).__name__}: {exc}"
             return PhaseResult(
-                SNAPSHOT_FAILED, error={"type": "snapshot_failed", "message": message}
+                SNAPSHOT_FAILED,
+                error={"type": "snapshot_failed", "message": message},
+                iteration={
+                    "error_type": ErrorType.SYSTEM_ERROR,
+                    "error_message": f"snapshot failed: {message}",
+                },
             )
         data = unstructure(snapshot)
         return PhaseResult(
