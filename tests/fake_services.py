@@ -118,9 +118,11 @@ class FakeSnapshotter:
     def __init__(self, error: Exception | None = None) -> None:
         self.error = error
         self.workspaces: list[str] = []
+        self.since: list[str | None] = []
 
-    def capture(self, workspace: str) -> Snapshot:
+    def capture(self, workspace: str, *, since: str | None = None) -> Snapshot:
         self.workspaces.append(workspace)
+        self.since.append(since)
         if self.error is not None:
             raise self.error
         n = len(self.workspaces)

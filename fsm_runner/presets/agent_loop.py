@@ -261,8 +261,8 @@ class AgentDriver(Protocol):
 class Snapshotter(Protocol):
     """Captures the workspace's state."""
 
-    def capture(self, workspace: str) -> Snapshot:
-        """Capture the workspace now, against its last capture."""
+    def capture(self, workspace: str, *, since: str | None = None) -> Snapshot:
+        """Capture the workspace now, against the snapshot ``since`` (the last one) if given."""
 
 
 @runtime_checkable
@@ -273,10 +273,13 @@ class Verifier(Protocol):
         self,
         workspace: str,
         *,
-        levels: Mapping[str, Sequence[str]] | None = None,
+        levels: Mapping[str, Sequence[str] | str] | None = None,
         timeout: float | None = None,
     ) -> VerificationReport:
-        """Run the levels (the verifier's own, or ``levels`` when given) in order."""
+        """Run the levels (the verifier's own, or ``levels`` when given) in order.
+
+        A level is one command or a list of commands.
+        """
 
 
 @runtime_checkable
@@ -436,7 +439,9 @@ class SnapshotPhase:
         """Report SNAPSHOT_TAKEN with the snapshot, or SNAPSHOT_FAILED."""
         snapshotter: Snapshotter = ctx.services["snapshotter"]
         try:
-            snapshot = snapshotter.capture(str(_input(ctx, "workspace")))
+            snapshot = snapshotter.capture(
+                str(_input(ctx, "workspace")), since=ctx.context.get("snapshot")
+            )
         except Exception as exc:  # noqa: BLE001 - a failed snapshot is an event, not a crash
             message = f"{type(exc).__name__}: {exc}"
             return PhaseResult(
