@@ -422,8 +422,8 @@ def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
     journal = state.journal(must_exist=False)
     engine = make_engine(journal)
     engine.listeners.append(_echo_transition)
+    click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")
     run_id = engine.start(run_input)
-    click.echo(f"run {run_id} (workspace {run_input['workspace']})")
     try:
         run = engine.run(run_id)
     finally:

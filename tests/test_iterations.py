@@ -164,3 +164,25 @@ class TestMigration:
         conn.close()
         with pytest.raises(JournalError, match="newer"):
             SqliteJournal(path)
+
+
+class TestOlderRows:
+    """An iteration row written before a field existed loads with the field's default."""
+
+    def test_sparse_row_loads_with_defaults(self, tmp_path):
+        path = tmp_path / "j.db"
+        journal = SqliteJournal(path)
+        run_id = engine_for(journal).start()
+        journal.close()
+        conn = sqlite3.connect(path)
+        conn.execute("DELETE FROM iterations")
+        conn.execute("INSERT INTO iterations (run_id, iteration) VALUES (?, 1)", (run_id,))
+        conn.commit()
+        conn.close()
+        with SqliteJournal(path) as journal:
+            (record,) = journal.iterations(run_id)
+        assert record.error_type is ErrorType.NONE
+        assert record.levels_run == ()
+        assert record.extra == {}
+        assert record.feedback_fallback is False
+        assert record.passed is None
