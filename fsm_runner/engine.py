@@ -24,9 +24,10 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from fsm_runner.events import RunEvent, event_name
+from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
     HandlerResultError,
+    InvalidTransitionError,
     PayloadError,
     PhaseError,
     PhaseTimeoutError,
@@ -54,7 +55,7 @@ from fsm_runner.records import (
     TransitionRecord,
     utc_now,
 )
-from fsm_runner.spec import MachineSpec, Outcome, State
+from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
 
 __all__ = ["Engine", "Listener", "abort_run"]
 
@@ -66,6 +67,8 @@ _SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 _TIMEOUT = RunEvent.TIMEOUT.value
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _RETRIED = RunEvent.RETRIED.value
+_INTERRUPTED = RunEvent.INTERRUPTED.value
+_SAME_VISIT = frozenset({_RETRIED, _INTERRUPTED})
 _MAX_ABORT_TRIES = 20
 # What handlers return most; checked before the much slower inspect.isawaitable.
 _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
@@ -165,9 +168,9 @@ class Engine:
         self._spec_json = spec.to_json()
         self._active: dict[str, PhaseContext] = {}  # runs whose phase runs in this process
         self._by_state = {
-            state.name: self._handlers[state.handler] for state in spec.states if state.handler
+            state.name: self._handlers[state.handler] for state in spec.leaves if state.handler
         }
-        self._states = {state.name: state for state in spec.states}
+        self._states = {state.name: state for state in spec.leaves}
         # States whose handler is a plain callable with no validate() and no timeout: their
         # step takes the inlined hot path in _step.
         self._fast = {
@@ -176,8 +179,9 @@ class Engine:
             if validate_fn is None and self._states[name].timeout is None
         }
         self._plain_edges = self._machine.plain_edges
+        self._returning = spec.returning_states
         self._logger_names = {
-            state.name: f"fsm_runner.phase.{spec.name}.{state.name}" for state in spec.states
+            state.name: f"fsm_runner.phase.{spec.name}.{state.name}" for state in spec.leaves
         }
         self._aborts: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -233,7 +237,7 @@ class Engine:
             PayloadError: the input or context is not JSON-serialisable; nothing was written.
             JournalError: the journal failed; nothing was written.
         """
-        initial = self.spec.state(self.spec.initial)
+        initial = self.spec.state(self.spec.initial_leaf)
         run_id = run_id or uuid.uuid4().hex
         now = utc_now()
         iteration = 1 if initial.starts_iteration else 0
@@ -584,7 +588,10 @@ class Engine:
         duration_ms = (self.clock() - step.started) * 1000.0
         if error is not None:
             return _Outcome(None, error, duration_ms)
-        result = to_phase_result(value)
+        if isinstance(value, RunStatus):  # the spec says which event each status reports
+            result: PhaseResult | None = PhaseResult(self.spec.status_event(value))
+        else:
+            result = to_phase_result(value)
         if result is None:
             detail = (
                 f"returned {type(value).__name__} {value!r:.80}; expected a PhaseResult, an event"
@@ -780,7 +787,7 @@ class Engine:
         """
         dest_state = self._states[dest]
         iteration = run.iteration + dest_state.starts_iteration
-        if iteration:
+        if iteration or run.return_to is not None or dest in self._returning:
             return self._commit(run, event, dest, result=None, duration_ms=duration_ms)
         now = utc_now()
         seq = run.seq + 1
@@ -892,11 +899,37 @@ def _advance(
     attempt: int | None = None,
     status: Outcome | None = None,
 ) -> tuple[TransitionRecord, RunRecord]:
-    """Build the transition ``run`` takes on ``event`` to ``dest``, and the run row it leads to."""
+    """Build the transition ``run`` takes on ``event`` to ``dest``, and the run row it leads to.
+
+    ``dest`` may be :data:`RETURN`: the state the run came from into the one it is in, entered
+    again as the next attempt of that visit.
+
+    Raises:
+        InvalidTransitionError: ``dest`` is RETURN but the run came from nowhere to return to.
+    """
+    return_to, return_attempt = run.return_to, run.return_attempt
+    returning = dest == RETURN
+    if returning:
+        if return_to is None:
+            raise InvalidTransitionError(
+                run_id=run.run_id,
+                state=run.state,
+                event=event,
+                reason="a RETURN transition, but the run came from nowhere to return to,",
+            )
+        dest, attempt = return_to, return_attempt + 1
+        return_to, return_attempt = None, 0
+    elif dest != run.state:
+        if dest in spec.returning_states:  # remember where to come back to
+            return_to, return_attempt = run.state, run.attempt
+        else:
+            return_to, return_attempt = None, 0
     dest_state = spec.state(dest)
-    # Entering a starts_iteration state starts an iteration; a retry or an in-place stop is
-    # the same visit.
-    same_visit = dest == run.state and (event == _RETRIED or status is Outcome.ABORTED)
+    # Entering a starts_iteration state starts an iteration; a retry, an interruption, an
+    # in-place stop or a return is the same visit.
+    same_visit = returning or (
+        dest == run.state and (event in _SAME_VISIT or status is Outcome.ABORTED)
+    )
     iteration = run.iteration + (dest_state.starts_iteration and not same_visit)
     now = utc_now()
     seq = run.seq + 1
@@ -924,6 +957,8 @@ def _advance(
         run.lease_owner,
         run.lease_expires_at,
         run.lease_token,
+        return_to,
+        return_attempt,
     )
     return transition, after
 

@@ -63,9 +63,15 @@ STATUS_EVENTS: dict[RunStatus, RunEvent] = {
 }
 
 #: Events the engine itself journals without a spec transition: the first row of a run,
-#: a retried attempt (a self transition), and an abort from a state with no USER_ABORTED exit.
+#: a retried attempt (a self transition), an abort from a state with no USER_ABORTED exit,
+#: and an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable).
 ENGINE_EVENTS: frozenset[str] = frozenset(
-    {RunEvent.STARTED.value, RunEvent.RETRIED.value, RunEvent.USER_ABORTED.value}
+    {
+        RunEvent.STARTED.value,
+        RunEvent.RETRIED.value,
+        RunEvent.USER_ABORTED.value,
+        RunEvent.INTERRUPTED.value,
+    }
 )
 
 

@@ -17,7 +17,7 @@ import attrs
 import transitions
 
 from fsm_runner.exceptions import InvalidTransitionError
-from fsm_runner.spec import MachineSpec
+from fsm_runner.spec import RETURN, MachineSpec
 
 __all__ = ["CompiledMachine", "Guard", "compile_spec"]
 
@@ -42,8 +42,8 @@ class CompiledMachine:
         self.spec = spec
         self.machine = transitions.Machine(
             model=None,
-            states=[state.name for state in spec.states],
-            initial=spec.initial,
+            states=[state.name for state in spec.leaves],
+            initial=spec.initial_leaf,
             auto_transitions=False,
             name=spec.name,
         )
@@ -52,7 +52,7 @@ class CompiledMachine:
                 self.machine.add_transition(
                     event,
                     source,
-                    candidate.dest,
+                    None if candidate.dest == RETURN else candidate.dest,  # history: internal
                     conditions=list(candidate.guards),
                     unless=list(candidate.unless),
                 )
@@ -62,7 +62,7 @@ class CompiledMachine:
                 declared = spec.edges[(source, event_name)]  # added in this order above
                 self._table[(source, event_name)] = tuple(
                     _Edge(
-                        dest=str(transition.dest),
+                        dest=RETURN if transition.dest is None else str(transition.dest),
                         conditions=tuple(
                             (str(condition.func), bool(condition.target))
                             for condition in transition.conditions
@@ -81,7 +81,7 @@ class CompiledMachine:
         return {
             key: edges[0].dest
             for key, edges in self._table.items()
-            if not edges[0].conditions and not edges[0].reason
+            if not edges[0].conditions and not edges[0].reason and edges[0].dest != RETURN
         }
 
     def allows(self, state: str, event: str) -> bool:

@@ -63,6 +63,9 @@ class RunRecord:
         lease_owner: the worker holding the run's lease, if any.
         lease_expires_at: when that lease expires.
         lease_token: increases on every claim; commits are fenced by it.
+        return_to: where a :data:`fsm_runner.spec.RETURN` transition takes the run (the state
+            it left for the state it is in now), if it can take one.
+        return_attempt: the attempt ``return_to`` was on when the run left it.
     """
 
     run_id: str
@@ -84,6 +87,8 @@ class RunRecord:
     lease_owner: str | None = None
     lease_expires_at: dt.datetime | None = None
     lease_token: int = 0
+    return_to: str | None = None
+    return_attempt: int = 0
 
     @property
     def ended(self) -> bool:

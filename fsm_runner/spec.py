@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import itertools
 import json
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Mapping
@@ -20,13 +21,17 @@ import attrs
 import cattrs.gen
 
 from fsm_runner._convert import by_value, converter
-from fsm_runner.events import event_name
+from fsm_runner.events import STATUS_EVENTS, RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import SpecError
 
-__all__ = ["WILDCARD", "MachineSpec", "Outcome", "RetryPolicy", "State", "Transition"]
+__all__ = ["RETURN", "WILDCARD", "MachineSpec", "Outcome", "RetryPolicy", "State", "Transition"]
 
 #: A transition source that stands for every non-terminal state.
 WILDCARD = "*"
+#: A transition destination meaning "back to the state the run came from" (a history target):
+#: a recovery state returns the run to the sub-phase that failed, never to one already done.
+RETURN = "$return"
+PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 
 
 class Outcome(str, enum.Enum):
@@ -73,6 +78,10 @@ class RetryPolicy:
             yield "waits must be >= 0 and wait_exp_base >= 1"
 
 
+def _child_tuple(value: Iterable[State]) -> tuple[State, ...]:
+    return tuple(value)
+
+
 def _optional_float(value: float | None) -> float | None:
     return None if value is None else float(value)
 
@@ -95,6 +104,12 @@ class State:
         retry: how often a raising handler is retried before ``SYSTEM_ERROR`` is followed.
         starts_iteration: entering this state starts a new iteration of the run.
         description: free text, shown in diagrams and ``fsm-runner show``.
+        children: ordered sub-phases: this state is then a composite that a run is never in
+            itself. Entering it enters its first child; each child's ``advance_on`` event
+            leads to the next child, and the last child's to the composite's own exit for that
+            event. A transition from the composite applies to every child (a child's own
+            transitions come first). Child names are unique across the whole machine.
+        advance_on: the event that moves a composite from one child to the next.
     """
 
     name: str
@@ -105,6 +120,13 @@ class State:
     retry: RetryPolicy | None = None
     starts_iteration: bool = False
     description: str = ""
+    children: tuple[State, ...] = attrs.field(default=(), converter=_child_tuple)
+    advance_on: str = attrs.field(default=PHASE_COMPLETED, converter=event_name)
+
+    @property
+    def composite(self) -> bool:
+        """Whether this state has sub-phases."""
+        return bool(self.children)
 
     @property
     def final_outcome(self) -> Outcome:
@@ -127,7 +149,8 @@ class Transition:
     Args:
         source: a state name, several, or ``"*"`` for every non-terminal state.
         event: the event (a string or a str enum such as :class:`fsm_runner.RunEvent`).
-        dest: the state the run moves to.
+        dest: the state the run moves to (a composite: its first sub-phase), or
+            :data:`RETURN` for the state the run came from.
         guards: names of guards (registered with the engine) that must all return true.
         unless: names of guards that must all return false.
         reason: why a run takes this transition, recorded as the run's error when it does
@@ -147,6 +170,13 @@ class Transition:
         return bool(self.guards or self.unless)
 
 
+def _str_mapping(value: Mapping[Any, Any] | None) -> Mapping[str, str]:
+    return {
+        (key.name if isinstance(key, RunStatus) else str(key)): event_name(event)
+        for key, event in (value or {}).items()
+    }
+
+
 def _state_tuple(value: Iterable[State]) -> tuple[State, ...]:
     return tuple(value)
 
@@ -164,13 +194,17 @@ class MachineSpec:
         states: every state, in the order diagrams and listings show them.
         transitions: every edge; for one (state, event) pair, explicit sources are tried before
             wildcard ones, each in declaration order, and the first whose guards pass wins.
-        initial: where runs start; the first state when not given.
+        initial: where runs start; the first state when not given (a composite: its first
+            sub-phase).
+        status_events: which event a handler's :class:`RunStatus` reports, by status name
+            (``{"ERROR": "ANALYSIS_FAILED"}``); the standard mapping for the others.
     """
 
     name: str
     states: tuple[State, ...] = attrs.field(converter=_state_tuple)
     transitions: tuple[Transition, ...] = attrs.field(converter=_transition_tuple)
     initial: str = attrs.field(default="")
+    status_events: Mapping[str, str] = attrs.field(factory=dict, converter=_str_mapping)
 
     def __attrs_post_init__(self) -> None:
         if not self.initial and self.states:
@@ -178,7 +212,77 @@ class MachineSpec:
 
     @functools.cached_property
     def _by_name(self) -> dict[str, State]:
-        return {state.name: state for state in self.states}
+        found: dict[str, State] = {}
+        for state in self._walk(self.states):
+            found.setdefault(state.name, state)
+        return found
+
+    @staticmethod
+    def _walk(states: Iterable[State]) -> Iterator[State]:
+        for state in states:
+            yield state
+            yield from MachineSpec._walk(state.children)
+
+    @functools.cached_property
+    def leaves(self) -> tuple[State, ...]:
+        """The states a run can be in: every state that is not a composite, in order."""
+        return tuple(state for state in self._walk(self.states) if not state.composite)
+
+    @functools.cached_property
+    def _parents(self) -> dict[str, tuple[str, ...]]:
+        """Each state's enclosing composites, innermost first."""
+        parents: dict[str, tuple[str, ...]] = {}
+
+        def visit(states: Iterable[State], chain: tuple[str, ...]) -> None:
+            for state in states:
+                parents.setdefault(state.name, chain)
+                visit(state.children, (state.name, *chain))
+
+        visit(self.states, ())
+        return parents
+
+    def parents(self, name: str) -> tuple[str, ...]:
+        """The composites that enclose state ``name``, innermost first."""
+        return self._parents.get(name, ())
+
+    def entry_leaf(self, name: str) -> str:
+        """The state a run enters for ``name``: a composite's first sub-phase (recursively)."""
+        state = self._by_name[name]
+        while state.composite:
+            state = state.children[0]
+        return state.name
+
+    def exit_leaf(self, name: str) -> str:
+        """A composite's last sub-phase (recursively); the state itself otherwise."""
+        state = self._by_name[name]
+        while state.composite:
+            state = state.children[-1]
+        return state.name
+
+    def leaves_under(self, name: str) -> tuple[str, ...]:
+        """The leaf states inside ``name`` (``name`` itself for a leaf)."""
+        state = self._by_name[name]
+        if not state.composite:
+            return (name,)
+        return tuple(s.name for s in self._walk(state.children) if not s.composite)
+
+    @property
+    def initial_leaf(self) -> str:
+        """The state a new run starts in."""
+        return self.entry_leaf(self.initial)
+
+    def status_event(self, status: RunStatus) -> str:
+        """The event a handler returning ``status`` reports."""
+        return self.status_events.get(status.name) or STATUS_EVENTS[status].value
+
+    @functools.cached_property
+    def returning_states(self) -> frozenset[str]:
+        """States with a :data:`RETURN` exit: entering one remembers where the run came from."""
+        return frozenset(
+            source
+            for (source, _event), candidates in self.edges.items()
+            if any(candidate.dest == RETURN for candidate in candidates)
+        )
 
     def state(self, name: str) -> State:
         """Return the state called ``name``.
@@ -195,25 +299,75 @@ class MachineSpec:
     @property
     def terminal_states(self) -> tuple[str, ...]:
         """Names of the terminal states."""
-        return tuple(state.name for state in self.states if state.terminal)
+        return tuple(state.name for state in self.leaves if state.terminal)
 
     def expand_source(self, transition: Transition) -> tuple[str, ...]:
-        """The states a transition leaves from, with ``*`` as every non-terminal state."""
+        """The leaf states a transition leaves from.
+
+        ``*`` is every non-terminal leaf, and a composite every leaf inside it.
+        """
         if WILDCARD in transition.source:
-            return tuple(state.name for state in self.states if not state.terminal)
-        return transition.source
+            return tuple(state.name for state in self.leaves if not state.terminal)
+        expanded: list[str] = []
+        for source in transition.source:
+            if source in self._by_name:
+                expanded.extend(self.leaves_under(source))
+            else:
+                expanded.append(source)  # unknown: validate() names it
+        return tuple(expanded)
+
+    def _resolved(self, transition: Transition) -> Transition:
+        dest = transition.dest
+        if dest in self._by_name and self._by_name[dest].composite:
+            return attrs.evolve(transition, dest=self.entry_leaf(dest))
+        return transition
+
+    @functools.cached_property
+    def _edge_groups(self) -> dict[tuple[str, str], tuple[tuple[Transition, ...], ...]]:
+        """Per (leaf, event), the candidate groups in the order they are tried.
+
+        The leaf's own transitions, a composite's implicit move to the next sub-phase,
+        transitions from the enclosing composites (innermost first), then wildcards.
+        """
+        groups: dict[tuple[str, str], dict[int, list[Transition]]] = {}
+
+        def add(key: tuple[str, str], rank: int, transition: Transition) -> None:
+            groups.setdefault(key, {}).setdefault(rank, []).append(transition)
+
+        for transition in self.transitions:
+            for leaf in self.expand_source(transition):
+                if WILDCARD in transition.source:
+                    rank = 1000
+                elif leaf in transition.source:
+                    rank = 0
+                else:
+                    chain = self.parents(leaf)
+                    owner = next((p for p in chain if p in transition.source), None)
+                    rank = 2 + (chain.index(owner) if owner is not None else 0)
+                add((leaf, transition.event), rank, self._resolved(transition))
+        for composite in self._walk(self.states):
+            for current, following in itertools.pairwise(composite.children):
+                leaf = self.exit_leaf(current.name)
+                add(
+                    (leaf, composite.advance_on),
+                    1,
+                    Transition(leaf, composite.advance_on, self.entry_leaf(following.name)),
+                )
+        return {
+            key: tuple(tuple(ranked[rank]) for rank in sorted(ranked))
+            for key, ranked in groups.items()
+        }
 
     @functools.cached_property
     def edges(self) -> dict[tuple[str, str], tuple[Transition, ...]]:
-        """Candidate transitions per (state, event): explicit sources first, then wildcards."""
-        explicit: dict[tuple[str, str], list[Transition]] = {}
-        wildcard: dict[tuple[str, str], list[Transition]] = {}
-        for transition in self.transitions:
-            table = wildcard if WILDCARD in transition.source else explicit
-            for source in self.expand_source(transition):
-                table.setdefault((source, transition.event), []).append(transition)
-        keys = list(explicit) + [key for key in wildcard if key not in explicit]
-        return {key: tuple(explicit.get(key, []) + wildcard.get(key, [])) for key in keys}
+        """Candidate transitions per (leaf state, event), in the order they are tried.
+
+        Composite destinations are resolved to their first sub-phase.
+        """
+        return {
+            key: tuple(candidate for group in groups for candidate in group)
+            for key, groups in self._edge_groups.items()
+        }
 
     def events_from(self, state: str) -> tuple[str, ...]:
         """The events that have at least one transition out of ``state``."""
@@ -222,7 +376,7 @@ class MachineSpec:
     @property
     def handler_names(self) -> frozenset[str]:
         """Every handler name the states refer to."""
-        return frozenset(state.handler for state in self.states if state.handler)
+        return frozenset(state.handler for state in self.leaves if state.handler)
 
     @property
     def guard_names(self) -> frozenset[str]:
@@ -271,9 +425,11 @@ class MachineSpec:
         if not self.states:
             yield "the machine has no states"
         seen: set[str] = set()
-        for state in self.states:
-            if not state.name or state.name == WILDCARD:
+        for state in self._walk(self.states):
+            if not state.name or state.name == WILDCARD or state.name.startswith("$"):
                 yield f"invalid state name {state.name!r}"
+            if state.composite and (state.handler or state.terminal or state.timeout):
+                yield f"composite {state.name!r} cannot have a handler or timeout, or be terminal"
             if state.name in seen:
                 yield f"state {state.name!r} is declared twice"
             seen.add(state.name)
@@ -291,8 +447,11 @@ class MachineSpec:
                 yield f"state {state.name!r} names handler {state.handler!r}, not registered"
         if self.states and not self.has_state(self.initial):
             yield f"initial state {self.initial!r} is not a state"
-        elif self.states and self.state(self.initial).terminal:
+        elif self.states and self.state(self.entry_leaf(self.initial)).terminal:
             yield f"initial state {self.initial!r} is terminal"
+        for key in self.status_events:
+            if key not in RunStatus.__members__:
+                yield f"status_events names {key!r}, which is not a RunStatus"
 
     def _transition_problems(  # noqa: PLR0912 - one flat list of independent checks
         self, guards: Collection[str] | Mapping[str, object] | None
@@ -310,17 +469,17 @@ class MachineSpec:
                     yield f"{label}: unknown source state {source!r}"
                 elif self.state(source).terminal:
                     yield f"{label}: terminal state {source!r} has an exit"
-            if not self.has_state(transition.dest):
+            if transition.dest != RETURN and not self.has_state(transition.dest):
                 yield f"{label}: unknown destination state {transition.dest!r}"
             if guards is not None:
                 for name in transition.guards + transition.unless:
                     if name not in guards:
                         yield f"{label}: guard {name!r} is not registered"
-        for (state, event), candidates in self.edges.items():
-            # An explicit source overrides a wildcard on purpose; ambiguity is within each group.
-            explicit = [c for c in candidates if WILDCARD not in c.source]
-            wildcard = [c for c in candidates if WILDCARD in c.source]
-            if any(not c.guarded for group in (explicit, wildcard) for c in group[:-1]):
+        for (state, event), groups in self._edge_groups.items():
+            # A more specific source overrides a wider one on purpose (a leaf its composite, a
+            # composite the wildcard); ambiguity is within each group.
+            if any(not c.guarded for group in groups for c in group[:-1]):
+                candidates = [c for group in groups for c in group]
                 dests = ", ".join(candidate.dest for candidate in candidates)
                 yield (
                     f"ambiguous: state {state!r} has {len(candidates)} transitions on {event!r} "
@@ -328,8 +487,9 @@ class MachineSpec:
                 )
 
     def _graph_problems(self) -> Iterator[str]:
-        reachable = {self.initial}
-        queue = deque([self.initial])
+        start = self.initial_leaf
+        reachable = {start}
+        queue = deque([start])
         while queue:
             current = queue.popleft()
             for (source, _event), candidates in self.edges.items():
@@ -340,7 +500,7 @@ class MachineSpec:
                         reachable.add(candidate.dest)
                         queue.append(candidate.dest)
         exits = {source for source, _event in self.edges}
-        for state in self.states:
+        for state in self.leaves:
             if state.name not in reachable:
                 yield f"state {state.name!r} is unreachable from {self.initial!r}"
             if not state.terminal and state.name not in exits:

@@ -8,6 +8,7 @@ import pytest
 
 from fsm_runner import Engine, MachineSpec, PhaseResult, RunEvent, SqliteJournal, State, Transition
 from fsm_runner.exceptions import JournalError
+from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.records import ArtifactRecord, ErrorType
 
 SPEC = MachineSpec(
@@ -140,12 +141,14 @@ class TestMigration:
         conn = sqlite3.connect(path)  # turn it back into what version 1 wrote
         conn.execute("DROP TABLE iterations")
         conn.execute("DROP TABLE artifacts")
-        conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0002_iterations_artifacts'")
+        conn.execute("ALTER TABLE runs DROP COLUMN return_to")
+        conn.execute("ALTER TABLE runs DROP COLUMN return_attempt")
+        conn.execute("DELETE FROM _sqlite_migrations WHERE name != 'm0001_initial'")
         conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
         conn.commit()
         conn.close()
         journal = SqliteJournal(path)
-        assert journal.meta()["schema_version"] == "2"
+        assert journal.meta()["schema_version"] == str(SCHEMA_VERSION)
         run = engine_for(journal).run(run_id)
         assert run.state == "succeeded"
         assert len(journal.iterations(run_id)) == 2

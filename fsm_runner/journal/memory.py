@@ -132,6 +132,8 @@ class MemoryJournal:
                 context=run.context,
                 error=run.error,
                 updated_at=run.updated_at,
+                return_to=run.return_to,
+                return_attempt=run.return_attempt,
                 # an abort request stays until the USER_ABORTED commit that carries it out
                 abort_reason=(
                     None if transition.event == RunEvent.USER_ABORTED.value else stored.abort_reason

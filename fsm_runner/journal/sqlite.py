@@ -49,7 +49,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "SqliteJournal"]
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -199,7 +199,19 @@ def m0002_iterations_artifacts(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
 
 
-_MIGRATION_VERSIONS = {"m0001_initial": 1, "m0002_iterations_artifacts": 2}
+@_migrations()
+def m0003_return_targets(db: sqlite_utils.Database) -> None:
+    """Version 3: where a history (RETURN) transition takes a run."""
+    db["runs"].add_column("return_to", str)  # type: ignore[union-attr]
+    db["runs"].add_column("return_attempt", int, not_null_default=0)  # type: ignore[union-attr]
+    db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+
+
+_MIGRATION_VERSIONS = {
+    "m0001_initial": 1,
+    "m0002_iterations_artifacts": 2,
+    "m0003_return_targets": 3,
+}
 _ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
 _ITERATION_JSON = ("levels_run", "error_details", "extra")
 _UPSERT_ITERATION = (
@@ -224,7 +236,8 @@ _INSERT_TRANSITION = (
 _RUN_COLUMNS = (
     "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
     "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
-    "abort_reason", "lease_owner", "lease_expires_at", "lease_token",
+    "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
+    "return_attempt",
 )  # fmt: skip
 _INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
@@ -529,6 +542,7 @@ class SqliteJournal:
             and run.attempt == known.attempt
             and run.context is known.context
             and run.error is known.error
+            and run.return_to == known.return_to
             and transition.event != _USER_ABORTED
         ):
             extra = None
@@ -607,6 +621,7 @@ class SqliteJournal:
             and run.attempt == known.attempt
             and run.context is known.context
             and run.error is known.error
+            and run.return_to == known.return_to
             and transition.event != _USER_ABORTED
         ):
             return None  # the hot path: the trigger writes all that changed
@@ -624,6 +639,12 @@ class SqliteJournal:
         if known is None or run.error is not known.error:
             columns.append("error")
             params.append(_dumps(run.error))
+        if known is None or (run.return_to, run.return_attempt) != (
+            known.return_to,
+            known.return_attempt,
+        ):
+            columns += ["return_to", "return_attempt"]
+            params += [run.return_to, run.return_attempt]
         if transition.event == _USER_ABORTED:
             columns.append("abort_reason")  # the abort carried out clears the request
             params.append(None)
