@@ -7,7 +7,7 @@ or was stopped resumes from its last state without repeating a completed phase.
 
 from __future__ import annotations
 
-from fsm_runner.engine import Engine, Listener
+from fsm_runner.engine import Engine, Listener, interrupt_on_sigterm
 from fsm_runner.events import RunEvent, RunStatus
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -20,9 +20,18 @@ from fsm_runner.exceptions import (
 from fsm_runner.journal import Journal, MemoryJournal, SqliteJournal, open_journal
 from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult
 from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import WILDCARD, MachineSpec, Outcome, RetryPolicy, State, Transition
+from fsm_runner.spec import (
+    RETURN,
+    WILDCARD,
+    MachineSpec,
+    Outcome,
+    RetryPolicy,
+    State,
+    Transition,
+)
 
 __all__ = [
+    "RETURN",
     "WILDCARD",
     "Engine",
     "FsmRunnerError",
@@ -47,6 +56,7 @@ __all__ = [
     "State",
     "Transition",
     "TransitionRecord",
+    "interrupt_on_sigterm",
     "open_journal",
 ]
 

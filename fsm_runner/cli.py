@@ -343,10 +343,15 @@ def resume(state: _State, run_id: str, app: str | None, max_steps: int | None) -
         app = run_input.get("app") if isinstance(run_input, dict) else None
         if not isinstance(app, str):
             raise click.UsageError("this run's input names no app; pass --app MODULE:ATTR")
+    from fsm_runner.engine import interrupt_on_sigterm
+
     engine = _load_app(app).with_journal(journal)
     engine.listeners.append(_echo_transition)
     try:
-        run = engine.resume(run_id, max_steps=max_steps)
+        with interrupt_on_sigterm():
+            run = engine.resume(run_id, max_steps=max_steps)
+    except KeyboardInterrupt:
+        _fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
     finally:
         engine.close()
     click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
@@ -424,8 +429,13 @@ def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
     engine.listeners.append(_echo_transition)
     click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")
     run_id = engine.start(run_input)
+    from fsm_runner.engine import interrupt_on_sigterm
+
     try:
-        run = engine.run(run_id)
+        with interrupt_on_sigterm():
+            run = engine.run(run_id)
+    except KeyboardInterrupt:
+        _fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
     finally:
         engine.close()
     click.echo("")

@@ -9,23 +9,26 @@ committed state; :meth:`Engine.resume` continues from there, so no completed pha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import enum
 import inspect
 import json
 import logging
+import signal
 import threading
 import time
 import traceback
 import types
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 
 from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
+    FsmRunnerError,
     HandlerResultError,
     InvalidTransitionError,
     PayloadError,
@@ -57,7 +60,7 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
 
-__all__ = ["Engine", "Listener", "abort_run"]
+__all__ = ["Engine", "Listener", "abort_run", "interrupt_on_sigterm"]
 
 #: Called with each transition after it is committed, and the run row it produced.
 Listener = Callable[[TransitionRecord, RunRecord], None]
@@ -346,6 +349,9 @@ class Engine:
             return None, run
         try:
             outcome = self._call_sync(step)
+        except KeyboardInterrupt:
+            self._journal_interruption(run, "KeyboardInterrupt")
+            raise
         finally:
             self._active.pop(run_id, None)
         return self._settle(step, outcome)
@@ -371,6 +377,10 @@ class Engine:
             self._active.pop(run_id, None)
             step = _Step(run, self._states[run.state], ctx, started)
             return self._settle(step, self._outcome(step, None, exc))
+        except KeyboardInterrupt:
+            self._active.pop(run_id, None)
+            self._journal_interruption(run, "KeyboardInterrupt")
+            raise
         if type(value) is str and not run.iteration:
             dest = self._plain_edges.get((run.state, value))
             if dest is not None:
@@ -386,6 +396,27 @@ class Engine:
         finally:
             self._active.pop(run_id, None)
         return self._settle(step, outcome)
+
+    def _journal_interruption(self, run: RunRecord, cause: str) -> None:
+        """Journal INTERRUPTED as a self transition; the run stays resumable.
+
+        The phase that was interrupted runs again, as its next attempt, when the run resumes.
+        """
+        error = {"type": _INTERRUPTED, "message": f"interrupted ({cause}) in {run.state!r}"}
+        try:
+            self._commit(
+                run,
+                _INTERRUPTED,
+                run.state,
+                result={"error": error},
+                duration_ms=0.0,
+                error=error,
+                attempt=run.attempt + 1,
+            )
+        except FsmRunnerError:
+            # Journaling is best effort here: the run is still at its last committed state,
+            # and resuming runs the phase again either way.
+            _log.exception("could not journal the interruption of run %s", run.run_id)
 
     def _settle(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
         """Journal a phase's outcome, or a retry of it (then wait before the next attempt)."""
@@ -457,6 +488,9 @@ class Engine:
             return None, run
         try:
             outcome = await self._call_async(step)
+        except (KeyboardInterrupt, asyncio.CancelledError) as exc:
+            self._journal_interruption(run, type(exc).__name__)
+            raise
         finally:
             self._release(run.run_id)
         wait = self._retry_wait(step, outcome)
@@ -1030,3 +1064,25 @@ def abort_run(
             _notify(transition, after)
         return after
     raise RunConflictError(run_id=run_id, expected_seq=-1, path=journal.location)
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM interrupts like Ctrl-C (``KeyboardInterrupt``).
+
+    So a run that is stopped by its supervisor (systemd, Kubernetes, a shell's ``kill``)
+    journals ``INTERRUPTED`` and stays resumable, exactly as after Ctrl-C. Only in the main
+    thread (where Python delivers signals); elsewhere the block changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

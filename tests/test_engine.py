@@ -768,14 +768,34 @@ class TestHandlerFailures:
         assert "int" in str(info.value)
         assert snapshot(journal, run_id) == before
 
-    def test_base_exceptions_are_not_journaled(self, journal):
-        def interrupted(_ctx):
-            raise KeyboardInterrupt
+    def test_ctrl_c_journals_interrupted_and_stays_resumable(self, journal):
+        calls = []
 
-        engine = two_phase_engine(journal, a=interrupted)
+        def interrupted_once(ctx):
+            calls.append(ctx.attempt)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return NEXT
+
+        engine = two_phase_engine(journal, a=interrupted_once)
+        run_id = engine.start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(run_id)
+        run = journal.load(run_id)
+        last = journal.transitions(run_id)[-1]
+        assert (last.from_state, last.event, last.to_state) == ("a", "INTERRUPTED", "a")
+        assert (run.state, run.status.value, run.attempt) == ("a", "active", 2)
+        assert engine.resume(run_id).status.value == "succeeded"
+        assert calls == [1, 2]  # the interrupted phase ran again, as its next attempt
+
+    def test_other_base_exceptions_are_not_journaled(self, journal):
+        def exiting(_ctx):
+            raise SystemExit(3)
+
+        engine = two_phase_engine(journal, a=exiting)
         run_id = engine.start()
         before = snapshot(journal, run_id)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(SystemExit):
             engine.run(run_id)
         assert snapshot(journal, run_id) == before
 
