@@ -23,7 +23,8 @@ to them and never leak. Each error carries structured attributes and builds its 
     │   ├── LeaseHeldError                               .owner .expires_at
     │   └── LeaseLostError                               .token
     ├── EffectOutcomeUnknownError                        .run_id .state .effect
-    └── CapabilityError                                  .state .operation
+    ├── CapabilityError                                  .state .operation
+    └── SupervisorError                                  .resource .detail
 
 Only :mod:`fsm_runner.cli` turns these into exit codes.
 """
@@ -54,6 +55,7 @@ __all__ = [
     "SchemaVersionError",
     "SpecError",
     "SpecMismatchError",
+    "SupervisorError",
 ]
 
 
@@ -317,3 +319,12 @@ class CapabilityError(FsmRunnerError):
         self.operation = operation
         where = f"in state {state!r}" if state else "outside any phase handler"
         super().__init__(f"operation {operation!r} is not allowed {where}{detail}")
+
+
+class SupervisorError(FsmRunnerError):
+    """A supervised resource (a helper server) could not be started or brought back."""
+
+    def __init__(self, resource: str, detail: str) -> None:
+        self.resource = resource
+        self.detail = detail
+        super().__init__(f"{resource}: {detail}")
