@@ -30,6 +30,7 @@ from fsm_runner.exceptions import (
     SchemaVersionError,
     SpecError,
     SpecMismatchError,
+    SupervisorError,
 )
 
 
@@ -120,6 +121,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
     CapabilityError: (
         CapabilityError(state="verifying", operation="write"),
         {"state": "verifying", "operation": "write"},
+    ),
+    SupervisorError: (
+        SupervisorError("helper server", "restart budget spent"),
+        {"resource": "helper server", "detail": "restart budget spent"},
     ),
 }
 
