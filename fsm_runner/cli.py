@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from fsm_runner.engine import Engine
     from fsm_runner.journal import Journal
     from fsm_runner.records import ArtifactRecord, IterationRecord, RunRecord, TransitionRecord
+    from fsm_runner.spec import MachineSpec
 
 __all__ = ["cli", "main"]
 
@@ -166,12 +167,14 @@ def runs(state: _State, machine: str | None, status: str | None, limit: int, as_
 def show(state: _State, run_id: str, as_json: bool) -> None:
     """Show a run: its summary and its timeline of transitions."""
     from fsm_runner.records import unstructure
+    from fsm_runner.spec import MachineSpec
 
     journal = state.journal()
     run = journal.load(_resolve_run_id(journal, run_id))
     timeline = journal.transitions(run.run_id)
     iterations = journal.iterations(run.run_id)
     artifacts = journal.artifacts(run.run_id)
+    visits = _subphase_visits(MachineSpec.from_json(journal.spec_json(run.spec_hash)), timeline)
     if as_json:
         _json_dump(
             {
@@ -179,12 +182,29 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
                 "transitions": [unstructure(t) for t in timeline],
                 "iterations": [unstructure(i) for i in iterations],
                 "artifacts": [_artifact_summary(a) for a in artifacts],
+                "subphases": visits,
             }
         )
         return
     _print_summary(run)
     click.echo("")
     _print_timeline(timeline)
+    if visits:
+        click.echo("")
+        _table(
+            [
+                (
+                    v["subphase"],
+                    v["parent"],
+                    str(v["attempts"]),
+                    str(v["restarts"]),
+                    str(v["interruptions"]),
+                    v["last_event"] or "-",
+                )
+                for v in visits
+            ],
+            ("SUB-PHASE", "IN", "ATTEMPTS", "RESTARTS", "INTERRUPTED", "LAST EVENT"),
+        )
     if iterations:
         click.echo("")
         _print_iterations(iterations)
@@ -197,6 +217,42 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
             ],
             ("ARTIFACT", "KIND", "SEQ", "STATUS", "WHERE", "ERROR"),
         )
+
+
+def _subphase_visits(
+    spec: MachineSpec, timeline: Sequence[TransitionRecord]
+) -> list[dict[str, Any]]:
+    """Per sub-phase the run entered: attempts, restarts, interruptions, last event.
+
+    All read off the journaled transitions: an attempt is each entry (a return after a server
+    restart included) and each rerun after RETRIED or INTERRUPTED.
+    """
+    visits: dict[str, dict[str, Any]] = {}
+    for leaf in spec.leaves:
+        parents = spec.parents(leaf.name)
+        if parents:
+            visits[leaf.name] = {
+                "subphase": leaf.name,
+                "parent": parents[0],
+                "attempts": 0,
+                "restarts": 0,
+                "interruptions": 0,
+                "last_event": None,
+            }
+    for t in timeline:
+        entered = visits.get(t.to_state)
+        if entered is not None and t.from_state != t.to_state:
+            entered["attempts"] += 1
+            if t.event == "SERVER_RECOVERED":
+                entered["restarts"] += 1
+        left = visits.get(t.from_state or "")
+        if left is not None:
+            left["last_event"] = t.event
+            if t.event == "INTERRUPTED":
+                left["interruptions"] += 1
+            if t.event in ("INTERRUPTED", "RETRIED"):  # the phase runs again: one more attempt
+                left["attempts"] += 1
+    return [v for v in visits.values() if v["attempts"]]
 
 
 def _artifact_summary(artifact: ArtifactRecord) -> dict[str, Any]:
