@@ -729,6 +729,7 @@ class Engine:
             and not result.iteration
             and not result.artifacts
             and run.iteration == 0
+            and dest != RETURN
         ):
             return self._commit_plain(run, result.event, dest, outcome.duration_ms)
         payload: dict[str, Any] = {}

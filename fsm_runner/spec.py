@@ -326,8 +326,9 @@ class MachineSpec:
     def _edge_groups(self) -> dict[tuple[str, str], tuple[tuple[Transition, ...], ...]]:
         """Per (leaf, event), the candidate groups in the order they are tried.
 
-        The leaf's own transitions, a composite's implicit move to the next sub-phase,
-        transitions from the enclosing composites (innermost first), then wildcards.
+        The leaf's own transitions; then, for each enclosing composite from the innermost
+        out, its implicit move to its next child and then its own transitions; then
+        wildcards. So a nested composite's own exit beats the outer one's implicit advance.
         """
         groups: dict[tuple[str, str], dict[int, list[Transition]]] = {}
 
@@ -343,14 +344,16 @@ class MachineSpec:
                 else:
                     chain = self.parents(leaf)
                     owner = next((p for p in chain if p in transition.source), None)
-                    rank = 2 + (chain.index(owner) if owner is not None else 0)
+                    rank = 2 + 2 * (chain.index(owner) if owner is not None else 0)
                 add((leaf, transition.event), rank, self._resolved(transition))
         for composite in self._walk(self.states):
             for current, following in itertools.pairwise(composite.children):
                 leaf = self.exit_leaf(current.name)
+                # Just before the composite's own transitions, after those of everything inside
+                # the child being left (which may itself be a composite with its own exit).
                 add(
                     (leaf, composite.advance_on),
-                    1,
+                    1 + 2 * self.parents(leaf).index(composite.name),
                     Transition(leaf, composite.advance_on, self.entry_leaf(following.name)),
                 )
         return {
