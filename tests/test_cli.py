@@ -223,3 +223,52 @@ class TestAbort:
     def test_ended_run(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, None)
         assert "has ended" in one_line_error(invoke("abort", run_id, "--reason", "x"))
+
+
+class TestShowSubphases:
+    """`show` lists each sub-phase's attempts, restarts and interruptions."""
+
+    def test_subphase_table(self, invoke, journal_path):
+        from fsm_runner import RETURN, Engine, MachineSpec, RunEvent, RunStatus, State, Transition
+
+        spec = MachineSpec(
+            "nested",
+            [
+                State("work", children=[State("a", handler="a"), State("b", handler="b")]),
+                State("recovering", handler="recover"),
+                State("done", terminal=True),
+                State("failed", terminal=True, outcome="failed"),
+            ],
+            [
+                Transition("work", RunEvent.PHASE_COMPLETED, "done"),
+                Transition("work", RunEvent.SERVER_UNREACHABLE, "recovering"),
+                Transition("recovering", RunEvent.SERVER_RECOVERED, RETURN),
+                Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
+            ],
+        )
+        calls = []
+
+        def b(ctx):
+            calls.append(ctx.attempt)
+            return RunStatus.SERVER_UNREACHABLE if len(calls) == 1 else RunStatus.OK
+
+        engine = Engine(
+            spec,
+            handlers={
+                "a": lambda ctx: RunStatus.OK,
+                "b": b,
+                "recover": lambda ctx: "SERVER_RECOVERED",
+            },
+            journal=SqliteJournal(journal_path),
+        )
+        run = engine.run(engine.start())
+        engine.journal.close()
+        assert run.state == "done"
+        assert calls == [1, 2]
+        data = json.loads(invoke("show", run.run_id, "--json").output)
+        visits = {v["subphase"]: v for v in data["subphases"]}
+        assert (visits["a"]["attempts"], visits["a"]["restarts"]) == (1, 0)
+        assert (visits["b"]["attempts"], visits["b"]["restarts"]) == (2, 1)
+        text = invoke("show", run.run_id).output
+        assert "SUB-PHASE" in text
+        assert "RESTARTS" in text
