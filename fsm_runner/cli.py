@@ -131,14 +131,25 @@ def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> None:
     type=click.Choice(["active", "succeeded", "failed", "aborted"]),
     help="Only runs with this status.",
 )
+@click.option("--parent", metavar="RUN", help="Only the child runs of this run.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
-def runs(state: _State, machine: str | None, status: str | None, limit: int, as_json: bool) -> None:
-    """List runs, newest first."""
+def runs(
+    state: _State,
+    machine: str | None,
+    status: str | None,
+    parent: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List runs, newest first (child runs show their parent)."""
     from fsm_runner.records import unstructure
 
-    found = state.journal().runs(machine=machine, status=status, limit=limit)
+    journal = state.journal()
+    if parent is not None:
+        parent = _resolve_run_id(journal, parent)
+    found = journal.runs(machine=machine, status=status, parent_run_id=parent, limit=limit)
     if as_json:
         _json_dump([unstructure(run) for run in found])
         return
@@ -154,10 +165,11 @@ def runs(state: _State, machine: str | None, status: str | None, limit: int, as_
             str(run.seq),
             str(run.iteration),
             _time(run.updated_at),
+            (run.parent_run_id or "-")[:12],
         )
         for run in found
     ]
-    _table(rows, ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)"))
+    _table(rows, ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)", "PARENT"))
 
 
 @cli.command()
@@ -175,6 +187,7 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
     iterations = journal.iterations(run.run_id)
     artifacts = journal.artifacts(run.run_id)
     visits = _subphase_visits(MachineSpec.from_json(journal.spec_json(run.spec_hash)), timeline)
+    children = list(reversed(journal.runs(parent_run_id=run.run_id)))
     if as_json:
         _json_dump(
             {
@@ -183,8 +196,13 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
                 "iterations": [unstructure(i) for i in iterations],
                 "artifacts": [_artifact_summary(a) for a in artifacts],
                 "subphases": visits,
+                "children": [
+                    {"run_id": c.run_id, "machine": c.machine, "state": c.state,
+                     "status": c.status.value}
+                    for c in children
+                ],
             }
-        )
+        )  # fmt: skip
         return
     _print_summary(run)
     click.echo("")
@@ -204,6 +222,12 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
                 for v in visits
             ],
             ("SUB-PHASE", "IN", "ATTEMPTS", "RESTARTS", "INTERRUPTED", "LAST EVENT"),
+        )
+    if children:
+        click.echo("")
+        _table(
+            [(c.run_id[:12], c.machine, c.state, c.status.value, str(c.seq)) for c in children],
+            ("CHILD RUN", "MACHINE", "STATE", "STATUS", "SEQ"),
         )
     if iterations:
         click.echo("")

@@ -272,3 +272,27 @@ class TestShowSubphases:
         text = invoke("show", run.run_id).output
         assert "SUB-PHASE" in text
         assert "RESTARTS" in text
+
+
+class TestChildRuns:
+    """Runs started by a run are listed under their parent."""
+
+    def test_runs_parent_filter_and_show_children(self, invoke, journal_path, tmp_path):
+        parent = start_release(journal_path, tmp_path, 1)
+        engine = release.make_engine(journal_path)
+        ws = str(tmp_path / "ws")
+        kids = [
+            engine.start({"version": f"0.{n}", "workspace": ws}, parent_run_id=parent)
+            for n in range(2)
+        ]
+        engine.start({"version": "9", "workspace": ws})  # not a child
+        engine.journal.close()
+        data = json.loads(invoke("runs", "--json", "--parent", parent[:8]).output)
+        assert sorted(r["run_id"] for r in data) == sorted(kids)
+        table = invoke("runs").output
+        assert table.splitlines()[0].split()[-1] == "PARENT"
+        assert sum(parent[:12] in line for line in table.splitlines()) == 3  # itself + 2 kids
+        shown = json.loads(invoke("show", parent, "--json").output)
+        assert [c["run_id"] for c in shown["children"]] == kids
+        assert "CHILD RUN" in invoke("show", parent).output
+        assert "no run" in invoke("runs", "--parent", "zzz").output
