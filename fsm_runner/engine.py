@@ -46,6 +46,7 @@ from fsm_runner.phases import (
     PhaseContext,
     PhaseHandler,
     PhaseResult,
+    StatusEvent,
     split_handler,
     to_phase_result,
 )
@@ -626,6 +627,9 @@ class Engine:
             result: PhaseResult | None = PhaseResult(self.spec.status_event(value))
         else:
             result = to_phase_result(value)
+            if result is not None and isinstance(result.event, StatusEvent):
+                mapped = self.spec.status_event(result.event.status)
+                result = attrs.evolve(result, event=mapped)
         if result is None:
             detail = (
                 f"returned {type(value).__name__} {value!r:.80}; expected a PhaseResult, an event"

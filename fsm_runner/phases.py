@@ -32,6 +32,28 @@ __all__ = [
 ]
 
 
+class StatusEvent(str):
+    """The event of a :class:`RunStatus` given to :class:`PhaseResult`, still to be mapped.
+
+    It reads as the status's standard event; the engine replaces it with the event the spec's
+    ``status_events`` names for that status before anything is journaled.
+    """
+
+    __slots__ = ("status",)
+    status: RunStatus
+
+    def __new__(cls, status: RunStatus) -> StatusEvent:
+        event = super().__new__(cls, status.event.value)
+        event.status = status
+        return event
+
+
+def _event_or_status(value: str | enum.Enum) -> str:
+    if isinstance(value, RunStatus):
+        return StatusEvent(value)
+    return event_name(value)
+
+
 def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return types.MappingProxyType(dict(value or {}))
 
@@ -45,8 +67,9 @@ class PhaseResult:
     """What a phase reports back to the engine.
 
     Args:
-        event: what happened (``BUILD_FAILED``, ``VERIFY_PASSED``, a host event …); the spec
-            decides where it leads.
+        event: what happened (``BUILD_FAILED``, ``VERIFY_PASSED``, a host event …), or a
+            :class:`RunStatus` (reported as the event the spec maps it to); the spec decides
+            where it leads.
         output: JSON-serialisable output of the phase, journaled with the transition (checked
             at write time: anything else is refused with a clear error).
         context: updates merged into the run's context (JSON-serialisable).
@@ -58,7 +81,7 @@ class PhaseResult:
             :class:`fsm_runner.records.ArtifactRecord`).
     """
 
-    event: str = attrs.field(converter=event_name)
+    event: str = attrs.field(converter=_event_or_status)
     output: Any = None
     context: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
     error: str | Mapping[str, Any] | None = None

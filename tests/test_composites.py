@@ -795,3 +795,26 @@ class TestSchemaV2Migration:
         assert [name for name, _ in calls] == [
             "prepare", "a", "b", "c", "recover", "c", "d",
         ]  # fmt: skip
+
+
+class TestStatusWithDetails:
+    """A PhaseResult may carry a RunStatus with an error; the spec still maps the status."""
+
+    def test_status_result_is_mapped_and_keeps_its_error(self, journal):
+        from fsm_runner import Engine, MachineSpec, PhaseResult, RunStatus, State, Transition
+
+        spec = MachineSpec(
+            "mapped",
+            [State("a", handler="a"), State("broken", terminal=True, outcome="failed")],
+            [Transition("a", "ANALYSIS_FAILED", "broken")],
+            status_events={"ERROR": "ANALYSIS_FAILED"},
+        )
+        engine = Engine(
+            spec,
+            handlers={"a": lambda ctx: PhaseResult(RunStatus.ERROR, error="lint found 3 problems")},
+            journal=journal,
+        )
+        run = engine.run(engine.start())
+        assert run.state == "broken"
+        assert run.error == {"type": "ANALYSIS_FAILED", "message": "lint found 3 problems"}
+        assert journal.transitions(run.run_id)[-1].event == "ANALYSIS_FAILED"
