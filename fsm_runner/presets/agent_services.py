@@ -51,6 +51,7 @@ from fsm_runner.presets.agent_loop import (
     Snapshot,
     VerificationReport,
 )
+from fsm_runner.presets.gitcli import run_git
 from fsm_runner.records import ArtifactRecord
 
 if TYPE_CHECKING:
@@ -171,29 +172,6 @@ class SnapshotError(FsmRunnerError):
         super().__init__(f"git snapshot of {workspace} failed: {detail}")
 
 
-def _stderr_tail(stderr: str, *, lines: int = 3, chars: int = 300) -> str:
-    """The last few non-blank lines of ``stderr`` on one line (git puts ``fatal:`` last)."""
-    found = [line.strip() for line in stderr.splitlines() if line.strip()]
-    tail = " | ".join(found[-lines:])
-    return tail if len(tail) <= chars else "..." + tail[-chars:]
-
-
-# Variables that point git at another repository than the one the workspace is in; they leak in
-# when fsm-runner itself runs inside a git hook or an editor's git integration.
-_GIT_LOCATION_VARIABLES = frozenset(
-    {
-        "GIT_ALTERNATE_OBJECT_DIRECTORIES",
-        "GIT_COMMON_DIR",
-        "GIT_DIR",
-        "GIT_INDEX_FILE",
-        "GIT_NAMESPACE",
-        "GIT_OBJECT_DIRECTORY",
-        "GIT_PREFIX",
-        "GIT_WORK_TREE",
-    }
-)
-
-
 @attrs.frozen(kw_only=True)
 class GitSnapshotter:
     """Captures a workspace by committing everything in it to its git repository.
@@ -298,69 +276,23 @@ class GitSnapshotter:
         """The id of the empty tree, in the repository's hash (SHA-1 or SHA-256)."""
         return self._git(workspace, "hash-object", "-t", "tree", "--stdin").stdout.decode().strip()
 
-    def _environment(self) -> dict[str, str]:
-        environment = {
-            name: value for name, value in os.environ.items() if name not in _GIT_LOCATION_VARIABLES
-        }
-        # Identity variables beat configuration, so a parent's GIT_AUTHOR_NAME would otherwise
-        # win over ours; and git must never wait for a password at a terminal.
-        environment |= {
-            "GIT_AUTHOR_NAME": self.author_name,
-            "GIT_AUTHOR_EMAIL": self.author_email,
-            "GIT_COMMITTER_NAME": self.author_name,
-            "GIT_COMMITTER_EMAIL": self.author_email,
-            "GIT_TERMINAL_PROMPT": "0",
-        }
-        return environment
-
     def _git(
         self, workspace: str, *args: str, ok: tuple[int, ...] = (0,)
     ) -> subprocess.CompletedProcess[bytes]:
         """Run ``git args`` in ``workspace``; an exit code not in ``ok`` is a SnapshotError."""
-        command = [
-            "git",
-            "-c",
-            f"user.name={self.author_name}",
-            "-c",
-            f"user.email={self.author_email}",
-            "-c",
-            "commit.gpgsign=false",
-            *args,
-        ]
-        shown = "git " + " ".join(args)
-        try:
-            done = subprocess.run(  # noqa: S603 - a fixed git command line, no shell
-                command,
-                cwd=workspace,
-                env=self._environment(),
-                input=b"",
-                capture_output=True,
-                timeout=self.timeout,
-                check=False,
-            )
-        except FileNotFoundError:
-            raise SnapshotError(
-                "git is not installed (or not on PATH)", workspace=workspace, command=command
-            ) from None
-        except subprocess.TimeoutExpired:
-            raise SnapshotError(
-                f"`{shown}` took longer than {self.timeout}s", workspace=workspace, command=command
-            ) from None
-        except OSError as exc:
-            raise SnapshotError(
-                f"could not run `{shown}`: {exc}", workspace=workspace, command=command
-            ) from exc
-        if done.returncode not in ok:
-            stderr = done.stderr.decode("utf-8", errors="replace")
-            tail = _stderr_tail(stderr) or "(no output)"
-            raise SnapshotError(
-                f"`{shown}` exited with {done.returncode}: {tail}",
-                workspace=workspace,
-                command=command,
-                returncode=done.returncode,
-                stderr=stderr,
-            )
-        return done
+
+        def error(detail: str, **details: Any) -> SnapshotError:
+            return SnapshotError(detail, workspace=workspace, **details)
+
+        return run_git(
+            workspace,
+            args,
+            author_name=self.author_name,
+            author_email=self.author_email,
+            timeout=self.timeout,
+            error=error,
+            ok=ok,
+        )
 
 
 # -- verification ------------------------------------------------------------------------------

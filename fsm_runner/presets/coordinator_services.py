@@ -37,6 +37,7 @@ import attrs
 
 from fsm_runner.exceptions import FsmRunnerError
 from fsm_runner.presets.coordinator import GateVerdict, PatchResult, Proposal, Task
+from fsm_runner.presets.gitcli import git_environment, run_git, text_tail
 
 if TYPE_CHECKING:
     from fsm_runner.presets.coordinator import AgentRole, Gate, Workspace
@@ -51,21 +52,6 @@ __all__ = [
     "diff_paths",
     "file_diff",
 ]
-
-# Variables that point git at another repository than the workspace's; they leak in when
-# fsm-runner itself runs inside a git hook or an editor's git integration.
-_GIT_LOCATION_VARIABLES = frozenset(
-    {
-        "GIT_ALTERNATE_OBJECT_DIRECTORIES",
-        "GIT_COMMON_DIR",
-        "GIT_DIR",
-        "GIT_INDEX_FILE",
-        "GIT_NAMESPACE",
-        "GIT_OBJECT_DIRECTORY",
-        "GIT_PREFIX",
-        "GIT_WORK_TREE",
-    }
-)
 
 
 class WorkspaceError(FsmRunnerError):
@@ -96,24 +82,13 @@ class WorkspaceError(FsmRunnerError):
         super().__init__(f"workspace {workspace}: {detail}")
 
 
-def _tail(text: str, *, lines: int = 4, chars: int = 400) -> str:
-    """The last few non-blank lines of ``text`` on one line."""
-    found = [line.strip() for line in text.splitlines() if line.strip()]
-    tail = " | ".join(found[-lines:])
-    return tail if len(tail) <= chars else "..." + tail[-chars:]
-
-
 def _patch_bytes(diff: str) -> bytes:
     # git refuses a patch whose last line has no newline ("corrupt patch").
     return (diff if diff.endswith("\n") else diff + "\n").encode()
 
 
 def _clean_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    environment = {
-        name: value for name, value in os.environ.items() if name not in _GIT_LOCATION_VARIABLES
-    }
-    environment["GIT_TERMINAL_PROMPT"] = "0"  # never wait for a password at a terminal
-    return environment | dict(extra or {})
+    return git_environment(extra=extra)
 
 
 def _check_timeout(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -249,14 +224,16 @@ class GitWorkspace:
         args = ["apply", "--whitespace=nowarn", *(["--reverse"] if reverse else []), "-"]
         applied = self._git(*args, stdin=patch, ok=None)
         if applied.returncode != 0:  # git checked first and writes nothing when it fails
-            detail = _tail(applied.stderr.decode("utf-8", errors="replace")) or "git apply failed"
+            detail = (
+                text_tail(applied.stderr.decode("utf-8", errors="replace")) or "git apply failed"
+            )
             return PatchResult(done=False, files=files, detail=detail)
         return PatchResult(done=True, files=files)
 
     def _fits(self, patch: bytes, *, reverse: bool) -> tuple[bool, str]:
         args = ["apply", "--check", *(["--reverse"] if reverse else []), "-"]
         done = self._git(*args, stdin=patch, ok=None)
-        return done.returncode == 0, _tail(done.stderr.decode("utf-8", errors="replace"))
+        return done.returncode == 0, text_tail(done.stderr.decode("utf-8", errors="replace"))
 
     def _marker(self, key: str | None, *, reverse: bool) -> Path | None:
         if key is None:
@@ -273,57 +250,27 @@ class GitWorkspace:
         self, *args: str, stdin: bytes = b"", ok: tuple[int, ...] | None = (0,)
     ) -> subprocess.CompletedProcess[bytes]:
         """Run ``git args`` in the work tree; an exit code not in ``ok`` is a WorkspaceError."""
-        command = [
-            "git",
-            "-c",
-            f"user.name={self.author_name}",
-            "-c",
-            f"user.email={self.author_email}",
-            "-c",
-            "commit.gpgsign=false",
-            *args,
-        ]
-        shown = "git " + " ".join(args)
         if not os.path.isdir(self.path):
             raise WorkspaceError("the workspace is not a directory", workspace=self.path)
-        try:
-            done = subprocess.run(  # noqa: S603 - a fixed git command line, no shell
-                command,
-                cwd=self.path,
-                env=_clean_environment(
-                    {
-                        "GIT_AUTHOR_NAME": self.author_name,
-                        "GIT_AUTHOR_EMAIL": self.author_email,
-                        "GIT_COMMITTER_NAME": self.author_name,
-                        "GIT_COMMITTER_EMAIL": self.author_email,
-                    }
-                ),
-                input=stdin,
-                capture_output=True,
-                timeout=self.timeout,
-                check=False,
+
+        def error(
+            detail: str, *, command: Sequence[str], returncode: int | None = None, stderr: str = ""
+        ) -> WorkspaceError:
+            # the error names git's own arguments, without the identity options in front
+            return WorkspaceError(
+                detail, workspace=self.path, command=command[7:], returncode=returncode
             )
-        except FileNotFoundError:
-            raise WorkspaceError(
-                "git is not installed (or not on PATH)", workspace=self.path, command=args
-            ) from None
-        except subprocess.TimeoutExpired:
-            raise WorkspaceError(
-                f"`{shown}` took longer than {self.timeout}s", workspace=self.path, command=args
-            ) from None
-        except OSError as exc:
-            raise WorkspaceError(
-                f"could not run `{shown}`: {exc}", workspace=self.path, command=args
-            ) from exc
-        if ok is not None and done.returncode not in ok:
-            tail = _tail(done.stderr.decode("utf-8", errors="replace")) or "(no output)"
-            raise WorkspaceError(
-                f"`{shown}` exited with {done.returncode}: {tail}",
-                workspace=self.path,
-                command=args,
-                returncode=done.returncode,
-            )
-        return done
+
+        return run_git(
+            self.path,
+            args,
+            author_name=self.author_name,
+            author_email=self.author_email,
+            timeout=self.timeout,
+            error=error,
+            stdin=stdin,
+            ok=ok,
+        )
 
 
 def _touch_durably(path: Path) -> None:
@@ -472,7 +419,9 @@ class DiffGate:
         except (OSError, subprocess.TimeoutExpired) as exc:
             return GateVerdict(self.name, passed=False, reason=f"cannot read the diff: {exc}")
         if read.returncode != 0:
-            reason = _tail(read.stderr.decode("utf-8", errors="replace")) or "git cannot read it"
+            reason = (
+                text_tail(read.stderr.decode("utf-8", errors="replace")) or "git cannot read it"
+            )
             return GateVerdict(self.name, passed=False, reason=f"not a valid patch: {reason}")
         added, deleted, paths = _numstat(read.stdout.decode("utf-8", errors="replace"))
         if self.max_changed_lines is not None and added + deleted > self.max_changed_lines:
@@ -522,7 +471,7 @@ class DiffGate:
                 _kill_group(process.pid)  # a Ctrl-C reaches only us: do not leave it behind
                 raise
         if process.returncode != 0:
-            tail = _tail(output.decode("utf-8", errors="replace"))
+            tail = text_tail(output.decode("utf-8", errors="replace"))
             return f"`{self.command}` exited with {process.returncode}" + (
                 f": {tail}" if tail else ""
             )
