@@ -854,6 +854,10 @@ class Engine:
             run.lease_owner,
             run.lease_expires_at,
             run.lease_token,
+            None,
+            0,
+            seq if dest != run.state else run.visit_seq,
+            0,
         )
         self.journal.commit(after, transition)
         if dest_state.terminal:
@@ -947,6 +951,8 @@ def _advance(
         InvalidTransitionError: ``dest`` is RETURN but the run came from nowhere to return to.
     """
     return_to, return_attempt = run.return_to, run.return_attempt
+    return_visit, visit_seq = run.return_visit, run.visit_seq
+    seq = run.seq + 1
     returning = dest == RETURN
     if returning:
         if return_to is None:
@@ -956,13 +962,14 @@ def _advance(
                 event=event,
                 reason="a RETURN transition, but the run came from nowhere to return to,",
             )
-        dest, attempt = return_to, return_attempt + 1
-        return_to, return_attempt = None, 0
+        dest, attempt, visit_seq = return_to, return_attempt + 1, return_visit
+        return_to, return_attempt, return_visit = None, 0, 0
     elif dest != run.state:
+        visit_seq = seq  # a new visit begins
         if dest in spec.returning_states:  # remember where to come back to
-            return_to, return_attempt = run.state, run.attempt
+            return_to, return_attempt, return_visit = run.state, run.attempt, run.visit_seq
         else:
-            return_to, return_attempt = None, 0
+            return_to, return_attempt, return_visit = None, 0, 0
     dest_state = spec.state(dest)
     # Entering a starts_iteration state starts an iteration; a retry, an interruption, an
     # in-place stop or a return is the same visit.
@@ -971,7 +978,6 @@ def _advance(
     )
     iteration = run.iteration + (dest_state.starts_iteration and not same_visit)
     now = utc_now()
-    seq = run.seq + 1
     transition = TransitionRecord(
         run.run_id, seq, run.state, event, dest, iteration, run.attempt, now, duration_ms, result
     )
@@ -998,6 +1004,8 @@ def _advance(
         run.lease_token,
         return_to,
         return_attempt,
+        visit_seq,
+        return_visit,
     )
     return transition, after
 

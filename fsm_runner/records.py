@@ -19,6 +19,8 @@ from fsm_runner.spec import Outcome
 __all__ = [
     "ITERATION_FIELDS",
     "ArtifactRecord",
+    "EffectRecord",
+    "EffectStatus",
     "ErrorType",
     "IterationRecord",
     "RunRecord",
@@ -66,6 +68,9 @@ class RunRecord:
         return_to: where a :data:`fsm_runner.spec.RETURN` transition takes the run (the state
             it left for the state it is in now), if it can take one.
         return_attempt: the attempt ``return_to`` was on when the run left it.
+        visit_seq: the seq of the transition that began the current visit of ``state``
+            (retries, interruptions and returns continue a visit); effects are keyed by it.
+        return_visit: the visit ``return_to`` was on when the run left it.
     """
 
     run_id: str
@@ -89,6 +94,8 @@ class RunRecord:
     lease_token: int = 0
     return_to: str | None = None
     return_attempt: int = 0
+    visit_seq: int = 0
+    return_visit: int = 0
 
     @property
     def ended(self) -> bool:
@@ -265,6 +272,52 @@ class ArtifactRecord:
     created_at: dt.datetime | None = None
 
 
+class EffectStatus(str, enum.Enum):
+    """Where a recorded side effect stands."""
+
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@attrs.frozen
+class EffectRecord:
+    """One external side effect of a phase, recorded before it happens.
+
+    Attributes:
+        run_id: the run.
+        visit_seq: the visit of the state it belongs to (``RunRecord.visit_seq``).
+        name: unique within the visit.
+        state: the state whose phase performed it.
+        kind: the operation kind (``read``, ``mutate``, ``topic_peek``, ``topic_publish`` …).
+        params: its parameters, as JSON.
+        idempotency_key: given by the handler, or derived from run, visit, name and params.
+        status: ``in_flight`` (recorded, not known to have finished), ``done`` or ``failed``.
+        result: what it returned, once done.
+        error: type and message, if it failed.
+        idempotent: whether it may be called again after a crash caught it in flight.
+        started_at: when it was recorded in flight.
+        completed_at: when its outcome was recorded.
+    """
+
+    run_id: str
+    visit_seq: int
+    name: str
+    state: str
+    kind: str
+    params: Any = None
+    idempotency_key: str = ""
+    status: EffectStatus = attrs.field(default=EffectStatus.IN_FLIGHT, converter=EffectStatus)
+    result: Any = None
+    error: Mapping[str, Any] | None = None
+    idempotent: bool = False
+    started_at: dt.datetime | None = None
+    completed_at: dt.datetime | None = None
+
+
 _DEFAULTED: dict[type, frozenset[str]] = {}
 
 
@@ -301,4 +354,4 @@ def unstructure(record: object) -> dict[str, Any]:
     return data
 
 
-by_value(ErrorType)
+by_value(ErrorType, EffectStatus)

@@ -78,6 +78,10 @@ class RetryPolicy:
             yield "waits must be >= 0 and wait_exp_base >= 1"
 
 
+def _optional_kinds(value: Iterable[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
 def _child_tuple(value: Iterable[State]) -> tuple[State, ...]:
     return tuple(value)
 
@@ -110,6 +114,10 @@ class State:
             event. A transition from the composite applies to every child (a child's own
             transitions come first). Child names are unique across the whole machine.
         advance_on: the event that moves a composite from one child to the next.
+        allows: the kinds of operation (``read``, ``mutate``, ``topic_peek``,
+            ``topic_publish`` or host-defined kinds) the phase may perform through
+            ``ctx.effect``; ``None`` allows every kind.
+        max_mutations: how many ``mutate`` effects one visit may perform; ``None`` for no limit.
     """
 
     name: str
@@ -122,6 +130,8 @@ class State:
     description: str = ""
     children: tuple[State, ...] = attrs.field(default=(), converter=_child_tuple)
     advance_on: str = attrs.field(default=PHASE_COMPLETED, converter=event_name)
+    allows: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_kinds)
+    max_mutations: int | None = None
 
     @property
     def composite(self) -> bool:

@@ -24,8 +24,9 @@ from fsm_runner import (
     Transition,
     interrupt_on_sigterm,
 )
+from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.machine import compile_spec
-from tests.helpers import linear_spec
+from tests.helpers import linear_spec, undo_v4
 
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
@@ -764,9 +765,13 @@ class TestSchemaV2Migration:
             assert engine.run(run_id, max_steps=2).state == "b"
         conn = sqlite3.connect(path)
         try:
-            conn.execute("ALTER TABLE runs DROP COLUMN return_to")
-            conn.execute("ALTER TABLE runs DROP COLUMN return_attempt")
-            conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0003_return_targets'")
+            undo_v4(conn)
+            for column in ("return_to", "return_attempt"):
+                conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+            conn.execute(
+                "DELETE FROM _sqlite_migrations WHERE name IN"
+                " ('m0003_return_targets', 'm0004_effects')"
+            )
             conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
             conn.commit()
             columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
@@ -775,7 +780,7 @@ class TestSchemaV2Migration:
             conn.close()
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == "3"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION)
             run = journal.load(run_id)
             assert (run.state, run.return_to, run.return_attempt) == ("b", None, 0)
             engine = Engine(nested_spec(), handlers=handlers, journal=journal)

@@ -10,6 +10,7 @@ from fsm_runner import Engine, MachineSpec, PhaseResult, RunEvent, SqliteJournal
 from fsm_runner.exceptions import JournalError
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.records import ArtifactRecord, ErrorType
+from tests.helpers import undo_v4
 
 SPEC = MachineSpec(
     "loop",
@@ -141,8 +142,9 @@ class TestMigration:
         conn = sqlite3.connect(path)  # turn it back into what version 1 wrote
         conn.execute("DROP TABLE iterations")
         conn.execute("DROP TABLE artifacts")
-        conn.execute("ALTER TABLE runs DROP COLUMN return_to")
-        conn.execute("ALTER TABLE runs DROP COLUMN return_attempt")
+        undo_v4(conn)
+        for column in ("return_to", "return_attempt"):
+            conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
         conn.execute("DELETE FROM _sqlite_migrations WHERE name != 'm0001_initial'")
         conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
         conn.commit()

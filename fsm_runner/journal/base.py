@@ -19,7 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-from fsm_runner.records import ArtifactRecord, IterationRecord, RunRecord, TransitionRecord
+from fsm_runner.records import (
+    ArtifactRecord,
+    EffectRecord,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+)
 from fsm_runner.spec import Outcome
 
 __all__ = ["Durability", "Journal"]
@@ -82,6 +88,22 @@ class Journal(Protocol):
             RunNotFoundError: no such run.
         """
 
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit of the run, if any."""
+
+    def effects(self, run_id: str) -> Sequence[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+
+    def put_effect(self, record: EffectRecord, *, run_seq: int) -> None:
+        """Store an effect record in its own transaction, only while the run is at ``run_seq``.
+
+        Recording an effect ``in_flight`` before calling it and its outcome after are separate
+        commits: that is what lets a resumed run know an effect happened.
+
+        Raises:
+            RunConflictError: the run moved on meanwhile; nothing was written.
+        """
+
     def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
         """Return the run's record of that iteration, if there is one."""
 
@@ -107,8 +129,9 @@ class Journal(Protocol):
         status: Outcome | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
+        effect_in_flight: bool = False,
     ) -> Sequence[RunRecord]:
-        """Return runs, newest first, filtered by machine, status and parent."""
+        """Return runs, newest first, filtered by machine, status, parent, effects in flight."""
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> Sequence[str]:
         """Return up to ``limit`` run ids that start with ``prefix`` (for abbreviated ids)."""

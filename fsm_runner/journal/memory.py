@@ -23,6 +23,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.records import (
     ArtifactRecord,
+    EffectRecord,
     IterationRecord,
     RunRecord,
     TransitionRecord,
@@ -57,6 +58,7 @@ class MemoryJournal:
         self._specs: dict[str, str] = {}
         self._iterations: dict[str, dict[int, IterationRecord]] = {}
         self._artifacts: dict[str, dict[str, ArtifactRecord]] = {}
+        self._effects: dict[str, dict[tuple[int, str], EffectRecord]] = {}
         self._closed = False
 
     @property
@@ -134,6 +136,8 @@ class MemoryJournal:
                 updated_at=run.updated_at,
                 return_to=run.return_to,
                 return_attempt=run.return_attempt,
+                visit_seq=run.visit_seq,
+                return_visit=run.return_visit,
                 # an abort request stays until the USER_ABORTED commit that carries it out
                 abort_reason=(
                     None if transition.event == RunEvent.USER_ABORTED.value else stored.abort_reason
@@ -164,6 +168,29 @@ class MemoryJournal:
                 return self._runs[run_id]
             except KeyError:
                 raise RunNotFoundError(run_id) from None
+
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit, if any."""
+        with self._lock:
+            self._check_open()
+            return self._effects.get(run_id, {}).get((visit_seq, name))
+
+    def effects(self, run_id: str) -> list[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+        with self._lock:
+            self.load(run_id)
+            return list(self._effects.get(run_id, {}).values())
+
+    def put_effect(self, record: EffectRecord, *, run_seq: int) -> None:
+        """Store ``record`` only while the run is still at ``run_seq``."""
+        _check_json(record.params, record.result, record.error)
+        with self._lock:
+            run = self.load(record.run_id)
+            if run.seq != run_seq:
+                raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=":memory:")
+            ledger = self._effects.setdefault(record.run_id, {})
+            key = (record.visit_seq, record.name)
+            ledger[key] = record
 
     def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
         """Return the run's record of that iteration, if there is one."""
@@ -202,8 +229,9 @@ class MemoryJournal:
         status: Outcome | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
+        effect_in_flight: bool = False,
     ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status and parent."""
+        """Return runs, newest first, filtered by machine, status, parent, effects in flight."""
         wanted = Outcome(status) if status is not None else None
         with self._lock:
             self._check_open()
@@ -216,6 +244,13 @@ class MemoryJournal:
             if (machine is None or run.machine == machine)
             and (wanted is None or run.status is wanted)
             and (parent_run_id is None or run.parent_run_id == parent_run_id)
+            and (
+                not effect_in_flight
+                or any(
+                    e.status.value == "in_flight"
+                    for e in self._effects.get(run.run_id, {}).values()
+                )
+            )
         ]
         return selected if limit is None else selected[:limit]
 

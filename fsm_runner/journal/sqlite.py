@@ -34,6 +34,7 @@ from fsm_runner.exceptions import (
 from fsm_runner.journal.base import Durability
 from fsm_runner.records import (
     ArtifactRecord,
+    EffectRecord,
     IterationRecord,
     RunRecord,
     TransitionRecord,
@@ -49,7 +50,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "SqliteJournal"]
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -207,11 +208,64 @@ def m0003_return_targets(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
 
 
+@_migrations()
+def m0004_effects(db: sqlite_utils.Database) -> None:
+    """Version 4: the effects ledger, and the visit each run is on."""
+    runs = db["runs"]
+    runs.add_column("visit_seq", int, not_null_default=0)  # type: ignore[union-attr]
+    runs.add_column("return_visit", int, not_null_default=0)  # type: ignore[union-attr]
+    db.execute("UPDATE runs SET visit_seq = seq")  # older runs: each on the visit it is in
+    # The trigger now also moves visit_seq: a transition into another state begins a visit; a
+    # self transition continues it (the engine's own update corrects a RETURN).
+    db.execute("DROP TRIGGER IF EXISTS transitions_advance_run")
+    db.execute(
+        f"""
+        CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions WHEN NEW.seq > 0
+        BEGIN
+            UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
+                            updated_at = NEW.at,
+                            visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
+                                             THEN visit_seq ELSE NEW.seq END
+             WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
+            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
+        END
+        """
+    )
+    db["effects"].create(  # type: ignore[union-attr]
+        {
+            "run_id": str,
+            "visit_seq": int,
+            "name": str,
+            "state": str,
+            "kind": str,
+            "params": str,
+            "idempotency_key": str,
+            "status": str,
+            "result": str,
+            "error": str,
+            "idempotent": int,
+            "started_at": str,
+            "completed_at": str,
+        },
+        pk=("run_id", "visit_seq", "name"),
+        foreign_keys=[("run_id", "runs", "run_id")],
+    )
+    db["effects"].create_index(["status"])  # type: ignore[union-attr]
+    db.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
     "m0003_return_targets": 3,
+    "m0004_effects": 4,
 }
+_EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
+_PUT_EFFECT = (
+    f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)})"
+    f" SELECT {', '.join('?' * len(_EFFECT_COLUMNS))}"
+    " WHERE (SELECT seq FROM runs WHERE run_id = ?) = ?"
+)
 _ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
 _ITERATION_JSON = ("levels_run", "error_details", "extra")
 _UPSERT_ITERATION = (
@@ -237,7 +291,7 @@ _RUN_COLUMNS = (
     "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
     "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
     "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
-    "return_attempt",
+    "return_attempt", "visit_seq", "return_visit",
 )  # fmt: skip
 _INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
@@ -543,6 +597,7 @@ class SqliteJournal:
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
+            and run.visit_seq == self._trigger_visit(known, transition)
             and transition.event != _USER_ABORTED
         ):
             extra = None
@@ -622,6 +677,7 @@ class SqliteJournal:
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
+            and run.visit_seq == self._trigger_visit(known, transition)
             and transition.event != _USER_ABORTED
         ):
             return None  # the hot path: the trigger writes all that changed
@@ -643,8 +699,11 @@ class SqliteJournal:
             known.return_to,
             known.return_attempt,
         ):
-            columns += ["return_to", "return_attempt"]
-            params += [run.return_to, run.return_attempt]
+            columns += ["return_to", "return_attempt", "return_visit"]
+            params += [run.return_to, run.return_attempt, run.return_visit]
+        if known is None or run.visit_seq != self._trigger_visit(known, transition):
+            columns.append("visit_seq")  # after a RETURN: the visit it returns to
+            params.append(run.visit_seq)
         if transition.event == _USER_ABORTED:
             columns.append("abort_reason")  # the abort carried out clears the request
             params.append(None)
@@ -657,6 +716,11 @@ class SqliteJournal:
             sql = self._update_sql[key] = f"UPDATE runs SET {assignments} WHERE run_id = ?"
         params.append(run.run_id)
         return sql, tuple(params)
+
+    @staticmethod
+    def _trigger_visit(known: RunRecord, transition: TransitionRecord) -> int:
+        """The visit_seq the trigger writes for ``transition`` over the row ``known``."""
+        return known.visit_seq if transition.from_state == transition.to_state else transition.seq
 
     def _remember(self, run: RunRecord) -> None:
         if len(self._written) >= _REMEMBERED_RUNS:
@@ -843,10 +907,13 @@ class SqliteJournal:
         status: Outcome | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
+        effect_in_flight: bool = False,
     ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status and parent."""
+        """Return runs, newest first, filtered by machine, status, parent, effects in flight."""
         where: list[str] = []
         params: list[Any] = []
+        if effect_in_flight:
+            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
         for column, value in (
             ("machine", machine),
             ("status", Outcome(status).value if status is not None else None),
@@ -865,6 +932,59 @@ class SqliteJournal:
         with self._read() as conn:
             cursor = conn.execute(sql, params)
             return [self._run_from_row(cursor.description, row) for row in cursor.fetchall()]
+
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit, if any."""
+        found = self._effects(
+            "WHERE run_id = ? AND visit_seq = ? AND name = ?", (run_id, visit_seq, name)
+        )
+        return found[0] if found else None
+
+    def effects(self, run_id: str) -> list[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+        self.load(run_id)
+        return self._effects("WHERE run_id = ? ORDER BY started_at, rowid", (run_id,))
+
+    def _effects(self, where: str, params: tuple[Any, ...]) -> list[EffectRecord]:
+        with self._read() as conn:
+            rows = conn.execute(
+                f"SELECT {', '.join(_EFFECT_COLUMNS)} FROM effects {where}", params
+            ).fetchall()
+        records = []
+        for row in rows:
+            data = dict(zip(_EFFECT_COLUMNS, row, strict=True))
+            for column in ("params", "result", "error"):
+                data[column] = _json_or_none(data[column])
+            data["idempotent"] = bool(data["idempotent"])
+            records.append(self._structure(data, EffectRecord))
+        return records
+
+    def put_effect(self, record: EffectRecord, *, run_seq: int) -> None:
+        """Store ``record`` in its own transaction, only while the run is at ``run_seq``.
+
+        It replaces the record of the same run, visit and name, if there is one.
+
+        Raises:
+            RunConflictError: the run moved on (another writer advanced it); nothing written.
+        """
+        values: list[Any] = []
+        for column in _EFFECT_COLUMNS:
+            value = getattr(record, column)
+            if column in ("params", "result", "error"):
+                value = _dumps(value)
+            elif isinstance(value, dt.datetime):
+                value = format_utc(value)
+            elif isinstance(value, enum.Enum):
+                value = value.value
+            values.append(value)
+        with self._write() as conn:
+            if conn.execute(_PUT_EFFECT, (*values, record.run_id, run_seq)).rowcount != 1:
+                if (
+                    conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (record.run_id,)).fetchone()
+                    is None
+                ):
+                    raise RunNotFoundError(record.run_id)
+                raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self.path)
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""
