@@ -354,7 +354,7 @@ class Engine:
             self._journal_interruption(run, "KeyboardInterrupt")
             raise
         finally:
-            self._active.pop(run_id, None)
+            self._finished(run_id)
         return self._settle(step, outcome)
 
     def _step_fast(
@@ -368,24 +368,31 @@ class Engine:
         """
         run_id = run.run_id
         ctx = PhaseContext(
-            run, self.services, self.clock, None, None, self._logger_names[run.state]
+            run,
+            self.services,
+            self.clock,
+            None,
+            None,
+            self._logger_names[run.state],
+            self.journal,
+            self._states[run.state],
         )
         self._active[run_id] = ctx
         started = self.clock()
         try:
             value = handler(ctx)
         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
-            self._active.pop(run_id, None)
+            self._finished(run_id)
             step = _Step(run, self._states[run.state], ctx, started)
             return self._settle(step, self._outcome(step, None, exc))
         except KeyboardInterrupt:
-            self._active.pop(run_id, None)
+            self._finished(run_id)
             self._journal_interruption(run, "KeyboardInterrupt")
             raise
         if type(value) is str and not run.iteration:
             dest = self._plain_edges.get((run.state, value))
             if dest is not None:
-                self._active.pop(run_id, None)
+                self._finished(run_id)
                 return self._commit_plain(run, value, dest, (self.clock() - started) * 1000.0)
         step = _Step(run, self._states[run.state], ctx, started)
         try:
@@ -395,7 +402,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
             outcome = self._outcome(step, None, exc)
         finally:
-            self._active.pop(run_id, None)
+            self._finished(run_id)
         return self._settle(step, outcome)
 
     def _journal_interruption(self, run: RunRecord, cause: str) -> None:
@@ -612,12 +619,20 @@ class Engine:
             None if timeout is None else started + timeout,
             timeout,
             self._logger_names[state.name],
+            self.journal,
+            state,
         )
         self._active[run.run_id] = ctx
         return _Step(run, state, ctx, started)
 
     def _release(self, run_id: str) -> None:
-        self._active.pop(run_id, None)
+        self._finished(run_id)
+
+    def _finished(self, run_id: str) -> None:
+        """The phase has returned: forget it, and refuse its effects from now on."""
+        ctx = self._active.pop(run_id, None)
+        if ctx is not None:
+            ctx.close()
 
     def _outcome(self, step: _Step, value: Any, error: BaseException | None) -> _Outcome:
         duration_ms = (self.clock() - step.started) * 1000.0

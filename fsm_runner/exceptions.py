@@ -23,6 +23,8 @@ to them and never leak. Each error carries structured attributes and builds its 
     │   ├── LeaseHeldError                               .owner .expires_at
     │   └── LeaseLostError                               .token
     ├── EffectOutcomeUnknownError                        .run_id .state .effect
+    ├── EffectFailedError                                .run_id .effect .error_type .message
+    ├── EffectMismatchError                              .run_id .state .effect .detail
     ├── CapabilityError                                  .state .operation
     └── SupervisorError                                  .resource .detail
 
@@ -36,6 +38,8 @@ from typing import Any
 
 __all__ = [
     "CapabilityError",
+    "EffectFailedError",
+    "EffectMismatchError",
     "EffectOutcomeUnknownError",
     "FsmRunnerError",
     "HandlerResultError",
@@ -309,6 +313,31 @@ class EffectOutcomeUnknownError(FsmRunnerError):
             f"run {run_id}: effect {effect!r} in state {state!r} was in flight when the "
             "process stopped; its outcome is unknown"
         )
+
+
+class EffectFailedError(FsmRunnerError):
+    """An effect recorded as failed in this visit is asked for again (without a retry)."""
+
+    def __init__(self, *, run_id: str, effect: str, error_type: str, message: str) -> None:
+        self.run_id = run_id
+        self.effect = effect
+        self.error_type = error_type
+        self.message_text = message
+        super().__init__(
+            f"run {run_id}: effect {effect!r} failed before ({error_type}: {message}); "
+            "pass retry_failed=True to call it again"
+        )
+
+
+class EffectMismatchError(FsmRunnerError):
+    """An effect's name does not identify one effect of the visit (reused, or changed)."""
+
+    def __init__(self, *, run_id: str, state: str, effect: str, detail: str) -> None:
+        self.run_id = run_id
+        self.state = state
+        self.effect = effect
+        self.detail = detail
+        super().__init__(f"run {run_id}: effect {effect!r} in state {state!r} {detail}")
 
 
 class CapabilityError(FsmRunnerError):

@@ -14,13 +14,18 @@ import inspect
 import logging
 import types
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from fsm_runner.effects import perform
 from fsm_runner.events import RunStatus, event_name
 from fsm_runner.exceptions import PhaseTimeoutError, RunAbortedError
 from fsm_runner.records import ArtifactRecord, RunRecord
+
+if TYPE_CHECKING:
+    from fsm_runner.journal.base import Journal
+    from fsm_runner.spec import State
 
 __all__ = [
     "HandlerReturn",
@@ -108,8 +113,12 @@ class PhaseContext:
     __slots__ = (
         "_abort_reason",
         "_clock",
+        "_closed",
+        "_effect_names",
+        "_journal",
         "_logger",
         "_logger_name",
+        "_state",
         "deadline",
         "run",
         "services",
@@ -124,6 +133,8 @@ class PhaseContext:
         deadline: float | None = None,
         timeout: float | None = None,
         logger_name: str = "fsm_runner.phase",
+        journal: Journal | None = None,
+        state: State | None = None,
     ) -> None:
         self.run = run
         self.services = services
@@ -133,6 +144,98 @@ class PhaseContext:
         self._logger_name = logger_name
         self._logger: logging.LoggerAdapter[logging.Logger] | None = None
         self._abort_reason: str | None = None
+        self._journal = journal
+        self._state = state
+        self._closed = False
+        self._effect_names: dict[str, str] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the phase has returned (effects are refused from then on)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Mark the phase as over (the engine calls this when the handler returns)."""
+        self._closed = True
+
+    @property
+    def effect_names(self) -> dict[str, str]:
+        """The effects this phase has called so far, name → kind."""
+        if self._effect_names is None:
+            self._effect_names = {}
+        return self._effect_names
+
+    def effect(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        kind: str = "read",
+        idempotency_key: str | None = None,
+        idempotent: bool = False,
+        retry_failed: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Perform an external side effect through the journal's effects ledger.
+
+        Recorded ``in_flight`` (committed) before ``fn(*args, **kwargs)`` is called, then with
+        its result or error. On resume a done effect returns its recorded result without calling
+        ``fn``; see :mod:`fsm_runner.effects` for failed and in-flight ones.
+
+        Args:
+            name: unique within this visit of the state.
+            fn: what performs the effect; given ``idempotency_key=`` if it accepts it.
+            *args: ``fn``'s positional arguments (recorded as the effect's parameters).
+            **kwargs: ``fn``'s keyword arguments (recorded too).
+            kind: the operation kind, checked against the state's ``allows``.
+            idempotency_key: the key to record (derived from run, visit, name and parameters
+                when not given).
+            idempotent: it may be called again after a crash caught it in flight.
+            retry_failed: call it again even though it is recorded as failed.
+
+        Raises:
+            CapabilityError: the state does not allow it, or the phase is over.
+            EffectOutcomeUnknownError: caught in flight by a crash, and not idempotent.
+            EffectFailedError: recorded as failed, and ``retry_failed`` not set.
+            EffectMismatchError: the name is reused, or recorded with other parameters.
+        """
+        return perform(
+            self,
+            self._journal,
+            self._state,
+            name,
+            fn,
+            args,
+            kwargs,
+            kind=kind,
+            idempotency_key=idempotency_key,
+            idempotent=idempotent,
+            retry_failed=retry_failed,
+        )
+
+    def output_of(self, state: str) -> Any:
+        """The output of the last phase of ``state`` in this run, read from the journal.
+
+        How a later phase reads an earlier one's result (the prepare result, the mutation
+        result …) — never from globals. ``None`` if that state has not produced one.
+        """
+        if self._journal is None:
+            return None
+        for transition in reversed(self._journal.transitions(self.run.run_id)):
+            if transition.from_state == state and transition.output is not None:
+                return transition.output
+        return None
+
+    @property
+    def previous_state(self) -> str | None:
+        """The state the run was in before this one (``None`` at its start)."""
+        if self._journal is None or self.run.seq == 0:
+            return None
+        (last,) = self._journal.transitions(
+            self.run.run_id, from_seq=self.run.seq, to_seq=self.run.seq
+        )
+        return last.from_state
 
     def __repr__(self) -> str:
         return f"PhaseContext(run_id={self.run.run_id!r}, state={self.run.state!r})"

@@ -11,6 +11,8 @@ import fsm_runner
 from fsm_runner import exceptions
 from fsm_runner.exceptions import (
     CapabilityError,
+    EffectFailedError,
+    EffectMismatchError,
     EffectOutcomeUnknownError,
     FsmRunnerError,
     HandlerResultError,
@@ -121,6 +123,14 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
     CapabilityError: (
         CapabilityError(state="verifying", operation="write"),
         {"state": "verifying", "operation": "write"},
+    ),
+    EffectFailedError: (
+        EffectFailedError(run_id="r1", effect="push", error_type="OSError", message="refused"),
+        {"run_id": "r1", "effect": "push", "error_type": "OSError"},
+    ),
+    EffectMismatchError: (
+        EffectMismatchError(run_id="r1", state="mutating", effect="push", detail="is used twice"),
+        {"run_id": "r1", "state": "mutating", "effect": "push", "detail": "is used twice"},
     ),
     SupervisorError: (
         SupervisorError("helper server", "restart budget spent"),

@@ -1,0 +1,188 @@
+"""The effects ledger and per-state capabilities: side effects recorded before they happen.
+
+A phase performs each external side effect through ``ctx.effect(name, fn, *args, kind=...)``:
+
+1. the state's capabilities are checked — an operation kind the state does not allow, or a
+   mutation past its ``max_mutations``, raises :class:`CapabilityError` and records nothing;
+2. the effect is committed to the journal as ``in_flight`` (kind, parameters, idempotency key);
+3. ``fn`` is called (given ``idempotency_key=...`` if it takes that argument);
+4. its result (or its error) is committed.
+
+When a run resumes, the same call finds the record of its visit: an effect recorded **done**
+returns its recorded result without calling ``fn`` (exactly once for recorded effects); one
+recorded **failed** raises :class:`EffectFailedError` again unless the handler passes
+``retry_failed=True``; one found **in flight** — the process died during the call — raises
+:class:`EffectOutcomeUnknownError`, unless the effect was declared ``idempotent``, in which case
+it is called again with the same idempotency key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fsm_runner.exceptions import (
+    CapabilityError,
+    EffectFailedError,
+    EffectMismatchError,
+    EffectOutcomeUnknownError,
+    PayloadError,
+)
+from fsm_runner.records import EffectRecord, EffectStatus, utc_now
+
+if TYPE_CHECKING:
+    from fsm_runner.journal import Journal
+    from fsm_runner.phases import PhaseContext
+    from fsm_runner.spec import State
+
+__all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "perform"]
+
+#: The standard operation kinds; hosts may use their own strings.
+READ = "read"
+MUTATE = "mutate"
+PEEK = "topic_peek"
+PUBLISH = "topic_publish"
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_key(fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "idempotency_key" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def _canonical(value: Any, *, run_id: str, what: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
+
+
+def perform(  # noqa: PLR0917 - ctx.effect's own arguments pass through
+    ctx: PhaseContext,
+    journal: Journal | None,
+    state: State | None,
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    kind: str,
+    idempotency_key: str | None,
+    idempotent: bool,
+    retry_failed: bool,
+) -> Any:
+    """Carry out one ``ctx.effect`` call; see the module docstring.
+
+    Raises:
+        CapabilityError: outside a running phase, a kind the state does not allow, or a
+            mutation past the state's limit; nothing is recorded.
+        EffectMismatchError: the name was used twice in the visit, or the record found for it
+            has another kind or other parameters.
+        EffectOutcomeUnknownError: the effect was caught in flight and is not idempotent.
+        EffectFailedError: the effect is recorded as failed (and ``retry_failed`` is not set).
+        PayloadError: the parameters or the result are not JSON-serialisable.
+    """
+    run = ctx.run
+    if journal is None or state is None or ctx.closed:
+        raise CapabilityError(state=None, operation=kind, detail=f" (effect {name!r})")
+    if state.allows is not None and kind not in state.allows:
+        allowed = ", ".join(state.allows) or "nothing"
+        raise CapabilityError(
+            state=state.name, operation=kind, detail=f" (effect {name!r}; it allows {allowed})"
+        )
+    if name in ctx.effect_names:
+        raise EffectMismatchError(
+            run_id=run.run_id, state=state.name, effect=name, detail="is used twice in one visit"
+        )
+    if kind == MUTATE and state.max_mutations is not None:
+        done = sum(1 for k in ctx.effect_names.values() if k == MUTATE)
+        if done >= state.max_mutations:
+            raise CapabilityError(
+                state=state.name,
+                operation=kind,
+                detail=f" more than {state.max_mutations} time(s) per visit (effect {name!r})",
+            )
+    params = {"args": list(args), "kwargs": kwargs}
+    canonical = _canonical(params, run_id=run.run_id, what=f"effect {name!r} parameters")
+    visit = run.visit_seq
+    key = (
+        idempotency_key
+        or hashlib.sha256(f"{run.run_id}\0{visit}\0{name}\0{canonical}".encode()).hexdigest()[:32]
+    )
+    ctx.effect_names[name] = kind
+    found = journal.effect(run.run_id, visit, name)
+    if found is not None:
+        if found.kind != kind or _canonical(found.params, run_id=run.run_id, what="") != canonical:
+            raise EffectMismatchError(
+                run_id=run.run_id,
+                state=state.name,
+                effect=name,
+                detail="was recorded with another kind or other parameters in this visit",
+            )
+        key = found.idempotency_key
+        if found.status is EffectStatus.DONE:
+            return found.result  # exactly once: never called again
+        if found.status is EffectStatus.FAILED and not retry_failed:
+            error = found.error or {}
+            raise EffectFailedError(
+                run_id=run.run_id,
+                effect=name,
+                error_type=str(error.get("type")),
+                message=str(error.get("message")),
+            )
+        if found.status is EffectStatus.IN_FLIGHT and not (idempotent or found.idempotent):
+            raise EffectOutcomeUnknownError(run_id=run.run_id, state=state.name, effect=name)
+    record = EffectRecord(
+        run_id=run.run_id,
+        visit_seq=visit,
+        name=name,
+        state=state.name,
+        kind=kind,
+        params=params,
+        idempotency_key=key,
+        idempotent=idempotent,
+        started_at=utc_now(),
+    )
+    journal.put_effect(record, run_seq=run.seq)  # committed before the effect happens
+    call_kwargs = dict(kwargs)
+    if _takes_key(fn) and "idempotency_key" not in call_kwargs:
+        call_kwargs["idempotency_key"] = key
+    try:
+        result = fn(*args, **call_kwargs)
+    except Exception as exc:
+        failed = EffectRecord(
+            **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
+            error={"type": type(exc).__name__, "message": str(exc)},
+        )
+        journal.put_effect(failed, run_seq=run.seq)
+        raise
+    _canonical(result, run_id=run.run_id, what=f"effect {name!r} result")
+    done_record = EffectRecord(
+        **{**_fields(record), "status": EffectStatus.DONE, "completed_at": utc_now()},
+        result=result,
+    )
+    journal.put_effect(done_record, run_seq=run.seq)
+    return result
+
+
+def _fields(record: EffectRecord) -> dict[str, Any]:
+    return {
+        "run_id": record.run_id,
+        "visit_seq": record.visit_seq,
+        "name": record.name,
+        "state": record.state,
+        "kind": record.kind,
+        "params": record.params,
+        "idempotency_key": record.idempotency_key,
+        "idempotent": record.idempotent,
+        "started_at": record.started_at,
+    }
