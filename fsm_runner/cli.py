@@ -132,6 +132,11 @@ def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> None:
     help="Only runs with this status.",
 )
 @click.option("--parent", metavar="RUN", help="Only the child runs of this run.")
+@click.option(
+    "--effect-in-flight",
+    is_flag=True,
+    help="Only runs with an effect caught in flight (its outcome unknown).",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
@@ -140,6 +145,7 @@ def runs(
     machine: str | None,
     status: str | None,
     parent: str | None,
+    effect_in_flight: bool,
     limit: int,
     as_json: bool,
 ) -> None:
@@ -149,7 +155,13 @@ def runs(
     journal = state.journal()
     if parent is not None:
         parent = _resolve_run_id(journal, parent)
-    found = journal.runs(machine=machine, status=status, parent_run_id=parent, limit=limit)
+    found = journal.runs(
+        machine=machine,
+        status=status,
+        parent_run_id=parent,
+        limit=limit,
+        effect_in_flight=effect_in_flight,
+    )
     if as_json:
         _json_dump([unstructure(run) for run in found])
         return
@@ -188,6 +200,7 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
     artifacts = journal.artifacts(run.run_id)
     visits = _subphase_visits(MachineSpec.from_json(journal.spec_json(run.spec_hash)), timeline)
     children = list(reversed(journal.runs(parent_run_id=run.run_id)))
+    effects = journal.effects(run.run_id)
     if as_json:
         _json_dump(
             {
@@ -196,6 +209,7 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
                 "iterations": [unstructure(i) for i in iterations],
                 "artifacts": [_artifact_summary(a) for a in artifacts],
                 "subphases": visits,
+                "effects": [unstructure(e) for e in effects],
                 "children": [
                     {"run_id": c.run_id, "machine": c.machine, "state": c.state,
                      "status": c.status.value}
@@ -222,6 +236,25 @@ def show(state: _State, run_id: str, as_json: bool) -> None:
                 for v in visits
             ],
             ("SUB-PHASE", "IN", "ATTEMPTS", "RESTARTS", "INTERRUPTED", "LAST EVENT"),
+        )
+    if effects:
+        click.echo("")
+        _table(
+            [
+                (
+                    e.name,
+                    e.state,
+                    str(e.visit_seq),
+                    e.kind,
+                    e.status.value,
+                    e.idempotency_key[:12],
+                    f"{(e.error or {}).get('type')}: {(e.error or {}).get('message')}"[:50]
+                    if e.error
+                    else "",
+                )
+                for e in effects
+            ],
+            ("EFFECT", "STATE", "VISIT", "KIND", "STATUS", "KEY", "ERROR"),
         )
     if children:
         click.echo("")

@@ -296,3 +296,40 @@ class TestChildRuns:
         assert [c["run_id"] for c in shown["children"]] == kids
         assert "CHILD RUN" in invoke("show", parent).output
         assert "no run" in invoke("runs", "--parent", "zzz").output
+
+
+class TestEffects:
+    """`show` lists a run's effects; `runs --effect-in-flight` finds runs with one in flight."""
+
+    def test_effects_listed_and_in_flight_filter(self, invoke, journal_path):
+        from fsm_runner import Engine, MachineSpec, State, Transition
+        from fsm_runner.records import EffectRecord
+
+        spec = MachineSpec(
+            "fx",
+            [State("a", handler="a"), State("done", terminal=True)],
+            [Transition("a", "NEXT", "done")],
+        )
+
+        def a(ctx):
+            ctx.effect("fetch", lambda: {"rows": 3}, kind="read")
+            return "NEXT"
+
+        journal = SqliteJournal(journal_path)
+        engine = Engine(spec, handlers={"a": a}, journal=journal)
+        finished = engine.run(engine.start()).run_id
+        stuck = engine.start()
+        journal.put_effect(
+            EffectRecord(stuck, 0, "push", "a", "mutate", params={"args": [], "kwargs": {}}),
+            run_seq=0,
+        )
+        journal.close()
+        shown = invoke("show", finished).output
+        assert "EFFECT" in shown
+        assert "fetch" in shown
+        data = json.loads(invoke("show", finished, "--json").output)
+        assert [(e["name"], e["status"], e["result"]) for e in data["effects"]] == [
+            ("fetch", "done", {"rows": 3})
+        ]
+        found = json.loads(invoke("runs", "--json", "--effect-in-flight").output)
+        assert [r["run_id"] for r in found] == [stuck]
