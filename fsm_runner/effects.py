@@ -18,7 +18,6 @@ it is called again with the same idempotency key.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import json
@@ -48,7 +47,6 @@ PEEK = "topic_peek"
 PUBLISH = "topic_publish"
 
 
-@functools.lru_cache(maxsize=256)
 def _takes_key(fn: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
@@ -66,7 +64,7 @@ def _canonical(value: Any, *, run_id: str, what: str) -> str:
         raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
 
 
-def perform(  # noqa: PLR0917 - ctx.effect's own arguments pass through
+def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect's arguments
     ctx: PhaseContext,
     journal: Journal | None,
     state: State | None,
@@ -165,7 +163,16 @@ def perform(  # noqa: PLR0917 - ctx.effect's own arguments pass through
         )
         journal.put_effect(failed, run_seq=run.seq)
         raise
-    _canonical(result, run_id=run.run_id, what=f"effect {name!r} result")
+    try:
+        _canonical(result, run_id=run.run_id, what=f"effect {name!r} result")
+    except PayloadError as exc:
+        # It happened, but its result cannot be kept: record that plainly, not "unknown".
+        unreadable = EffectRecord(
+            **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
+            error={"type": "PayloadError", "message": str(exc)},
+        )
+        journal.put_effect(unreadable, run_seq=run.seq)
+        raise
     done_record = EffectRecord(
         **{**_fields(record), "status": EffectStatus.DONE, "completed_at": utc_now()},
         result=result,

@@ -389,6 +389,9 @@ class Engine:
             self._finished(run_id)
             self._journal_interruption(run, "KeyboardInterrupt")
             raise
+        except BaseException:
+            self._finished(run_id)  # SystemExit and the like: not journaled, but the phase is over
+            raise
         if type(value) is str and not run.iteration:
             dest = self._plain_edges.get((run.state, value))
             if dest is not None:
@@ -871,7 +874,7 @@ class Engine:
             run.lease_token,
             None,
             0,
-            seq if dest != run.state else run.visit_seq,
+            seq,  # a new visit: the plain path never carries RETRIED or INTERRUPTED
             0,
         )
         self.journal.commit(after, transition)
@@ -979,9 +982,11 @@ def _advance(
             )
         dest, attempt, visit_seq = return_to, return_attempt + 1, return_visit
         return_to, return_attempt, return_visit = None, 0, 0
-    elif dest != run.state:
-        visit_seq = seq  # a new visit begins
-        if dest in spec.returning_states:  # remember where to come back to
+    elif dest != run.state or not (event in _SAME_VISIT or status is Outcome.ABORTED):
+        visit_seq = seq  # a new visit begins (a spec's own self transition too)
+        if dest == run.state:
+            pass  # a self transition keeps where to return to
+        elif dest in spec.returning_states:  # remember where to come back to
             return_to, return_attempt, return_visit = run.state, run.attempt, run.visit_seq
         else:
             return_to, return_attempt, return_visit = None, 0, 0

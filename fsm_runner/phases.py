@@ -230,12 +230,11 @@ class PhaseContext:
     @property
     def previous_state(self) -> str | None:
         """The state the run was in before this one (``None`` at its start)."""
-        if self._journal is None or self.run.seq == 0:
+        if self._journal is None or self.run.visit_seq == 0:
             return None
-        (last,) = self._journal.transitions(
-            self.run.run_id, from_seq=self.run.seq, to_seq=self.run.seq
-        )
-        return last.from_state
+        visit = self.run.visit_seq  # the transition that began this visit, not a retry's
+        (entered,) = self._journal.transitions(self.run.run_id, from_seq=visit, to_seq=visit)
+        return entered.from_state
 
     def __repr__(self) -> str:
         return f"PhaseContext(run_id={self.run.run_id!r}, state={self.run.state!r})"

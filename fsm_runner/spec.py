@@ -441,6 +441,15 @@ class MachineSpec:
         for state in self._walk(self.states):
             if not state.name or state.name == WILDCARD or state.name.startswith("$"):
                 yield f"invalid state name {state.name!r}"
+            if state.max_mutations is not None and state.max_mutations < 0:
+                yield f"state {state.name!r} has max_mutations < 0"
+            if (state.composite or state.terminal) and (
+                state.allows is not None or state.max_mutations is not None
+            ):
+                yield (
+                    f"state {state.name!r} declares capabilities, but only phases with handlers"
+                    " perform effects (declare them on each sub-phase)"
+                )
             if state.composite and (state.handler or state.terminal or state.timeout):
                 yield f"composite {state.name!r} cannot have a handler or timeout, or be terminal"
             if state.name in seen:

@@ -60,6 +60,7 @@ _JSON_COLUMNS = ("input", "context", "error")
 
 _migrations = Migrations("fsm_runner")
 _USER_ABORTED = RunEvent.USER_ABORTED.value
+_SAME_VISIT = frozenset({RunEvent.RETRIED.value, RunEvent.INTERRUPTED.value})
 _UTC = dt.timezone.utc
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
 
@@ -215,8 +216,8 @@ def m0004_effects(db: sqlite_utils.Database) -> None:
     runs.add_column("visit_seq", int, not_null_default=0)  # type: ignore[union-attr]
     runs.add_column("return_visit", int, not_null_default=0)  # type: ignore[union-attr]
     db.execute("UPDATE runs SET visit_seq = seq")  # older runs: each on the visit it is in
-    # The trigger now also moves visit_seq: a transition into another state begins a visit; a
-    # self transition continues it (the engine's own update corrects a RETURN).
+    # The trigger now also moves visit_seq: a transition begins a new visit unless it is a
+    # retry or an interruption of the phase (the engine's own update corrects a RETURN).
     db.execute("DROP TRIGGER IF EXISTS transitions_advance_run")
     db.execute(
         f"""
@@ -225,6 +226,7 @@ def m0004_effects(db: sqlite_utils.Database) -> None:
             UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
                             updated_at = NEW.at,
                             visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
+                                               AND NEW.event IN ('RETRIED', 'INTERRUPTED')
                                              THEN visit_seq ELSE NEW.seq END
              WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
             SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
@@ -720,7 +722,8 @@ class SqliteJournal:
     @staticmethod
     def _trigger_visit(known: RunRecord, transition: TransitionRecord) -> int:
         """The visit_seq the trigger writes for ``transition`` over the row ``known``."""
-        return known.visit_seq if transition.from_state == transition.to_state else transition.seq
+        same = transition.from_state == transition.to_state and transition.event in _SAME_VISIT
+        return known.visit_seq if same else transition.seq
 
     def _remember(self, run: RunRecord) -> None:
         if len(self._written) >= _REMEMBERED_RUNS:
