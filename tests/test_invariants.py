@@ -191,7 +191,8 @@ class TestInvariant3APhaseRunsAgainOnlyIfItsExitWasNotJournaled:
     """3. A journaled phase never runs again for that visit; the one caught by a crash does.
 
     The effects half of the invariant (exactly-once for recorded effects, in-flight effects
-    reported) is future work: there is no effects ledger (``ctx.effect``) yet.
+    reported, idempotent ones repeated with the same key) is tested in ``test_effects.py`` and,
+    with a real SIGKILL and a real counter server, in ``test_sandbox.py``.
     """
 
     @staticmethod
