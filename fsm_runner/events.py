@@ -34,6 +34,7 @@ class RunEvent(str, enum.Enum):
     TIMEOUT = "TIMEOUT"
     INTERRUPTED = "INTERRUPTED"
     USER_ABORTED = "USER_ABORTED"
+    REWOUND = "REWOUND"
 
     def __str__(self) -> str:
         return self.value
@@ -65,13 +66,15 @@ STATUS_EVENTS: dict[RunStatus, RunEvent] = {
 
 #: Events the engine itself journals without a spec transition: the first row of a run,
 #: a retried attempt (a self transition), an abort from a state with no USER_ABORTED exit,
-#: and an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable).
+#: an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable), and an
+#: operator's resume from an earlier state (``resume --from-state``: the run is rewound there).
 ENGINE_EVENTS: frozenset[str] = frozenset(
     {
         RunEvent.STARTED.value,
         RunEvent.RETRIED.value,
         RunEvent.USER_ABORTED.value,
         RunEvent.INTERRUPTED.value,
+        RunEvent.REWOUND.value,
     }
 )
 

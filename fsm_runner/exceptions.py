@@ -15,7 +15,8 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── JournalError                                     .path .detail
     │   ├── SchemaVersionError                           .found .supported
     │   ├── SpecMismatchError                            .run_id .expected .found
-    │   └── RunConflictError                             .run_id .expected_seq
+    │   ├── RunConflictError                             .run_id .expected_seq
+    │   └── ReplayMismatchError                          .run_id .seq .expected .found
     ├── RunNotFoundError              (also KeyError)    .run_id
     ├── RunExistsError                                   .run_id
     ├── RunTerminalError                                 .run_id .state .status
@@ -26,7 +27,8 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── EffectFailedError                                .run_id .effect .error_type .message
     ├── EffectMismatchError                              .run_id .state .effect .detail
     ├── CapabilityError                                  .state .operation
-    └── SupervisorError                                  .resource .detail
+    ├── SupervisorError                                  .resource .detail
+    └── DiagramError                                     .detail
 
 Only :mod:`fsm_runner.cli` turns these into exit codes.
 """
@@ -38,6 +40,7 @@ from typing import Any
 
 __all__ = [
     "CapabilityError",
+    "DiagramError",
     "EffectFailedError",
     "EffectMismatchError",
     "EffectOutcomeUnknownError",
@@ -51,6 +54,7 @@ __all__ = [
     "PayloadError",
     "PhaseError",
     "PhaseTimeoutError",
+    "ReplayMismatchError",
     "RunAbortedError",
     "RunConflictError",
     "RunExistsError",
@@ -233,6 +237,22 @@ class RunConflictError(JournalError):
         )
 
 
+class ReplayMismatchError(JournalError):
+    """Replaying a run's journal through its spec does not reproduce what the journal holds."""
+
+    def __init__(
+        self, *, run_id: str, seq: int, expected: str, found: str, path: str | None = None
+    ) -> None:
+        self.run_id = run_id
+        self.seq = seq
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"run {run_id} at seq {seq}: replay expected {expected}, the journal has {found}",
+            path=path,
+        )
+
+
 class RunNotFoundError(FsmRunnerError, KeyError):
     """No run with that id exists in the journal."""
 
@@ -357,3 +377,16 @@ class SupervisorError(FsmRunnerError):
         self.resource = resource
         self.detail = detail
         super().__init__(f"{resource}: {detail}")
+
+
+class DiagramError(FsmRunnerError):
+    """A diagram cannot be drawn or rendered (an unknown format, Graphviz missing or failing)."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(detail)
+
+    @property
+    def message(self) -> str:
+        """Say what went wrong, and how to fix it where there is a fix."""
+        return self.detail

@@ -11,6 +11,7 @@ import fsm_runner
 from fsm_runner import exceptions
 from fsm_runner.exceptions import (
     CapabilityError,
+    DiagramError,
     EffectFailedError,
     EffectMismatchError,
     EffectOutcomeUnknownError,
@@ -24,6 +25,7 @@ from fsm_runner.exceptions import (
     PayloadError,
     PhaseError,
     PhaseTimeoutError,
+    ReplayMismatchError,
     RunAbortedError,
     RunConflictError,
     RunExistsError,
@@ -135,6 +137,14 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
     SupervisorError: (
         SupervisorError("helper server", "restart budget spent"),
         {"resource": "helper server", "detail": "restart budget spent"},
+    ),
+    ReplayMismatchError: (
+        ReplayMismatchError(run_id="r1", seq=3, expected="state 'b'", found="state 'c'"),
+        {"run_id": "r1", "seq": 3, "expected": "state 'b'", "found": "state 'c'"},
+    ),
+    DiagramError: (
+        DiagramError("Graphviz `dot` is not installed"),
+        {"detail": "Graphviz `dot` is not installed"},
     ),
 }
 
