@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from fsm_runner.journal.base import Durability, Journal
+from fsm_runner.journal.base import Durability, Journal, PruneReport
 from fsm_runner.journal.memory import MemoryJournal
 from fsm_runner.journal.sqlite import DEFAULT_PATH, SCHEMA_VERSION, SqliteJournal
 
@@ -14,6 +14,7 @@ __all__ = [
     "Durability",
     "Journal",
     "MemoryJournal",
+    "PruneReport",
     "SqliteJournal",
     "open_journal",
 ]

@@ -16,8 +16,11 @@ contract, and the journal test suite runs against each of them:
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
+
+import attrs
 
 from fsm_runner.records import (
     ArtifactRecord,
@@ -28,11 +31,30 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import Outcome
 
-__all__ = ["Durability", "Journal"]
+__all__ = ["Durability", "Journal", "PruneReport"]
 
 #: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
 #: ``power``: it also survives power loss (synchronous=FULL).
 Durability = Literal["process", "power"]
+
+
+@attrs.frozen
+class PruneReport:
+    """What :meth:`Journal.prune` deleted (or, on a dry run, would delete).
+
+    Attributes:
+        run_ids: the runs pruned, oldest first.
+        transitions: how many transitions they owned.
+        dry_run: nothing was deleted.
+        bytes_before: the journal's size on disk before (``None`` where it has no file).
+        bytes_after: its size after space was reclaimed.
+    """
+
+    run_ids: tuple[str, ...]
+    transitions: int
+    dry_run: bool
+    bytes_before: int | None = None
+    bytes_after: int | None = None
 
 
 @runtime_checkable
@@ -130,8 +152,14 @@ class Journal(Protocol):
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
     ) -> Sequence[RunRecord]:
-        """Return runs, newest first, filtered by machine, status, parent, effects in flight."""
+        """Return runs, newest first, filtered by machine, status, parent and state.
+
+        ``effect_in_flight`` keeps runs with an effect whose outcome is unknown; ``stale`` keeps
+        active runs whose lease has expired (their worker is gone).
+        """
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> Sequence[str]:
         """Return up to ``limit`` run ids that start with ``prefix`` (for abbreviated ids)."""
@@ -150,6 +178,30 @@ class Journal(Protocol):
             RunNotFoundError: no such run.
             RunTerminalError: the run has already ended.
         """
+
+    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
+        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``.
+
+        In one transaction: the run row (as given: the source's row as it stood at ``at_seq``,
+        with a new id and ``forked_from``), copies of the source's transitions 0..``at_seq``,
+        its iteration records up to ``run.iteration``, its artifacts committed up to
+        ``at_seq`` and its effects of visits that ended by then. The source is not changed.
+
+        Raises:
+            RunNotFoundError: no such source run.
+            RunExistsError: a run with ``run.run_id`` exists.
+            ValueError: ``at_seq`` is not one of the source's seqs, or ``run.seq != at_seq``.
+        """
+
+    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, with all they own.
+
+        A run that has not ended, or whose child runs have not all ended, is never touched.
+        Then reclaim the space (SQLite: ``VACUUM``).
+        """
+
+    def integrity_problems(self) -> list[str]:
+        """Check the medium itself (SQLite: ``integrity_check``, dangling rows); ``[]`` if sound."""
 
     def close(self) -> None:
         """Release the journal's resources; further use raises ``JournalError``."""

@@ -6,6 +6,7 @@ write exactly as the SQLite journal checks them, so code that passes here passes
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import threading
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
     RunTerminalError,
 )
+from fsm_runner.journal.base import PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -28,6 +30,7 @@ from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
     unstructure,
+    utc_now,
 )
 from fsm_runner.spec import Outcome
 
@@ -230,9 +233,16 @@ class MemoryJournal:
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
     ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status, parent, effects in flight."""
+        """Return runs, newest first, filtered by machine, status, parent and state.
+
+        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
+        lease has expired.
+        """
         wanted = Outcome(status) if status is not None else None
+        now = utc_now()
         with self._lock:
             self._check_open()
             ordered = list(self._runs.values())
@@ -244,6 +254,16 @@ class MemoryJournal:
             if (machine is None or run.machine == machine)
             and (wanted is None or run.status is wanted)
             and (parent_run_id is None or run.parent_run_id == parent_run_id)
+            and (state is None or run.state == state)
+            and (
+                not stale
+                or (
+                    not run.ended
+                    and run.lease_owner is not None
+                    and run.lease_expires_at is not None
+                    and run.lease_expires_at < now
+                )
+            )
             and (
                 not effect_in_flight
                 or any(
@@ -268,3 +288,74 @@ class MemoryJournal:
                 return self._specs[spec_hash]
             except KeyError:
                 raise JournalError(f"holds no spec {spec_hash[:12]}", path=":memory:") from None
+
+    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
+        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        if run.seq != at_seq:
+            raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+        with self._lock:
+            source = self.load(source_run_id)
+            if not 0 <= at_seq <= source.seq:
+                raise ValueError(
+                    f"run {source_run_id} has seqs 0..{source.seq}; there is no seq {at_seq}"
+                )
+            if run.run_id in self._runs:
+                raise RunExistsError(run.run_id)
+            new_id = run.run_id
+            self._runs[new_id] = run
+            self._transitions[new_id] = [
+                attrs.evolve(t, run_id=new_id)
+                for t in self._transitions[source_run_id]
+                if t.seq <= at_seq
+            ]
+            self._iterations[new_id] = {
+                number: attrs.evolve(record, run_id=new_id)
+                for number, record in self._iterations.get(source_run_id, {}).items()
+                if number <= run.iteration
+            }
+            self._artifacts[new_id] = {
+                name: attrs.evolve(artifact, run_id=new_id)
+                for name, artifact in self._artifacts.get(source_run_id, {}).items()
+                if artifact.seq <= at_seq
+            }
+            self._effects[new_id] = {
+                key: attrs.evolve(effect, run_id=new_id)
+                for key, effect in self._effects.get(source_run_id, {}).items()
+                if effect.visit_seq < run.visit_seq
+            }
+
+    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, with all they own."""
+        with self._lock:
+            self._check_open()
+            live_parents = {run.parent_run_id for run in self._runs.values() if not run.ended}
+            doomed = sorted(
+                (
+                    run
+                    for run in self._runs.values()
+                    if run.ended
+                    and run.updated_at < ended_before
+                    and run.run_id not in live_parents
+                ),
+                key=lambda run: run.updated_at,
+            )
+            ids = tuple(run.run_id for run in doomed)
+            count = sum(len(self._transitions.get(run_id, ())) for run_id in ids)
+            if not dry_run:
+                for run_id in ids:
+                    for table in (
+                        self._runs,
+                        self._transitions,
+                        self._iterations,
+                        self._artifacts,
+                        self._effects,
+                    ):
+                        table.pop(run_id, None)
+                used = {run.spec_hash for run in self._runs.values()}
+                self._specs = {h: text for h, text in self._specs.items() if h in used}
+        return PruneReport(ids, count, dry_run=dry_run)
+
+    def integrity_problems(self) -> list[str]:
+        """Nothing to check beneath the records themselves: always ``[]``."""
+        self._check_open()
+        return []

@@ -31,7 +31,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SchemaVersionError,
 )
-from fsm_runner.journal.base import Durability
+from fsm_runner.journal.base import Durability, PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -911,16 +911,26 @@ class SqliteJournal:
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
     ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status, parent, effects in flight."""
+        """Return runs, newest first, filtered by machine, status, parent and state.
+
+        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
+        lease has expired.
+        """
         where: list[str] = []
         params: list[Any] = []
         if effect_in_flight:
             where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
+        if stale:
+            where.append("status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < ?")
+            params.append(format_utc(utc_now()))
         for column, value in (
             ("machine", machine),
             ("status", Outcome(status).value if status is not None else None),
             ("parent_run_id", parent_run_id),
+            ("state", state),
         ):
             if value is not None:
                 where.append(f"{column} = ?")
@@ -1007,6 +1017,125 @@ class SqliteJournal:
         if row is None:
             raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.path)
         return str(row[0])
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
+        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        if run.seq != at_seq:
+            raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+        first = self._run_params(attrs.evolve(run, seq=0))
+        try:
+            with self._write() as conn:
+                found = conn.execute(
+                    "SELECT seq FROM runs WHERE run_id = ?", (source_run_id,)
+                ).fetchone()
+                if found is None:
+                    raise RunNotFoundError(source_run_id)
+                if not 0 <= at_seq <= found[0]:
+                    raise ValueError(
+                        f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
+                    )
+                conn.execute(_INSERT_RUN, first)
+                # In seq order, so the trigger walks the new row from seq 0 to at_seq.
+                conn.execute(
+                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
+                    " attempt, at, duration_ms, result) SELECT ?, seq, from_state, event,"
+                    " to_state, iteration, attempt, at, duration_ms, result FROM transitions"
+                    " WHERE run_id = ? AND seq <= ? ORDER BY seq",
+                    (run.run_id, source_run_id, at_seq),
+                )
+                assignments = ", ".join(f"{column} = ?" for column in _RUN_COLUMNS[1:])
+                conn.execute(
+                    f"UPDATE runs SET {assignments} WHERE run_id = ?",
+                    (*self._run_params(run)[1:], run.run_id),
+                )
+                copies = (
+                    ("iterations", _ITERATION_COLUMNS, "iteration <= ?", run.iteration),
+                    ("artifacts", _ARTIFACT_COLUMNS, "seq <= ?", at_seq),
+                    ("effects", _EFFECT_COLUMNS, "visit_seq < ?", run.visit_seq),
+                )
+                for table, columns, condition, bound in copies:
+                    rest = [column for column in columns if column != "run_id"]
+                    conn.execute(
+                        f"INSERT INTO {table} (run_id, {', '.join(rest)})"
+                        f" SELECT ?, {', '.join(rest)} FROM {table}"
+                        f" WHERE run_id = ? AND {condition}",
+                        (run.run_id, source_run_id, bound),
+                    )
+            self._remember(run)
+        except JournalError as exc:
+            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "runs.run_id" in str(
+                exc.__cause__
+            ):
+                raise RunExistsError(run.run_id) from None
+            raise
+
+    def _size(self) -> int | None:
+        if self.path == ":memory:":
+            return None
+        return sum(
+            Path(self.path + suffix).stat().st_size
+            for suffix in ("", "-wal")
+            if Path(self.path + suffix).exists()
+        )
+
+    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
+        select = (
+            "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < ?"
+            " AND NOT EXISTS (SELECT 1 FROM runs AS c WHERE c.parent_run_id = r.run_id"
+            " AND c.status = 'active') ORDER BY updated_at, rowid"
+        )
+        cutoff = (format_utc(ended_before),)
+        before = self._size()
+        if dry_run:
+            with self._read() as conn:
+                ids = tuple(str(row[0]) for row in conn.execute(select, cutoff))
+                count = conn.execute(
+                    f"SELECT count(*) FROM transitions WHERE run_id IN ({select})", cutoff
+                ).fetchone()[0]
+            return PruneReport(ids, int(count), dry_run=True, bytes_before=before)
+        with self._write() as conn:
+            conn.execute("DROP TABLE IF EXISTS temp.pruned")
+            conn.execute(f"CREATE TEMP TABLE pruned AS {select}", cutoff)
+            ids = tuple(str(row[0]) for row in conn.execute("SELECT run_id FROM temp.pruned"))
+            count = 0
+            for table in ("transitions", "iterations", "artifacts", "effects", "runs"):
+                deleted = conn.execute(
+                    f"DELETE FROM {table} WHERE run_id IN (SELECT run_id FROM temp.pruned)"
+                ).rowcount
+                if table == "transitions":
+                    count = deleted
+            conn.execute(
+                "DELETE FROM specs WHERE spec_hash NOT IN (SELECT DISTINCT spec_hash FROM runs)"
+            )
+            conn.execute("DROP TABLE temp.pruned")
+        for run_id in ids:
+            self._written.pop(run_id, None)
+        if ids:
+            with self._read() as conn:
+                conn.execute("VACUUM")
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return PruneReport(ids, count, dry_run=False, bytes_before=before, bytes_after=self._size())
+
+    def integrity_problems(self) -> list[str]:
+        """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem."""
+        with self._read() as conn:
+            problems = [
+                f"SQLite integrity check: {row[0]}"
+                for row in conn.execute("PRAGMA integrity_check(20)")
+                if row[0] != "ok"
+            ]
+            dangling = conn.execute(
+                'SELECT "table", count(*), min(rowid) FROM pragma_foreign_key_check'
+                ' GROUP BY "table"'
+            ).fetchall()
+        problems += [
+            f"{count} row(s) of table {table} refer to missing rows (first rowid {first})"
+            for table, count, first in dangling
+        ]
+        return problems
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
