@@ -1,10 +1,9 @@
-"""The ``fsm-runner`` command line: list, inspect, resume and abort journaled runs.
+"""The ``fsm-runner`` command line: list, inspect, replay, resume, abort, fork and draw runs.
 
 The CLI is thin: every command opens the journal, calls the library and prints. It is the only
 place where errors become exit codes: a user's mistake prints one line on stderr, never a
 traceback. Heavy imports happen inside the commands, so ``fsm-runner --help`` stays fast.
-
-Exit codes: 0 ok, 1 failure (including a run that ended failed or aborted), 2 usage.
+Colour is used only on a terminal; piped output is plain, stable text.
 """
 
 from __future__ import annotations
@@ -26,14 +25,75 @@ if TYPE_CHECKING:
     from fsm_runner.records import ArtifactRecord, IterationRecord, RunRecord, TransitionRecord
     from fsm_runner.spec import MachineSpec
 
-__all__ = ["cli", "main"]
+__all__ = [
+    "EXIT_CONFLICT",
+    "EXIT_FAILURE",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "cli",
+    "main",
+]
 
 ENV_JOURNAL = "FSM_RUNNER_JOURNAL"
 DEFAULT_JOURNAL = "fsm-runner.db"
 
+#: Everything went as asked.
+EXIT_OK = 0
+#: The command failed (also: the run it drove ended failed or aborted, a check found problems).
+EXIT_FAILURE = 1
+#: The command line was wrong (click's own code for usage errors).
+EXIT_USAGE = 2
+#: The run (or the journal file) does not exist.
+EXIT_NOT_FOUND = 3
+#: The run is not in a state that allows it: ended, held by another worker, moved meanwhile.
+EXIT_CONFLICT = 4
+
+
+class CliError(click.ClickException):
+    """A one-line error; its subclasses carry the other exit codes."""
+
+    exit_code = EXIT_FAILURE
+
+
+class _UsageError(CliError):
+    exit_code = EXIT_USAGE
+
+
+class _NotFoundError(CliError):
+    exit_code = EXIT_NOT_FOUND
+
+
+class _ConflictError(CliError):
+    exit_code = EXIT_CONFLICT
+
+
+_ERRORS: dict[int, type[CliError]] = {
+    EXIT_FAILURE: CliError,
+    EXIT_USAGE: _UsageError,
+    EXIT_NOT_FOUND: _NotFoundError,
+    EXIT_CONFLICT: _ConflictError,
+}
+
+
+def _exit_code(exc: Exception) -> int:
+    from fsm_runner.exceptions import (
+        LeaseError,
+        RunConflictError,
+        RunExistsError,
+        RunNotFoundError,
+        RunTerminalError,
+    )
+
+    if isinstance(exc, RunNotFoundError):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, LeaseError | RunConflictError | RunExistsError | RunTerminalError):
+        return EXIT_CONFLICT
+    return EXIT_FAILURE
+
 
 class _Group(click.Group):
-    """A group that turns library errors into one-line messages and exit code 1."""
+    """A group that turns library errors into one-line messages and their exit codes."""
 
     def invoke(self, ctx: click.Context) -> Any:
         from fsm_runner.exceptions import FsmRunnerError
@@ -41,7 +101,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except FsmRunnerError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise _ERRORS[_exit_code(exc)](str(exc)) from None
 
 
 class _State:
@@ -60,7 +120,8 @@ class _State:
             if must_exist and location != ":memory:" and not Path(path).exists():
                 _fail(
                     f"no journal at {Path(path).absolute()} "
-                    f"(pass --journal PATH or set {ENV_JOURNAL})"
+                    f"(pass --journal PATH or set {ENV_JOURNAL})",
+                    EXIT_NOT_FOUND,
                 )
             self._journal = open_journal(location)
         return self._journal
@@ -70,8 +131,21 @@ class _State:
             self._journal.close()
 
 
-def _fail(message: str) -> NoReturn:
-    raise click.ClickException(message)
+def _fail(message: str, exit_code: int = EXIT_FAILURE) -> NoReturn:
+    raise _ERRORS[exit_code](message)
+
+
+def _colour() -> bool:
+    """Colour only when stdout is a terminal (and NO_COLOR is not set)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+_STATUS_COLOURS = {"active": "cyan", "succeeded": "green", "failed": "red", "aborted": "yellow"}
+
+
+def _styled_status(text: str, status: str) -> str:
+    colour = _STATUS_COLOURS.get(status)
+    return click.style(text, fg=colour) if colour and _colour() else text
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -89,8 +163,11 @@ def _fail(message: str) -> NoReturn:
 def cli(ctx: click.Context, journal_path: str) -> None:
     """Run long, multi-phase jobs as durable state machines, and operate their journal.
 
-    Exit codes: 0 ok, 1 failure (also a run that ended failed or aborted), 2 usage error.
     Run ids may be abbreviated to any unique prefix.
+
+    Exit codes: 0 ok; 1 failure (also a run that ended failed or aborted); 2 usage error;
+    3 run or journal not found; 4 conflict (the run has ended, its lease is held by another
+    worker, or another writer moved it).
     """
     state = _State(journal_path)
     ctx.obj = state
@@ -105,7 +182,7 @@ def _resolve_run_id(journal: Journal, run_id: str) -> str:
         return run_id if run_id in matches else matches[0]
     if not matches:
         raise RunNotFoundError(run_id)
-    _fail(f"run id prefix {run_id!r} is ambiguous; give more characters")
+    _fail(f"run id prefix {run_id!r} is ambiguous; give more characters", EXIT_USAGE)
 
 
 def _time(value: Any) -> str:
@@ -116,12 +193,20 @@ def _json_dump(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False))
 
 
-def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> None:
+def _table(
+    rows: Sequence[Sequence[str]],
+    headers: Sequence[str],
+    *,
+    styles: Sequence[str] | None = None,
+) -> None:
+    """Print aligned columns; on a terminal, colour each row by its status in ``styles``."""
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-    for row in [headers, *rows]:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for index, row in enumerate(rows):
+        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        click.echo(_styled_status(line, styles[index]) if styles else line)
 
 
 @cli.command()
@@ -131,7 +216,13 @@ def _table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> None:
     type=click.Choice(["active", "succeeded", "failed", "aborted"]),
     help="Only runs with this status.",
 )
+@click.option("--state", "run_state", metavar="STATE", help="Only runs in this state.")
 @click.option("--parent", metavar="RUN", help="Only the child runs of this run.")
+@click.option(
+    "--stale",
+    is_flag=True,
+    help="Only active runs whose lease has expired (their worker is gone).",
+)
 @click.option(
     "--effect-in-flight",
     is_flag=True,
@@ -144,7 +235,9 @@ def runs(
     state: _State,
     machine: str | None,
     status: str | None,
+    run_state: str | None,
     parent: str | None,
+    stale: bool,
     effect_in_flight: bool,
     limit: int,
     as_json: bool,
@@ -161,6 +254,8 @@ def runs(
         parent_run_id=parent,
         limit=limit,
         effect_in_flight=effect_in_flight,
+        state=run_state,
+        stale=stale,
     )
     if as_json:
         _json_dump([unstructure(run) for run in found])
@@ -181,7 +276,11 @@ def runs(
         )
         for run in found
     ]
-    _table(rows, ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)", "PARENT"))
+    _table(
+        rows,
+        ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)", "PARENT"),
+        styles=[run.status.value for run in found],
+    )
 
 
 @cli.command()
@@ -354,7 +453,7 @@ def _print_summary(run: RunRecord) -> None:
     pairs = [
         ("run", run.run_id),
         ("machine", f"{run.machine} (spec {run.spec_hash[:12]})"),
-        ("state", f"{run.state} ({run.status.value})"),
+        ("state", _styled_status(f"{run.state} ({run.status.value})", run.status.value)),
         ("seq", f"{run.seq}   iteration {run.iteration}   attempt {run.attempt}"),
         ("started", f"{_time(run.created_at)} UTC   updated {_time(run.updated_at)} UTC"),
         ("input", json.dumps(run.input, ensure_ascii=False)),
@@ -390,13 +489,13 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
     _table(rows, ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
 
 
-def _load_app(spec: str) -> Engine:
-    """Import ``MODULE:ATTR``: an Engine, or a zero-argument factory returning one."""
-    from fsm_runner.engine import Engine
-
-    module_name, _, attr = spec.partition(":")
+def _import_object(path: str, param_hint: str) -> Any:
+    """Import ``MODULE:ATTR`` (ATTR may be dotted); a bad path is a one-line error."""
+    module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise click.BadParameter("expected MODULE:ATTR, e.g. myapp.jobs:engine", param_hint="--app")
+        _fail(
+            f"{param_hint}: expected MODULE:ATTR, e.g. myapp.jobs:engine, not {path!r}", EXIT_USAGE
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
     try:
@@ -410,18 +509,47 @@ def _load_app(spec: str) -> Engine:
         if not hasattr(target, part):
             _fail(f"{module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
+    return target
+
+
+def _call_factory(path: str, factory: Callable[[], Any]) -> Any:
+    try:
+        return factory()
+    except Exception as exc:  # noqa: BLE001 - the user's factory failed; say so in one line
+        _fail(f"{path} failed: {type(exc).__name__}: {exc}")
+
+
+def _load_app(path: str) -> Engine:
+    """Import ``MODULE:ATTR``: an Engine, or a zero-argument factory returning one."""
+    from fsm_runner.engine import Engine
+
+    target = _import_object(path, "--app")
     if isinstance(target, Engine):
         return target
     if callable(target):
-        factory: Callable[[], Any] = target
-        try:
-            produced = factory()
-        except Exception as exc:  # noqa: BLE001 - the user's factory failed; say so in one line
-            _fail(f"{spec} failed: {type(exc).__name__}: {exc}")
+        produced = _call_factory(path, target)
         if isinstance(produced, Engine):
             return produced
-        _fail(f"{spec} returned {type(produced).__name__}, not an fsm_runner Engine")
-    _fail(f"{spec} is {type(target).__name__}, not an Engine or a factory returning one")
+        _fail(f"{path} returned {type(produced).__name__}, not an fsm_runner Engine")
+    _fail(f"{path} is {type(target).__name__}, not an Engine or a factory returning one")
+
+
+def _load_spec(path: str, param_hint: str) -> MachineSpec:
+    """Import ``MODULE:ATTR``: a MachineSpec, an Engine, or a factory returning either."""
+    from fsm_runner.engine import Engine
+    from fsm_runner.spec import MachineSpec
+
+    target = _import_object(path, param_hint)
+    if callable(target) and not isinstance(target, MachineSpec | Engine):
+        target = _call_factory(path, target)
+        if isinstance(target, Engine):
+            target.close()  # only its spec is wanted
+            return target.spec
+    if isinstance(target, Engine):
+        return target.spec
+    if isinstance(target, MachineSpec):
+        return target
+    _fail(f"{path} is {type(target).__name__}, not a MachineSpec, an Engine or a factory of one")
 
 
 def _echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
@@ -442,12 +570,21 @@ def _echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
     " whose input names their app (as `demo` and `agent-loop` runs do).",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many steps.")
+@click.option(
+    "--from-state",
+    metavar="STATE",
+    help="Continue from this earlier state of the run instead (journaled as REWOUND).",
+)
 @click.pass_obj
-def resume(state: _State, run_id: str, app: str | None, max_steps: int | None) -> None:
+def resume(
+    state: _State, run_id: str, app: str | None, max_steps: int | None, from_state: str | None
+) -> None:
     """Resume a run from its last journaled state, with the handlers of --app.
 
     The run continues in the journal given to fsm-runner (--journal), whatever journal the
-    app's engine was built with. Prints each transition as it is committed.
+    app's engine was built with. Prints each transition as it is committed. With
+    --from-state, the run first goes back to that state (one it has been in, not a terminal
+    one) and its phase runs again; the move is journaled as a REWOUND transition.
     """
     journal = state.journal()
     run_id = _resolve_run_id(journal, run_id)
@@ -462,7 +599,7 @@ def resume(state: _State, run_id: str, app: str | None, max_steps: int | None) -
     engine.listeners.append(_echo_transition)
     try:
         with interrupt_on_sigterm():
-            run = engine.resume(run_id, max_steps=max_steps)
+            run = engine.resume(run_id, max_steps=max_steps, from_state=from_state)
     except KeyboardInterrupt:
         _fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
     finally:
@@ -501,8 +638,9 @@ def abort(state: _State, run_id: str, reason: str, app: str | None) -> None:
 def export(state: _State, run_id: str, directory: Path) -> None:
     """Write a run to DIR as JSON files.
 
-    run.json (the run and its transitions), iteration-N.json for each iteration, and one
-    file per artifact named after it (agent-N.json, verification-N.json for agent-loop runs).
+    run.json (the run and its transitions), effects.json (its effects ledger),
+    iteration-N.json for each iteration, and one file per artifact named after it
+    (agent-N.json, verification-N.json for agent-loop runs).
     """
     from fsm_runner.records import unstructure
 
@@ -512,7 +650,8 @@ def export(state: _State, run_id: str, directory: Path) -> None:
         "run.json": {
             "run": unstructure(run),
             "transitions": [unstructure(t) for t in journal.transitions(run.run_id)],
-        }
+        },
+        "effects.json": [unstructure(e) for e in journal.effects(run.run_id)],
     }
     for record in journal.iterations(run.run_id):
         files[f"iteration-{record.iteration}.json"] = unstructure(record)
@@ -531,6 +670,309 @@ def export(state: _State, run_id: str, directory: Path) -> None:
     except OSError as exc:
         _fail(f"cannot write to {directory}: {exc.strerror or exc}")
     click.echo(f"wrote {len(files)} files to {directory}: {', '.join(sorted(files))}")
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--at",
+    "at_seq",
+    type=click.IntRange(min=0),
+    help="The last seq the fork keeps (default: the run's last; required for an ended run).",
+)
+@click.option("--run-id", "new_run_id", metavar="ID", help="The fork's id (default: random).")
+@click.option("--json", "as_json", is_flag=True, help="Print the fork's run row as JSON.")
+@click.pass_obj
+def fork(
+    state: _State, run_id: str, at_seq: int | None, new_run_id: str | None, as_json: bool
+) -> None:
+    """Fork a run: a new run with RUN's history up to --at SEQ.
+
+    The fork records where it came from (RUN@SEQ); the original is untouched. The fork stands
+    in the state the original was in at SEQ, and that state's phase runs when it is resumed
+    (fsm-runner resume FORK --app ...). Ended runs can be forked at any earlier seq.
+    """
+    from fsm_runner.engine import fork_run
+    from fsm_runner.records import unstructure
+
+    journal = state.journal()
+    run_id = _resolve_run_id(journal, run_id)
+    try:
+        forked = fork_run(journal, run_id, at_seq=at_seq, new_run_id=new_run_id)
+    except ValueError as exc:
+        _fail(f"--at: {exc}", EXIT_USAGE)
+    if as_json:
+        _json_dump(unstructure(forked))
+        return
+    click.echo(
+        f"forked {forked.forked_from} as run {forked.run_id}: state {forked.state!r}, "
+        f"seq {forked.seq}; continue it with: fsm-runner resume {forked.run_id[:12]} --app ..."
+    )
+
+
+@cli.command()
+@click.argument("spec_path", metavar="[SPEC_IMPORT_PATH]", required=False)
+@click.option(
+    "--run", "run_id", metavar="RUN", help="Draw this run's path on its machine (from the journal)."
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["mermaid", "dot", "svg", "png"]),
+    default="mermaid",
+    show_default=True,
+    help="Text (mermaid, dot), or an image rendered by Graphviz `dot` (svg, png).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write to this file instead of stdout.",
+)
+@click.pass_obj
+def diagram(
+    state: _State, spec_path: str | None, run_id: str | None, fmt: str, output: Path | None
+) -> None:
+    """Draw a machine, or a run's path on it, as Mermaid, DOT, SVG or PNG.
+
+    SPEC_IMPORT_PATH is MODULE:ATTR naming a MachineSpec, an Engine, or a zero-argument
+    factory returning either. With --run, the machine is read from the journal (no import
+    needed): visited states and taken edges are highlighted, edges show how often they were
+    taken, the current state is marked, and a failed run's last state is marked as failed.
+    """
+    from fsm_runner.diagrams import render, render_image
+    from fsm_runner.spec import MachineSpec
+
+    if (spec_path is None) == (run_id is None):
+        _fail("give either SPEC_IMPORT_PATH or --run RUN (one of them)", EXIT_USAGE)
+    run = None
+    timeline: Sequence[TransitionRecord] = ()
+    if run_id is not None:
+        journal = state.journal()
+        run = journal.load(_resolve_run_id(journal, run_id))
+        timeline = journal.transitions(run.run_id)
+        spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+    else:
+        assert spec_path is not None
+        spec = _load_spec(spec_path, "SPEC_IMPORT_PATH")
+    text = render(spec, format="dot" if fmt in ("svg", "png") else fmt, run=run, timeline=timeline)  # type: ignore[arg-type]
+    data = render_image(text, format=fmt) if fmt in ("svg", "png") else text.encode()  # type: ignore[arg-type]
+    if output is None:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    try:
+        output.write_bytes(data)
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc.strerror or exc}")
+    click.echo(f"wrote {output} ({fmt}, {len(data)} bytes)", err=True)
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    metavar="S",
+    help="How often to look at the journal, in seconds.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per transition.")
+@click.pass_obj
+def watch(state: _State, run_id: str, interval: float, as_json: bool) -> None:
+    """Follow a run, printing each transition as it is journaled.
+
+    Follows until the run ends, or Ctrl-C.
+
+    Transitions journaled before the command started are printed first. Exits 1 if the run
+    ends failed or aborted.
+    """
+    import time
+
+    from fsm_runner.records import unstructure
+
+    journal = state.journal()
+    run_id = _resolve_run_id(journal, run_id)
+    next_seq = 0
+    try:
+        while True:
+            run = journal.load(run_id)
+            if run.seq >= next_seq:
+                for transition in journal.transitions(run_id, from_seq=next_seq):
+                    if as_json:
+                        click.echo(json.dumps(unstructure(transition), sort_keys=True))
+                    else:
+                        _echo_transition(transition, run)
+                    next_seq = transition.seq + 1
+            if run.ended and next_seq > run.seq:
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    if not as_json:
+        click.echo(
+            _styled_status(
+                f"run {run.run_id} is {run.status.value} in state {run.state!r}", run.status.value
+            )
+        )
+    if run.status.value in ("failed", "aborted"):
+        sys.exit(EXIT_FAILURE)
+
+
+@cli.command()
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--to", "to_seq", type=click.IntRange(min=0), metavar="SEQ", help="Stop after this seq."
+)
+@click.option(
+    "--spec",
+    "spec_path",
+    metavar="MODULE:ATTR",
+    help="Replay through this spec (e.g. the changed one) instead of the run's own.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the replayed steps as JSON.")
+@click.pass_obj
+def replay(
+    state: _State, run_id: str, to_seq: int | None, spec_path: str | None, as_json: bool
+) -> None:
+    """Replay a run's journal through its spec; check that it reproduces the run.
+
+    Checks that seqs start at 0 without gaps, that every transition is one the spec (or the
+    engine) allows from the state before it, and that the run row is exactly what the
+    transitions lead to. Prints the reconstructed timeline; on a mismatch, exits 1 naming
+    the first one (seq, expected, found).
+    """
+    from fsm_runner.records import unstructure
+    from fsm_runner.replay import replay as replay_through
+    from fsm_runner.spec import MachineSpec
+
+    journal = state.journal()
+    run = journal.load(_resolve_run_id(journal, run_id))
+    if to_seq is not None and to_seq > run.seq:
+        _fail(f"--to: run {run.run_id} has seqs 0..{run.seq}", EXIT_USAGE)
+    if spec_path is not None:
+        spec = _load_spec(spec_path, "--spec")
+    else:
+        spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+    timeline = journal.transitions(run.run_id, to_seq=to_seq)
+    replayed = replay_through(spec, run, timeline, to_seq=to_seq, path=journal.location)
+    if as_json:
+        _json_dump(
+            {
+                "run": unstructure(replayed.run),
+                "steps": [
+                    {**unstructure(step.transition), "kind": step.kind,
+                     "run": unstructure(step.run)}
+                    for step in replayed.steps
+                ],
+                "matches": True,
+            }
+        )  # fmt: skip
+        return
+    rows = [
+        (
+            str(step.seq),
+            step.transition.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            step.from_state or "-",
+            step.event,
+            step.to_state,
+            str(step.run.iteration),
+            str(step.run.attempt),
+            step.run.status.value,
+            step.kind,
+        )
+        for step in replayed.steps
+    ]
+    _table(
+        rows,
+        ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "ITER", "ATTEMPT", "STATUS", "AS"),
+        styles=[step.run.status.value for step in replayed.steps],
+    )
+    click.echo("")
+    if to_seq is None:
+        click.echo(
+            f"replay of run {run.run_id} matches the journal: {len(replayed.steps)} "
+            f"transitions, state {run.state!r} ({run.status.value})"
+        )
+    else:
+        at = replayed.run
+        click.echo(
+            f"run {run.run_id} at seq {to_seq}: state {at.state!r} ({at.status.value}), "
+            f"iteration {at.iteration}, attempt {at.attempt}"
+        )
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the problems as JSON.")
+@click.pass_obj
+def check(state: _State, as_json: bool) -> None:
+    """Check the journal's integrity, and replay every run through its spec.
+
+    SQLite's own integrity check and dangling rows, then for every run: seqs gapless from 0
+    (invariant 2), the run row equal to its last transition (1) and to what replaying its
+    transitions gives (8). Exits 1 with a list of problems, one per line.
+    """
+    from fsm_runner.replay import check_journal
+
+    journal = state.journal()
+    problems = check_journal(journal)
+    count = len(journal.run_ids("", limit=sys.maxsize))
+    if as_json:
+        _json_dump({"journal": journal.location, "runs": count, "problems": problems})
+    elif problems:
+        click.echo(f"journal {journal.location}: {len(problems)} problems in {count} runs")
+        for problem in problems:
+            click.echo(f"  {problem}")
+    else:
+        click.echo(f"journal {journal.location}: {count} runs checked, no problems")
+    if problems:
+        sys.exit(EXIT_FAILURE)
+
+
+@cli.command()
+@click.option(
+    "--older-than",
+    "days",
+    type=click.FloatRange(min=0),
+    required=True,
+    metavar="DAYS",
+    help="Prune runs that ended (were last updated) more than this many days ago.",
+)
+@click.option("--dry-run", is_flag=True, help="Only list what would be pruned.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_obj
+def prune(state: _State, days: float, dry_run: bool, as_json: bool) -> None:
+    """Delete old ended runs with all they own, then reclaim space.
+
+    Runs that have not ended, and ended runs with a child run still active, are never touched.
+    """
+    import datetime as dt
+
+    from fsm_runner.records import utc_now
+
+    journal = state.journal()
+    report = journal.prune(ended_before=utc_now() - dt.timedelta(days=days), dry_run=dry_run)
+    if as_json:
+        _json_dump(
+            {
+                "run_ids": list(report.run_ids),
+                "runs": len(report.run_ids),
+                "transitions": report.transitions,
+                "dry_run": report.dry_run,
+                "bytes_before": report.bytes_before,
+                "bytes_after": report.bytes_after,
+            }
+        )
+        return
+    verb = "would prune" if dry_run else "pruned"
+    click.echo(f"{verb} {len(report.run_ids)} runs ({report.transitions} transitions)")
+    if dry_run:
+        for pruned_id in report.run_ids:
+            click.echo(f"  {pruned_id}")
+    elif report.bytes_before is not None and report.bytes_after is not None:
+        click.echo(f"journal size {report.bytes_before:,} -> {report.bytes_after:,} bytes")
 
 
 def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:

@@ -59,9 +59,10 @@ from fsm_runner.records import (
     TransitionRecord,
     utc_now,
 )
+from fsm_runner.replay import state_at
 from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
 
-__all__ = ["Engine", "Listener", "abort_run", "interrupt_on_sigterm"]
+__all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
 
 #: Called with each transition after it is committed, and the run row it produced.
 Listener = Callable[[TransitionRecord, RunRecord], None]
@@ -72,6 +73,7 @@ _TIMEOUT = RunEvent.TIMEOUT.value
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _RETRIED = RunEvent.RETRIED.value
 _INTERRUPTED = RunEvent.INTERRUPTED.value
+_REWOUND = RunEvent.REWOUND.value
 _SAME_VISIT = frozenset({_RETRIED, _INTERRUPTED})
 _MAX_ABORT_TRIES = 20
 # What handlers return most; checked before the much slower inspect.isawaitable.
@@ -326,14 +328,79 @@ class Engine:
             steps += 1
         return run
 
-    def resume(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+    def resume(
+        self, run_id: str, *, max_steps: int | None = None, from_state: str | None = None
+    ) -> RunRecord:
         """Continue a run from its journaled state (the run row is read; history is not).
+
+        Args:
+            run_id: the run.
+            max_steps: stop after this many steps.
+            from_state: continue from this earlier state instead (see :meth:`rewind`).
 
         Raises:
             RunTerminalError: the run has ended; fork it instead.
             SpecMismatchError: the run started under another spec.
+            InvalidTransitionError: ``from_state`` is not a state the run can be rewound to.
         """
+        if from_state is not None:
+            self.rewind(run_id, from_state)
         return self.run(run_id, max_steps=max_steps)
+
+    def rewind(self, run_id: str, state: str) -> RunRecord:
+        """Move an active run back to ``state``, a state it was in before: a ``REWOUND`` transition.
+
+        The phase of ``state`` runs again on the next step, as a new visit (entering a
+        ``starts_iteration`` state starts a new iteration). Nothing journaled is removed: the
+        transition records where the run was rewound from.
+
+        Args:
+            run_id: the run.
+            state: a non-terminal state the run has been in (a composite: its first sub-phase).
+
+        Returns:
+            The run after the rewind.
+
+        Raises:
+            RunTerminalError: the run has ended; fork it at an earlier seq instead.
+            InvalidTransitionError: ``state`` is not in the spec, is terminal, or the run has
+                never been in it; nothing was written.
+        """
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        if not self.spec.has_state(state):
+            reason = f"not possible: machine {self.spec.name!r} has no state {state!r},"
+            raise InvalidTransitionError(
+                run_id=run_id, state=run.state, event=_REWOUND, reason=reason
+            )
+        leaf = self.spec.entry_leaf(state) if self.spec.state(state).composite else state
+        if self.spec.state(leaf).terminal:
+            raise InvalidTransitionError(
+                run_id=run_id,
+                state=run.state,
+                event=_REWOUND,
+                reason=f"not possible: {state!r} is a terminal state,",
+            )
+        if not any(t.to_state == leaf for t in self.journal.transitions(run_id)):
+            raise InvalidTransitionError(
+                run_id=run_id,
+                state=run.state,
+                event=_REWOUND,
+                reason=f"not possible: the run has never been in {leaf!r},",
+            )
+        return self._commit(
+            run,
+            _REWOUND,
+            leaf,
+            result={"output": {"rewound_from": run.state}},
+            duration_ms=0.0,
+        )[1]
+
+    def fork(
+        self, run_id: str, *, at_seq: int | None = None, new_run_id: str | None = None
+    ) -> RunRecord:
+        """Fork a run: see :func:`fork_run`. The fork runs under this engine if its spec matches."""
+        return fork_run(self.journal, run_id, at_seq=at_seq, new_run_id=new_run_id)
 
     def _step(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
         # The caller has checked the run is runnable: either loaded and checked, or the row
@@ -486,8 +553,12 @@ class Engine:
             steps += 1
         return run
 
-    async def aresume(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+    async def aresume(
+        self, run_id: str, *, max_steps: int | None = None, from_state: str | None = None
+    ) -> RunRecord:
         """Async :meth:`resume`."""
+        if from_state is not None:
+            self.rewind(run_id, from_state)
         return await self.arun(run_id, max_steps=max_steps)
 
     async def _astep(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
@@ -1097,6 +1168,58 @@ def abort_run(
             _notify(transition, after)
         return after
     raise RunConflictError(run_id=run_id, expected_seq=-1, path=journal.location)
+
+
+def fork_run(
+    journal: Journal, run_id: str, *, at_seq: int | None = None, new_run_id: str | None = None
+) -> RunRecord:
+    """Start a new run whose history is ``run_id``'s up to ``at_seq``; the original is untouched.
+
+    The fork's row is the original's as it stood at ``at_seq`` (replayed from the journal, so
+    no host app is needed), with ``forked_from`` set to ``"RUN@SEQ"``; its transitions
+    0..``at_seq``, the iteration records up to its iteration, the artifacts committed by then
+    and the effects of visits that had ended are copied. The phase of the state it stands in
+    runs on its next step (resume it with the app's engine). A run that ended can be forked
+    at any seq before its end.
+
+    Args:
+        journal: the journal holding the run.
+        run_id: the run to fork.
+        at_seq: the last seq to keep; the run's last seq when not given (an active run only).
+        new_run_id: the fork's id; a new random one when not given.
+
+    Returns:
+        The fork's run row.
+
+    Raises:
+        RunNotFoundError: no such run.
+        RunExistsError: a run with ``new_run_id`` exists.
+        ValueError: there is no ``at_seq`` in the run, or the run had ended by then.
+        ReplayMismatchError: the run's journal does not replay through its spec.
+    """
+    source = journal.load(run_id)
+    seq = source.seq if at_seq is None else at_seq
+    if not 0 <= seq <= source.seq:
+        raise ValueError(f"run {run_id} has seqs 0..{source.seq}; there is no seq {seq}")
+    spec = MachineSpec.from_json(journal.spec_json(source.spec_hash))
+    then = state_at(spec, source, journal.transitions(run_id, to_seq=seq), seq)
+    if then.ended:
+        raise ValueError(
+            f"run {run_id} had ended at seq {seq} (state {then.state!r}); fork it at an earlier seq"
+        )
+    fork = attrs.evolve(
+        then,
+        run_id=new_run_id or uuid.uuid4().hex,
+        forked_from=f"{run_id}@{seq}",
+        parent_run_id=None,
+        abort_reason=None,
+        lease_owner=None,
+        lease_expires_at=None,
+        lease_token=0,
+        created_at=utc_now(),
+    )
+    journal.fork_run(fork, source_run_id=run_id, at_seq=seq)
+    return journal.load(fork.run_id)
 
 
 @contextlib.contextmanager

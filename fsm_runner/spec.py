@@ -46,6 +46,14 @@ class Outcome(str, enum.Enum):
         return self.value
 
 
+#: Events only the engine journals: a spec transition on one would be indistinguishable from
+#: the engine's own in the journal, and replay (invariant 8) could not tell them apart.
+_ENGINE_ONLY_EVENTS = frozenset(
+    {RunEvent.STARTED.value, RunEvent.RETRIED.value, RunEvent.REWOUND.value}
+)
+_INTERRUPTED = RunEvent.INTERRUPTED.value
+
+
 @attrs.frozen
 class RetryPolicy:
     """Retry a phase whose handler raised, with exponential backoff, before giving up.
@@ -493,6 +501,15 @@ class MachineSpec:
                     yield f"{label}: terminal state {source!r} has an exit"
             if transition.dest != RETURN and not self.has_state(transition.dest):
                 yield f"{label}: unknown destination state {transition.dest!r}"
+            if transition.event in _ENGINE_ONLY_EVENTS:
+                yield f"{label}: {transition.event} is journaled by the engine alone"
+            elif transition.event == _INTERRUPTED and transition.dest in (
+                *transition.source,
+                WILDCARD,
+            ):
+                # the engine's own interruption is that self transition (the same visit, run
+                # again); a spec's would read the same in the journal and replay differently
+                yield f"{label}: an INTERRUPTED self transition is the engine's own"
             if guards is not None:
                 for name in transition.guards + transition.unless:
                     if name not in guards:

@@ -130,7 +130,7 @@ class TestRealServices:
         assert result.exit_code == 0, result.output
         written = sorted(p.name for p in out.iterdir())
         assert written == sorted(
-            ["run.json"]
+            ["run.json", "effects.json"]
             + [
                 f"{kind}-{n}.json"
                 for kind in ("iteration", "agent", "verification")
@@ -231,7 +231,7 @@ class TestCommands:
             assert runner.invoke(cli, command).exit_code == 0
         assert (tmp_path / "out" / "agent-2.json").exists()
         resumed = runner.invoke(cli, ["resume", runs[0].run_id])
-        assert resumed.exit_code == 1
+        assert resumed.exit_code == 4  # conflict: the run has ended
         assert "has ended" in resumed.output
 
     def test_agent_loop_command(self, tmp_path):

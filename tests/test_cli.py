@@ -93,7 +93,7 @@ class TestRuns:
         assert result.output.strip() == "no runs"
 
     def test_missing_journal_is_one_line(self, invoke, journal_path):
-        line = one_line_error(invoke("runs"))
+        line = one_line_error(invoke("runs"), code=3)
         assert "no journal at" in line
         assert not journal_path.exists()
 
@@ -130,14 +130,14 @@ class TestShow:
 
     def test_unknown_run(self, invoke, journal_path, tmp_path):
         start_release(journal_path, tmp_path, None)
-        assert "no run 'nope'" in one_line_error(invoke("show", "nope"))
+        assert "no run 'nope'" in one_line_error(invoke("show", "nope"), code=3)
 
     def test_ambiguous_prefix(self, invoke, journal_path):
         engine = release.make_engine(journal_path)
         engine.start({"version": "1", "workspace": "x"}, run_id="abc1")
         engine.start({"version": "1", "workspace": "x"}, run_id="abc2")
         engine.journal.close()
-        assert "ambiguous" in one_line_error(invoke("show", "abc"))
+        assert "ambiguous" in one_line_error(invoke("show", "abc"), code=2)
         assert invoke("show", "abc1").exit_code == 0
 
     def test_failed_run_shows_its_error(self, invoke, journal_path, tmp_path):
@@ -171,7 +171,7 @@ class TestResume:
 
     def test_ended_run_is_refused(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, None)
-        assert "has ended" in one_line_error(invoke("resume", run_id, "--app", APP))
+        assert "has ended" in one_line_error(invoke("resume", run_id, "--app", APP), code=4)
 
     @pytest.mark.parametrize(
         ("app", "message"),
@@ -222,7 +222,7 @@ class TestAbort:
 
     def test_ended_run(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, None)
-        assert "has ended" in one_line_error(invoke("abort", run_id, "--reason", "x"))
+        assert "has ended" in one_line_error(invoke("abort", run_id, "--reason", "x"), code=4)
 
 
 class TestShowSubphases:

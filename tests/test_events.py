@@ -57,7 +57,13 @@ class TestRunEvent:
         assert f"{RunEvent.TIMEOUT}" == "TIMEOUT"
 
     def test_engine_events(self):
-        assert sorted(ENGINE_EVENTS) == ["INTERRUPTED", "RETRIED", "REWOUND", "STARTED", "USER_ABORTED"]
+        assert sorted(ENGINE_EVENTS) == [
+            "INTERRUPTED",
+            "RETRIED",
+            "REWOUND",
+            "STARTED",
+            "USER_ABORTED",
+        ]
 
 
 class TestRunStatus:

@@ -312,7 +312,12 @@ def _dumps(value: Any) -> str | None:
 
 
 def _json_or_none(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:  # a row we cannot read must not be misread
+        raise JournalError(f"holds unreadable JSON ({exc}): {text[:60]!r}") from exc
 
 
 class SqliteJournal:
@@ -822,11 +827,11 @@ class SqliteJournal:
 
     def _run_from_row(self, description: Any, row: Sequence[Any]) -> RunRecord:
         data = {column[0]: value for column, value in zip(description, row, strict=True)}
-        for column in _JSON_COLUMNS:
-            data[column] = _json_or_none(data[column])
-        if data["context"] is None:
-            data["context"] = {}
         try:
+            for column in _JSON_COLUMNS:
+                data[column] = _json_or_none(data[column])
+            if data["context"] is None:
+                data["context"] = {}
             return structure(data, RunRecord)
         except Exception as exc:  # a row we cannot read must not be misread
             raise JournalError(
@@ -900,7 +905,7 @@ class SqliteJournal:
             for row in cursor:
                 data = dict(zip(names, row, strict=True))
                 data["result"] = _json_or_none(data["result"])
-                records.append(structure(data, TransitionRecord))
+                records.append(self._structure(data, TransitionRecord))
             return records
 
     def runs(

@@ -1,0 +1,645 @@
+"""Replaying a run's journal through its spec: verification, timelines, the run at a seq.
+
+A run's row is a projection of its transitions (invariant 8). Walking the transitions through
+the spec the run started with, deriving each row exactly as the engine does, reproduces the
+row field by field; the first place where it does not is a :class:`ReplayMismatchError` that
+names the seq, what the replay expected and what the journal holds.
+
+Per transition the walk checks that
+
+* seqs start at 0 and have no gaps, and every transition belongs to the run;
+* seq 0 is ``STARTED`` from no state into the spec's initial leaf;
+* each ``from_state`` is the state the run was in (the ``to_state`` before it), and nothing
+  follows the run's end;
+* the event is one the state allows, and ``to_state`` one of the candidate destinations of
+  that (state, event) pair, a :data:`fsm_runner.spec.RETURN` candidate standing for the state
+  the run came from. Guards are not evaluated (they need the host app), so any candidate
+  counts; where several could have led to the same state, the first in the spec's order is
+  taken;
+* an engine event is used as the engine uses it: ``RETRIED`` (a self transition of a state
+  with a retry policy, within its attempts) and ``INTERRUPTED`` (a self transition) continue
+  the visit as its next attempt; ``USER_ABORTED`` from a state without a ``USER_ABORTED`` exit
+  stops the run where it is with status ``aborted``; ``REWOUND`` (an operator's ``resume
+  --from-state``) enters a non-terminal state the run was in before, as a new visit;
+* the transition's ``attempt`` is the attempt the run was on, and its ``iteration`` the one the
+  rules give (entering a ``starts_iteration`` state starts one, unless the entry continues a
+  visit: a retry, an interruption, an in-place stop, a return).
+
+Each step rebuilds the row the engine wrote with it: state, status, seq, iteration, attempt,
+context (a phase's ``result["context"]`` merged in), error (the phase's, or the chosen
+transition's ``reason``), ``updated_at``, visit and return target. What the engine does not
+derive from the transitions — input, ``created_at``, parent, fork origin, lease, a pending
+abort request — is taken from the run given.
+
+A ``RETRIED`` or ``INTERRUPTED`` self transition is always read as the engine's own (the next
+attempt of the visit), even where a spec declares such a self transition for a handler to take:
+the journal cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from fsm_runner._convert import format_utc
+from fsm_runner.events import RunEvent
+from fsm_runner.exceptions import (
+    FsmRunnerError,
+    ReplayMismatchError,
+    RunNotFoundError,
+)
+from fsm_runner.journal import Journal
+from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
+
+__all__ = [
+    "Replay",
+    "ReplayStep",
+    "StepKind",
+    "check_journal",
+    "replay",
+    "replay_run",
+    "state_at",
+    "verify",
+]
+
+#: How the replay read a transition: the ``start`` (seq 0); a spec ``transition``; a
+#: ``return`` (a RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
+#: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
+#: state has no exit for it); a ``rewind`` (``REWOUND``).
+StepKind = Literal["start", "transition", "return", "retry", "interruption", "stop", "rewind"]
+
+_STARTED = RunEvent.STARTED.value
+_RETRIED = RunEvent.RETRIED.value
+_INTERRUPTED = RunEvent.INTERRUPTED.value
+_USER_ABORTED = RunEvent.USER_ABORTED.value
+_REWOUND = RunEvent.REWOUND.value
+_SAME_VISIT: frozenset[StepKind] = frozenset({"retry", "interruption", "stop"})
+#: The row fields the engine derives from the transitions, in the order they are compared.
+_DERIVED = (
+    "seq", "state", "status", "iteration", "attempt", "visit_seq", "return_to",
+    "return_attempt", "return_visit", "context", "error", "updated_at",
+)  # fmt: skip
+_SHOWN_CHARS = 160
+_SHOWN_KEYS = 4
+_ABSENT = object()
+
+_Report = Callable[[ReplayMismatchError], None]
+
+
+@attrs.frozen
+class ReplayStep:
+    """One transition of a replayed run, and the run row it led to.
+
+    Attributes:
+        transition: the journaled transition.
+        run: the run row as the replay derived it right after the transition.
+        kind: how the replay read the transition (see :data:`StepKind`).
+    """
+
+    transition: TransitionRecord
+    run: RunRecord
+    kind: StepKind
+
+    @property
+    def seq(self) -> int:
+        """The transition's seq."""
+        return self.transition.seq
+
+    @property
+    def from_state(self) -> str | None:
+        """The state left (``None`` at seq 0)."""
+        return self.transition.from_state
+
+    @property
+    def event(self) -> str:
+        """The event that caused the transition."""
+        return self.transition.event
+
+    @property
+    def to_state(self) -> str:
+        """The state entered."""
+        return self.transition.to_state
+
+    @property
+    def duration_ms(self) -> float:
+        """How long the phase that produced the transition took."""
+        return self.transition.duration_ms
+
+    @property
+    def error(self) -> Mapping[str, Any] | None:
+        """The error the run carried after the transition (a phase's, or a transition's reason)."""
+        return self.run.error
+
+
+@attrs.frozen
+class Replay:
+    """A run's journal replayed through its spec.
+
+    Attributes:
+        run: the run row the replay derived at its end (or at the seq it stopped at).
+        steps: every transition replayed, in seq order, with the row after it.
+    """
+
+    run: RunRecord
+    steps: tuple[ReplayStep, ...]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        """The states the run entered, in order (seq 0's first)."""
+        return tuple(step.to_state for step in self.steps)
+
+
+def replay(
+    spec: MachineSpec,
+    run: RunRecord,
+    timeline: Iterable[TransitionRecord],
+    *,
+    to_seq: int | None = None,
+    path: str | None = None,
+) -> Replay:
+    """Replay a run's transitions through ``spec`` and check them against the run row.
+
+    Args:
+        spec: the spec the run started with (``journal.spec_json(run.spec_hash)``).
+        run: the run's row as the journal holds it; the fields the engine does not derive
+            (input, ``created_at``, parent, fork origin, lease) are taken from it, and so is
+            ``abort_reason`` for the row at ``run.seq`` (a pending abort request is not
+            journaled; rows before it carry none).
+        timeline: the run's transitions in seq order (``journal.transitions(run_id)``); with
+            ``to_seq``, those up to it are enough.
+        to_seq: stop after this seq and return the row as it stood then; the run row is then
+            not compared.
+        path: the journal's location, for the error's message.
+
+    Returns:
+        The replay: the derived run row and every step.
+
+    Raises:
+        ReplayMismatchError: at the first transition (or, at the end, the first row field) where
+            the journal differs from the replay; it names the seq, the expected and the found.
+        ValueError: ``to_seq`` is negative or beyond the last transition of ``timeline``.
+    """
+    if to_seq is not None and to_seq < 0:
+        raise ValueError(f"to_seq must be >= 0, not {to_seq}")
+    walker = _Walker(spec, run, path=path, report=_raise)
+    steps = tuple(walker.walk(timeline, to_seq=to_seq))
+    if to_seq is None:
+        walker.compare(steps[-1].run if steps else None)
+    elif not steps or steps[-1].seq != to_seq:
+        last = f"its last is {steps[-1].seq}" if steps else "it has none"
+        raise ValueError(f"run {run.run_id} has no transition seq {to_seq} ({last})")
+    return Replay(run=steps[-1].run, steps=steps)
+
+
+def state_at(
+    spec: MachineSpec,
+    run: RunRecord,
+    timeline: Iterable[TransitionRecord],
+    seq: int,
+    *,
+    path: str | None = None,
+) -> RunRecord:
+    """The run row as it stood right after transition ``seq`` (what ``fork --at SEQ`` starts from).
+
+    Args:
+        spec: the spec the run started with.
+        run: the run's row now (for the fields the engine does not derive).
+        timeline: the run's transitions in seq order, at least up to ``seq``.
+        seq: the transition to stop after.
+        path: the journal's location, for the error's message.
+
+    Returns:
+        The derived run row at ``seq``.
+
+    Raises:
+        ReplayMismatchError: the transitions up to ``seq`` do not replay through ``spec``.
+        ValueError: the run has no transition ``seq`` (negative, or beyond its last).
+    """
+    return replay(spec, run, timeline, to_seq=seq, path=path).run
+
+
+def verify(
+    spec: MachineSpec,
+    run: RunRecord,
+    timeline: Iterable[TransitionRecord],
+    *,
+    path: str | None = None,
+) -> list[ReplayMismatchError]:
+    """Like :func:`replay`, but collect every mismatch instead of raising the first.
+
+    After a mismatch the replay goes on from what the journal holds (the state it names, the
+    seq it has), so each later problem is one of its own rather than a consequence.
+
+    Args:
+        spec: the spec the run started with.
+        run: the run's row as the journal holds it.
+        timeline: the run's transitions in seq order.
+        path: the journal's location, for the errors' messages.
+
+    Returns:
+        Every mismatch found, in seq order; empty when the journal replays exactly.
+    """
+    problems: list[ReplayMismatchError] = []
+    walker = _Walker(spec, run, path=path, report=problems.append)
+    last: RunRecord | None = None
+    for step in walker.walk(timeline, to_seq=None):
+        last = step.run
+    walker.compare(last)
+    return problems
+
+
+def replay_run(journal: Journal, run_id: str, *, to_seq: int | None = None) -> Replay:
+    """Replay a run from the journal alone: its row, its spec and its transitions.
+
+    Args:
+        journal: the journal holding the run.
+        run_id: the run.
+        to_seq: stop after this seq (see :func:`replay`).
+
+    Returns:
+        The replay.
+
+    Raises:
+        RunNotFoundError: no such run.
+        JournalError: the journal does not hold the run's spec.
+        SpecError: the spec the journal holds cannot be read.
+        ReplayMismatchError: the run's journal does not replay through its spec.
+        ValueError: ``to_seq`` is negative or beyond the run's last transition.
+    """
+    timeline, run = _read_run(journal, run_id, to_seq=to_seq)
+    spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+    return replay(spec, run, timeline, to_seq=to_seq, path=journal.location)
+
+
+def check_journal(journal: Journal) -> list[str]:
+    """Replay every run of a journal; one line per run that does not replay (invariants 1, 2, 8).
+
+    Runs are read one at a time (their transitions, then the row), so a big journal is never
+    held in memory beyond its run ids and one run's timeline; a run advanced by a live writer
+    meanwhile is read consistently. A run whose row or spec cannot be read is one problem
+    too. Where the journal can check its medium (``integrity_problems()``), those problems
+    come first.
+
+    Args:
+        journal: the journal to check.
+
+    Returns:
+        One readable line per problem (``run ID at seq N: replay expected ..., the journal
+        has ...``); empty when every run replays exactly.
+    """
+    problems: list[str] = []
+    integrity = getattr(journal, "integrity_problems", None)
+    if callable(integrity):
+        problems.extend(str(problem) for problem in integrity())
+    specs: dict[str, MachineSpec | str] = {}
+    for run_id in journal.run_ids("", limit=sys.maxsize):
+        problem = _check_run(journal, run_id, specs)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def _check_run(journal: Journal, run_id: str, specs: dict[str, MachineSpec | str]) -> str | None:
+    try:
+        timeline, run = _read_run(journal, run_id, to_seq=None)
+    except RunNotFoundError:
+        return None  # pruned since the ids were listed
+    except FsmRunnerError as exc:  # an unreadable row: this run's problem, not the check's
+        return f"run {run_id}: cannot be read: {exc}"
+    spec = specs.get(run.spec_hash)
+    if spec is None:
+        try:
+            spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+        except FsmRunnerError as exc:
+            spec = f"its spec {run.spec_hash[:12]} cannot be read: {exc}"
+        specs[run.spec_hash] = spec
+    if isinstance(spec, str):
+        return f"run {run_id}: {spec}"
+    try:
+        replay(spec, run, timeline)
+    except ReplayMismatchError as exc:
+        return exc.detail
+    return None
+
+
+def _read_run(
+    journal: Journal, run_id: str, *, to_seq: int | None
+) -> tuple[list[TransitionRecord], RunRecord]:
+    """The run's transitions and then its row, consistent even while a writer advances it.
+
+    A commit writes a transition and the row together, so transitions read before the row
+    are never ahead of it; any the row has moved on to meanwhile are read after it.
+    """
+    timeline = list(journal.transitions(run_id, to_seq=to_seq))
+    run = journal.load(run_id)
+    last = timeline[-1].seq if timeline else -1
+    end = run.seq if to_seq is None else min(run.seq, to_seq)
+    if end > last:
+        timeline += journal.transitions(run_id, from_seq=last + 1, to_seq=end)
+    return timeline, run
+
+
+def _raise(error: ReplayMismatchError) -> None:
+    raise error
+
+
+def _shown(name: str, expected: Any, found: Any) -> tuple[str, str]:
+    """How a compared row field is named in a mismatch: only what differs, briefly."""
+    if isinstance(expected, Mapping) and isinstance(found, Mapping):
+        keys = sorted(
+            (
+                key
+                for key in {*expected, *found}
+                if expected.get(key, _ABSENT) != found.get(key, _ABSENT)
+            ),
+            key=str,
+        )
+        if keys and len(keys) <= _SHOWN_KEYS:
+            return (
+                ", ".join(_entry(name, key, expected) for key in keys),
+                ", ".join(_entry(name, key, found) for key in keys),
+            )
+    return _show(name, expected), _show(name, found)
+
+
+def _entry(name: str, key: Any, mapping: Mapping[Any, Any]) -> str:
+    value = mapping.get(key, _ABSENT)
+    return f"{name}[{key!r}] " + ("absent" if value is _ABSENT else _json(value))
+
+
+def _json(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…"
+
+
+def _show(name: str, value: Any) -> str:
+    if value is None:
+        return f"{name} None"
+    if name in ("context", "error"):
+        return f"{name} {_json(value)}"
+    if name == "updated_at":
+        return f"{name} {format_utc(value)}"
+    if isinstance(value, Outcome):
+        return f"{name} {value.value!r}"
+    return f"{name} {value!r}"
+
+
+def _states(names: Sequence[str | None]) -> str:
+    shown = dict.fromkeys(
+        repr(name) if name is not None else "(a RETURN, with nowhere to return to)"
+        for name in names
+    )
+    return "state " + " or ".join(shown)
+
+
+class _Walker:
+    """Walks one run's transitions, deriving each row the way the engine's ``_advance`` does."""
+
+    def __init__(
+        self, spec: MachineSpec, run: RunRecord, *, path: str | None, report: _Report
+    ) -> None:
+        self.spec = spec
+        self.run = run
+        self.path = path
+        self.report = report
+        self.leaves: dict[str, State] = {state.name: state for state in spec.leaves}
+        self.visited: set[str] = set()
+
+    def problem(self, seq: int, expected: str, found: str) -> None:
+        self.report(
+            ReplayMismatchError(
+                run_id=self.run.run_id, seq=seq, expected=expected, found=found, path=self.path
+            )
+        )
+
+    def walk(
+        self, timeline: Iterable[TransitionRecord], *, to_seq: int | None
+    ) -> Iterator[ReplayStep]:
+        row: RunRecord | None = None
+        expected_seq = 0
+        for transition in timeline:
+            seq = transition.seq
+            if to_seq is not None and seq > to_seq:
+                break
+            if seq != expected_seq:
+                self.problem(expected_seq, f"seq {expected_seq}", f"seq {seq}")
+            if transition.run_id != self.run.run_id:
+                self.problem(
+                    seq, f"a transition of run {self.run.run_id}", f"one of run {transition.run_id}"
+                )
+            if row is None:
+                kind: StepKind = "start"
+                row = self.start(transition)
+            else:
+                row, kind = self.follow(row, transition)
+            self.visited.add(transition.to_state)
+            expected_seq = seq + 1
+            yield ReplayStep(transition, row, kind)
+
+    def compare(self, row: RunRecord | None) -> None:
+        """Compare the derived row with the run's row, field by field."""
+        if row is None:
+            self.problem(0, "transition seq 0 (STARTED)", "no transitions")
+            return
+        for name in _DERIVED:
+            expected, found = getattr(row, name), getattr(self.run, name)
+            if expected != found:
+                self.problem(row.seq, *_shown(name, expected, found))
+
+    def start(self, transition: TransitionRecord) -> RunRecord:
+        seq, event, dest = transition.seq, transition.event, transition.to_state
+        if transition.from_state is not None or event != _STARTED:
+            origin = f"state {transition.from_state!r}" if transition.from_state else "no state"
+            self.problem(seq, f"{_STARTED} from no state", f"{event} from {origin}")
+        initial = self.spec.initial_leaf
+        if dest != initial:
+            self.problem(seq, f"state {initial!r}", f"state {dest!r}")
+        leaf = self.leaves.get(dest)
+        iteration = 1 if leaf is not None and leaf.starts_iteration else 0
+        self.check_counts(transition, attempt=1, iteration=iteration)
+        result = transition.result if isinstance(transition.result, Mapping) else {}
+        context = result.get("context")
+        return self.row(
+            transition,
+            status=Outcome.ACTIVE if leaf is None else leaf.final_outcome,
+            iteration=iteration,
+            attempt=1,
+            context=dict(context) if isinstance(context, Mapping) else {},
+            error=None,
+            returns=(None, 0, 0),
+            visit_seq=seq,
+        )
+
+    def follow(self, prev: RunRecord, transition: TransitionRecord) -> tuple[RunRecord, StepKind]:
+        seq, dest = transition.seq, transition.to_state
+        if prev.ended:
+            self.problem(
+                seq,
+                f"no transition after the run ended in state {prev.state!r}",
+                f"{transition.event} to state {dest!r}",
+            )
+        if transition.from_state != prev.state:
+            source = transition.from_state
+            self.problem(
+                seq,
+                f"a transition from state {prev.state!r}",
+                f"a transition from state {source!r}" if source else "a transition from no state",
+            )
+            if source in self.leaves:  # go on from where the journal says (when collecting)
+                prev = attrs.evolve(prev, state=source)
+        kind = self.classify(prev, transition)
+        row = self.advance(prev, transition, kind)
+        self.check_counts(transition, attempt=prev.attempt, iteration=row.iteration)
+        return row, kind
+
+    def check_counts(self, transition: TransitionRecord, *, attempt: int, iteration: int) -> None:
+        if transition.attempt != attempt:
+            self.problem(transition.seq, f"attempt {attempt}", f"attempt {transition.attempt}")
+        if transition.iteration != iteration:
+            self.problem(
+                transition.seq, f"iteration {iteration}", f"iteration {transition.iteration}"
+            )
+
+    def classify(self, prev: RunRecord, transition: TransitionRecord) -> StepKind:
+        """Which of the engine's rules the transition follows; report it if none allows it."""
+        kind = self.engine_kind(prev, transition)
+        if kind is not None:
+            return kind
+        state, event, dest, seq = prev.state, transition.event, transition.to_state, transition.seq
+        candidates = self.spec.edges.get((state, event))
+        if not candidates:
+            self.problem(seq, f"an event that state {state!r} allows", f"event {event!r}")
+            return "transition"
+        targets = [prev.return_to if c.dest == RETURN else c.dest for c in candidates]
+        for candidate, target in zip(candidates, targets, strict=True):
+            if target == dest:
+                return "return" if candidate.dest == RETURN else "transition"
+        self.problem(seq, _states(targets), f"state {dest!r}")
+        return "transition"
+
+    def engine_kind(self, prev: RunRecord, transition: TransitionRecord) -> StepKind | None:
+        """The engine's own use of an engine event, if the transition is one."""
+        state, event, dest, seq = prev.state, transition.event, transition.to_state, transition.seq
+        if event in (_RETRIED, _INTERRUPTED) and dest == state:
+            if event == _RETRIED:
+                self.check_retry(prev, seq)
+                return "retry"
+            return "interruption"
+        if event == _USER_ABORTED and (state, event) not in self.spec.edges:
+            if dest != state:
+                self.problem(
+                    seq, f"state {state!r} (it has no {_USER_ABORTED} exit)", f"state {dest!r}"
+                )
+            return "stop"
+        if event == _REWOUND:
+            leaf = self.leaves.get(dest)
+            if leaf is None or leaf.terminal or dest not in self.visited:
+                self.problem(
+                    seq, "a rewind to a non-terminal state the run was in", f"state {dest!r}"
+                )
+            return "rewind"
+        return None
+
+    def check_retry(self, prev: RunRecord, seq: int) -> None:
+        leaf = self.leaves.get(prev.state)
+        policy = leaf.retry if leaf is not None else None
+        if policy is None:
+            if (prev.state, _RETRIED) not in self.spec.edges:
+                self.problem(
+                    seq, f"no {_RETRIED} (state {prev.state!r} has no retry policy)", _RETRIED
+                )
+        elif prev.attempt >= policy.max_attempts:
+            self.problem(
+                seq,
+                f"at most {policy.max_attempts} attempts of state {prev.state!r}",
+                f"{_RETRIED} after attempt {prev.attempt}",
+            )
+
+    def advance(self, prev: RunRecord, transition: TransitionRecord, kind: StepKind) -> RunRecord:
+        """The row after ``transition``: the engine's ``_advance``, read back from the journal."""
+        dest, seq = transition.to_state, transition.seq
+        leaf = self.leaves.get(dest)
+        returns = prev.return_to, prev.return_attempt, prev.return_visit
+        visit_seq = prev.visit_seq
+        attempt = 1
+        same_visit = kind in _SAME_VISIT
+        if kind == "return":
+            attempt, visit_seq = prev.return_attempt + 1, prev.return_visit
+            returns = None, 0, 0
+        elif not same_visit:
+            visit_seq = seq  # a new visit (a spec's own self transition too)
+            if dest == prev.state:
+                pass  # a self transition keeps where to return to
+            elif dest in self.spec.returning_states:
+                returns = prev.state, prev.attempt, prev.visit_seq
+            else:
+                returns = None, 0, 0
+        if kind in ("retry", "interruption"):
+            attempt = prev.attempt + 1
+        status = Outcome.ACTIVE if leaf is None else leaf.final_outcome
+        if kind == "stop":
+            status = Outcome.ABORTED
+        starts = leaf is not None and leaf.starts_iteration and kind != "return" and not same_visit
+        result = transition.result if isinstance(transition.result, Mapping) else {}
+        context = prev.context
+        update = result.get("context")
+        if isinstance(update, Mapping) and update:
+            context = {**context, **update}
+        error: Any = result.get("error")
+        reason = result.get("reason")
+        if error is None and reason and kind in ("transition", "return"):
+            error = {"type": transition.event, "message": reason}
+        return self.row(
+            transition,
+            status=status,
+            iteration=prev.iteration + starts,
+            attempt=attempt,
+            context=context,
+            error=error,
+            returns=returns,
+            visit_seq=visit_seq,
+        )
+
+    def row(
+        self,
+        transition: TransitionRecord,
+        *,
+        status: Outcome,
+        iteration: int,
+        attempt: int,
+        context: Mapping[str, Any],
+        error: Mapping[str, Any] | None,
+        returns: tuple[str | None, int, int],
+        visit_seq: int,
+    ) -> RunRecord:
+        run = self.run
+        return RunRecord(
+            run_id=run.run_id,
+            machine=run.machine,
+            spec_hash=run.spec_hash,
+            state=transition.to_state,
+            status=status,
+            seq=transition.seq,
+            iteration=iteration,
+            attempt=attempt,
+            input=run.input,
+            context=context,
+            error=error,
+            created_at=run.created_at,
+            updated_at=transition.at,
+            parent_run_id=run.parent_run_id,
+            forked_from=run.forked_from,
+            abort_reason=run.abort_reason if transition.seq == run.seq else None,
+            lease_owner=run.lease_owner,
+            lease_expires_at=run.lease_expires_at,
+            lease_token=run.lease_token,
+            return_to=returns[0],
+            return_attempt=returns[1],
+            visit_seq=visit_seq,
+            return_visit=returns[2],
+        )

@@ -1,0 +1,435 @@
+"""The operator commands (fork, resume --from-state, watch, prune, diagram, replay, check) and
+the CLI's exit codes, through click's CliRunner on real SQLite journals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from fsm_runner import Engine, MachineSpec, PhaseResult, SqliteJournal, State, Transition
+from fsm_runner.cli import EXIT_CONFLICT, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, cli
+from fsm_runner.examples import release
+
+APP = "fsm_runner.examples.release:make_engine"
+SPEC_PATH = "fsm_runner.examples.release:SPEC"
+
+# Every command that reads a run, with the arguments it needs besides the run id.
+RUN_COMMANDS = [
+    ("show",),
+    ("resume", "--app", APP),
+    ("abort", "--reason", "x"),
+    ("fork", "--at", "1"),
+    ("replay",),
+    ("watch",),
+    ("diagram", "--run"),
+]
+
+
+@pytest.fixture
+def journal_path(tmp_path):
+    return tmp_path / "journal.db"
+
+
+@pytest.fixture
+def invoke(journal_path):
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(cli, ["--journal", str(journal_path), *args], catch_exceptions=False)
+
+    return invoke
+
+
+def start_release(journal_path, tmp_path, stop_after: int | None) -> str:
+    engine = release.make_engine(journal_path)
+    run_id = engine.start({"version": "1.0.0", "workspace": str(tmp_path / "ws")})
+    engine.run(run_id, max_steps=stop_after)
+    engine.journal.close()
+    return run_id
+
+
+def one_line_error(result, code: int) -> str:
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def run_args(command: tuple[str, ...], run_id: str) -> list[str]:
+    if command[0] in ("runs", "check"):
+        return [command[0]]
+    if command[0] == "diagram":
+        return ["diagram", "--run", run_id]
+    return [command[0], run_id, *command[1:]]
+
+
+class TestExitCodes:
+    """0 ok, 1 failure, 2 usage, 3 not found, 4 conflict — for every command that takes a run."""
+
+    @pytest.mark.parametrize("command", RUN_COMMANDS, ids=lambda c: c[0])
+    def test_unknown_run_is_not_found(self, invoke, journal_path, tmp_path, command):
+        start_release(journal_path, tmp_path, 1)
+        line = one_line_error(invoke(*run_args(command, "nope")), EXIT_NOT_FOUND)
+        assert "no run 'nope'" in line
+
+    @pytest.mark.parametrize("command", RUN_COMMANDS, ids=lambda c: c[0])
+    def test_missing_journal_is_not_found(self, invoke, journal_path, command):
+        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_NOT_FOUND)
+        assert "no journal at" in line
+        assert not journal_path.exists()
+
+    @pytest.mark.parametrize("command", [*RUN_COMMANDS, ("runs",), ("check",)], ids=lambda c: c[0])
+    def test_corrupt_journal_is_one_line(self, invoke, journal_path, command):
+        journal_path.write_bytes(b"\x00garbage" * 1000)
+        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_FAILURE)
+        assert "not a SQLite database" in line
+        assert journal_path.read_bytes() == b"\x00garbage" * 1000
+
+    def test_terminal_run_resumed_is_a_conflict(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        line = one_line_error(invoke("resume", run_id, "--app", APP), EXIT_CONFLICT)
+        assert "has ended" in line
+
+    def test_run_moved_by_another_writer_is_a_conflict(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        line = one_line_error(
+            invoke("fork", run_id, "--at", "0", "--run-id", run_id), EXIT_CONFLICT
+        )
+        assert "already exists" in line
+
+    def test_bad_import_paths_are_usage_or_failure(self, invoke, journal_path, tmp_path):
+        assert "MODULE:ATTR" in one_line_error(invoke("diagram", "no_colon"), EXIT_USAGE)
+        line = one_line_error(invoke("diagram", "no_such_module_xyz:SPEC"), EXIT_FAILURE)
+        assert "cannot import 'no_such_module_xyz'" in line
+        line = one_line_error(invoke("diagram", "fsm_runner.examples.release:NOPE"), EXIT_FAILURE)
+        assert "has no attribute 'NOPE'" in line
+        line = one_line_error(
+            invoke("diagram", "fsm_runner.examples.release:HANDLERS"), EXIT_FAILURE
+        )
+        assert "not a MachineSpec" in line
+
+    def test_no_colour_when_piped(self, invoke, journal_path, tmp_path):
+        start_release(journal_path, tmp_path, None)
+        for args in (("runs",), ("show", start_release(journal_path, tmp_path, 1))):
+            assert "\x1b[" not in invoke(*args).output
+
+
+class TestRuns:
+    """runs --state and --stale."""
+
+    def test_state_filter(self, invoke, journal_path, tmp_path):
+        done = start_release(journal_path, tmp_path, None)
+        building = start_release(journal_path, tmp_path, 1)
+        result = invoke("runs", "--state", "building", "--json")
+        assert [r["run_id"] for r in json.loads(result.output)] == [building]
+        result = invoke("runs", "--state", "published", "--json")
+        assert [r["run_id"] for r in json.loads(result.output)] == [done]
+
+    def test_stale_filter(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        start_release(journal_path, tmp_path, 1)
+        conn = sqlite3.connect(journal_path)
+        conn.execute(
+            "UPDATE runs SET lease_owner = 'worker-9', "
+            "lease_expires_at = '2020-01-01T00:00:00.000000+00:00' WHERE run_id = ?",
+            (run_id,),
+        )
+        conn.commit()
+        conn.close()
+        result = invoke("runs", "--stale", "--json")
+        assert [r["run_id"] for r in json.loads(result.output)] == [run_id]
+
+
+class TestFork:
+    """fork RUN --at SEQ."""
+
+    def test_fork_then_resume(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        result = invoke("fork", run_id[:8], "--at", "2", "--run-id", "forked")
+        assert result.exit_code == 0, result.output
+        assert f"forked {run_id}@2 as run forked: state 'testing'" in result.output
+        shown = json.loads(invoke("show", "forked", "--json").output)
+        assert shown["run"]["forked_from"] == f"{run_id}@2"
+        assert [t["seq"] for t in shown["transitions"]] == [0, 1, 2]
+        # the release example's phases work in a directory per run: fork at the start to rerun
+        assert invoke("fork", run_id, "--at", "0", "--run-id", "again").exit_code == 0
+        result = invoke("resume", "again", "--app", APP)
+        assert result.exit_code == 0, result.output
+        assert "run again is succeeded in state 'published'" in result.output
+        original = json.loads(invoke("show", run_id, "--json").output)
+        assert len(original["transitions"]) == 5
+
+    def test_fork_json(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        data = json.loads(invoke("fork", run_id, "--json").output)
+        assert data["forked_from"] == f"{run_id}@2"
+        assert data["state"] == "testing"
+
+    def test_fork_past_the_end_is_a_usage_error(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        assert "had ended at seq 4" in one_line_error(invoke("fork", run_id), EXIT_USAGE)
+        assert "no seq 7" in one_line_error(invoke("fork", run_id, "--at", "7"), EXIT_USAGE)
+
+
+class TestResumeFromState:
+    """resume RUN --from-state STATE."""
+
+    def test_reruns_from_the_earlier_state(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 3)  # in publishing
+        result = invoke("resume", run_id, "--app", APP, "--from-state", "building")
+        assert result.exit_code == 0, result.output
+        assert "publishing --REWOUND--> building" in result.output
+        assert "succeeded in state 'published'" in result.output
+
+    def test_a_state_never_visited_is_refused(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        line = one_line_error(
+            invoke("resume", run_id, "--app", APP, "--from-state", "publishing"), EXIT_FAILURE
+        )
+        assert "never been in 'publishing'" in line
+
+
+class TestWatch:
+    """watch RUN."""
+
+    def test_an_ended_run_prints_its_timeline_and_stops(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        result = invoke("watch", run_id)
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        assert "- --STARTED--> fetching" in lines[0]
+        assert "publishing --PUBLISHED--> published" in lines[4]
+        assert lines[-1] == f"run {run_id} is succeeded in state 'published'"
+
+    def test_follows_a_live_run_until_it_ends(self, journal_path):
+        """A real `fsm-runner watch` process follows a run another thread is advancing."""
+        gate = threading.Event()
+        spec = MachineSpec(
+            "gated",
+            [State("waiting", handler="wait"), State("done", terminal=True)],
+            [Transition("waiting", "OPENED", "done")],
+        )
+
+        def wait(ctx):
+            gate.wait(60)
+            return PhaseResult("OPENED", output={"opened": True})
+
+        journal = SqliteJournal(journal_path)
+        engine = Engine(spec, handlers={"wait": wait}, journal=journal)
+        run_id = engine.start(None)
+        worker = threading.Thread(target=engine.run, args=(run_id,))
+        worker.start()
+        watcher = subprocess.Popen(
+            [sys.executable, "-m", "fsm_runner.cli", "--journal", str(journal_path), "watch",
+             run_id, "--interval", "0.02", "--json"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            first = json.loads(watcher.stdout.readline())
+            assert first["event"] == "STARTED"
+            gate.set()  # only now does the run move on
+            rest, _ = watcher.communicate(timeout=60)
+        finally:
+            gate.set()
+            worker.join(60)
+            journal.close()
+            if watcher.poll() is None:
+                watcher.kill()
+        assert watcher.returncode == 0
+        assert [json.loads(line)["event"] for line in rest.splitlines()] == ["OPENED"]
+
+    def test_a_failed_run_exits_1(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        invoke("abort", run_id, "--reason", "stop")
+        result = invoke("watch", run_id)
+        assert result.exit_code == EXIT_FAILURE
+        assert "USER_ABORTED" in result.output
+
+
+class TestPrune:
+    """prune --older-than DAYS [--dry-run]."""
+
+    def test_dry_run_then_prune(self, invoke, journal_path, tmp_path):
+        done = start_release(journal_path, tmp_path, None)
+        active = start_release(journal_path, tmp_path, 1)
+        result = invoke("prune", "--older-than", "0", "--dry-run")
+        assert result.exit_code == 0, result.output
+        assert "would prune 1 runs (5 transitions)" in result.output
+        assert done in result.output
+        assert invoke("show", done).exit_code == 0
+        result = invoke("prune", "--older-than", "0")
+        assert "pruned 1 runs (5 transitions)" in result.output
+        assert "journal size" in result.output
+        assert invoke("show", done).exit_code == EXIT_NOT_FOUND
+        assert invoke("show", active).exit_code == 0
+
+    def test_nothing_old_enough(self, invoke, journal_path, tmp_path):
+        start_release(journal_path, tmp_path, None)
+        data = json.loads(invoke("prune", "--older-than", "30", "--json").output)
+        assert data["runs"] == 0
+        assert data["run_ids"] == []
+
+
+class TestDiagram:
+    """diagram (SPEC | --run RUN) [--format] [-o]."""
+
+    def test_spec_as_mermaid_on_stdout(self, invoke):
+        result = invoke("diagram", SPEC_PATH)
+        assert result.exit_code == 0, result.output
+        assert "stateDiagram-v2" in result.output
+        assert "title: release" in result.output
+
+    def test_engine_factory_as_dot_to_file(self, invoke, tmp_path):
+        out = tmp_path / "release.dot"
+        result = invoke("diagram", APP, "--format", "dot", "-o", str(out))
+        assert result.exit_code == 0, result.output
+        assert out.read_text().startswith("digraph")
+
+    def test_run_path_needs_no_import(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        result = invoke("diagram", "--run", run_id)
+        assert result.exit_code == 0, result.output
+        assert "classDef current" in result.output
+
+    def test_spec_and_run_are_exclusive(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        assert "either" in one_line_error(invoke("diagram"), EXIT_USAGE)
+        assert "either" in one_line_error(invoke("diagram", SPEC_PATH, "--run", run_id), EXIT_USAGE)
+
+    @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
+    @pytest.mark.parametrize(("fmt", "magic"), [("svg", b"<svg"), ("png", b"\x89PNG")])
+    def test_images_through_graphviz(self, invoke, tmp_path, fmt, magic):
+        out = tmp_path / f"release.{fmt}"
+        result = invoke("diagram", SPEC_PATH, "--format", fmt, "-o", str(out))
+        assert result.exit_code == 0, result.output
+        assert magic in out.read_bytes()[:400]
+
+    def test_images_without_graphviz_say_how_to_install_it(self, invoke, tmp_path, monkeypatch):
+        monkeypatch.setenv("PATH", str(tmp_path))
+        line = one_line_error(invoke("diagram", SPEC_PATH, "--format", "svg"), EXIT_FAILURE)
+        assert "install" in line
+        assert "graphviz" in line.lower()
+
+
+class TestExport:
+    """export writes the effects ledger too."""
+
+    def test_effects_json(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        out = tmp_path / "out"
+        assert invoke("export", run_id, str(out)).exit_code == 0
+        assert json.loads((out / "effects.json").read_text()) == []
+        assert len(json.loads((out / "run.json").read_text())["transitions"]) == 5
+
+
+def tamper(journal_path, sql: str, *params) -> None:
+    conn = sqlite3.connect(journal_path)
+    conn.execute("DROP TRIGGER IF EXISTS transitions_advance_run")  # write what the test likes
+    conn.execute(sql, params)
+    conn.commit()
+    conn.close()
+
+
+# The release machine with its testing phase renamed: old runs no longer replay through it.
+RENAMED = MachineSpec(
+    "release",
+    [
+        State(s.name if s.name != "testing" else "checking", handler=s.handler,
+              terminal=s.terminal, outcome=s.outcome)
+        for s in release.SPEC.states
+    ],
+    [
+        Transition(
+            tuple("checking" if x == "testing" else x for x in t.source), t.event,
+            "checking" if t.dest == "testing" else t.dest,
+        )
+        for t in release.SPEC.transitions
+    ],
+)  # fmt: skip
+
+
+class TestReplay:
+    """replay RUN [--to SEQ] [--spec MODULE:ATTR]."""
+
+    def test_a_sound_run_matches(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        result = invoke("replay", run_id)
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        assert lines[0].split()[:3] == ["SEQ", "AT", "(UTC)"]
+        assert "PUBLISHED" in lines[5]
+        assert "succeeded" in lines[5]
+        assert f"replay of run {run_id} matches the journal: 5 transitions" in lines[-1]
+
+    def test_to_seq(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        result = invoke("replay", run_id, "--to", "2")
+        assert result.exit_code == 0, result.output
+        assert f"run {run_id} at seq 2: state 'testing' (active)" in result.output
+        data = json.loads(invoke("replay", run_id, "--to", "1", "--json").output)
+        assert [s["seq"] for s in data["steps"]] == [0, 1]
+        assert data["run"]["state"] == "building"
+        assert "seqs 0..4" in one_line_error(invoke("replay", run_id, "--to", "9"), EXIT_USAGE)
+
+    def test_a_tampered_run_names_the_first_mismatch(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        tamper(
+            journal_path,
+            "UPDATE transitions SET to_state = 'publishing' WHERE run_id = ? AND seq = 2",
+            run_id,
+        )
+        line = one_line_error(invoke("replay", run_id), EXIT_FAILURE)
+        assert f"run {run_id} at seq 2" in line
+
+    def test_a_changed_spec_names_where_it_stops_fitting(
+        self, invoke, journal_path, tmp_path, monkeypatch
+    ):
+        run_id = start_release(journal_path, tmp_path, None)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        (tmp_path / "renamed_release.py").write_text(
+            "from tests.test_cli_operations import RENAMED as SPEC\n"
+        )
+        line = one_line_error(
+            invoke("replay", run_id, "--spec", "renamed_release:SPEC"), EXIT_FAILURE
+        )
+        assert "at seq 2" in line
+        assert "testing" in line
+        assert invoke("replay", run_id, "--spec", SPEC_PATH).exit_code == 0
+
+
+class TestCheck:
+    """check: the medium and every run."""
+
+    def test_a_sound_journal(self, invoke, journal_path, tmp_path):
+        start_release(journal_path, tmp_path, None)
+        start_release(journal_path, tmp_path, 2)
+        result = invoke("check")
+        assert result.exit_code == 0, result.output
+        assert "2 runs checked, no problems" in result.output
+
+    def test_problems_are_listed_one_per_line(self, invoke, journal_path, tmp_path):
+        good = start_release(journal_path, tmp_path, None)
+        gap = start_release(journal_path, tmp_path, None)
+        moved = start_release(journal_path, tmp_path, 2)
+        tamper(journal_path, "DELETE FROM transitions WHERE run_id = ? AND seq = 2", gap)
+        tamper(journal_path, "UPDATE runs SET iteration = 7 WHERE run_id = ?", moved)
+        result = invoke("check")
+        assert result.exit_code == EXIT_FAILURE
+        lines = result.output.splitlines()
+        assert lines[0].endswith("2 problems in 3 runs")
+        problems = "\n".join(lines[1:])
+        assert gap in problems
+        assert moved in problems
+        assert good not in problems
+        data = json.loads(invoke("check", "--json").output)
+        assert len(data["problems"]) == 2
+        assert data["runs"] == 3
