@@ -755,8 +755,12 @@ def diagram(
     else:
         assert spec_path is not None
         spec = _load_spec(spec_path, "SPEC_IMPORT_PATH")
-    text = render(spec, format="dot" if fmt in ("svg", "png") else fmt, run=run, timeline=timeline)  # type: ignore[arg-type]
-    data = render_image(text, format=fmt) if fmt in ("svg", "png") else text.encode()  # type: ignore[arg-type]
+    if fmt in ("svg", "png"):
+        text = render(spec, format="dot", run=run, timeline=timeline)
+        data = render_image(text, format="svg" if fmt == "svg" else "png")
+    else:
+        text = render(spec, format="dot" if fmt == "dot" else "mermaid", run=run, timeline=timeline)
+        data = text.encode()
     if output is None:
         sys.stdout.flush()
         sys.stdout.buffer.write(data)

@@ -14,6 +14,12 @@ from fsm_runner.examples import release
 APP = "fsm_runner.examples.release:make_engine"
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Apps built by `--app` factories open ./fsm-runner.db: keep it out of the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def journal_path(tmp_path):
     return tmp_path / "journal.db"

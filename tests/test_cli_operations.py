@@ -32,6 +32,12 @@ RUN_COMMANDS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Apps built by `--app` factories open ./fsm-runner.db: keep it out of the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def journal_path(tmp_path):
     return tmp_path / "journal.db"
