@@ -150,7 +150,8 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
         idempotent=idempotent,
         started_at=utc_now(),
     )
-    journal.put_effect(record, run_seq=run.seq)  # committed before the effect happens
+    # Committed before the effect happens, and only while this worker still holds the lease.
+    journal.put_effect(record, run_seq=run.seq, lease_token=run.lease_token)
     call_kwargs = dict(kwargs)
     if _takes_key(fn) and "idempotency_key" not in call_kwargs:
         call_kwargs["idempotency_key"] = key
@@ -161,7 +162,7 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
             **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
             error={"type": type(exc).__name__, "message": str(exc)},
         )
-        journal.put_effect(failed, run_seq=run.seq)
+        journal.put_effect(failed, run_seq=run.seq, lease_token=run.lease_token)
         raise
     try:
         _canonical(result, run_id=run.run_id, what=f"effect {name!r} result")
@@ -171,13 +172,13 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
             **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
             error={"type": "PayloadError", "message": str(exc)},
         )
-        journal.put_effect(unreadable, run_seq=run.seq)
+        journal.put_effect(unreadable, run_seq=run.seq, lease_token=run.lease_token)
         raise
     done_record = EffectRecord(
         **{**_fields(record), "status": EffectStatus.DONE, "completed_at": utc_now()},
         result=result,
     )
-    journal.put_effect(done_record, run_seq=run.seq)
+    journal.put_effect(done_record, run_seq=run.seq, lease_token=run.lease_token)
     return result
 
 

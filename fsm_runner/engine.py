@@ -15,7 +15,9 @@ import enum
 import inspect
 import json
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -31,6 +33,8 @@ from fsm_runner.exceptions import (
     FsmRunnerError,
     HandlerResultError,
     InvalidTransitionError,
+    LeaseHeldError,
+    LeaseLostError,
     PayloadError,
     PhaseError,
     PhaseTimeoutError,
@@ -74,8 +78,13 @@ _USER_ABORTED = RunEvent.USER_ABORTED.value
 _RETRIED = RunEvent.RETRIED.value
 _INTERRUPTED = RunEvent.INTERRUPTED.value
 _REWOUND = RunEvent.REWOUND.value
+_DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
 _SAME_VISIT = frozenset({_RETRIED, _INTERRUPTED})
+#: Statuses a run may end with where it stands (no transition of the spec): same visit.
+_IN_PLACE = frozenset({Outcome.ABORTED, Outcome.DEAD_LETTER})
 _MAX_ABORT_TRIES = 20
+#: Seconds the short lease of an abort from outside any engine lasts.
+_ABORT_LEASE_TTL = 30.0
 # What handlers return most; checked before the much slower inspect.isawaitable.
 _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
 
@@ -135,6 +144,14 @@ class Engine:
         async_sleep: how to wait between retries in async runs.
         allow_spec_change: resume runs that started under another spec, as long as their
             current state exists in this one.
+        worker_id: who this engine is when it holds leases (default: host, pid and a random
+            part, unique per engine).
+        lease_ttl: seconds a lease lasts unless renewed; a worker that dies holding one blocks
+            its run for at most this long.
+        heartbeat_interval: seconds between lease renewals while runs are held (default: a
+            third of ``lease_ttl``). The heartbeat also picks up abort requests from elsewhere.
+        max_recoveries: how often :meth:`recover` takes over a run whose worker was lost
+            before parking it as ``dead_letter``.
 
     Raises:
         SpecError: the spec is invalid, or names handlers or guards that are not given.
@@ -154,7 +171,13 @@ class Engine:
         sleep: Callable[[float], None] = time.sleep,
         async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         allow_spec_change: bool = False,
+        worker_id: str | None = None,
+        lease_ttl: float = 30.0,
+        heartbeat_interval: float | None = None,
+        max_recoveries: int = 3,
     ) -> None:
+        if lease_ttl <= 0:
+            raise ValueError(f"lease_ttl must be positive, not {lease_ttl!r}")
         self.spec = spec
         self.handlers = dict(handlers)
         self.guards = dict(guards or {})
@@ -192,6 +215,13 @@ class Engine:
         self._aborts: dict[str, str] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.worker_id = worker_id or _worker_id()
+        self.lease_ttl = lease_ttl
+        self.heartbeat_interval = heartbeat_interval or lease_ttl / 3
+        self.max_recoveries = max_recoveries
+        self._held: dict[str, int] = {}  # run id -> the lease token this engine holds
+        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = threading.Event()
 
     def __repr__(self) -> str:
         return f"Engine({self.spec.name!r}, journal={self.journal!r})"
@@ -209,13 +239,148 @@ class Engine:
             sleep=self.sleep,
             async_sleep=self.async_sleep,
             allow_spec_change=self.allow_spec_change,
+            worker_id=self.worker_id,
+            lease_ttl=self.lease_ttl,
+            heartbeat_interval=self.heartbeat_interval,
+            max_recoveries=self.max_recoveries,
         )
 
     def close(self) -> None:
-        """Close the event loop used for async handlers in sync runs (the journal is the host's)."""
+        """Stop the heartbeat and close the event loop of async handlers in sync runs.
+
+        The journal is the host's to close.
+        """
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        self._stop_heartbeat.clear()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def _claim(self, run_id: str) -> RunRecord:
+        """Load the run, check it may run here, and take its lease (the heartbeat renews it)."""
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        with self._lock:
+            if run_id in self._held:  # one engine advances a run in one place at a time
+                raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
+            self._held[run_id] = -1  # reserved while the claim is in flight
+        try:
+            try:
+                claimed = self.journal.claim(run_id, self.worker_id, ttl=self.lease_ttl)
+            except LeaseHeldError as exc:
+                if not _holder_is_dead(exc.owner):
+                    raise
+                # Its holder was a process on this host that is gone (killed): no need to
+                # wait for the lease to expire.
+                _log.warning("run %s: taking over the lease of dead %s", run_id, exc.owner)
+                claimed = self.journal.claim(
+                    run_id, self.worker_id, ttl=self.lease_ttl, take_over=exc.owner
+                )
+        except BaseException:
+            with self._lock:
+                self._held.pop(run_id, None)
+            raise
+        with self._lock:
+            self._held[run_id] = claimed.lease_token
+            if self._heartbeat is None or not self._heartbeat.is_alive():
+                self._heartbeat = threading.Thread(
+                    target=self._beat, name=f"fsm-runner-heartbeat-{self.worker_id}", daemon=True
+                )
+                self._heartbeat.start()
+        return claimed
+
+    def _let_go(self, run_id: str) -> None:
+        """Release the lease this engine holds on the run (at its end, or on a clean stop)."""
+        with self._lock:
+            token = self._held.pop(run_id, None)
+        if token is None or token < 0:
+            return
+        try:
+            self.journal.release(run_id, self.worker_id, token)
+        except FsmRunnerError as exc:  # the lease will expire; nothing is lost
+            _log.warning("run %s: could not release its lease: %s", run_id, exc)
+
+    def _beat(self) -> None:
+        """Renew every lease held, until none is held or the engine closes.
+
+        A lease found taken over cancels the phase running under it (its commit would be
+        refused anyway); an abort requested from elsewhere is carried out at the next step.
+        """
+        while not self._stop_heartbeat.wait(self.heartbeat_interval):
+            with self._lock:
+                held = [(run_id, token) for run_id, token in self._held.items() if token >= 0]
+                if not held:
+                    self._heartbeat = None
+                    return
+            for run_id, token in held:
+                try:
+                    self.journal.renew(run_id, self.worker_id, token, ttl=self.lease_ttl)
+                    reason = self.journal.load(run_id).abort_reason
+                except LeaseLostError:
+                    reason = "the run's lease was taken over by another worker"
+                    _log.warning("run %s: %s", run_id, reason)
+                except FsmRunnerError as exc:
+                    _log.warning("run %s: could not renew its lease: %s", run_id, exc)
+                    continue
+                if reason is not None:
+                    with self._lock:
+                        self._aborts.setdefault(run_id, reason)
+                        ctx = self._active.get(run_id)
+                    if ctx is not None:
+                        ctx.request_cancel(reason)
+
+    def recover(self, *, limit: int | None = None) -> list[RunRecord]:
+        """Take over this machine's runs whose lease expired (their worker is gone) and run them.
+
+        Each takeover counts in the run's ``recoveries``; a run taken over more than
+        ``max_recoveries`` times is not run again but parked with status ``dead_letter`` and
+        the reason (a ``DEAD_LETTERED`` transition), so a run that kills its worker is not
+        retried forever. Runs another worker claims first, and runs under another spec, are
+        left alone.
+
+        Args:
+            limit: recover at most this many runs.
+
+        Returns:
+            The recovered runs as they ended up (parked ones included).
+        """
+        recovered: list[RunRecord] = []
+        for stale in self.journal.runs(machine=self.spec.name, stale=True, limit=limit):
+            try:
+                claimed = self._claim(stale.run_id)
+            except (LeaseHeldError, RunTerminalError, SpecMismatchError) as exc:
+                _log.info("run %s not recovered here: %s", stale.run_id, exc)
+                continue
+            try:
+                if claimed.recoveries > self.max_recoveries:
+                    ended = self._park(claimed)
+                else:
+                    ended = self._drive(claimed, None)
+            finally:
+                self._let_go(claimed.run_id)
+            recovered.append(_unleased(ended))
+        return recovered
+
+    def _park(self, run: RunRecord) -> RunRecord:
+        message = (
+            f"its worker was lost {run.recoveries} times (more than max_recoveries="
+            f"{self.max_recoveries}); fork it to try again"
+        )
+        error = {"type": _DEAD_LETTERED, "message": message}
+        return self._commit(
+            run,
+            _DEAD_LETTERED,
+            run.state,
+            result={"error": error},
+            duration_ms=0.0,
+            error=error,
+            status=Outcome.DEAD_LETTER,
+        )[1]
 
     # -- starting ------------------------------------------------------------------------------
 
@@ -297,28 +462,46 @@ class Engine:
             PhaseError: the phase failed and the spec has no transition for that failure.
             RunConflictError: another writer advanced the run while the phase ran.
         """
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
-        return self._step(run)[0]
+        run = self._claim(run_id)
+        try:
+            return self._step(run)[0]
+        finally:
+            self._let_go(run_id)
 
     def run(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """Step the run until it ends, waits for an event, or ``max_steps`` steps were taken.
+
+        The engine holds the run's lease meanwhile (renewed by a heartbeat) and releases it
+        when it returns, whatever the reason.
 
         Returns:
             The run as it stands at the end.
 
         Raises:
+            LeaseHeldError: another worker holds the run's live lease; nothing was written.
+            LeaseLostError: the lease expired and was taken over while a phase ran; this engine
+                wrote nothing after that.
             The errors of :meth:`step`; when another writer ended the run meanwhile (an abort
             from another process), the ended run is returned instead.
         """
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
+        if max_steps == 0:  # nothing to do: not even the lease is taken
+            run = self.journal.load(run_id)
+            self._check_runnable(run)
+            return run
+        run = self._claim(run_id)
+        try:
+            run = self._drive(run, max_steps)
+        finally:
+            self._let_go(run_id)
+        return _unleased(run)
+
+    def _drive(self, run: RunRecord, max_steps: int | None) -> RunRecord:
         steps = 0
         while (max_steps is None or steps < max_steps) and not run.ended:
             try:
                 transition, after = self._step(run)
             except RunConflictError:
-                run = self.journal.load(run_id)
+                run = self.journal.load(run.run_id)
                 if run.ended:
                     return run
                 raise
@@ -366,7 +549,23 @@ class Engine:
             InvalidTransitionError: ``state`` is not in the spec, is terminal, or the run has
                 never been in it; nothing was written.
         """
-        run = self.journal.load(run_id)
+        self._rewind_target(self.journal.load(run_id), state)  # refused before the lease
+        run = self._claim(run_id)
+        try:
+            run = self._commit(
+                run,
+                _REWOUND,
+                self._rewind_target(run, state),
+                result={"output": {"rewound_from": run.state}},
+                duration_ms=0.0,
+            )[1]
+        finally:
+            self._let_go(run_id)
+        return _unleased(run)
+
+    def _rewind_target(self, run: RunRecord, state: str) -> str:
+        """The leaf ``run`` can be rewound to for ``state``, or InvalidTransitionError."""
+        run_id = run.run_id
         self._check_runnable(run)
         if not self.spec.has_state(state):
             reason = f"not possible: machine {self.spec.name!r} has no state {state!r},"
@@ -388,13 +587,7 @@ class Engine:
                 event=_REWOUND,
                 reason=f"not possible: the run has never been in {leaf!r},",
             )
-        return self._commit(
-            run,
-            _REWOUND,
-            leaf,
-            result={"output": {"rewound_from": run.state}},
-            duration_ms=0.0,
-        )[1]
+        return leaf
 
     def fork(
         self, run_id: str, *, at_seq: int | None = None, new_run_id: str | None = None
@@ -530,28 +723,32 @@ class Engine:
 
     async def astep(self, run_id: str) -> TransitionRecord | None:
         """Async :meth:`step`: async handlers are awaited (and cancelled at their deadline)."""
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
-        return (await self._astep(run))[0]
+        run = self._claim(run_id)
+        try:
+            return (await self._astep(run))[0]
+        finally:
+            self._let_go(run_id)
 
     async def arun(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """Async :meth:`run`."""
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
-        steps = 0
-        while (max_steps is None or steps < max_steps) and not run.ended:
-            try:
-                transition, after = await self._astep(run)
-            except RunConflictError:
-                run = self.journal.load(run_id)
-                if run.ended:
-                    return run
-                raise
-            if transition is None:
-                break
-            run = after
-            steps += 1
-        return run
+        run = self._claim(run_id)
+        try:
+            steps = 0
+            while (max_steps is None or steps < max_steps) and not run.ended:
+                try:
+                    transition, after = await self._astep(run)
+                except RunConflictError:
+                    run = self.journal.load(run_id)
+                    if run.ended:
+                        return run
+                    raise
+                if transition is None:
+                    break
+                run = after
+                steps += 1
+        finally:
+            self._let_go(run_id)
+        return _unleased(run)
 
     async def aresume(
         self, run_id: str, *, max_steps: int | None = None, from_state: str | None = None
@@ -618,40 +815,55 @@ class Engine:
             InvalidTransitionError: the run's state does not allow the event; nothing changed.
             RunTerminalError: the run has ended.
         """
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
         name = event_name(event)
         self._check_json(run_id, "output", output)
-        return self._commit(
-            run,
-            name,
-            self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
-            result={"output": output} if output is not None else None,
-            duration_ms=0.0,
-        )[1]
+        run = self.journal.load(run_id)
+        self._check_runnable(run)
+        # Refused before the lease is taken: a refused event changes nothing at all.
+        self._machine.resolve(run.state, name, run, self.guards, run_id=run_id)
+        run = self._claim(run_id)
+        try:
+            run = self._commit(
+                run,
+                name,
+                self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
+                result={"output": output} if output is not None else None,
+                duration_ms=0.0,
+            )[1]
+        finally:
+            self._let_go(run_id)
+        return _unleased(run)
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.
 
-        A run this engine is advancing right now is told through ``ctx.cancelled`` and stops
-        between phases; any other run is moved at once (a worker in another process that was
-        advancing it finds its next commit refused and stops).
+        A run this engine is advancing is told through ``ctx.cancelled`` and stops between
+        phases; a run another worker holds (a live lease) gets the request journaled, and that
+        worker carries it out (its heartbeat picks it up); a run nobody holds is moved at once.
 
         Returns:
-            The run after the abort (or with the abort requested, if a phase is running here).
+            The run after the abort (or with the abort requested, if a worker holds it).
 
         Raises:
             RunTerminalError: the run has already ended.
         """
         with self._lock:
-            ctx = self._active.get(run_id)
-            if ctx is not None:
+            held = run_id in self._held
+            if held:
                 self._aborts[run_id] = reason
-                ctx.request_cancel(reason)
-        if ctx is not None:
+                ctx = self._active.get(run_id)
+                if ctx is not None:
+                    ctx.request_cancel(reason)
+        if held:
             return self.journal.request_abort(run_id, reason)
         return abort_run(
-            self.journal, run_id, reason, spec=self.spec, guards=self.guards, _notify=self._notify
+            self.journal,
+            run_id,
+            reason,
+            spec=self.spec,
+            guards=self.guards,
+            owner=self.worker_id,
+            _notify=self._notify,
         )
 
     def _commit_abort(self, run: RunRecord, reason: str) -> tuple[TransitionRecord, RunRecord]:
@@ -921,8 +1133,9 @@ class Engine:
         seq = run.seq + 1
         run_id = run.run_id
         transition = TransitionRecord(
-            run_id, seq, run.state, event, dest, 0, run.attempt, now, duration_ms, None
-        )
+            run_id, seq, run.state, event, dest, 0, run.attempt, now, duration_ms, None,
+            run.lease_token,
+        )  # fmt: skip
         after = RunRecord(
             run_id,
             run.machine,
@@ -947,6 +1160,7 @@ class Engine:
             0,
             seq,  # a new visit: the plain path never carries RETRIED or INTERRUPTED
             0,
+            run.recoveries,
         )
         self.journal.commit(after, transition)
         if dest_state.terminal:
@@ -1008,6 +1222,36 @@ class Engine:
             raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
 
 
+def _worker_id() -> str:
+    """A new worker id: ``host:pid:random`` (unique per engine, and tells where it ran)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _holder_is_dead(owner: str) -> bool:
+    """Whether a lease ``owner`` (``host:pid:...``) was a process on this host that is gone."""
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, but someone else's
+        return False
+    return False
+
+
+def _unleased(run: RunRecord) -> RunRecord:
+    """The run row as it stands once its lease is released."""
+    if run.lease_owner is None:
+        return run
+    return attrs.evolve(run, lease_owner=None, lease_expires_at=None)
+
+
 def _touch(record: IterationRecord, state: str, now: dt.datetime) -> IterationRecord:
     started = record.started_at or now
     return attrs.evolve(
@@ -1053,7 +1297,7 @@ def _advance(
             )
         dest, attempt, visit_seq = return_to, return_attempt + 1, return_visit
         return_to, return_attempt, return_visit = None, 0, 0
-    elif dest != run.state or not (event in _SAME_VISIT or status is Outcome.ABORTED):
+    elif dest != run.state or not (event in _SAME_VISIT or status in _IN_PLACE):
         visit_seq = seq  # a new visit begins (a spec's own self transition too)
         if dest == run.state:
             pass  # a self transition keeps where to return to
@@ -1064,13 +1308,21 @@ def _advance(
     dest_state = spec.state(dest)
     # Entering a starts_iteration state starts an iteration; a retry, an interruption, an
     # in-place stop or a return is the same visit.
-    same_visit = returning or (
-        dest == run.state and (event in _SAME_VISIT or status is Outcome.ABORTED)
-    )
+    same_visit = returning or (dest == run.state and (event in _SAME_VISIT or status in _IN_PLACE))
     iteration = run.iteration + (dest_state.starts_iteration and not same_visit)
     now = utc_now()
     transition = TransitionRecord(
-        run.run_id, seq, run.state, event, dest, iteration, run.attempt, now, duration_ms, result
+        run.run_id,
+        seq,
+        run.state,
+        event,
+        dest,
+        iteration,
+        run.attempt,
+        now,
+        duration_ms,
+        result,
+        run.lease_token,
     )
     # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
     after = RunRecord(
@@ -1097,6 +1349,7 @@ def _advance(
         return_attempt,
         visit_seq,
         return_visit,
+        run.recoveries,
     )
     return transition, after
 
@@ -1139,34 +1392,49 @@ def abort_run(
     *,
     spec: MachineSpec | None = None,
     guards: Mapping[str, Guard] | None = None,
+    owner: str | None = None,
     _notify: Listener | None = None,
 ) -> RunRecord:
     """Abort a run that no engine in this process is advancing (operators, the CLI).
 
-    The run follows its spec's ``USER_ABORTED`` transition, or, where its state has none, stops
-    where it is with status ``aborted``. The spec is read from the journal unless ``spec`` is
-    the one the run started with. Nothing journaled is removed.
+    When no worker holds the run, it is moved at once under a short lease of ``owner``'s: it
+    follows its spec's ``USER_ABORTED`` transition or, where its state has none, stops where it
+    is with status ``aborted``. When a worker holds a live lease on it, the request is
+    journaled and that worker carries it out between phases (``abort_reason`` shows it
+    meanwhile). The spec is read from the journal unless ``spec`` is the one the run started
+    with. Nothing journaled is removed.
+
+    Returns:
+        The run after the abort, or with the abort requested.
 
     Raises:
         RunNotFoundError: no such run.
         RunTerminalError: the run has already ended.
         RunConflictError: other writers kept advancing the run; try again.
     """
+    owner = owner or f"abort:{socket.gethostname()}:{os.getpid()}"
     for _ in range(_MAX_ABORT_TRIES):
         run = journal.load(run_id)
         if run.ended:
             raise RunTerminalError(run_id=run.run_id, state=run.state, status=run.status.value)
-        run_spec = spec
-        if run_spec is None or run_spec.spec_hash != run.spec_hash:
-            run_spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
-        transition, after = _abort_records(run_spec, run, reason, guards)
         try:
-            journal.commit(after, transition)
-        except RunConflictError:
-            continue  # another writer moved it meanwhile; look again
+            run = journal.claim(run_id, owner, ttl=_ABORT_LEASE_TTL)
+        except LeaseHeldError:
+            return journal.request_abort(run_id, reason)  # its holder carries it out
+        try:
+            run_spec = spec
+            if run_spec is None or run_spec.spec_hash != run.spec_hash:
+                run_spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+            transition, after = _abort_records(run_spec, run, reason, guards)
+            try:
+                journal.commit(after, transition)
+            except RunConflictError:
+                continue  # another writer moved it meanwhile; look again
+        finally:
+            journal.release(run_id, owner, run.lease_token)
         if _notify is not None:
             _notify(transition, after)
-        return after
+        return _unleased(after)
     raise RunConflictError(run_id=run_id, expected_seq=-1, path=journal.location)
 
 
@@ -1216,6 +1484,7 @@ def fork_run(
         lease_owner=None,
         lease_expires_at=None,
         lease_token=0,
+        recoveries=0,
         created_at=utc_now(),
     )
     journal.fork_run(fork, source_run_id=run_id, at_seq=seq)

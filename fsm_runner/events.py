@@ -35,6 +35,7 @@ class RunEvent(str, enum.Enum):
     INTERRUPTED = "INTERRUPTED"
     USER_ABORTED = "USER_ABORTED"
     REWOUND = "REWOUND"
+    DEAD_LETTERED = "DEAD_LETTERED"
 
     def __str__(self) -> str:
         return self.value
@@ -67,7 +68,9 @@ STATUS_EVENTS: dict[RunStatus, RunEvent] = {
 #: Events the engine itself journals without a spec transition: the first row of a run,
 #: a retried attempt (a self transition), an abort from a state with no USER_ABORTED exit,
 #: an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable), and an
-#: operator's resume from an earlier state (``resume --from-state``: the run is rewound there).
+#: operator's resume from an earlier state (``resume --from-state``: the run is rewound there),
+#: and recovery parking a run whose worker was lost too often (a self transition; status
+#: ``dead_letter``).
 ENGINE_EVENTS: frozenset[str] = frozenset(
     {
         RunEvent.STARTED.value,
@@ -75,6 +78,7 @@ ENGINE_EVENTS: frozenset[str] = frozenset(
         RunEvent.USER_ABORTED.value,
         RunEvent.INTERRUPTED.value,
         RunEvent.REWOUND.value,
+        RunEvent.DEAD_LETTERED.value,
     }
 )
 

@@ -71,6 +71,7 @@ class RunRecord:
         visit_seq: the seq of the transition that began the current visit of ``state``
             (retries, interruptions and returns continue a visit); effects are keyed by it.
         return_visit: the visit ``return_to`` was on when the run left it.
+        recoveries: how often the run's lease was taken over after its worker was lost.
     """
 
     run_id: str
@@ -96,6 +97,7 @@ class RunRecord:
     return_attempt: int = 0
     visit_seq: int = 0
     return_visit: int = 0
+    recoveries: int = 0
 
     @property
     def ended(self) -> bool:
@@ -118,6 +120,8 @@ class TransitionRecord:
         at: when it was committed.
         duration_ms: how long the phase that produced it took.
         result: the phase's output, context updates and error, as JSON.
+        lease_token: the lease token of the worker that wrote it (fencing: a commit is refused
+            unless it is the run's current token).
     """
 
     run_id: str
@@ -130,6 +134,7 @@ class TransitionRecord:
     at: dt.datetime = attrs.field(factory=utc_now)
     duration_ms: float = 0.0
     result: Mapping[str, Any] | None = None
+    lease_token: int = 0
 
     @property
     def output(self) -> Any:

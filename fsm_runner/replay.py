@@ -618,6 +618,7 @@ class _Walker:
         visit_seq: int,
     ) -> RunRecord:
         run = self.run
+        last = transition.seq == run.seq
         return RunRecord(
             run_id=run.run_id,
             machine=run.machine,
@@ -634,12 +635,15 @@ class _Walker:
             updated_at=transition.at,
             parent_run_id=run.parent_run_id,
             forked_from=run.forked_from,
-            abort_reason=run.abort_reason if transition.seq == run.seq else None,
-            lease_owner=run.lease_owner,
-            lease_expires_at=run.lease_expires_at,
-            lease_token=run.lease_token,
+            abort_reason=run.abort_reason if last else None,
+            # Leases are not journaled as transitions: the row's lease is known only now; before,
+            # the token is the one the transition was written under.
+            lease_owner=run.lease_owner if last else None,
+            lease_expires_at=run.lease_expires_at if last else None,
+            lease_token=run.lease_token if last else transition.lease_token,
             return_to=returns[0],
             return_attempt=returns[1],
             visit_seq=visit_seq,
             return_visit=returns[2],
+            recoveries=run.recoveries,
         )

@@ -41,6 +41,8 @@ class Outcome(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     ABORTED = "aborted"
+    #: Not a state's outcome: a run parked by recovery after its worker was lost too often.
+    DEAD_LETTER = "dead_letter"
 
     def __str__(self) -> str:
         return self.value
@@ -49,7 +51,12 @@ class Outcome(str, enum.Enum):
 #: Events only the engine journals: a spec transition on one would be indistinguishable from
 #: the engine's own in the journal, and replay (invariant 8) could not tell them apart.
 _ENGINE_ONLY_EVENTS = frozenset(
-    {RunEvent.STARTED.value, RunEvent.RETRIED.value, RunEvent.REWOUND.value}
+    {
+        RunEvent.STARTED.value,
+        RunEvent.RETRIED.value,
+        RunEvent.REWOUND.value,
+        RunEvent.DEAD_LETTERED.value,
+    }
 )
 _INTERRUPTED = RunEvent.INTERRUPTED.value
 
@@ -467,8 +474,8 @@ class MachineSpec:
                 yield f"terminal state {state.name!r} has a handler ({state.handler!r})"
             if not state.terminal and state.outcome is not None:
                 yield f"non-terminal state {state.name!r} has an outcome"
-            if state.terminal and state.outcome is Outcome.ACTIVE:
-                yield f"terminal state {state.name!r} cannot have outcome 'active'"
+            if state.terminal and state.outcome in (Outcome.ACTIVE, Outcome.DEAD_LETTER):
+                yield f"terminal state {state.name!r} cannot have outcome {state.outcome.value!r}"
             if state.timeout is not None and state.timeout <= 0:
                 yield f"state {state.name!r} has a timeout <= 0"
             if state.retry is not None:

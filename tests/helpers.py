@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import attrs
+
 from fsm_runner import MachineSpec, RunEvent, State, Transition
 
 NEXT = "NEXT"
+
+
+def snapshot(journal, run_id: str):
+    """The run row and every transition: what "nothing changed" compares.
+
+    A refused step has still taken and given back the run's lease: the lease token (the
+    bookkeeping of who may write) is left out, and the lease must be free again.
+    """
+    run = journal.load(run_id)
+    assert run.lease_owner is None, f"run {run_id} is still leased to {run.lease_owner}"
+    return attrs.evolve(run, lease_token=0, lease_expires_at=None), list(
+        journal.transitions(run_id)
+    )
 
 
 def linear_spec(*phases: str, name: str = "linear") -> MachineSpec:
@@ -48,8 +63,35 @@ BEGIN
 END"""
 
 
+# The trigger as schema version 4 wrote it (before it checked lease tokens).
+TRIGGER_V4 = """CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions
+WHEN NEW.seq > 0
+BEGIN
+    UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
+                    updated_at = NEW.at,
+                    visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
+                                       AND NEW.event IN ('RETRIED', 'INTERRUPTED')
+                                     THEN visit_seq ELSE NEW.seq END
+     WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
+    SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
+     WHERE changes() = 0;
+END"""
+
+
+def undo_v5(conn) -> None:
+    """Turn a journal's schema back from version 5 (lease tokens, recoveries) to version 4."""
+    conn.execute("DROP TRIGGER transitions_advance_run")
+    conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
+    conn.execute("ALTER TABLE transitions DROP COLUMN lease_token")
+    conn.execute("ALTER TABLE runs DROP COLUMN recoveries")
+    conn.execute(TRIGGER_V4)
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0005_leases'")
+    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+
+
 def undo_v4(conn) -> None:
-    """Turn a journal's schema back from version 4 (effects, visits) to version 3."""
+    """Turn a journal's schema back from version 5 to version 3 (no effects, no visits)."""
+    undo_v5(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     for column in ("visit_seq", "return_visit"):
         conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")

@@ -26,7 +26,7 @@ from fsm_runner import (
 )
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.machine import compile_spec
-from tests.helpers import linear_spec, undo_v4
+from tests.helpers import linear_spec, snapshot, undo_v4
 
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
@@ -106,11 +106,6 @@ def lost_once(count):
 def path_of(journal, run_id):
     """(from_state, event, to_state) of every transition, seq order."""
     return [(t.from_state, t.event, t.to_state) for t in journal.transitions(run_id)]
-
-
-def snapshot(journal, run_id):
-    """The run row and every transition: what "nothing changed" compares."""
-    return journal.load(run_id), list(journal.transitions(run_id))
 
 
 def dests(spec, state, event):

@@ -40,7 +40,6 @@ from fsm_runner.diagrams import (
     render_mermaid,
 )
 from fsm_runner.exceptions import DiagramError
-from fsm_runner.records import utc_now
 from fsm_runner.testing import FakeClock, ScriptedHandler
 
 from .test_public_api import isort_style_key
@@ -836,16 +835,8 @@ class TestExtractRun:
         engine = rich_engine(journal)
         run_id = engine.start()
         engine.run(run_id, max_steps=3)  # preparing, 1a, end: now in c
-        run = journal.load(run_id)
-        assert run.state == "c"
-        seq = run.seq + 1
-        journal.commit(
-            attrs.evolve(
-                run, state="preparing", seq=seq, attempt=1, visit_seq=seq, updated_at=utc_now()
-            ),
-            TransitionRecord(run_id, seq, "c", RunEvent.REWOUND.value, "preparing", run.iteration),
-        )
-        engine.resume(run_id)
+        assert journal.load(run_id).state == "c"
+        engine.resume(run_id, from_state="preparing")
         spec, run, timeline = finished(engine, run_id)
 
         graph = extract(spec, run=run, timeline=timeline)

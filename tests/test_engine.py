@@ -34,7 +34,7 @@ from fsm_runner.exceptions import (
     SpecMismatchError,
 )
 from fsm_runner.testing import FakeClock, ScriptedHandler
-from tests.helpers import NEXT, linear_spec
+from tests.helpers import NEXT, linear_spec, snapshot
 
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 TIMEOUT = RunEvent.TIMEOUT.value
@@ -43,11 +43,6 @@ RETRIED = RunEvent.RETRIED.value
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def snapshot(journal, run_id):
-    """The run row and every transition: what "nothing changed" compares."""
-    return journal.load(run_id), list(journal.transitions(run_id))
 
 
 def path_of(journal, run_id):

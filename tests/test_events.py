@@ -58,6 +58,7 @@ class TestRunEvent:
 
     def test_engine_events(self):
         assert sorted(ENGINE_EVENTS) == [
+            "DEAD_LETTERED",
             "INTERRUPTED",
             "RETRIED",
             "REWOUND",

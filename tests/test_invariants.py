@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections import Counter
 
 import attrs
@@ -23,11 +24,17 @@ from fsm_runner import (
     State,
     Transition,
 )
+from fsm_runner.engine import _advance
 from fsm_runner.events import ENGINE_EVENTS
-from fsm_runner.exceptions import RunConflictError, SpecMismatchError
+from fsm_runner.exceptions import (
+    LeaseHeldError,
+    LeaseLostError,
+    RunConflictError,
+    SpecMismatchError,
+)
 from fsm_runner.machine import compile_spec
 from fsm_runner.testing import FakeClock, ScriptedHandler
-from tests.helpers import NEXT, linear_spec
+from tests.helpers import NEXT, linear_spec, snapshot
 
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 USER_ABORTED = RunEvent.USER_ABORTED.value
@@ -36,10 +43,6 @@ RETRIED = RunEvent.RETRIED.value
 
 def noop(_ctx):
     return NEXT
-
-
-def snapshot(journal, run_id):
-    return journal.load(run_id), list(journal.transitions(run_id))
 
 
 def reopen(journal):
@@ -246,17 +249,45 @@ class TestInvariant3APhaseRunsAgainOnlyIfItsExitWasNotJournaled:
 class TestInvariant4OnlyOneWriterAdvancesARun:
     """4. Two workers can never both advance one run.
 
-    Leases, heartbeats and fencing tokens are future work. What exists is the journal's
-    fence on seq: a commit is refused unless the run is still at the seq the writer read, so
-    a writer whose read went stale while its phase ran writes nothing.
+    A worker claims a run's lease before advancing it; a second worker is refused while the
+    lease is live, and a worker whose lease expired and was taken over is refused at its next
+    commit by the fencing token, writing nothing. (The crash torture and multi-process race
+    tests are in tests/test_leases.py.)
     """
+
+    def test_a_live_lease_keeps_a_second_worker_out(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal_a, SqliteJournal(path) as journal_b:
+            engine_b = Engine(
+                linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal_b
+            )
+            refused = []
+
+            def a_phase(ctx):
+                with pytest.raises(LeaseHeldError) as info:
+                    engine_b.run(ctx.run_id)  # another worker tries meanwhile
+                refused.append(info.value)
+                return NEXT
+
+            engine_a = Engine(
+                linear_spec("a", "b"),
+                handlers={"a": a_phase, "b": noop},
+                journal=journal_a,
+                worker_id="worker-a",
+            )
+            run_id = engine_a.start()
+            run = engine_a.run(run_id)
+        assert (run.state, run.seq) == ("done", 2)
+        assert refused[0].owner == "worker-a"
+        assert refused[0].run_id == run_id
+        assert "lease held by worker-a until" in str(refused[0])
 
     @pytest.mark.parametrize(
         "late_result",
         [NEXT, PhaseResult(NEXT, output="from A", context={"writer": "A"})],
         ids=["insert-only", "insert-and-update"],
     )
-    def test_the_stale_writer_is_refused_at_commit(self, tmp_path, late_result):
+    def test_a_worker_whose_lease_was_taken_over_is_refused_at_commit(self, tmp_path, late_result):
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal_a, SqliteJournal(path) as journal_b:
             engine_b = Engine(
@@ -266,32 +297,51 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
                     "b": noop,
                 },
                 journal=journal_b,
+                worker_id="worker-b",
             )
 
             def slow_a(ctx):
-                engine_b.step(ctx.run_id)  # the other worker advances the run meanwhile
+                # A's lease has expired (ttl ~0): B takes the run over and advances it
+                engine_b.step(ctx.run_id)
                 return late_result
 
             engine_a = Engine(
-                linear_spec("a", "b"), handlers={"a": slow_a, "b": noop}, journal=journal_a
+                linear_spec("a", "b"),
+                handlers={"a": slow_a, "b": noop},
+                journal=journal_a,
+                worker_id="worker-a",
+                lease_ttl=1e-6,
+                heartbeat_interval=3600,
             )
             run_id = engine_a.start()
-            winner = None
-            with pytest.raises(RunConflictError) as info:
+            with pytest.raises(LeaseLostError) as info:
                 engine_a.step(run_id)
             assert info.value.run_id == run_id
-            assert info.value.expected_seq == 0
+            assert info.value.token == 1
             winner = snapshot(journal_b, run_id)
             assert snapshot(journal_a, run_id) == winner
         with SqliteJournal(path) as fresh:
             run, transitions = snapshot(fresh, run_id)
-        assert [(t.seq, t.to_state, t.output) for t in transitions] == [
-            (0, "a", None),
-            (1, "b", "from B"),
+            assert fresh.load(run_id).lease_token == 2
+            assert fresh.load(run_id).recoveries == 1  # B took over A's expired lease
+        assert [(t.seq, t.to_state, t.output, t.lease_token) for t in transitions] == [
+            (0, "a", None, 0),
+            (1, "b", "from B", 2),
         ]
         assert (run.state, run.seq, dict(run.context)) == ("b", 1, {"writer": "B"})
 
-    def test_a_worker_whose_run_was_aborted_elsewhere_stops_without_writing(self, tmp_path):
+    def test_a_stale_seq_is_still_refused(self, journal):
+        """The seq fence stands beside the token: a writer that read an old row writes nothing."""
+        spec = linear_spec("a", "b")
+        run_id = Engine(spec, handlers={"a": noop, "b": noop}, journal=journal).start()
+        held = journal.claim(run_id, "worker", ttl=60)  # one holder, one token, two writes
+        journal.commit(*reversed(_advance(spec, held, NEXT, "b", result=None, duration_ms=0)))
+        with pytest.raises(RunConflictError) as info:  # the same row again: its seq is stale
+            journal.commit(*reversed(_advance(spec, held, NEXT, "b", result=None, duration_ms=0)))
+        assert info.value.expected_seq == 0
+        assert journal.load(run_id).seq == 1
+
+    def test_an_abort_from_elsewhere_reaches_the_worker_holding_the_run(self, tmp_path):
         path = tmp_path / "journal.db"
         b_calls = []
         with SqliteJournal(path) as journal_a, SqliteJournal(path) as journal_ops:
@@ -300,22 +350,39 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
             )
 
             def slow_a(ctx):
-                operator.abort(ctx.run_id, "operator")  # from "another process"
+                requested = operator.abort(ctx.run_id, "operator")  # from "another process"
+                assert requested.abort_reason == "operator"  # A holds the run: only requested
+                assert requested.state == "a"
+                ctx_deadline = time.monotonic() + 30
+                while not ctx.cancelled and time.monotonic() < ctx_deadline:
+                    time.sleep(0.005)  # A's heartbeat brings the request to its phase
+                assert ctx.cancelled
                 return NEXT
 
             engine_a = Engine(
                 linear_spec("a", "b"),
                 handlers={"a": slow_a, "b": lambda _ctx: b_calls.append(1) or NEXT},
                 journal=journal_a,
+                heartbeat_interval=0.01,
             )
             run_id = engine_a.start()
             run = engine_a.run(run_id)
             assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+            # the phase in progress finished; the abort came between phases, before b ran
             assert [(t.event, t.to_state) for t in journal_a.transitions(run_id)] == [
                 ("STARTED", "a"),
+                (NEXT, "b"),
                 (USER_ABORTED, "canceled"),
             ]
+            assert journal_a.load(run_id).abort_reason is None
         assert b_calls == []
+
+    def test_a_run_nobody_holds_is_aborted_at_once(self, journal):
+        engine = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
+        run_id = engine.start()
+        other = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
+        run = other.abort(run_id, "not needed")
+        assert (run.state, run.status, run.lease_owner) == ("canceled", Outcome.ABORTED, None)
 
 
 class TestInvariant5ARunIsBoundToItsSpecHash:

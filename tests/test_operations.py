@@ -63,7 +63,7 @@ def finished_run(journal, recorder: Recorder | None = None) -> tuple[Engine, str
 
 
 def strip_ids(transitions: list[TransitionRecord]) -> list[TransitionRecord]:
-    return [attrs.evolve(t, run_id="") for t in transitions]
+    return [attrs.evolve(t, run_id="", lease_token=0) for t in transitions]
 
 
 class TestFork:

@@ -76,6 +76,9 @@ class Held:
     def __call__(self, transition, _run) -> None:
         row = self.journal.load(transition.run_id)
         assert row.seq == transition.seq
+        assert row.lease_token == transition.lease_token  # written under the lease it held
+        # Who held the lease then, and until when, is not journaled: replay cannot know it.
+        row = attrs.evolve(row, lease_owner=None, lease_expires_at=None)
         self.rows.setdefault(transition.run_id, {})[transition.seq] = row
 
 

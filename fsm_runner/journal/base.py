@@ -10,6 +10,9 @@ contract, and the journal test suite runs against each of them:
   one before the new transition's (``RunConflictError``), so two writers can never both advance
   one run from the same state, and seqs have no gaps.
 * :meth:`Journal.load` reads the run row alone: resuming never replays history.
+* A worker :meth:`Journal.claim` s a run's lease before advancing it; each claim raises the
+  run's lease token, and a commit is refused (``LeaseLostError``) unless its transition carries
+  the current token — a worker whose lease was taken over cannot write (fencing).
 * Every failure of the medium (locked, full, read-only, corrupt) is a :class:`JournalError`;
   nothing half-written is ever visible.
 """
@@ -116,14 +119,18 @@ class Journal(Protocol):
     def effects(self, run_id: str) -> Sequence[EffectRecord]:
         """Return the run's effects, in the order they were started."""
 
-    def put_effect(self, record: EffectRecord, *, run_seq: int) -> None:
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
         """Store an effect record in its own transaction, only while the run is at ``run_seq``.
 
         Recording an effect ``in_flight`` before calling it and its outcome after are separate
-        commits: that is what lets a resumed run know an effect happened.
+        commits: that is what lets a resumed run know an effect happened. With ``lease_token``,
+        only while that is still the run's lease token (fencing, as for commits).
 
         Raises:
             RunConflictError: the run moved on meanwhile; nothing was written.
+            LeaseLostError: the lease was taken over; nothing was written.
         """
 
     def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
@@ -177,6 +184,39 @@ class Journal(Protocol):
         Raises:
             RunNotFoundError: no such run.
             RunTerminalError: the run has already ended.
+        """
+
+    def claim(
+        self, run_id: str, owner: str, *, ttl: float, take_over: str | None = None
+    ) -> RunRecord:
+        """Take the run's lease for ``ttl`` seconds, in one transaction; return the run row.
+
+        Granted when nobody holds the lease, when it has expired (a takeover: the run's
+        ``recoveries`` count increases by one), when ``owner`` holds it already, or when
+        ``take_over`` names its live holder (one known to be dead; also a takeover). Every
+        claim increases the run's ``lease_token``; commits carrying an older token are refused.
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has ended.
+            LeaseHeldError: another owner holds a live lease (its owner and expiry named).
+        """
+
+    def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
+        """Extend the lease ``owner`` holds with ``token`` to ``ttl`` seconds from now.
+
+        Returns:
+            The new expiry.
+
+        Raises:
+            LeaseLostError: ``owner`` no longer holds the lease with ``token``.
+        """
+
+    def release(self, run_id: str, owner: str, token: int) -> bool:
+        """Give up the lease ``owner`` holds with ``token`` (the token stays as it is).
+
+        Returns:
+            ``False`` when it no longer held that lease (nothing changed).
         """
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:

@@ -17,6 +17,8 @@ import attrs
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
+    LeaseHeldError,
+    LeaseLostError,
     RunConflictError,
     RunExistsError,
     RunNotFoundError,
@@ -29,6 +31,7 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
+    format_utc,
     unstructure,
     utc_now,
 )
@@ -122,6 +125,8 @@ class MemoryJournal:
             stored = self._runs.get(run.run_id)
             if stored is None:
                 raise RunNotFoundError(run.run_id)
+            if stored.lease_token != transition.lease_token:  # taken over: the more telling
+                raise LeaseLostError(run.run_id, token=transition.lease_token)
             if stored.seq != transition.seq - 1:
                 raise RunConflictError(
                     run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
@@ -184,11 +189,15 @@ class MemoryJournal:
             self.load(run_id)
             return list(self._effects.get(run_id, {}).values())
 
-    def put_effect(self, record: EffectRecord, *, run_seq: int) -> None:
-        """Store ``record`` only while the run is still at ``run_seq``."""
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
+        """Store ``record`` only while the run is still at ``run_seq`` (and ``lease_token``)."""
         _check_json(record.params, record.result, record.error)
         with self._lock:
             run = self.load(record.run_id)
+            if lease_token is not None and run.lease_token != lease_token:
+                raise LeaseLostError(record.run_id, token=lease_token)
             if run.seq != run_seq:
                 raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=":memory:")
             ledger = self._effects.setdefault(record.run_id, {})
@@ -289,6 +298,50 @@ class MemoryJournal:
             except KeyError:
                 raise JournalError(f"holds no spec {spec_hash[:12]}", path=":memory:") from None
 
+    def claim(
+        self, run_id: str, owner: str, *, ttl: float, take_over: str | None = None
+    ) -> RunRecord:
+        """Take the run's lease for ``ttl`` seconds; its token increases by one."""
+        now = utc_now()
+        with self._lock:
+            run = self.load(run_id)
+            if run.ended:
+                raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+            expires = run.lease_expires_at
+            held = run.lease_owner is not None and expires is not None
+            live = held and expires is not None and expires > now
+            if live and run.lease_owner not in (owner, take_over):
+                raise LeaseHeldError(
+                    run_id, owner=str(run.lease_owner), expires_at=format_utc(expires or now)
+                )
+            claimed = self._runs[run_id] = attrs.evolve(
+                run,
+                lease_owner=owner,
+                lease_expires_at=now + dt.timedelta(seconds=ttl),
+                lease_token=run.lease_token + 1,
+                recoveries=run.recoveries + (held and run.lease_owner != owner),
+            )
+            return claimed
+
+    def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
+        """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
+        expires = utc_now() + dt.timedelta(seconds=ttl)
+        with self._lock:
+            run = self.load(run_id)
+            if run.lease_owner != owner or run.lease_token != token:
+                raise LeaseLostError(run_id, token=token)
+            self._runs[run_id] = attrs.evolve(run, lease_expires_at=expires)
+        return expires
+
+    def release(self, run_id: str, owner: str, token: int) -> bool:
+        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
+        with self._lock:
+            run = self.load(run_id)
+            if run.lease_owner != owner or run.lease_token != token:
+                return False
+            self._runs[run_id] = attrs.evolve(run, lease_owner=None, lease_expires_at=None)
+        return True
+
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
         if run.seq != at_seq:
@@ -304,7 +357,7 @@ class MemoryJournal:
             new_id = run.run_id
             self._runs[new_id] = run
             self._transitions[new_id] = [
-                attrs.evolve(t, run_id=new_id)
+                attrs.evolve(t, run_id=new_id, lease_token=0)  # written under the fork's leases
                 for t in self._transitions[source_run_id]
                 if t.seq <= at_seq
             ]

@@ -25,6 +25,8 @@ from sqlite_utils.migrations import Migrations
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
+    LeaseHeldError,
+    LeaseLostError,
     RunConflictError,
     RunExistsError,
     RunNotFoundError,
@@ -50,7 +52,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "SqliteJournal"]
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -256,17 +258,45 @@ def m0004_effects(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
 
 
+@_migrations()
+def m0005_leases(db: sqlite_utils.Database) -> None:
+    """Version 5: fencing tokens on transitions, and recovery counts on runs."""
+    db["transitions"].add_column("lease_token", int, not_null_default=0)  # type: ignore[union-attr]
+    db["runs"].add_column("recoveries", int, not_null_default=0)  # type: ignore[union-attr]
+    # The trigger now also fences: transition N is refused unless it carries the run's current
+    # lease token, so a worker whose lease was taken over cannot write.
+    db.execute("DROP TRIGGER IF EXISTS transitions_advance_run")
+    db.execute(
+        f"""
+        CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions WHEN NEW.seq > 0
+        BEGIN
+            UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
+                            updated_at = NEW.at,
+                            visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
+                                               AND NEW.event IN ('RETRIED', 'INTERRUPTED')
+                                             THEN visit_seq ELSE NEW.seq END
+             WHERE run_id = NEW.run_id AND seq = NEW.seq - 1 AND lease_token = NEW.lease_token;
+            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
+        END
+        """
+    )
+    db["runs"].create_index(["status", "lease_expires_at"])  # type: ignore[union-attr]
+    db.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
     "m0003_return_targets": 3,
     "m0004_effects": 4,
+    "m0005_leases": 5,
 }
 _EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
 _PUT_EFFECT = (
     f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)})"
     f" SELECT {', '.join('?' * len(_EFFECT_COLUMNS))}"
-    " WHERE (SELECT seq FROM runs WHERE run_id = ?) = ?"
+    " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = ? AND seq = ?"
+    " AND (? IS NULL OR lease_token = ?))"
 )
 _ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
 _ITERATION_JSON = ("levels_run", "error_details", "extra")
@@ -287,13 +317,13 @@ _UPSERT_ARTIFACT = (
 _REMEMBERED_RUNS = 10_000
 _INSERT_TRANSITION = (
     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
-    " duration_ms, result) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _RUN_COLUMNS = (
     "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
     "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
     "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
-    "return_attempt", "visit_seq", "return_visit",
+    "return_attempt", "visit_seq", "return_visit", "recoveries",
 )  # fmt: skip
 _INSERT_RUN = (
     f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
@@ -593,6 +623,7 @@ class SqliteJournal:
             format_utc(at),
             transition.duration_ms,
             None if transition.result is None else _dumps(transition.result),
+            transition.lease_token,
         )
         run_id = run.run_id
         known = self._written.get(run_id)
@@ -627,7 +658,7 @@ class SqliteJournal:
                     self._commit_with_rows(cursor, insert, rows)
             except sqlite3.IntegrityError as exc:
                 written.pop(run_id, None)
-                raise self._commit_refusal(exc, run_id, seq - 1) from None
+                raise self._commit_refusal(exc, run_id, seq - 1, transition.lease_token) from None
             except sqlite3.Error as exc:
                 written.pop(run_id, None)
                 raise JournalError(self._describe(exc), path=self.path) from exc
@@ -736,13 +767,21 @@ class SqliteJournal:
         self._written[run.run_id] = run
 
     def _commit_refusal(
-        self, exc: sqlite3.IntegrityError, run_id: str, expected_seq: int
+        self,
+        exc: sqlite3.IntegrityError,
+        run_id: str,
+        expected_seq: int,
+        token: int | None = None,
     ) -> Exception:
         if _STALE_SEQ not in str(exc) and "transitions.run_id" not in str(exc):
             return JournalError(self._describe(exc), path=self.path)
-        exists = self._conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        if exists is None:
+        found = self._conn.execute(
+            "SELECT seq, lease_token FROM runs WHERE run_id = ?", (run_id,)
+        ).fetchone()
+        if found is None:
             return RunNotFoundError(run_id)
+        if token is not None and found[1] != token:  # taken over: the more telling refusal
+            return LeaseLostError(run_id, token=token)
         return RunConflictError(run_id=run_id, expected_seq=expected_seq, path=self.path)
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
@@ -807,6 +846,7 @@ class SqliteJournal:
             format_utc(transition.at),
             transition.duration_ms,
             _dumps(transition.result),
+            transition.lease_token,
         )
 
     # -- reads ---------------------------------------------------------------------------------
@@ -977,13 +1017,16 @@ class SqliteJournal:
             records.append(self._structure(data, EffectRecord))
         return records
 
-    def put_effect(self, record: EffectRecord, *, run_seq: int) -> None:
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
         """Store ``record`` in its own transaction, only while the run is at ``run_seq``.
 
         It replaces the record of the same run, visit and name, if there is one.
 
         Raises:
             RunConflictError: the run moved on (another writer advanced it); nothing written.
+            LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
         """
         values: list[Any] = []
         for column in _EFFECT_COLUMNS:
@@ -995,13 +1038,16 @@ class SqliteJournal:
             elif isinstance(value, enum.Enum):
                 value = value.value
             values.append(value)
+        params = (*values, record.run_id, run_seq, lease_token, lease_token)
         with self._write() as conn:
-            if conn.execute(_PUT_EFFECT, (*values, record.run_id, run_seq)).rowcount != 1:
-                if (
-                    conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (record.run_id,)).fetchone()
-                    is None
-                ):
+            if conn.execute(_PUT_EFFECT, params).rowcount != 1:
+                found = conn.execute(
+                    "SELECT seq, lease_token FROM runs WHERE run_id = ?", (record.run_id,)
+                ).fetchone()
+                if found is None:
                     raise RunNotFoundError(record.run_id)
+                if lease_token is not None and found[1] != lease_token:
+                    raise LeaseLostError(record.run_id, token=lease_token)
                 raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self.path)
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
@@ -1022,6 +1068,66 @@ class SqliteJournal:
         if row is None:
             raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.path)
         return str(row[0])
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def claim(
+        self, run_id: str, owner: str, *, ttl: float, take_over: str | None = None
+    ) -> RunRecord:
+        """Take the run's lease for ``ttl`` seconds; its token increases by one.
+
+        Granted when nobody holds the lease, when it has expired (a takeover: the run's
+        ``recoveries`` count increases), or when ``owner`` holds it already.
+        """
+        now = utc_now()
+        with self._write() as conn:
+            run = self._load(conn, run_id)
+            if run.ended:
+                raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+            held = run.lease_owner is not None and run.lease_expires_at is not None
+            live = held and run.lease_expires_at > now  # type: ignore[operator]
+            if live and run.lease_owner not in (owner, take_over):
+                raise LeaseHeldError(
+                    run_id,
+                    owner=str(run.lease_owner),
+                    expires_at=format_utc(run.lease_expires_at),  # type: ignore[arg-type]
+                )
+            takeover = held and run.lease_owner != owner
+            expires = now + dt.timedelta(seconds=ttl)
+            conn.execute(
+                "UPDATE runs SET lease_owner = ?, lease_expires_at = ?,"
+                " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
+                (owner, format_utc(expires), int(takeover), run_id),
+            )
+            return self._load(conn, run_id)
+
+    def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
+        """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
+        expires = utc_now() + dt.timedelta(seconds=ttl)
+        with self._write() as conn:
+            changed = conn.execute(
+                "UPDATE runs SET lease_expires_at = ? WHERE run_id = ? AND lease_owner = ?"
+                " AND lease_token = ?",
+                (format_utc(expires), run_id, owner, token),
+            ).rowcount
+            if not changed:
+                if (
+                    conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                    is None
+                ):
+                    raise RunNotFoundError(run_id)
+                raise LeaseLostError(run_id, token=token)
+        return expires
+
+    def release(self, run_id: str, owner: str, token: int) -> bool:
+        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
+        with self._write() as conn:
+            released = conn.execute(
+                "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
+                " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
+                (run_id, owner, token),
+            ).rowcount
+        return bool(released)
 
     # -- operations ----------------------------------------------------------------------------
 
