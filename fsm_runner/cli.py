@@ -610,6 +610,85 @@ def resume(
 
 
 @cli.command()
+@click.option(
+    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
+)
+@click.option("--limit", type=click.IntRange(min=1), help="Recover at most this many runs.")
+@click.pass_obj
+def recover(state: _State, app: str, limit: int | None) -> None:
+    """Take over the app's runs whose worker is gone (lease expired) and run them.
+
+    A run taken over more often than the engine's max_recoveries is parked as dead_letter
+    with the reason instead. Prints one line per run recovered.
+    """
+    from fsm_runner.engine import interrupt_on_sigterm
+
+    journal = state.journal()
+    engine = _load_app(app).with_journal(journal)
+    engine.listeners.append(_echo_transition)
+    try:
+        with interrupt_on_sigterm():
+            recovered = engine.recover(limit=limit)
+    except KeyboardInterrupt:
+        _fail("interrupted; the runs not finished stay recoverable")
+    finally:
+        engine.close()
+    for run in recovered:
+        click.echo(
+            _styled_status(
+                f"run {run.run_id} is {run.status.value} in state {run.state!r}", run.status.value
+            )
+        )
+    click.echo(f"recovered {len(recovered)} runs")
+
+
+@cli.command()
+@click.option(
+    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
+)
+@click.option("--max-runs", type=click.IntRange(min=1), help="Stop after this many runs.")
+@click.option("--exit-when-idle", is_flag=True, help="Stop when no run is runnable.")
+@click.option(
+    "--idle-wait",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    metavar="S",
+    help="Seconds between looks for work while idle.",
+)
+@click.pass_obj
+def worker(
+    state: _State, app: str, max_runs: int | None, exit_when_idle: bool, idle_wait: float
+) -> None:
+    """Be a worker: claim the app's runnable runs one at a time and run them.
+
+    Any number of workers may share one journal; each run is advanced by one worker at a time
+    (leases with fencing). Runs whose worker died are taken over once their lease expires.
+    Stops on Ctrl-C or SIGTERM, leaving the run in progress resumable.
+    """
+    from fsm_runner.engine import interrupt_on_sigterm
+
+    journal = state.journal()
+    engine = _load_app(app).with_journal(journal)
+    engine.listeners.append(
+        lambda transition, run: click.echo(
+            f"{run.run_id[:12]} {transition.seq:>4}  {transition.from_state or '-'} "
+            f"--{transition.event}--> {transition.to_state}"
+        )
+    )
+    try:
+        with interrupt_on_sigterm():
+            taken = engine.work(
+                max_runs=max_runs, exit_when_idle=exit_when_idle, idle_wait=idle_wait
+            )
+    except KeyboardInterrupt:
+        _fail(f"worker {engine.worker_id} stopped; its run in progress stays resumable")
+    finally:
+        engine.close()
+    click.echo(f"worker {engine.worker_id} ran {taken} runs")
+
+
+@cli.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--reason", required=True, help="Why the run is aborted (journaled).")
 @click.option(

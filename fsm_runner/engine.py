@@ -285,14 +285,18 @@ class Engine:
             with self._lock:
                 self._held.pop(run_id, None)
             raise
+        self._hold(claimed)
+        return claimed
+
+    def _hold(self, claimed: RunRecord) -> None:
+        """Remember a lease this engine took, and make sure the heartbeat renews it."""
         with self._lock:
-            self._held[run_id] = claimed.lease_token
+            self._held[claimed.run_id] = claimed.lease_token
             if self._heartbeat is None or not self._heartbeat.is_alive():
                 self._heartbeat = threading.Thread(
                     target=self._beat, name=f"fsm-runner-heartbeat-{self.worker_id}", daemon=True
                 )
                 self._heartbeat.start()
-        return claimed
 
     def _let_go(self, run_id: str) -> None:
         """Release the lease this engine holds on the run (at its end, or on a clean stop)."""
@@ -333,6 +337,72 @@ class Engine:
                         ctx = self._active.get(run_id)
                     if ctx is not None:
                         ctx.request_cancel(reason)
+
+    def work(
+        self,
+        *,
+        max_runs: int | None = None,
+        stop: threading.Event | None = None,
+        idle_wait: float = 0.5,
+        exit_when_idle: bool = False,
+    ) -> int:
+        """Be a worker: claim runnable runs of this machine one at a time and run each.
+
+        Runnable runs are those waiting in a state with a handler and not held by a live
+        lease: new runs, runs a clean stop left, and runs whose worker died (their lease
+        expired; taking one over counts in its ``recoveries``, and past ``max_recoveries`` it
+        is parked as ``dead_letter`` instead of run). Any number of workers, in threads or
+        processes, may share one journal: claiming is one transaction, and fencing refuses a
+        worker whose lease was taken over. A run whose phase raises an error the spec has no
+        transition for keeps its lease until it expires, so it is retried after a back-off
+        (and eventually parked), never in a hot loop.
+
+        Args:
+            max_runs: stop after this many runs.
+            stop: stop when this event is set (checked between runs and while idle).
+            idle_wait: seconds to wait when no run is runnable before looking again.
+            exit_when_idle: return as soon as no run is runnable.
+
+        Returns:
+            How many runs this worker took.
+        """
+        stop = stop or threading.Event()
+        states = sorted(self._by_state)
+        spec_hash = None if self.allow_spec_change else self.spec.spec_hash
+        taken = 0
+        while not stop.is_set() and (max_runs is None or taken < max_runs):
+            claimed = self.journal.claim_next(
+                self.worker_id,
+                ttl=self.lease_ttl,
+                machine=self.spec.name,
+                states=states,
+                spec_hash=spec_hash,
+            )
+            if claimed is None:
+                if exit_when_idle:
+                    break
+                stop.wait(idle_wait)
+                continue
+            taken += 1
+            self._hold(claimed)
+            keep_lease = False
+            try:
+                if claimed.recoveries > self.max_recoveries:
+                    self._park(claimed)
+                else:
+                    self._drive(claimed, None)
+            except LeaseLostError as exc:
+                _log.warning("run %s: %s; left to its new holder", claimed.run_id, exc)
+            except FsmRunnerError as exc:
+                keep_lease = True  # back off: the run waits for the lease to expire
+                _log.error("run %s failed in this worker: %s", claimed.run_id, exc)
+            finally:
+                if keep_lease:
+                    with self._lock:
+                        self._held.pop(claimed.run_id, None)
+                else:
+                    self._let_go(claimed.run_id)
+        return taken
 
     def recover(self, *, limit: int | None = None) -> list[RunRecord]:
         """Take over this machine's runs whose lease expired (their worker is gone) and run them.

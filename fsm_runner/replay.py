@@ -70,15 +70,19 @@ __all__ = [
 #: How the replay read a transition: the ``start`` (seq 0); a spec ``transition``; a
 #: ``return`` (a RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
 #: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
-#: state has no exit for it); a ``rewind`` (``REWOUND``).
-StepKind = Literal["start", "transition", "return", "retry", "interruption", "stop", "rewind"]
+#: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
+#: recovery gave up on the run where it stood).
+StepKind = Literal[
+    "start", "transition", "return", "retry", "interruption", "stop", "rewind", "park"
+]
 
 _STARTED = RunEvent.STARTED.value
 _RETRIED = RunEvent.RETRIED.value
 _INTERRUPTED = RunEvent.INTERRUPTED.value
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _REWOUND = RunEvent.REWOUND.value
-_SAME_VISIT: frozenset[StepKind] = frozenset({"retry", "interruption", "stop"})
+_DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
+_SAME_VISIT: frozenset[StepKind] = frozenset({"retry", "interruption", "stop", "park"})
 #: The row fields the engine derives from the transitions, in the order they are compared.
 _DERIVED = (
     "seq", "state", "status", "iteration", "attempt", "visit_seq", "return_to",
@@ -507,6 +511,12 @@ class _Walker:
 
     def classify(self, prev: RunRecord, transition: TransitionRecord) -> StepKind:
         """Which of the engine's rules the transition follows; report it if none allows it."""
+        if transition.lease_token < prev.lease_token:  # fencing: tokens never go back
+            self.problem(
+                transition.seq,
+                f"lease token {prev.lease_token} or later",
+                f"lease token {transition.lease_token}",
+            )
         kind = self.engine_kind(prev, transition)
         if kind is not None:
             return kind
@@ -536,6 +546,12 @@ class _Walker:
                     seq, f"state {state!r} (it has no {_USER_ABORTED} exit)", f"state {dest!r}"
                 )
             return "stop"
+        if event == _DEAD_LETTERED:
+            if dest != state:
+                self.problem(
+                    seq, f"state {state!r} (a run is parked where it is)", f"state {dest!r}"
+                )
+            return "park"
         if event == _REWOUND:
             leaf = self.leaves.get(dest)
             if leaf is None or leaf.terminal or dest not in self.visited:
@@ -584,6 +600,8 @@ class _Walker:
         status = Outcome.ACTIVE if leaf is None else leaf.final_outcome
         if kind == "stop":
             status = Outcome.ABORTED
+        elif kind == "park":
+            status = Outcome.DEAD_LETTER
         starts = leaf is not None and leaf.starts_iteration and kind != "return" and not same_visit
         result = transition.result if isinstance(transition.result, Mapping) else {}
         context = prev.context

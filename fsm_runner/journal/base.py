@@ -20,7 +20,7 @@ contract, and the journal test suite runs against each of them:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
@@ -200,6 +200,23 @@ class Journal(Protocol):
             RunNotFoundError: no such run.
             RunTerminalError: the run has ended.
             LeaseHeldError: another owner holds a live lease (its owner and expiry named).
+        """
+
+    def claim_next(
+        self,
+        owner: str,
+        *,
+        ttl: float,
+        machine: str,
+        states: Collection[str],
+        spec_hash: str | None = None,
+    ) -> RunRecord | None:
+        """Claim the longest-waiting runnable run, or return ``None`` when there is none.
+
+        Runnable: active, of ``machine`` (and ``spec_hash`` if given), in one of ``states``
+        (those with a handler), and with no live lease. Choosing and claiming are one
+        transaction, so two workers never claim the same run; taking over an expired lease
+        counts as a recovery, as in :meth:`claim`.
         """
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:

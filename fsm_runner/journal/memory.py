@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import attrs
@@ -322,6 +322,37 @@ class MemoryJournal:
                 recoveries=run.recoveries + (held and run.lease_owner != owner),
             )
             return claimed
+
+    def claim_next(
+        self,
+        owner: str,
+        *,
+        ttl: float,
+        machine: str,
+        states: Collection[str],
+        spec_hash: str | None = None,
+    ) -> RunRecord | None:
+        """Claim the longest-waiting runnable run, or ``None``."""
+        now = utc_now()
+        with self._lock:
+            self._check_open()
+            runnable = [
+                run
+                for run in self._runs.values()
+                if not run.ended
+                and run.machine == machine
+                and run.state in states
+                and (spec_hash is None or run.spec_hash == spec_hash)
+                and (
+                    run.lease_owner is None
+                    or run.lease_expires_at is None
+                    or run.lease_expires_at < now
+                )
+            ]
+            if not runnable:
+                return None
+            chosen = min(runnable, key=lambda run: run.updated_at)
+            return self.claim(chosen.run_id, owner, ttl=ttl)
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""

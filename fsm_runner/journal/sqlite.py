@@ -14,7 +14,7 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1100,6 +1100,41 @@ class SqliteJournal:
                 (owner, format_utc(expires), int(takeover), run_id),
             )
             return self._load(conn, run_id)
+
+    def claim_next(
+        self,
+        owner: str,
+        *,
+        ttl: float,
+        machine: str,
+        states: Collection[str],
+        spec_hash: str | None = None,
+    ) -> RunRecord | None:
+        """Claim the longest-waiting runnable run (one transaction), or ``None``."""
+        if not states:
+            return None
+        now = utc_now()
+        marks = ", ".join("?" * len(states))
+        sql = (
+            "SELECT run_id, lease_owner FROM runs WHERE status = 'active' AND machine = ?"
+            f" AND state IN ({marks}) AND (lease_owner IS NULL OR lease_expires_at < ?)"
+        )
+        params: list[Any] = [machine, *states, format_utc(now)]
+        if spec_hash is not None:
+            sql += " AND spec_hash = ?"
+            params.append(spec_hash)
+        sql += " ORDER BY updated_at, rowid LIMIT 1"
+        with self._write() as conn:
+            found = conn.execute(sql, params).fetchone()
+            if found is None:
+                return None
+            expires = now + dt.timedelta(seconds=ttl)
+            conn.execute(
+                "UPDATE runs SET lease_owner = ?, lease_expires_at = ?,"
+                " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
+                (owner, format_utc(expires), int(found[1] is not None), found[0]),
+            )
+            return self._load(conn, found[0])
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
