@@ -319,7 +319,7 @@ class MemoryJournal:
                 lease_owner=owner,
                 lease_expires_at=now + dt.timedelta(seconds=ttl),
                 lease_token=run.lease_token + 1,
-                recoveries=run.recoveries + (held and run.lease_owner != owner),
+                recoveries=run.recoveries + (held and (not live or run.lease_owner != owner)),
             )
             return claimed
 

@@ -1092,7 +1092,7 @@ class SqliteJournal:
                     owner=str(run.lease_owner),
                     expires_at=format_utc(run.lease_expires_at),  # type: ignore[arg-type]
                 )
-            takeover = held and run.lease_owner != owner
+            takeover = held and (not live or run.lease_owner != owner)  # a lost lease, found
             expires = now + dt.timedelta(seconds=ttl)
             conn.execute(
                 "UPDATE runs SET lease_owner = ?, lease_expires_at = ?,"
