@@ -61,7 +61,9 @@ def _canonical(value: Any, *, run_id: str, what: str) -> str:
     try:
         return json.dumps(value, sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
+        raise PayloadError(
+            run_id=run_id, what=what, detail=f"is not JSON-serialisable ({exc})"
+        ) from None
 
 
 def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect's arguments

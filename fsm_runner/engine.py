@@ -152,6 +152,10 @@ class Engine:
             third of ``lease_ttl``). The heartbeat also picks up abort requests from elsewhere.
         max_recoveries: how often :meth:`recover` takes over a run whose worker was lost
             before parking it as ``dead_letter``.
+        max_payload_bytes: the largest JSON payload (a run's input or context, a phase's
+            output, context update, iteration update or artifacts) the engine journals; a
+            larger one is refused before anything is written (a handler's: as a
+            :class:`HandlerResultError`, journaled as ``SYSTEM_ERROR``).
 
     Raises:
         SpecError: the spec is invalid, or names handlers or guards that are not given.
@@ -175,6 +179,7 @@ class Engine:
         lease_ttl: float = 30.0,
         heartbeat_interval: float | None = None,
         max_recoveries: int = 3,
+        max_payload_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be positive, not {lease_ttl!r}")
@@ -219,6 +224,7 @@ class Engine:
         self.lease_ttl = lease_ttl
         self.heartbeat_interval = heartbeat_interval or lease_ttl / 3
         self.max_recoveries = max_recoveries
+        self.max_payload_bytes = max_payload_bytes
         self._held: dict[str, int] = {}  # run id -> the lease token this engine holds
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
@@ -243,6 +249,7 @@ class Engine:
             lease_ttl=self.lease_ttl,
             heartbeat_interval=self.heartbeat_interval,
             max_recoveries=self.max_recoveries,
+            max_payload_bytes=self.max_payload_bytes,
         )
 
     def close(self) -> None:
@@ -1021,8 +1028,7 @@ class Engine:
             return _Outcome(None, timeout, duration_ms)
         return _Outcome(result, None, duration_ms)
 
-    @staticmethod
-    def _payload_problem(step: _Step, result: PhaseResult) -> HandlerResultError | None:
+    def _payload_problem(self, step: _Step, result: PhaseResult) -> HandlerResultError | None:
         unknown = set(result.iteration) - ITERATION_FIELDS
         if unknown:
             detail = f"returned unknown iteration fields {sorted(unknown)}"
@@ -1037,9 +1043,17 @@ class Engine:
             ("artifacts", [artifact.content for artifact in result.artifacts]),
         ):
             try:
-                json.dumps(payload)
-            except (TypeError, ValueError) as exc:  # noqa: PERF203 - two items, off the hot path
+                size = len(json.dumps(payload))
+            except (TypeError, ValueError) as exc:
                 detail = f"returned {what} that is not JSON-serialisable ({exc})"
+                return HandlerResultError(
+                    run_id=step.run.run_id, state=step.state.name, detail=detail
+                )
+            if size > self.max_payload_bytes:
+                detail = (
+                    f"returned {what} of {size:,} bytes as JSON, more than max_payload_bytes="
+                    f"{self.max_payload_bytes:,}"
+                )
                 return HandlerResultError(
                     run_id=step.run.run_id, state=step.state.name, detail=detail
                 )
@@ -1282,14 +1296,22 @@ class Engine:
                     "listener %r failed on %s seq %s", listener, run.run_id, transition.seq
                 )
 
-    @staticmethod
-    def _check_json(run_id: str, what: str, value: Any) -> None:
+    def _check_json(self, run_id: str, what: str, value: Any) -> None:
         if value is None:
             return
         try:
-            json.dumps(value)
+            size = len(json.dumps(value))
         except (TypeError, ValueError) as exc:
-            raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
+            raise PayloadError(
+                run_id=run_id, what=what, detail=f"is not JSON-serialisable ({exc})"
+            ) from None
+        if size > self.max_payload_bytes:
+            raise PayloadError(
+                run_id=run_id,
+                what=what,
+                detail=f"is {size:,} bytes as JSON, more than max_payload_bytes="
+                f"{self.max_payload_bytes:,}",
+            )
 
 
 def _worker_id() -> str:

@@ -155,15 +155,13 @@ class HandlerResultError(PhaseError, TypeError):
 
 
 class PayloadError(FsmRunnerError, TypeError):
-    """A payload given to the engine (input, context, event output) is not JSON-serialisable."""
+    """A payload (input, context, event output) is not JSON or is over ``max_payload_bytes``."""
 
     def __init__(self, *, run_id: str, what: str, detail: str) -> None:
         self.run_id = run_id
         self.what = what
         self.detail = detail
-        super().__init__(
-            f"run {run_id}: {what} is not JSON-serialisable ({detail}); nothing was written"
-        )
+        super().__init__(f"run {run_id}: {what} {detail}; nothing was written")
 
 
 class PhaseTimeoutError(FsmRunnerError, TimeoutError):
