@@ -928,19 +928,24 @@ def replay(
     the first one (seq, expected, found).
     """
     from fsm_runner.records import unstructure
+    from fsm_runner.replay import journal_specs
     from fsm_runner.replay import replay as replay_through
-    from fsm_runner.spec import MachineSpec
 
     journal = state.journal()
     run = journal.load(_resolve_run_id(journal, run_id))
     if to_seq is not None and to_seq > run.seq:
         _fail(f"--to: run {run.run_id} has seqs 0..{run.seq}", EXIT_USAGE)
-    if spec_path is not None:
-        spec = _load_spec(spec_path, "--spec")
-    else:
-        spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+    specs = journal_specs(journal)
+    spec = _load_spec(spec_path, "--spec") if spec_path is not None else specs(run.spec_hash)
     timeline = journal.transitions(run.run_id, to_seq=to_seq)
-    replayed = replay_through(spec, run, timeline, to_seq=to_seq, path=journal.location)
+    replayed = replay_through(
+        spec,
+        run,
+        timeline,
+        to_seq=to_seq,
+        path=journal.location,
+        specs=None if spec_path is not None else specs,
+    )
     if as_json:
         _json_dump(
             {

@@ -63,7 +63,7 @@ from fsm_runner.records import (
     TransitionRecord,
     utc_now,
 )
-from fsm_runner.replay import state_at
+from fsm_runner.replay import journal_specs, state_at
 from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
@@ -79,9 +79,12 @@ _RETRIED = RunEvent.RETRIED.value
 _INTERRUPTED = RunEvent.INTERRUPTED.value
 _REWOUND = RunEvent.REWOUND.value
 _DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
+_SPEC_CHANGED = RunEvent.SPEC_CHANGED.value
 _SAME_VISIT = frozenset({_RETRIED, _INTERRUPTED})
 #: Statuses a run may end with where it stands (no transition of the spec): same visit.
 _IN_PLACE = frozenset({Outcome.ABORTED, Outcome.DEAD_LETTER})
+#: Self transitions that continue the visit: a retry, an interruption, a change of spec.
+_KEEPS_VISIT = frozenset({_RETRIED, _INTERRUPTED, RunEvent.SPEC_CHANGED.value})
 _MAX_ABORT_TRIES = 20
 #: Seconds the short lease of an abort from outside any engine lasts.
 _ABORT_LEASE_TTL = 30.0
@@ -293,7 +296,33 @@ class Engine:
                 self._held.pop(run_id, None)
             raise
         self._hold(claimed)
-        return claimed
+        try:
+            return self._adopt_spec(claimed)
+        except BaseException:
+            self._let_go(run_id)
+            raise
+
+    def _adopt_spec(self, run: RunRecord) -> RunRecord:
+        """Move a run that started under another spec to this one (``allow_spec_change``).
+
+        A ``SPEC_CHANGED`` self transition of the same visit records the switch, and the run
+        row names the new spec from then on, so replay follows the run through both.
+        """
+        if run.spec_hash == self.spec.spec_hash:
+            return run
+        transition, after = _advance(
+            self.spec,
+            run,
+            _SPEC_CHANGED,
+            run.state,
+            result={"output": {"from_spec": run.spec_hash, "to_spec": self.spec.spec_hash}},
+            duration_ms=0.0,
+            attempt=run.attempt,
+        )
+        after = attrs.evolve(after, spec_hash=self.spec.spec_hash)
+        self.journal.commit(after, transition, spec_json=self._spec_json)
+        self._notify(transition, after)
+        return after
 
     def _hold(self, claimed: RunRecord) -> None:
         """Remember a lease this engine took, and make sure the heartbeat renews it."""
@@ -394,6 +423,7 @@ class Engine:
             self._hold(claimed)
             keep_lease = False
             try:
+                claimed = self._adopt_spec(claimed)
                 if claimed.recoveries > self.max_recoveries:
                     self._park(claimed)
                 else:
@@ -1389,7 +1419,7 @@ def _advance(
             )
         dest, attempt, visit_seq = return_to, return_attempt + 1, return_visit
         return_to, return_attempt, return_visit = None, 0, 0
-    elif dest != run.state or not (event in _SAME_VISIT or status in _IN_PLACE):
+    elif dest != run.state or not (event in _KEEPS_VISIT or status in _IN_PLACE):
         visit_seq = seq  # a new visit begins (a spec's own self transition too)
         if dest == run.state:
             pass  # a self transition keeps where to return to
@@ -1561,8 +1591,9 @@ def fork_run(
     seq = source.seq if at_seq is None else at_seq
     if not 0 <= seq <= source.seq:
         raise ValueError(f"run {run_id} has seqs 0..{source.seq}; there is no seq {seq}")
-    spec = MachineSpec.from_json(journal.spec_json(source.spec_hash))
-    then = state_at(spec, source, journal.transitions(run_id, to_seq=seq), seq)
+    specs = journal_specs(journal)
+    timeline = journal.transitions(run_id, to_seq=seq)
+    then = state_at(specs(source.spec_hash), source, timeline, seq, specs=specs)
     if then.ended:
         raise ValueError(
             f"run {run_id} had ended at seq {seq} (state {then.state!r}); fork it at an earlier seq"

@@ -36,6 +36,7 @@ class RunEvent(str, enum.Enum):
     USER_ABORTED = "USER_ABORTED"
     REWOUND = "REWOUND"
     DEAD_LETTERED = "DEAD_LETTERED"
+    SPEC_CHANGED = "SPEC_CHANGED"
 
     def __str__(self) -> str:
         return self.value
@@ -69,8 +70,9 @@ STATUS_EVENTS: dict[RunStatus, RunEvent] = {
 #: a retried attempt (a self transition), an abort from a state with no USER_ABORTED exit,
 #: an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable), and an
 #: operator's resume from an earlier state (``resume --from-state``: the run is rewound there),
-#: and recovery parking a run whose worker was lost too often (a self transition; status
-#: ``dead_letter``).
+#: recovery parking a run whose worker was lost too often (a self transition; status
+#: ``dead_letter``), and a run continuing under another spec (``allow_spec_change``: a self
+#: transition of the same visit that records the switch).
 ENGINE_EVENTS: frozenset[str] = frozenset(
     {
         RunEvent.STARTED.value,
@@ -79,6 +81,7 @@ ENGINE_EVENTS: frozenset[str] = frozenset(
         RunEvent.INTERRUPTED.value,
         RunEvent.REWOUND.value,
         RunEvent.DEAD_LETTERED.value,
+        RunEvent.SPEC_CHANGED.value,
     }
 )
 

@@ -59,8 +59,10 @@ from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
 __all__ = [
     "Replay",
     "ReplayStep",
+    "SpecSource",
     "StepKind",
     "check_journal",
+    "journal_specs",
     "replay",
     "replay_run",
     "state_at",
@@ -71,9 +73,18 @@ __all__ = [
 #: ``return`` (a RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
 #: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
 #: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
-#: recovery gave up on the run where it stood).
+#: recovery gave up on the run where it stood); a ``spec_change`` (``SPEC_CHANGED``: the run
+#: goes on under another spec, read from the journal).
 StepKind = Literal[
-    "start", "transition", "return", "retry", "interruption", "stop", "rewind", "park"
+    "start",
+    "transition",
+    "return",
+    "retry",
+    "interruption",
+    "stop",
+    "rewind",
+    "park",
+    "spec_change",
 ]
 
 _STARTED = RunEvent.STARTED.value
@@ -82,7 +93,12 @@ _INTERRUPTED = RunEvent.INTERRUPTED.value
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _REWOUND = RunEvent.REWOUND.value
 _DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
-_SAME_VISIT: frozenset[StepKind] = frozenset({"retry", "interruption", "stop", "park"})
+_SPEC_CHANGED = RunEvent.SPEC_CHANGED.value
+_SAME_VISIT: frozenset[StepKind] = frozenset(
+    {"retry", "interruption", "stop", "park", "spec_change"}
+)
+#: Finds a spec by its hash (the journal's ``specs`` table), for runs that changed spec.
+SpecSource = Callable[[str], MachineSpec]
 #: The row fields the engine derives from the transitions, in the order they are compared.
 _DERIVED = (
     "seq", "state", "status", "iteration", "attempt", "visit_seq", "return_to",
@@ -165,11 +181,12 @@ def replay(
     *,
     to_seq: int | None = None,
     path: str | None = None,
+    specs: SpecSource | None = None,
 ) -> Replay:
     """Replay a run's transitions through ``spec`` and check them against the run row.
 
     Args:
-        spec: the spec the run started with (``journal.spec_json(run.spec_hash)``).
+        spec: the run's spec (``journal.spec_json(run.spec_hash)``), or one to try instead.
         run: the run's row as the journal holds it; the fields the engine does not derive
             (input, ``created_at``, parent, fork origin, lease) are taken from it, and so is
             ``abort_reason`` for the row at ``run.seq`` (a pending abort request is not
@@ -179,6 +196,8 @@ def replay(
         to_seq: stop after this seq and return the row as it stood then; the run row is then
             not compared.
         path: the journal's location, for the error's message.
+        specs: finds a spec by hash (the journal's); needed to follow a run that went on under
+            another spec (``SPEC_CHANGED``): it replays through each spec in turn.
 
     Returns:
         The replay: the derived run row and every step.
@@ -190,7 +209,9 @@ def replay(
     """
     if to_seq is not None and to_seq < 0:
         raise ValueError(f"to_seq must be >= 0, not {to_seq}")
-    walker = _Walker(spec, run, path=path, report=_raise)
+    timeline = list(timeline)
+    walker = _Walker(spec, run, path=path, report=_raise, specs=specs)
+    walker.first_spec(timeline)
     steps = tuple(walker.walk(timeline, to_seq=to_seq))
     if to_seq is None:
         walker.compare(steps[-1].run if steps else None)
@@ -207,6 +228,7 @@ def state_at(
     seq: int,
     *,
     path: str | None = None,
+    specs: SpecSource | None = None,
 ) -> RunRecord:
     """The run row as it stood right after transition ``seq`` (what ``fork --at SEQ`` starts from).
 
@@ -216,6 +238,7 @@ def state_at(
         timeline: the run's transitions in seq order, at least up to ``seq``.
         seq: the transition to stop after.
         path: the journal's location, for the error's message.
+        specs: finds a spec by hash, for runs that changed spec (see :func:`replay`).
 
     Returns:
         The derived run row at ``seq``.
@@ -224,7 +247,7 @@ def state_at(
         ReplayMismatchError: the transitions up to ``seq`` do not replay through ``spec``.
         ValueError: the run has no transition ``seq`` (negative, or beyond its last).
     """
-    return replay(spec, run, timeline, to_seq=seq, path=path).run
+    return replay(spec, run, timeline, to_seq=seq, path=path, specs=specs).run
 
 
 def verify(
@@ -233,6 +256,7 @@ def verify(
     timeline: Iterable[TransitionRecord],
     *,
     path: str | None = None,
+    specs: SpecSource | None = None,
 ) -> list[ReplayMismatchError]:
     """Like :func:`replay`, but collect every mismatch instead of raising the first.
 
@@ -244,12 +268,15 @@ def verify(
         run: the run's row as the journal holds it.
         timeline: the run's transitions in seq order.
         path: the journal's location, for the errors' messages.
+        specs: finds a spec by hash, for runs that changed spec (see :func:`replay`).
 
     Returns:
         Every mismatch found, in seq order; empty when the journal replays exactly.
     """
     problems: list[ReplayMismatchError] = []
-    walker = _Walker(spec, run, path=path, report=problems.append)
+    timeline = list(timeline)
+    walker = _Walker(spec, run, path=path, report=problems.append, specs=specs)
+    walker.first_spec(timeline)
     last: RunRecord | None = None
     for step in walker.walk(timeline, to_seq=None):
         last = step.run
@@ -276,8 +303,10 @@ def replay_run(journal: Journal, run_id: str, *, to_seq: int | None = None) -> R
         ValueError: ``to_seq`` is negative or beyond the run's last transition.
     """
     timeline, run = _read_run(journal, run_id, to_seq=to_seq)
-    spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
-    return replay(spec, run, timeline, to_seq=to_seq, path=journal.location)
+    specs = journal_specs(journal)
+    return replay(
+        specs(run.spec_hash), run, timeline, to_seq=to_seq, path=journal.location, specs=specs
+    )
 
 
 def check_journal(journal: Journal) -> list[str]:
@@ -325,9 +354,11 @@ def _check_run(journal: Journal, run_id: str, specs: dict[str, MachineSpec | str
     if isinstance(spec, str):
         return f"run {run_id}: {spec}"
     try:
-        replay(spec, run, timeline)
+        replay(spec, run, timeline, specs=journal_specs(journal))
     except ReplayMismatchError as exc:
         return exc.detail
+    except FsmRunnerError as exc:  # a spec it changed to cannot be read
+        return f"run {run_id}: {exc}"
     return None
 
 
@@ -346,6 +377,24 @@ def _read_run(
     if end > last:
         timeline += journal.transitions(run_id, from_seq=last + 1, to_seq=end)
     return timeline, run
+
+
+def _output_field(transition: TransitionRecord, name: str) -> str | None:
+    output = transition.output
+    value = output.get(name) if isinstance(output, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
+def journal_specs(journal: Journal) -> SpecSource:
+    """A :data:`SpecSource` reading (and caching) the specs a journal keeps by hash."""
+    cache: dict[str, MachineSpec] = {}
+
+    def find(spec_hash: str) -> MachineSpec:
+        if spec_hash not in cache:
+            cache[spec_hash] = MachineSpec.from_json(journal.spec_json(spec_hash))
+        return cache[spec_hash]
+
+    return find
 
 
 def _raise(error: ReplayMismatchError) -> None:
@@ -405,14 +454,35 @@ class _Walker:
     """Walks one run's transitions, deriving each row the way the engine's ``_advance`` does."""
 
     def __init__(
-        self, spec: MachineSpec, run: RunRecord, *, path: str | None, report: _Report
+        self,
+        spec: MachineSpec,
+        run: RunRecord,
+        *,
+        path: str | None,
+        report: _Report,
+        specs: SpecSource | None = None,
     ) -> None:
-        self.spec = spec
         self.run = run
         self.path = path
         self.report = report
-        self.leaves: dict[str, State] = {state.name: state for state in spec.leaves}
+        self.specs = specs
+        self.spec_hash = run.spec_hash  # the spec the run was under at each step
+        self.use(spec)
         self.visited: set[str] = set()
+
+    def use(self, spec: MachineSpec) -> None:
+        self.spec = spec
+        self.leaves: dict[str, State] = {state.name: state for state in spec.leaves}
+
+    def first_spec(self, timeline: Sequence[TransitionRecord]) -> None:
+        """Start from the spec the run started with, if it changed spec on the way."""
+        for transition in timeline:
+            if transition.event == _SPEC_CHANGED and self.specs is not None:
+                first = _output_field(transition, "from_spec")
+                if first is not None:
+                    self.use(self.specs(first))
+                    self.spec_hash = first
+                return
 
     def problem(self, seq: int, expected: str, found: str) -> None:
         self.report(
@@ -532,7 +602,9 @@ class _Walker:
         self.problem(seq, _states(targets), f"state {dest!r}")
         return "transition"
 
-    def engine_kind(self, prev: RunRecord, transition: TransitionRecord) -> StepKind | None:
+    def engine_kind(  # noqa: PLR0911 - one return per engine event reads best
+        self, prev: RunRecord, transition: TransitionRecord
+    ) -> StepKind | None:
         """The engine's own use of an engine event, if the transition is one."""
         state, event, dest, seq = prev.state, transition.event, transition.to_state, transition.seq
         if event in (_RETRIED, _INTERRUPTED) and dest == state:
@@ -546,6 +618,14 @@ class _Walker:
                     seq, f"state {state!r} (it has no {_USER_ABORTED} exit)", f"state {dest!r}"
                 )
             return "stop"
+        if event == _SPEC_CHANGED and dest == state:
+            new = _output_field(transition, "to_spec")
+            if self.specs is None or new is None:
+                self.problem(seq, "the journal's specs to follow a change of spec", "none given")
+            else:
+                self.use(self.specs(new))
+                self.spec_hash = new
+            return "spec_change"
         if event == _DEAD_LETTERED:
             if dest != state:
                 self.problem(
@@ -597,6 +677,8 @@ class _Walker:
                 returns = None, 0, 0
         if kind in ("retry", "interruption"):
             attempt = prev.attempt + 1
+        elif kind == "spec_change":
+            attempt = prev.attempt
         status = Outcome.ACTIVE if leaf is None else leaf.final_outcome
         if kind == "stop":
             status = Outcome.ABORTED
@@ -640,7 +722,7 @@ class _Walker:
         return RunRecord(
             run_id=run.run_id,
             machine=run.machine,
-            spec_hash=run.spec_hash,
+            spec_hash=run.spec_hash if last else self.spec_hash,
             state=transition.to_state,
             status=status,
             seq=transition.seq,

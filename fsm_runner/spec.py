@@ -56,6 +56,7 @@ _ENGINE_ONLY_EVENTS = frozenset(
         RunEvent.RETRIED.value,
         RunEvent.REWOUND.value,
         RunEvent.DEAD_LETTERED.value,
+        RunEvent.SPEC_CHANGED.value,
     }
 )
 _INTERRUPTED = RunEvent.INTERRUPTED.value

@@ -1283,7 +1283,13 @@ class TestSpecMismatch:
         )
         run = engine_b.resume(run_id)
         assert (run.state, run.status) == ("done", Outcome.SUCCEEDED)
-        assert [t.to_state for t in journal.transitions(run_id)] == ["a", "b", "c", "done"]
+        # the switch is journaled (a same-visit SPEC_CHANGED), and the run names its new spec
+        assert [(t.event, t.to_state) for t in journal.transitions(run_id)][1:3] == [
+            (NEXT, "b"),
+            ("SPEC_CHANGED", "b"),
+        ]
+        assert [t.to_state for t in journal.transitions(run_id)] == ["a", "b", "b", "c", "done"]
+        assert run.spec_hash == engine_b.spec.spec_hash
 
     def test_opt_in_fails_clearly_when_the_state_is_gone(self, journal):
         _, run_id = self.started_under_a(journal)

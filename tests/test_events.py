@@ -62,6 +62,7 @@ class TestRunEvent:
             "INTERRUPTED",
             "RETRIED",
             "REWOUND",
+            "SPEC_CHANGED",
             "STARTED",
             "USER_ABORTED",
         ]

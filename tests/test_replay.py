@@ -35,6 +35,7 @@ from fsm_runner.replay import (
     Replay,
     ReplayStep,
     check_journal,
+    journal_specs,
     replay,
     replay_run,
     state_at,
@@ -95,12 +96,13 @@ def spec_of(journal, run):
 def assert_replays(journal, run_id, held: Held | None = None) -> Replay:
     """The run replays exactly, at its end and (with ``held``) at every seq it went through."""
     run = journal.load(run_id)
-    spec = spec_of(journal, run)
+    specs = journal_specs(journal)
+    spec = specs(run.spec_hash)
     timeline = journal.transitions(run_id)
-    result = replay(spec, run, timeline)
+    result = replay(spec, run, timeline, specs=specs)
     assert result.run == run  # every field, not only the derived ones
     assert [step.seq for step in result.steps] == list(range(run.seq + 1))
-    assert verify(spec, run, timeline) == []
+    assert verify(spec, run, timeline, specs=specs) == []
     assert replay_run(journal, run_id) == result
     if held is not None:
         rows = held.rows[run_id]
@@ -110,10 +112,10 @@ def assert_replays(journal, run_id, held: Held | None = None) -> Replay:
             if step.seq < run.seq:  # an abort requested then is not journaled: not replayed
                 then = attrs.evolve(then, abort_reason=None)
             assert step.run == then, f"seq {step.seq}"
-            assert state_at(spec, run, timeline, step.seq) == then
+            assert state_at(spec, run, timeline, step.seq, specs=specs) == then
             # the timeline up to that seq is enough, as fork reads it
             partial = journal.transitions(run_id, to_seq=step.seq)
-            assert state_at(spec, run, partial, step.seq) == then
+            assert state_at(spec, run, partial, step.seq, specs=specs) == then
     return result
 
 
@@ -1157,7 +1159,7 @@ class TestCheckJournal:
 
 
 class TestEngineQuirks:
-    """Engine output that does not replay exactly; reported to the lead, kept here as xfail."""
+    """Engine output that once did not replay exactly, and the fixes that keep it replaying."""
 
     @pytest.mark.parametrize(
         ("event", "dest"),
@@ -1174,14 +1176,6 @@ class TestEngineQuirks:
         with pytest.raises(SpecError, match="engine"):
             spec.validate()
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason=(
-            "a run resumed with allow_spec_change keeps its first spec_hash, and the journal "
-            "does not record the switch, so its later transitions do not replay through the "
-            "spec it names"
-        ),
-    )
     def test_resumed_under_a_changed_spec(self, journal):
         first = MachineSpec(
             "m", [State("a", handler="a"), State("done", terminal=True)],
@@ -1199,7 +1193,20 @@ class TestEngineQuirks:
             journal=journal,
             allow_spec_change=True,
         ).run(run_id)
-        assert_replays(journal, run_id)
+        result = assert_replays(journal, run_id)
+        # the switch is journaled: a same-visit SPEC_CHANGED naming both specs
+        change = journal.transitions(run_id)[1]
+        assert (change.event, change.from_state, change.to_state) == ("SPEC_CHANGED", "a", "a")
+        assert change.output == {"from_spec": first.spec_hash, "to_spec": second.spec_hash}
+        assert [step.kind for step in result.steps] == [
+            "start", "spec_change", "transition", "transition",
+        ]  # fmt: skip
+        assert result.steps[0].run.spec_hash == first.spec_hash
+        assert journal.load(run_id).spec_hash == second.spec_hash
+        assert check_journal(journal) == []
+        # without the journal's specs the change cannot be followed: said so, not misread
+        with pytest.raises(ReplayMismatchError, match="the journal's specs"):
+            replay(second, journal.load(run_id), journal.transitions(run_id))
 
 
 class TestRecords:

@@ -90,6 +90,7 @@ class Journal(Protocol):
         *,
         iterations: Sequence[IterationRecord] = (),
         artifacts: Sequence[ArtifactRecord] = (),
+        spec_json: str | None = None,
     ) -> None:
         """Store ``transition`` and the run row it leads to (``run``), in one transaction.
 
@@ -97,7 +98,8 @@ class Journal(Protocol):
         ``run.state`` must equal the transition's ``seq`` and ``to_state``. ``iterations`` are
         stored (inserted or replaced by run and iteration) and ``artifacts`` stored (replaced by
         run and name) in the same transaction. An abort request on the run stays until the
-        ``USER_ABORTED`` transition that carries it out.
+        ``USER_ABORTED`` transition that carries it out. With ``spec_json``, the run moves to
+        that spec (``run.spec_hash``), which is stored like the one a run starts with.
 
         Raises:
             RunNotFoundError: no such run.

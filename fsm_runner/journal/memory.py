@@ -115,6 +115,7 @@ class MemoryJournal:
         *,
         iterations: Sequence[IterationRecord] = (),
         artifacts: Sequence[ArtifactRecord] = (),
+        spec_json: str | None = None,
     ) -> None:
         """Store ``transition`` and the run row it leads to, with iterations and artifacts."""
         _check_pair(run, transition)
@@ -132,8 +133,11 @@ class MemoryJournal:
                     run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
                 )
             # Only the columns a commit owns change, as in the SQLite UPDATE.
+            if spec_json is not None:
+                self._specs.setdefault(run.spec_hash, spec_json)
             self._runs[run.run_id] = attrs.evolve(
                 stored,
+                spec_hash=run.spec_hash if spec_json is not None else stored.spec_hash,
                 state=run.state,
                 status=run.status,
                 seq=run.seq,

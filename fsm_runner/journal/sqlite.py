@@ -599,6 +599,7 @@ class SqliteJournal:
         *,
         iterations: Sequence[IterationRecord] = (),
         artifacts: Sequence[ArtifactRecord] = (),
+        spec_json: str | None = None,
     ) -> None:
         """Store ``transition`` and the run row it leads to, in one transaction.
 
@@ -642,8 +643,17 @@ class SqliteJournal:
         else:
             extra = self._extra_update(run, transition)
         rows: list[tuple[str, tuple[Any, ...]]] | None = None
-        if extra is not None or iterations or artifacts:  # off the hot path
+        if extra is not None or iterations or artifacts or spec_json is not None:  # off hot path
             rows = [extra] if extra is not None else []
+            if spec_json is not None:
+                rows += [
+                    (
+                        "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
+                        " VALUES (?, ?, ?, ?)",
+                        (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
+                    ),
+                    ("UPDATE runs SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run_id)),
+                ]
             rows += [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
             rows += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
         written = self._written
