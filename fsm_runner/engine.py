@@ -429,7 +429,7 @@ class Engine:
                 else:
                     self._drive(claimed, None)
             except LeaseLostError as exc:
-                _log.warning("run %s: %s; left to its new holder", claimed.run_id, exc)
+                _log.warning("%s; the run is left to its new holder", exc)
             except FsmRunnerError as exc:
                 keep_lease = True  # back off: the run waits for the lease to expire
                 _log.error("run %s failed in this worker: %s", claimed.run_id, exc)

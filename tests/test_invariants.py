@@ -252,7 +252,7 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
     A worker claims a run's lease before advancing it; a second worker is refused while the
     lease is live, and a worker whose lease expired and was taken over is refused at its next
     commit by the fencing token, writing nothing. (The crash torture and multi-process race
-    tests are in tests/test_leases.py.)
+    tests are in tests/test_crash_torture.py and tests/test_race.py.)
     """
 
     def test_a_live_lease_keeps_a_second_worker_out(self, tmp_path):
