@@ -657,15 +657,24 @@ class Engine:
                 never been in it; nothing was written.
         """
         self._rewind_target(self.journal.load(run_id), state)  # refused before the lease
+        return self._commit_held(
+            run_id,
+            _REWOUND,
+            lambda run: self._rewind_target(run, state),
+            lambda run: {"output": {"rewound_from": run.state}},
+        )
+
+    def _commit_held(
+        self,
+        run_id: str,
+        event: str,
+        dest: Callable[[RunRecord], str],
+        result: Callable[[RunRecord], Mapping[str, Any] | None],
+    ) -> RunRecord:
+        """Claim the run, commit one transition decided on the claimed row, and release it."""
         run = self._claim(run_id)
         try:
-            run = self._commit(
-                run,
-                _REWOUND,
-                self._rewind_target(run, state),
-                result={"output": {"rewound_from": run.state}},
-                duration_ms=0.0,
-            )[1]
+            run = self._commit(run, event, dest(run), result=result(run), duration_ms=0.0)[1]
         finally:
             self._let_go(run_id)
         return _unleased(run)
@@ -928,18 +937,12 @@ class Engine:
         self._check_runnable(run)
         # Refused before the lease is taken: a refused event changes nothing at all.
         self._machine.resolve(run.state, name, run, self.guards, run_id=run_id)
-        run = self._claim(run_id)
-        try:
-            run = self._commit(
-                run,
-                name,
-                self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
-                result={"output": output} if output is not None else None,
-                duration_ms=0.0,
-            )[1]
-        finally:
-            self._let_go(run_id)
-        return _unleased(run)
+        return self._commit_held(
+            run_id,
+            name,
+            lambda run: self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
+            lambda _run: {"output": output} if output is not None else None,
+        )
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.

@@ -100,3 +100,23 @@ def undo_v4(conn) -> None:
     conn.execute(TRIGGER_BEFORE_V4)
     conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0004_effects'")
     conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+
+
+def one_line_error(result, code: int = 1) -> str:
+    """The one line a CLI error printed, checking its exit code and that nothing else came."""
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def start_release(journal_path, tmp_path, stop_after: int | None, version: str = "9.9.9") -> str:
+    """A run of the release example in ``journal_path``, driven for ``stop_after`` phases."""
+    from fsm_runner.examples import release
+
+    engine = release.make_engine(journal_path)
+    run_id = engine.start({"version": version, "workspace": str(tmp_path / "ws")})
+    engine.run(run_id, max_steps=stop_after)
+    engine.journal.close()
+    return run_id

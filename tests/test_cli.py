@@ -10,45 +10,12 @@ from click.testing import CliRunner
 from fsm_runner import SqliteJournal
 from fsm_runner.cli import cli
 from fsm_runner.examples import release
+from tests.helpers import one_line_error, start_release
 
 APP = "fsm_runner.examples.release:make_engine"
 
 
-@pytest.fixture(autouse=True)
-def in_tmp_path(tmp_path, monkeypatch):
-    """Apps built by `--app` factories open ./fsm-runner.db: keep it out of the checkout."""
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def journal_path(tmp_path):
-    return tmp_path / "journal.db"
-
-
-@pytest.fixture
-def invoke(journal_path):
-    runner = CliRunner()
-
-    def invoke(*args: str):
-        return runner.invoke(cli, ["--journal", str(journal_path), *args], catch_exceptions=False)
-
-    return invoke
-
-
-def start_release(journal_path, tmp_path, stop_after: int | None) -> str:
-    engine = release.make_engine(journal_path)
-    run_id = engine.start({"version": "9.9.9", "workspace": str(tmp_path / "ws")})
-    engine.run(run_id, max_steps=stop_after)
-    engine.journal.close()
-    return run_id
-
-
-def one_line_error(result, code: int = 1) -> str:
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
+pytestmark = pytest.mark.usefixtures("in_tmp_path")
 
 
 class TestHelp:

@@ -11,11 +11,11 @@ import sys
 import threading
 
 import pytest
-from click.testing import CliRunner
 
 from fsm_runner import Engine, MachineSpec, PhaseResult, SqliteJournal, State, Transition
-from fsm_runner.cli import EXIT_CONFLICT, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, cli
+from fsm_runner.cli import EXIT_CONFLICT, EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE
 from fsm_runner.examples import release
+from tests.helpers import one_line_error, start_release
 
 APP = "fsm_runner.examples.release:make_engine"
 SPEC_PATH = "fsm_runner.examples.release:SPEC"
@@ -32,41 +32,7 @@ RUN_COMMANDS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def in_tmp_path(tmp_path, monkeypatch):
-    """Apps built by `--app` factories open ./fsm-runner.db: keep it out of the checkout."""
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def journal_path(tmp_path):
-    return tmp_path / "journal.db"
-
-
-@pytest.fixture
-def invoke(journal_path):
-    runner = CliRunner()
-
-    def invoke(*args: str):
-        return runner.invoke(cli, ["--journal", str(journal_path), *args], catch_exceptions=False)
-
-    return invoke
-
-
-def start_release(journal_path, tmp_path, stop_after: int | None) -> str:
-    engine = release.make_engine(journal_path)
-    run_id = engine.start({"version": "1.0.0", "workspace": str(tmp_path / "ws")})
-    engine.run(run_id, max_steps=stop_after)
-    engine.journal.close()
-    return run_id
-
-
-def one_line_error(result, code: int) -> str:
-    assert result.exit_code == code, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
+pytestmark = pytest.mark.usefixtures("in_tmp_path")
 
 
 def run_args(command: tuple[str, ...], run_id: str) -> list[str]:
