@@ -358,21 +358,28 @@ class Engine:
                     self._heartbeat = None
                     return
             for run_id, token in held:
+                lost = False
                 try:
                     self.journal.renew(run_id, self.worker_id, token, ttl=self.lease_ttl)
                     reason = self.journal.load(run_id).abort_reason
                 except LeaseLostError:
-                    reason = "the run's lease was taken over by another worker"
-                    _log.warning("run %s: %s", run_id, reason)
+                    lost, reason = True, "the run's lease was taken over by another worker"
                 except FsmRunnerError as exc:
                     _log.warning("run %s: could not renew its lease: %s", run_id, exc)
                     continue
-                if reason is not None:
-                    with self._lock:
+                if reason is None:
+                    continue
+                with self._lock:
+                    if self._held.get(run_id) != token:
+                        continue  # let go, or claimed again, since the snapshot: not news
+                    if not lost:  # an abort requested elsewhere: carried out at the next step
                         self._aborts.setdefault(run_id, reason)
-                        ctx = self._active.get(run_id)
-                    if ctx is not None:
-                        ctx.request_cancel(reason)
+                    ctx = self._active.get(run_id)
+                if lost:
+                    # Not an abort: the phase is told to stop, and its commit will be refused.
+                    _log.warning("run %s: %s", run_id, reason)
+                if ctx is not None:
+                    ctx.request_cancel(reason)
 
     def work(
         self,

@@ -1,0 +1,786 @@
+"""Crash torture: worker processes SIGKILLed at random moments while they share one journal.
+
+Used by ``tests/test_crash_torture.py`` (CI size) and ``tests/bench/bench_torture.py`` (any size).
+
+The machine has six states in its main line — fetching → building → testing → signing →
+publishing → published — plus two more terminals: testing may send the run back to building
+(``REBUILD_REQUESTED``, so states are visited more than once) or to ``failed``, and signing may
+refuse (``canceled``). What each phase returns and how long it takes is decided by the run's
+input alone, so the driver knows every run's exact path in advance.
+
+Every phase execution is recorded in a side table of the same SQLite file, ``executions``
+(``run_id, state, visit_seq, lease_token, worker, pid, started_at, finished_at``): a row is
+inserted when the phase starts and ``finished_at`` is set just before the handler returns, each in
+its own short transaction. The driver (:func:`torture`) starts runs and keeps ``workers`` worker
+processes alive, SIGKILLs a random ready worker at random moments and replaces it, stops some
+workers (SIGSTOP) for longer than their lease and lets them go on (SIGCONT), and once done lets
+the workers finish every run. Workers are forked by a fork server (``python -m tests.torture
+zygote JOURNAL``, a subprocess that has imported everything once and forks a fresh worker
+process on request), so replacing a killed worker costs milliseconds, not the half second of
+CPU a new interpreter takes to import the library; each worker opens its own journal and
+connections after the fork. ``python -m tests.torture worker JOURNAL`` runs one worker alone.
+Then it checks (:func:`verify`):
+
+1. every run reached its expected terminal state, by exactly the expected path of
+   ``(from_state, event, to_state)`` (so nothing was lost, repeated, or dead-lettered);
+2. per run, seqs are gapless from 0, and ``check_journal`` reports nothing (invariants 1, 2, 8,
+   lease tokens never going back);
+3. no completed phase executed twice (invariant 3). For each journaled transition leaving
+   state S at visit V with lease token L: exactly one execution of (run, S, V) ran under
+   token L and it finished (its result is what was journaled), and no execution of (run, S, V)
+   ran under a token above L — a claim after the transition was journaled finds the run past
+   S, and a claim before it would have fenced the transition out. Executions under tokens
+   below L are the phase running again after its worker was killed (at-least-once); they are
+   counted as ``re_executions``. Every execution belongs to a visit the journal has;
+4. no run ever had two live holders (invariant 4): every lease token of a run was used by one
+   worker only (one worker per ``(run_id, lease_token)`` among executions), and the tokens of
+   a run's transitions never go back, so the writers of a run follow one another and never
+   interleave; with 3, every transition was written by the one worker holding its token.
+   A killed holder never writes again; a stopped one does once continued, and its commit
+   must be refused (``fenced_out`` counts those refusals).
+
+What fencing does not promise is not asserted, only counted: ``stale_starts`` are executions
+that began (wall clock) after their visit's outgoing transition was journaled. That happens
+only when a worker stalls for longer than its lease between claiming a run and calling the
+handler, and its commit is then refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import random
+import select
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from fsm_runner import Engine, MachineSpec, Outcome, RunEvent, SqliteJournal, State, Transition
+from fsm_runner.replay import check_journal
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("fetching", "building", "testing", "signing", "publishing")
+EDGES = {
+    ("fetching", "FETCHED"): "building",
+    ("building", "BUILT"): "testing",
+    ("testing", "TESTS_PASSED"): "signing",
+    ("testing", "TESTS_FAILED"): "failed",
+    ("testing", "REBUILD_REQUESTED"): "building",
+    ("signing", "SIGNED"): "publishing",
+    ("signing", "SIGNING_REFUSED"): "canceled",
+    ("publishing", "PUBLISHED"): "published",
+}
+SPEC = MachineSpec(
+    "torture",
+    [
+        *(State(phase, handler=phase) for phase in PHASES),
+        State("published", terminal=True),
+        State("failed", terminal=True, outcome="failed"),
+        State("canceled", terminal=True, outcome="failed"),
+    ],
+    [
+        *(Transition(src, event, dest) for (src, event), dest in EDGES.items()),
+        Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
+    ],
+)
+#: Milliseconds a phase may take: mostly quick, sometimes long enough to be killed inside.
+WORK_MS = (0, 0, 0, 0, 1, 3, 20, 150)
+EXECUTIONS_DDL = """
+CREATE TABLE IF NOT EXISTS executions (
+    id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    visit_seq INTEGER NOT NULL,
+    lease_token INTEGER NOT NULL,
+    worker TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    finished_at REAL
+)
+"""
+BUSY_TIMEOUT = 60.0
+
+
+# -- the machine's behaviour, from the input alone ----------------------------------------------
+
+
+def make_input(rng: random.Random) -> dict[str, Any]:
+    """A run's input: its outcome, how often testing asks for a rebuild, each phase's duration."""
+    return {
+        "outcome": rng.choices(["published", "failed", "canceled"], weights=[6, 2, 2])[0],
+        "rebuilds": rng.choice([0, 0, 0, 1, 2]),
+        "work_ms": {phase: rng.choice(WORK_MS) for phase in PHASES},
+    }
+
+
+def decide(state: str, run_input: Mapping[str, Any], seq: int) -> str:
+    """The event the phase of ``state`` returns, entered at ``seq`` (deterministic)."""
+    if state == "fetching":
+        return "FETCHED"
+    if state == "building":
+        return "BUILT"
+    if state == "testing":
+        rebuilds_done = (seq - 2) // 2  # testing is entered at seq 2, 4, 6 ...
+        if rebuilds_done < run_input["rebuilds"]:
+            return "REBUILD_REQUESTED"
+        return "TESTS_FAILED" if run_input["outcome"] == "failed" else "TESTS_PASSED"
+    if state == "signing":
+        return "SIGNING_REFUSED" if run_input["outcome"] == "canceled" else "SIGNED"
+    assert state == "publishing", state
+    return "PUBLISHED"
+
+
+def expected_path(run_input: Mapping[str, Any]) -> list[tuple[str | None, str, str]]:
+    """The ``(from_state, event, to_state)`` of every transition the run must journal."""
+    path: list[tuple[str | None, str, str]] = [(None, RunEvent.STARTED.value, "fetching")]
+    state, seq = "fetching", 0
+    while state in PHASES:
+        event = decide(state, run_input, seq)
+        dest = EDGES[(state, event)]
+        path.append((state, event, dest))
+        state, seq = dest, seq + 1
+    return path
+
+
+class Recorder:
+    """Phase handlers that record each execution in the ``executions`` table of the journal file.
+
+    A row is inserted when the phase starts (state, visit, the lease token it runs under, pid,
+    wall-clock start); ``finished_at`` is set just before the handler returns. Each write is
+    its own short transaction on the recorder's own connection.
+    """
+
+    def __init__(self, journal_path: str | os.PathLike[str], worker_id: str = "driver") -> None:
+        self._conn = sqlite3.connect(journal_path, timeout=BUSY_TIMEOUT, isolation_level=None)
+        # As the journal's own default durability: survives a killed process, fsyncs rarely.
+        self._conn.execute("PRAGMA synchronous = NORMAL")
+        self._conn.execute(EXECUTIONS_DDL)
+        self._worker = (worker_id, os.getpid())
+        self.handlers = dict.fromkeys(PHASES, self.run_phase)
+
+    def run_phase(self, ctx: Any) -> str:
+        """Record the execution, take the input's time for this phase, return its event."""
+        run = ctx.run
+        row_id = self._conn.execute(
+            "INSERT INTO executions"
+            " (run_id, state, visit_seq, lease_token, worker, pid, started_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run.run_id, run.state, run.visit_seq, run.lease_token, *self._worker, time.time()),
+        ).lastrowid
+        work_ms = run.input["work_ms"][run.state]
+        if work_ms:
+            time.sleep(work_ms / 1000.0)
+        event = decide(run.state, run.input, run.seq)
+        self._conn.execute(
+            "UPDATE executions SET finished_at = ? WHERE id = ?", (time.time(), row_id)
+        )
+        return event
+
+    def close(self) -> None:
+        """Close the recorder's connection."""
+        self._conn.close()
+
+
+# -- the worker process --------------------------------------------------------------------------
+
+
+def done_flag(journal_path: str | os.PathLike[str]) -> Path:
+    """The file the driver creates once no more runs will be started."""
+    return Path(f"{journal_path}.done")
+
+
+def _watch(journal_path: str, stop: threading.Event) -> None:
+    """Set ``stop`` once the driver is done starting runs and no run is active any more."""
+    flag = done_flag(journal_path)
+    conn = sqlite3.connect(journal_path, timeout=BUSY_TIMEOUT, isolation_level=None)
+    try:
+        while not stop.wait(0.1):
+            if not flag.exists():
+                continue
+            active = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM runs WHERE status = 'active')"
+            ).fetchone()[0]
+            if not active:
+                stop.set()
+    finally:
+        conn.close()
+
+
+def worker(
+    journal_path: str, *, lease_ttl: float, announce: Callable[[str], object] | None = None
+) -> int:
+    """Claim and run this machine's runs until every run has ended (or the process is killed).
+
+    ``announce`` is called with ``"ready PID WORKER_ID"`` once the worker is about to claim.
+    """
+    worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # as the engine's
+    journal = SqliteJournal(journal_path, busy_timeout=BUSY_TIMEOUT)
+    recorder = Recorder(journal_path, worker_id)
+    engine = Engine(
+        SPEC,
+        handlers=recorder.handlers,
+        journal=journal,
+        worker_id=worker_id,
+        lease_ttl=lease_ttl,
+        heartbeat_interval=lease_ttl / 4,
+        max_recoveries=10**9,  # nothing is parked: every run must reach its own end
+    )
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(journal_path, stop), daemon=True)
+    watcher.start()
+    (announce or print)(f"ready {os.getpid()} {worker_id}")
+    try:
+        engine.work(stop=stop, idle_wait=0.05)
+    finally:
+        engine.close()
+        journal.close()
+        recorder.close()
+    return 0
+
+
+def _say(line: str) -> None:
+    """Write one line to stdout at once (atomic: forked workers share the zygote's pipe)."""
+    os.write(1, f"{line}\n".encode())
+
+
+def _forked_worker(journal_path: str, lease_ttl: float) -> None:
+    """The body of a forked worker process; never returns."""
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # the zygote's commands are not for its workers
+        os.close(devnull)
+        code = worker(journal_path, lease_ttl=lease_ttl, announce=_say)
+    except BaseException:  # reported through the exit code; the traceback goes to the log
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def zygote(journal_path: str, *, lease_ttl: float) -> int:
+    """Fork a worker for each ``spawn`` line on stdin; report on stdout, one line each.
+
+    Lines: ``spawned PID`` (from here), ``ready PID WORKER_ID`` (from the worker) and
+    ``exit PID CODE`` (reaped here; CODE is negative for a signal). The zygote itself runs no
+    thread and opens no connection, so forking it is safe. It ends at end of input once its
+    workers have exited.
+    """
+    sys.stdout.flush()
+    pending = b""
+    children: set[int] = set()
+    reading = True
+    while reading or children:
+        if reading and select.select([0], [], [], 0.02)[0]:
+            chunk = os.read(0, 4096)
+            reading = bool(chunk)
+            pending += chunk
+            *commands, pending = pending.split(b"\n")
+            for command in commands:
+                if command.strip() != b"spawn":
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _forked_worker(journal_path, lease_ttl)
+                children.add(pid)
+                _say(f"spawned {pid}")
+        elif not reading:
+            time.sleep(0.02)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            _say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
+    return 0
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Report:
+    """What a torture session did and found; ``problems`` is empty when every check passed."""
+
+    seed: int
+    runs: int = 0
+    workers: int = 0
+    kills: int = 0
+    pauses: int = 0
+    spawned: int = 0
+    transitions: int = 0
+    executions: int = 0
+    #: Phase executions beyond one per journaled visit (the phase ran again: at-least-once).
+    re_executions: int = 0
+    #: Executions that finished but whose result was never journaled, and whose worker lived
+    #: on: its commit was refused because its lease had been taken over (fencing at work).
+    fenced_out: int = 0
+    #: Lease takeovers (``runs.recoveries``, summed).
+    recoveries: int = 0
+    #: Executions that began after their visit's transition was journaled (see module doc).
+    stale_starts: int = 0
+    #: Where the kills landed (the victim's last execution): inside a phase; after a phase
+    #: returned but before its result was journaled; elsewhere (claiming, committing, idle).
+    kills_mid_phase: int = 0
+    kills_before_commit: int = 0
+    kills_between_phases: int = 0
+    elapsed: float = 0.0
+    log: str = ""
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every check passed."""
+        return not self.problems
+
+    def summary(self) -> str:
+        """The figures, one per line, then the first problems."""
+        lines = [
+            f"seed                 {self.seed}",
+            f"kills                {self.kills}"
+            f" (mid-phase {self.kills_mid_phase}, after the phase before its commit"
+            f" {self.kills_before_commit}, between phases {self.kills_between_phases})",
+            f"pauses past lease    {self.pauses}",
+            f"workers              {self.workers} at a time, {self.spawned} spawned",
+            f"runs                 {self.runs}",
+            f"transitions          {self.transitions}",
+            f"phase executions     {self.executions}",
+            f"re-executions        {self.re_executions}",
+            f"fenced-out commits   {self.fenced_out}",
+            f"recoveries           {self.recoveries}",
+            f"stale starts         {self.stale_starts}",
+            f"elapsed              {self.elapsed:.1f} s",
+            f"throughput           {self.transitions / max(self.elapsed, 1e-9):.0f} transitions/s",
+            f"problems             {len(self.problems)}",
+        ]
+        lines += [f"  {problem}" for problem in self.problems[:20]]
+        if len(self.problems) > 20:
+            lines.append(f"  ... and {len(self.problems) - 20} more")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Worker:
+    pid: int
+    worker_id: str | None = None  # known once it is ready
+
+
+class _Pool:
+    """The worker processes of one session, forked by a zygote subprocess."""
+
+    def __init__(self, journal_path: Path, lease_ttl: float, log: Any) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        command = [sys.executable, "-m", "tests.torture", "zygote", str(journal_path)]
+        self.zygote = subprocess.Popen(
+            [*command, "--lease-ttl", str(lease_ttl)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        self.workers: dict[int, _Worker] = {}
+        self.exits: list[tuple[int, int]] = []  # (pid, code) not yet looked at
+        self.spawned = 0
+        self._asked = 0  # spawns asked for and not yet answered
+        self._buffer = b""
+
+    @property
+    def live(self) -> int:
+        """Workers alive or on their way."""
+        return len(self.workers) + self._asked
+
+    def ready(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.worker_id is not None]
+
+    def spawn(self) -> None:
+        assert self.zygote.stdin is not None
+        self.zygote.stdin.write(b"spawn\n")
+        self.zygote.stdin.flush()
+        self._asked += 1
+        self.spawned += 1
+
+    def wait(self, seconds: float) -> None:
+        """Take the zygote's news for ``seconds``."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            self._pump(left)
+
+    def _pump(self, timeout: float) -> None:
+        assert self.zygote.stdout is not None
+        fd = self.zygote.stdout.fileno()
+        if not select.select([fd], [], [], timeout)[0]:
+            return
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise RuntimeError(f"the zygote exited ({self.zygote.wait()})")
+        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+        for line in lines:
+            kind, pid_text, *rest = line.decode().split()
+            pid = int(pid_text)
+            if kind == "spawned":
+                self._asked -= 1
+                self.workers.setdefault(pid, _Worker(pid))
+            elif kind == "ready":  # may come before the zygote's "spawned"
+                self.workers.setdefault(pid, _Worker(pid)).worker_id = rest[0]
+            elif kind == "exit":
+                self.workers.pop(pid, None)
+                self.exits.append((pid, int(rest[0])))
+
+    def reap(self) -> list[tuple[int, int]]:
+        """The ``(pid, code)`` of workers that exited by themselves since last asked."""
+        exits, self.exits = self.exits, []
+        return exits
+
+    def kill(self, victim: _Worker) -> int:
+        """SIGKILL a worker and wait until it has been reaped; return its exit code."""
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        while victim.pid in self.workers and time.monotonic() < deadline:
+            self._pump(0.5)
+        found = [code for pid, code in self.exits if pid == victim.pid]
+        self.exits = [(pid, code) for pid, code in self.exits if pid != victim.pid]
+        assert found, f"worker {victim.pid} was not reaped"
+        return found[0]
+
+    def close(self) -> None:
+        """Kill whatever workers are left (spawns still on their way too), then end the zygote."""
+        deadline = time.monotonic() + 30.0
+        with contextlib.suppress(RuntimeError):  # the zygote is gone already
+            while (self.workers or self._asked) and time.monotonic() < deadline:
+                for w in list(self.workers.values()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.pid, signal.SIGKILL)
+                self._pump(0.2)
+        assert self.zygote.stdin is not None
+        assert self.zygote.stdout is not None
+        self.zygote.stdin.close()
+        try:
+            self.zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.zygote.kill()
+            self.zygote.wait()
+        self.zygote.stdout.close()
+
+
+def _active_runs(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("SELECT count(*) FROM runs WHERE status = 'active'").fetchone()[0])
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def torture(
+    journal_path: str | os.PathLike[str],
+    *,
+    runs: int,
+    workers: int,
+    kills: int,
+    seed: int,
+    pauses: int = 0,
+    kill_interval: float = 0.3,
+    lease_ttl: float = 1.0,
+    timeout: float = 900.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> Report:
+    """Run a torture session on a new journal at ``journal_path`` and check it (see module doc).
+
+    Args:
+        journal_path: a journal file that does not exist yet.
+        runs: runs started at first; more are started whenever fewer than ``2 * workers`` are
+            active while kills remain, so the workers are never idle when killed.
+        workers: worker processes alive at a time.
+        kills: SIGKILLs to deliver, each to a random worker that has said it is ready; a
+            replacement is spawned after each.
+        seed: seeds the runs' inputs, the victims and the moments of the kills and pauses.
+        pauses: SIGSTOPs to deliver, mixed in with the kills: the worker is stopped for 1.5 to 3
+            lease TTLs, so its runs are taken over while it lives, then continued (SIGCONT). A
+            killed holder never writes again; a paused one does, and must be fenced out.
+        kill_interval: mean seconds between kills or pauses (uniform from 0 to twice this).
+        lease_ttl: the workers' lease; a killed worker's run is taken over once it expires.
+        timeout: seconds after which the session gives up (a problem in the report).
+        progress: called with ``(kills_done, runs_started)`` after each kill, if given.
+
+    Returns:
+        The report; its ``problems`` list what failed.
+    """
+    path = Path(journal_path)
+    log_path = Path(f"{path}.workers.log")
+    rng = random.Random(seed)
+    report = Report(seed=seed, workers=workers, log=str(log_path))
+    started = time.monotonic()
+    deadline = started + timeout
+    inputs: dict[str, dict[str, Any]] = {}
+    killed: list[str] = []  # worker ids
+    paused: dict[int, float] = {}  # pid -> when to continue it
+
+    journal = SqliteJournal(path, busy_timeout=BUSY_TIMEOUT)
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT, isolation_level=None)
+    recorder = Recorder(path)  # creates the table; its handlers run nowhere in the driver
+    starter = Engine(SPEC, handlers=recorder.handlers, journal=journal)
+
+    def start_runs(count: int) -> None:
+        for _ in range(count):
+            run_input = make_input(rng)
+            inputs[starter.start(run_input, run_id=f"r{len(inputs):06d}")] = run_input
+
+    def continue_paused(*, all_of_them: bool = False) -> None:
+        now = time.monotonic()
+        for pid, until in list(paused.items()):
+            if all_of_them or until <= now:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                del paused[pid]
+
+    with log_path.open("a", encoding="utf-8") as log:
+        pool = _Pool(path, lease_ttl, log)
+        try:
+            start_runs(runs)
+            for _ in range(workers):
+                pool.spawn()
+            while (report.kills < kills or report.pauses < pauses) and len(report.problems) < 5:
+                if time.monotonic() > deadline:
+                    report.problems.append(f"gave up after {timeout:.0f} s: still killing")
+                    break
+                pool.wait(rng.uniform(0.0, 2.0 * kill_interval))
+                continue_paused()
+                for pid, code in pool.reap():
+                    report.problems.append(f"worker {pid} exited by itself with {code}")
+                while pool.live < workers:
+                    pool.spawn()
+                ready = [w for w in pool.ready() if w.pid not in paused]
+                if not ready:
+                    continue
+                victim = rng.choice(ready)
+                kills_left, pauses_left = kills - report.kills, pauses - report.pauses
+                if rng.random() * (kills_left + pauses_left) < pauses_left:
+                    os.kill(victim.pid, signal.SIGSTOP)
+                    pause = rng.uniform(1.5, 3.0) * lease_ttl
+                    paused[victim.pid] = time.monotonic() + pause
+                    report.pauses += 1
+                    continue
+                code = pool.kill(victim)
+                if code != -signal.SIGKILL:
+                    report.problems.append(f"worker {victim.pid} ended with {code}, not SIGKILL")
+                killed.append(str(victim.worker_id))
+                report.kills += 1
+                pool.spawn()
+                if _active_runs(conn) < 2 * workers:
+                    start_runs(max(runs // 4, 2 * workers))
+                if progress is not None:
+                    progress(report.kills, len(inputs))
+            continue_paused(all_of_them=True)
+            done_flag(path).touch()
+            while (pool.workers or pool.live) and time.monotonic() < deadline:
+                pool.wait(0.1)
+                for pid, code in pool.reap():
+                    if code != 0:
+                        report.problems.append(f"worker {pid} exited with {code} at the end")
+            if pool.live:
+                report.problems.append(
+                    f"gave up after {timeout:.0f} s with {report.kills} kills,"
+                    f" {_active_runs(conn)} runs still active"
+                )
+        finally:
+            continue_paused(all_of_them=True)
+            pool.close()
+            report.spawned = pool.spawned
+            starter.close()
+            journal.close()
+            recorder.close()
+            conn.close()
+
+    report.elapsed = time.monotonic() - started
+    report.runs = len(inputs)
+    with SqliteJournal(path, busy_timeout=BUSY_TIMEOUT) as journal:
+        verify(journal, inputs, killed, report)
+    if any("exited" in problem for problem in report.problems):
+        report.problems.append(f"last lines of {log_path}:\n{_tail(log_path)}")
+    return report
+
+
+# -- the checks ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Execution:
+    id: int
+    run_id: str
+    state: str
+    visit_seq: int
+    lease_token: int
+    worker: str
+    pid: int
+    started_at: float
+    finished_at: float | None
+
+
+def _executions(journal: SqliteJournal) -> list[_Execution]:
+    conn = sqlite3.connect(journal.path, timeout=BUSY_TIMEOUT)
+    try:
+        rows = conn.execute(
+            "SELECT id, run_id, state, visit_seq, lease_token, worker, pid, started_at,"
+            " finished_at FROM executions ORDER BY id"
+        ).fetchall()
+    finally:
+        conn.close()
+    return [_Execution(*row) for row in rows]
+
+
+def _visits(transitions: list[Any]) -> Iterator[tuple[Any, int]]:
+    """Each transition that leaves a visit, with that visit's seq (as the engine counts them)."""
+    visit = 0
+    for t in transitions[1:]:
+        yield t, visit
+        if t.to_state != t.from_state or t.event not in ("RETRIED", "INTERRUPTED"):
+            visit = t.seq
+
+
+def verify(
+    journal: SqliteJournal,
+    inputs: Mapping[str, Mapping[str, Any]],
+    killed: list[str],
+    report: Report,
+) -> None:
+    """Check a finished session's journal and executions; add figures and problems to ``report``.
+
+    Args:
+        journal: the session's journal.
+        inputs: every run's input, by run id.
+        killed: the worker ids of the workers killed, in order.
+        report: where figures and problems go.
+    """
+    problems = report.problems
+    problems += [f"check_journal: {problem}" for problem in check_journal(journal)]
+    by_visit: dict[tuple[str, str, int], list[_Execution]] = defaultdict(list)
+    workers_by_token: dict[tuple[str, int], set[str]] = defaultdict(set)
+    executions = _executions(journal)
+    for e in executions:
+        by_visit[(e.run_id, e.state, e.visit_seq)].append(e)
+        workers_by_token[(e.run_id, e.lease_token)].add(e.worker)
+    report.executions = len(executions)
+    committed: set[tuple[str, str, int, int]] = set()  # (run, state, visit, token) journaled
+    left: set[tuple[str, str, int]] = set()
+    lost: list[_Execution] = []  # finished under an older token, result not journaled
+
+    for run_id, run_input in inputs.items():
+        run = journal.load(run_id)
+        transitions = list(journal.transitions(run_id))
+        report.transitions += len(transitions)
+        report.recoveries += run.recoveries
+        # 1. the expected end, by the expected path
+        path = [(t.from_state, t.event, t.to_state) for t in transitions]
+        want = expected_path(run_input)
+        want_status = Outcome.SUCCEEDED if want[-1][2] == "published" else Outcome.FAILED
+        if (run.state, run.status) != (want[-1][2], want_status):
+            problems.append(
+                f"run {run_id}: ended {run.state}/{run.status}, expected {want[-1][2]}/{want_status}"
+            )
+        if path != want:
+            problems.append(f"run {run_id}: journaled path {path}, expected {want}")
+        # 2. gapless seqs
+        if [t.seq for t in transitions] != list(range(len(transitions))) or run.seq != len(
+            transitions
+        ) - 1:
+            problems.append(
+                f"run {run_id}: seqs {[t.seq for t in transitions]}, run row at seq {run.seq}"
+            )
+        # 4. tokens of the run's writers never go back
+        tokens = [t.lease_token for t in transitions]
+        if tokens != sorted(tokens):
+            problems.append(f"run {run_id}: transition lease tokens go back: {tokens}")
+        # 3. each journaled phase result came from one execution under the writer's token, and
+        # the phase never ran under a later token
+        for t, visit in _visits(transitions):
+            key = (run_id, t.from_state, visit)
+            left.add(key)
+            runs_of_visit = by_visit.get(key, [])
+            writers = [e for e in runs_of_visit if e.lease_token == t.lease_token]
+            if len(writers) != 1 or writers[0].finished_at is None:
+                problems.append(
+                    f"run {run_id} seq {t.seq}: {len(writers)} execution(s) of {t.from_state!r}"
+                    f" visit {visit} under token {t.lease_token} (expected one, finished):"
+                    f" {writers}"
+                )
+            committed.add((*key, t.lease_token))
+            later = [e for e in runs_of_visit if e.lease_token > t.lease_token]
+            if later:
+                problems.append(
+                    f"run {run_id} seq {t.seq}: {t.from_state!r} visit {visit} ran again after"
+                    f" its transition was journaled under token {t.lease_token}: {later}"
+                )
+            report.re_executions += max(len(runs_of_visit) - 1, 0)
+            lost.extend(
+                e
+                for e in runs_of_visit
+                if e.lease_token < t.lease_token and e.finished_at is not None
+            )
+            at = t.at.timestamp()
+            report.stale_starts += sum(1 for e in runs_of_visit if e.started_at >= at)
+
+    phantom = [e for e in executions if (e.run_id, e.state, e.visit_seq) not in left]
+    if phantom:
+        problems.append(
+            f"{len(phantom)} execution(s) of visits the journal never left: {phantom[:3]}"
+        )
+    # 4. one worker per lease token
+    shared = {key: ids for key, ids in workers_by_token.items() if len(ids) > 1}
+    if shared:
+        problems.append(
+            f"lease tokens used by more than one worker: {dict(list(shared.items())[:5])}"
+        )
+
+    # Where the kills landed: the victim's last execution.
+    last: dict[str, _Execution] = {}
+    for e in executions:
+        last[e.worker] = e
+    for worker_id in killed:
+        final = last.get(worker_id)
+        if final is not None and final.finished_at is None:
+            report.kills_mid_phase += 1
+        elif (
+            final is not None
+            and (final.run_id, final.state, final.visit_seq, final.lease_token) not in committed
+        ):
+            report.kills_before_commit += 1
+        else:
+            report.kills_between_phases += 1
+    # A lost result whose worker went on (it was not that worker's last execution before a
+    # kill) was committed and refused.
+    victims_last = {last[w].id for w in killed if w in last}
+    report.fenced_out = sum(1 for e in lost if e.id not in victims_last)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.torture worker|zygote JOURNAL [--lease-ttl S]``."""
+    parser = argparse.ArgumentParser(prog="python -m tests.torture")
+    parser.add_argument("command", choices=["worker", "zygote"])
+    parser.add_argument("journal")
+    parser.add_argument("--lease-ttl", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    if args.command == "zygote":
+        return zygote(args.journal, lease_ttl=args.lease_ttl)
+    return worker(args.journal, lease_ttl=args.lease_ttl)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
