@@ -1440,7 +1440,7 @@ def _advance(
     dest_state = spec.state(dest)
     # Entering a starts_iteration state starts an iteration; a retry, an interruption, an
     # in-place stop or a return is the same visit.
-    same_visit = returning or (dest == run.state and (event in _SAME_VISIT or status in _IN_PLACE))
+    same_visit = returning or (dest == run.state and (event in _KEEPS_VISIT or status in _IN_PLACE))
     iteration = run.iteration + (dest_state.starts_iteration and not same_visit)
     now = utc_now()
     transition = TransitionRecord(
@@ -1602,7 +1602,8 @@ def fork_run(
     if not 0 <= seq <= source.seq:
         raise ValueError(f"run {run_id} has seqs 0..{source.seq}; there is no seq {seq}")
     specs = journal_specs(journal)
-    timeline = journal.transitions(run_id, to_seq=seq)
+    # The whole timeline: a spec change after ``at_seq`` tells which spec the run was under.
+    timeline = journal.transitions(run_id)
     then = state_at(specs(source.spec_hash), source, timeline, seq, specs=specs)
     if then.ended:
         raise ValueError(

@@ -216,10 +216,16 @@ class SpecMismatchError(JournalError):
         self.run_id = run_id
         self.expected = expected
         self.found = found
+        advice = "" if detail else "; an engine with allow_spec_change=True may resume it"
         super().__init__(
             f"run {run_id} started with spec {expected[:12]} but the engine has spec "
-            f"{found[:12]}{detail}; pass allow_spec_change=True to resume it anyway"
+            f"{found[:12]}{detail}{advice}"
         )
+
+    @property
+    def message(self) -> str:
+        """Name the run and both specs (no journal path: the engine found the mismatch)."""
+        return self.detail
 
 
 class RunConflictError(JournalError):

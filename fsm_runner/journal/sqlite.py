@@ -385,6 +385,7 @@ class SqliteJournal:
         self._written: dict[str, RunRecord] = {}  # run rows as last written or read here
         self._update_sql: dict[tuple[str, ...], str] = {}
         self._check_header()
+        self._heal_side_files()
         with self._errors():
             self._conn = sqlite3.connect(
                 self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
@@ -448,6 +449,35 @@ class SqliteJournal:
                 "is not a SQLite database (a corrupt or foreign file); nothing was changed",
                 path=self.path,
             )
+
+    def _heal_side_files(self) -> None:
+        """Make stale ``-wal``/``-shm`` files writable again when the journal itself is.
+
+        A connection to a read-only journal leaves its ``-shm`` file behind with the journal's
+        mode then; once the journal is made writable again, SQLite would still open it
+        read-only because of that file. Only files this process owns are changed.
+        """
+        if self.path == ":memory:":
+            return
+        main = Path(self.path)
+        try:
+            with main.open("r+b"):
+                pass
+        except OSError:
+            return  # missing, or not writable: nothing to heal
+        for suffix in ("-wal", "-shm"):
+            side = Path(self.path + suffix)
+            try:
+                with side.open("r+b"):
+                    pass
+            except FileNotFoundError:
+                continue
+            except PermissionError:
+                with contextlib.suppress(OSError):
+                    if side.stat().st_uid == os.getuid():
+                        side.chmod(main.stat().st_mode & 0o777)
+            except OSError:
+                continue
 
     def _open_schema(self) -> None:
         conn = self._conn
@@ -532,7 +562,10 @@ class SqliteJournal:
                 "is locked by another writer for longer than the busy timeout; nothing was written"
             )
         if "readonly" in lowered or "read-only" in lowered:
-            return "is read-only; nothing was written"
+            return (
+                "is read-only (check the permissions of the file, its -wal and -shm files and "
+                "its directory); nothing was written"
+            )
         if "full" in lowered:
             return "the disk (or the journal's size limit) is full; nothing was written"
         if "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered:
