@@ -82,7 +82,7 @@ def undo_v5(conn) -> None:
     """Turn a journal's schema back from version 5 (lease tokens, recoveries) to version 4."""
     conn.execute("DROP TRIGGER transitions_advance_run")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
-    conn.execute("DROP INDEX IF EXISTS idx_runs_status_machine_updated_at")
+    conn.execute("DROP INDEX IF EXISTS idx_runs_status_machine_created_at")
     conn.execute("ALTER TABLE transitions DROP COLUMN lease_token")
     conn.execute("ALTER TABLE runs DROP COLUMN recoveries")
     conn.execute(TRIGGER_V4)

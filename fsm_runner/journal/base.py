@@ -213,7 +213,7 @@ class Journal(Protocol):
         states: Collection[str],
         spec_hash: str | None = None,
     ) -> RunRecord | None:
-        """Claim the longest-waiting runnable run, or return ``None`` when there is none.
+        """Claim the oldest runnable run (first started), or return ``None`` when there is none.
 
         Runnable: active, of ``machine`` (and ``spec_hash`` if given), in one of ``states``
         (those with a handler), and with no live lease. Choosing and claiming are one

@@ -336,7 +336,7 @@ class MemoryJournal:
         states: Collection[str],
         spec_hash: str | None = None,
     ) -> RunRecord | None:
-        """Claim the longest-waiting runnable run, or ``None``."""
+        """Claim the oldest runnable run, or ``None``."""
         now = utc_now()
         with self._lock:
             self._check_open()
@@ -355,7 +355,7 @@ class MemoryJournal:
             ]
             if not runnable:
                 return None
-            chosen = min(runnable, key=lambda run: run.updated_at)
+            chosen = min(runnable, key=lambda run: run.created_at)
             return self.claim(chosen.run_id, owner, ttl=ttl)
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
