@@ -7,28 +7,32 @@ or was stopped resumes from its last state without repeating a completed phase.
 
 from __future__ import annotations
 
-from fsm_runner.engine import Engine, Listener, interrupt_on_sigterm
-from fsm_runner.events import RunEvent, RunStatus
-from fsm_runner.exceptions import (
-    FsmRunnerError,
-    InvalidTransitionError,
-    JournalError,
-    RunNotFoundError,
-    RunTerminalError,
-    SpecError,
-)
-from fsm_runner.journal import Journal, MemoryJournal, SqliteJournal, open_journal
-from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult
-from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import (
-    RETURN,
-    WILDCARD,
-    MachineSpec,
-    Outcome,
-    RetryPolicy,
-    State,
-    Transition,
-)
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
+    from fsm_runner.engine import Engine, Listener, interrupt_on_sigterm
+    from fsm_runner.events import RunEvent, RunStatus
+    from fsm_runner.exceptions import (
+        FsmRunnerError,
+        InvalidTransitionError,
+        JournalError,
+        RunNotFoundError,
+        RunTerminalError,
+        SpecError,
+    )
+    from fsm_runner.journal import Journal, MemoryJournal, SqliteJournal, open_journal
+    from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult
+    from fsm_runner.records import RunRecord, TransitionRecord
+    from fsm_runner.spec import (
+        RETURN,
+        WILDCARD,
+        MachineSpec,
+        Outcome,
+        RetryPolicy,
+        State,
+        Transition,
+    )
 
 __all__ = [
     "RETURN",
@@ -61,3 +65,48 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Where each public name lives: importing ``fsm_runner`` (as the CLI does) stays cheap, and a
+#: name's module is imported the first time the name is used.
+_EXPORTS: dict[str, str] = {
+    "Engine": "fsm_runner.engine",
+    "FsmRunnerError": "fsm_runner.exceptions",
+    "InvalidTransitionError": "fsm_runner.exceptions",
+    "Journal": "fsm_runner.journal",
+    "JournalError": "fsm_runner.exceptions",
+    "Listener": "fsm_runner.engine",
+    "MachineSpec": "fsm_runner.spec",
+    "MemoryJournal": "fsm_runner.journal",
+    "Outcome": "fsm_runner.spec",
+    "PhaseContext": "fsm_runner.phases",
+    "PhaseHandler": "fsm_runner.phases",
+    "PhaseResult": "fsm_runner.phases",
+    "RETURN": "fsm_runner.spec",
+    "RetryPolicy": "fsm_runner.spec",
+    "RunEvent": "fsm_runner.events",
+    "RunNotFoundError": "fsm_runner.exceptions",
+    "RunRecord": "fsm_runner.records",
+    "RunStatus": "fsm_runner.events",
+    "RunTerminalError": "fsm_runner.exceptions",
+    "SpecError": "fsm_runner.exceptions",
+    "SqliteJournal": "fsm_runner.journal",
+    "State": "fsm_runner.spec",
+    "Transition": "fsm_runner.spec",
+    "TransitionRecord": "fsm_runner.records",
+    "WILDCARD": "fsm_runner.spec",
+    "interrupt_on_sigterm": "fsm_runner.engine",
+    "open_journal": "fsm_runner.journal",
+}
+
+
+def __getattr__(name: str) -> typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsm_runner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

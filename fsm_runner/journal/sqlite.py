@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
-import sqlite_utils
-from sqlite_utils.migrations import Migrations
 
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
@@ -60,241 +58,14 @@ T = TypeVar("T")
 _SQLITE_HEADER = b"SQLite format 3\x00"
 _JSON_COLUMNS = ("input", "context", "error")
 
-_migrations = Migrations("fsm_runner")
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _SAME_VISIT = frozenset({RunEvent.RETRIED.value, RunEvent.INTERRUPTED.value})
 _UTC = dt.timezone.utc
+#: What the ``transitions_advance_run`` trigger raises when a transition does not follow the
+#: run's last one (a stale seq) or its writer's lease token is not the run's (fencing).
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
 
 
-@_migrations()
-def m0001_initial(db: sqlite_utils.Database) -> None:
-    """Create the version-1 schema: meta, specs, runs and transitions."""
-    db["meta"].create({"key": str, "value": str}, pk="key")  # type: ignore[union-attr]
-    db["specs"].create(  # type: ignore[union-attr]
-        {"spec_hash": str, "machine": str, "json": str, "created_at": str}, pk="spec_hash"
-    )
-    db["runs"].create(  # type: ignore[union-attr]
-        {
-            "run_id": str,
-            "machine": str,
-            "spec_hash": str,
-            "state": str,
-            "status": str,
-            "seq": int,
-            "iteration": int,
-            "attempt": int,
-            "input": str,
-            "context": str,
-            "error": str,
-            "created_at": str,
-            "updated_at": str,
-            "parent_run_id": str,
-            "forked_from": str,
-            "abort_reason": str,
-            "lease_owner": str,
-            "lease_expires_at": str,
-            "lease_token": int,
-        },
-        pk="run_id",
-        not_null={"machine", "spec_hash", "state", "status", "seq", "created_at"},
-        defaults={"lease_token": 0, "iteration": 0, "attempt": 1},
-        foreign_keys=[("spec_hash", "specs", "spec_hash")],
-    )
-    db["runs"].create_index(["machine", "created_at"])  # type: ignore[union-attr]
-    db["runs"].create_index(["status", "created_at"])  # type: ignore[union-attr]
-    db["runs"].create_index(["created_at"])  # type: ignore[union-attr]
-    db["runs"].create_index(["parent_run_id"])  # type: ignore[union-attr]
-    db["transitions"].create(  # type: ignore[union-attr]
-        {
-            "run_id": str,
-            "seq": int,
-            "from_state": str,
-            "event": str,
-            "to_state": str,
-            "iteration": int,
-            "attempt": int,
-            "at": str,
-            "duration_ms": float,
-            "result": str,
-        },
-        pk=("run_id", "seq"),
-        not_null={"event", "to_state", "at"},
-        foreign_keys=[("run_id", "runs", "run_id")],
-    )
-    # The run row is a projection of its last transition, kept by the database itself: the
-    # INSERT of transition N moves the run row from seq N-1 to N, or fails as a whole.
-    db.execute(
-        f"""
-        CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions WHEN NEW.seq > 0
-        BEGIN
-            UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
-                            updated_at = NEW.at
-             WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
-        END
-        """
-    )
-    db["meta"].insert_all(  # type: ignore[union-attr]
-        [
-            {"key": "schema_version", "value": "1"},
-            {"key": "format", "value": "fsm_runner journal"},
-        ],
-        replace=True,
-    )
-
-
-@_migrations()
-def m0002_iterations_artifacts(db: sqlite_utils.Database) -> None:
-    """Version 2: per-iteration records and artifacts."""
-    db["iterations"].create(  # type: ignore[union-attr]
-        {
-            "run_id": str,
-            "iteration": int,
-            "state": str,
-            "started_at": str,
-            "completed_at": str,
-            "duration_ms": float,
-            "snapshot_id": str,
-            "feedback": str,
-            "feedback_fallback": int,
-            "agent_session_id": str,
-            "agent_result_ref": str,
-            "agent_duration_ms": float,
-            "success": int,
-            "model": str,
-            "tokens_input": int,
-            "tokens_output": int,
-            "tokens_total": int,
-            "cost_usd": float,
-            "verification_ref": str,
-            "passed": int,
-            "levels_run": str,
-            "verification_duration_ms": float,
-            "error_type": str,
-            "error_message": str,
-            "error_details": str,
-            "extra": str,
-        },
-        pk=("run_id", "iteration"),
-        foreign_keys=[("run_id", "runs", "run_id")],
-    )
-    db["artifacts"].create(  # type: ignore[union-attr]
-        {
-            "id": int,
-            "run_id": str,
-            "name": str,
-            "kind": str,
-            "seq": int,
-            "iteration": int,
-            "status": str,
-            "path": str,
-            "sha256": str,
-            "size": int,
-            "error": str,
-            "content": str,
-            "created_at": str,
-        },
-        pk="id",
-        not_null={"run_id", "name"},
-        foreign_keys=[("run_id", "runs", "run_id")],
-    )
-    db["artifacts"].create_index(["run_id", "name"], unique=True)  # type: ignore[union-attr]
-    db.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
-
-
-@_migrations()
-def m0003_return_targets(db: sqlite_utils.Database) -> None:
-    """Version 3: where a history (RETURN) transition takes a run."""
-    db["runs"].add_column("return_to", str)  # type: ignore[union-attr]
-    db["runs"].add_column("return_attempt", int, not_null_default=0)  # type: ignore[union-attr]
-    db.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
-
-
-@_migrations()
-def m0004_effects(db: sqlite_utils.Database) -> None:
-    """Version 4: the effects ledger, and the visit each run is on."""
-    runs = db["runs"]
-    runs.add_column("visit_seq", int, not_null_default=0)  # type: ignore[union-attr]
-    runs.add_column("return_visit", int, not_null_default=0)  # type: ignore[union-attr]
-    db.execute("UPDATE runs SET visit_seq = seq")  # older runs: each on the visit it is in
-    # The trigger now also moves visit_seq: a transition begins a new visit unless it is a
-    # retry or an interruption of the phase (the engine's own update corrects a RETURN).
-    db.execute("DROP TRIGGER IF EXISTS transitions_advance_run")
-    db.execute(
-        f"""
-        CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions WHEN NEW.seq > 0
-        BEGIN
-            UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
-                            updated_at = NEW.at,
-                            visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
-                                               AND NEW.event IN ('RETRIED', 'INTERRUPTED')
-                                             THEN visit_seq ELSE NEW.seq END
-             WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
-        END
-        """
-    )
-    db["effects"].create(  # type: ignore[union-attr]
-        {
-            "run_id": str,
-            "visit_seq": int,
-            "name": str,
-            "state": str,
-            "kind": str,
-            "params": str,
-            "idempotency_key": str,
-            "status": str,
-            "result": str,
-            "error": str,
-            "idempotent": int,
-            "started_at": str,
-            "completed_at": str,
-        },
-        pk=("run_id", "visit_seq", "name"),
-        foreign_keys=[("run_id", "runs", "run_id")],
-    )
-    db["effects"].create_index(["status"])  # type: ignore[union-attr]
-    db.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
-
-
-@_migrations()
-def m0005_leases(db: sqlite_utils.Database) -> None:
-    """Version 5: fencing tokens on transitions, and recovery counts on runs."""
-    db["transitions"].add_column("lease_token", int, not_null_default=0)  # type: ignore[union-attr]
-    db["runs"].add_column("recoveries", int, not_null_default=0)  # type: ignore[union-attr]
-    # The trigger now also fences: transition N is refused unless it carries the run's current
-    # lease token, so a worker whose lease was taken over cannot write.
-    db.execute("DROP TRIGGER IF EXISTS transitions_advance_run")
-    db.execute(
-        f"""
-        CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions WHEN NEW.seq > 0
-        BEGIN
-            UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
-                            updated_at = NEW.at,
-                            visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
-                                               AND NEW.event IN ('RETRIED', 'INTERRUPTED')
-                                             THEN visit_seq ELSE NEW.seq END
-             WHERE run_id = NEW.run_id AND seq = NEW.seq - 1 AND lease_token = NEW.lease_token;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
-        END
-        """
-    )
-    db["runs"].create_index(["status", "lease_expires_at"])  # type: ignore[union-attr]
-    # claim_next picks the oldest active run of a machine inside the write lock: this index
-    # makes that a range scan instead of a sort of every active run (~0.8 ms at 1,000). Not on
-    # updated_at: every step writes that, and an index on it costs every step ~10 µs.
-    db["runs"].create_index(["status", "machine", "created_at"])  # type: ignore[union-attr]
-    db.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
-
-
-_MIGRATION_VERSIONS = {
-    "m0001_initial": 1,
-    "m0002_iterations_artifacts": 2,
-    "m0003_return_targets": 3,
-    "m0004_effects": 4,
-    "m0005_leases": 5,
-}
 _EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
 _PUT_EFFECT = (
     f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)})"
@@ -392,10 +163,8 @@ class SqliteJournal:
             )
         try:
             with self._errors():
-                # recursive_triggers off: our one trigger never recurses, and on costs ~1 µs a step
-                self._db = sqlite_utils.Database(
-                    self._conn, execute_plugins=False, recursive_triggers=False
-                )
+                # recursive_triggers stays off (SQLite's default; sqlite-utils would turn it on):
+                # our one trigger never recurses, and on costs ~1 µs a step.
                 self._cursor = self._conn.cursor()
                 self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
                 self._open_schema()
@@ -491,7 +260,10 @@ class SqliteJournal:
         if app_id == APPLICATION_ID and self._stored_version() == SCHEMA_VERSION:
             self._enable_wal()
             return  # the common case: an up-to-date journal, opened without taking a write lock
-        tables = set(self._db.table_names())
+        tables = {
+            str(row[0])
+            for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
         if app_id == 0 and tables - {"_sqlite_migrations"}:
             raise JournalError(
                 "is a SQLite database but not an fsm_runner journal (it has tables "
@@ -499,10 +271,15 @@ class SqliteJournal:
                 path=self.path,
             )
         self._enable_wal()
+        # sqlite-utils (schema and migrations) is imported only here: opening an up-to-date
+        # journal, as every command and worker does, does not pay its ~0.1 s import.
+        from fsm_runner.journal import _schema  # noqa: PLC0415 - lazy on purpose (see above)
+
+        db = _schema.database(conn)
         conn.execute("BEGIN IMMEDIATE")
         try:
-            self._refuse_newer_schema()
-            _migrations.apply(self._db)
+            self._refuse_newer_schema(_schema.unknown_migrations(db))
+            _schema.migrate(db)
             self._conn.execute(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
@@ -514,9 +291,8 @@ class SqliteJournal:
                 conn.execute("ROLLBACK")
             raise
 
-    def _refuse_newer_schema(self) -> None:
+    def _refuse_newer_schema(self, unknown: set[str]) -> None:
         found = self._stored_version()
-        unknown = {m.name for m in _migrations.applied(self._db)} - set(_MIGRATION_VERSIONS)
         if (found is not None and found > SCHEMA_VERSION) or unknown:
             raise SchemaVersionError(found=found or 0, supported=SCHEMA_VERSION, path=self.path)
 
