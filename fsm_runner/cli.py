@@ -705,7 +705,13 @@ def abort(state: _State, run_id: str, reason: str, app: str | None) -> None:
     run_id = _resolve_run_id(journal, run_id)
     guards = _load_app(app).guards if app else None
     run = abort_run(journal, run_id, reason, guards=guards)
-    click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")
+    if run.ended:
+        click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")
+    else:  # a live worker holds it: the request is journaled, the worker carries it out
+        click.echo(
+            f"run {run.run_id}: abort requested; {run.lease_owner}, which holds the run, "
+            "carries it out at its next step"
+        )
 
 
 @cli.command()

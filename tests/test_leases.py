@@ -404,6 +404,9 @@ class TestCli:
             journal.claim(run_id, "elsewhere:1:x", ttl=600)
         result = self.invoke(path, "abort", run_id, "--reason", "stop it")
         assert result.exit_code == 0, result.output
+        assert "abort requested; elsewhere:1:x, which holds the run, carries it out" in (
+            result.output
+        )
         with SqliteJournal(path) as journal:
             run = journal.load(run_id)
         assert (run.state, run.abort_reason) == ("a", "stop it")
