@@ -140,7 +140,13 @@ def _colour() -> bool:
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
-_STATUS_COLOURS = {"active": "cyan", "succeeded": "green", "failed": "red", "aborted": "yellow"}
+_STATUS_COLOURS = {
+    "active": "cyan",
+    "succeeded": "green",
+    "failed": "red",
+    "aborted": "yellow",
+    "dead_letter": "magenta",
+}
 
 
 def _styled_status(text: str, status: str) -> str:
@@ -213,7 +219,7 @@ def _table(
 @click.option("--machine", help="Only runs of this machine.")
 @click.option(
     "--status",
-    type=click.Choice(["active", "succeeded", "failed", "aborted"]),
+    type=click.Choice(["active", "succeeded", "failed", "aborted", "dead_letter"]),
     help="Only runs with this status.",
 )
 @click.option("--state", "run_state", metavar="STATE", help="Only runs in this state.")
@@ -605,7 +611,7 @@ def resume(
     finally:
         engine.close()
     click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
-    if run.status.value in ("failed", "aborted"):
+    if run.status.value in ("failed", "aborted", "dead_letter"):
         sys.exit(1)
 
 
@@ -906,7 +912,7 @@ def watch(state: _State, run_id: str, interval: float, as_json: bool) -> None:
                 f"run {run.run_id} is {run.status.value} in state {run.state!r}", run.status.value
             )
         )
-    if run.status.value in ("failed", "aborted"):
+    if run.status.value in ("failed", "aborted", "dead_letter"):
         sys.exit(EXIT_FAILURE)
 
 
@@ -1094,7 +1100,7 @@ def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
     if run.error and run.ended:
         click.echo(f"reason: {run.error.get('message')}")
     click.echo(f"see it with: fsm-runner show {run_id[:12]}   export it with: fsm-runner export")
-    if run.status.value in ("failed", "aborted"):
+    if run.status.value in ("failed", "aborted", "dead_letter"):
         sys.exit(1)
 
 

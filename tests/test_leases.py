@@ -433,3 +433,22 @@ def test_a_held_run_aborted_elsewhere_stops_at_its_next_step(journal):
     engine.close()
     assert seen.is_set()
     assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+
+
+def test_cli_lists_and_colours_dead_letter_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "j.db"
+    with SqliteJournal(path) as journal:
+        engine = engine_for(journal, max_recoveries=0)
+        parked = engine.start()
+        engine.start()
+        journal.claim(parked, "gone:1:x", ttl=-1)
+        engine.recover()
+    result = CliRunner().invoke(
+        cli, ["--journal", str(path), "runs", "--status", "dead_letter", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert [r["run_id"] for r in json.loads(result.output)] == [parked]
+    watched = CliRunner().invoke(cli, ["--journal", str(path), "watch", parked])
+    assert watched.exit_code == 1
+    assert "DEAD_LETTERED" in watched.output
