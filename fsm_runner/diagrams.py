@@ -30,11 +30,12 @@ Transitions that name states the spec does not have (a run resumed under a chang
 left out.
 
 Mermaid's state diagrams cannot style transitions: ``linkStyle`` is flowchart syntax, and
-Mermaid (11.x) reads a ``linkStyle`` line in a ``stateDiagram-v2`` as stray states. So in
-Mermaid a run shows as ``classDef``/``class`` styles on states (``visited``, ``current``,
-``failed``) and counts in edge labels; DOT also draws traversed edges thick and blue and the
-others grey. Mermaid also keeps only the last of several self-loops on one state, so they are
-written as one link that lists them all.
+Mermaid (11.x) reads a ``linkStyle`` line in a ``stateDiagram-v2`` as stray states. So a spec
+alone is a ``stateDiagram-v2`` (:func:`render_mermaid`), and a run a ``flowchart``
+(:func:`render_mermaid_flowchart`) whose states get ``classDef``/``class`` styles (``visited``,
+``current``, ``failed``) and whose traversed links are drawn thick and blue by ``linkStyle``,
+the others grey -- as DOT draws them. Mermaid also keeps only the last of several self-loops on
+one state, so they are written as one link that lists them all.
 """  # noqa: RUF002 - the multiplication sign of traversal counts, as the diagrams show them
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ __all__ = [
     "render_dot",
     "render_image",
     "render_mermaid",
+    "render_mermaid_flowchart",
 ]
 
 #: Name of the top-level history node (a RETURN whose target lies in no single composite).
@@ -92,6 +94,9 @@ TEXT_FORMATS: tuple[TextFormat, ...] = ("mermaid", "dot")
 IMAGE_FORMATS: tuple[ImageFormat, ...] = ("svg", "png")
 
 _HISTORY_LABEL = "H*"
+#: Colours of the edges a run took and of the others.
+_TRAVERSED = "#1565c0"
+_UNTRAVERSED = "#9e9e9e"
 _TIMES = "\N{MULTIPLICATION SIGN}"
 _NO_DOT = (
     "Graphviz `dot` is not installed; install it (apt-get install graphviz, brew install "
@@ -533,15 +538,20 @@ _MERMAID_CLASSES = (
 class _MermaidIds:
     """Mermaid ids for every name: the name itself where Mermaid reads it as one, else an alias.
 
+    With ``alias_all`` (flowcharts) every name gets an alias: a flowchart reads more words as
+    keywords (``end``, ``subgraph``, ...) and an id starting with ``o`` or ``x`` right after a
+    link as the link's arrowhead, and ``s_`` ids are safe from both.
+
     Mermaid names a composite's start and end points ``<id>_start`` and ``<id>_end`` (the
     diagram's own ``root_start`` and ``root_end``): a state with such a name would merge into
     one, so it gets an alias too.
     """
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, *, alias_all: bool = False) -> None:
         self._ids: dict[str, str] = {}
         self._taken: set[str] = set()
-        self._reserved: set[str] = set()
+        self._reserved: set[str] = {_FLOW_START} if alias_all else set()
+        self._alias_all = alias_all
         composites = [c.name for c in graph.composites]
         for name in composites:
             if self._plain(name):
@@ -560,8 +570,9 @@ class _MermaidIds:
             if name not in self._ids:
                 self._assign(name, self._alias(name))
 
-    @staticmethod
-    def _plain(name: str) -> bool:
+    def _plain(self, name: str) -> bool:
+        if self._alias_all:
+            return False
         return bool(_MERMAID_ID.fullmatch(name)) and name.lower() not in _MERMAID_RESERVED
 
     def _assign(self, name: str, ident: str) -> None:
@@ -671,11 +682,131 @@ def render_mermaid(graph: Graph) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- Mermaid flowchart (a run's path) ------------------------------------------------------------
+
+#: Id of the flowchart's start point; no alias can take it (aliases start with ``s_`` or
+#: ``any_state``).
+_FLOW_START = "start_"
+_FLOW_START_CLASS = ("initial", "fill:#212121,stroke:#212121")
+_FLOW_TRAVERSED = f"stroke:{_TRAVERSED},stroke-width:3px"
+_FLOW_UNTRAVERSED = f"stroke:{_UNTRAVERSED}"
+
+
+@attrs.frozen
+class _FlowLink:
+    source: str
+    dest: str
+    label: str
+    traversed: bool
+    engine: bool
+
+
+def _flow_links(edges: Iterable[Edge]) -> list[_FlowLink]:
+    """The links of a scope, a state's self-loops merged into one (as :func:`_mermaid_links`).
+
+    A merged loop is traversed when any of its edges is, and dotted when all are engine events.
+    """
+    links: list[tuple[Edge, list[Edge]]] = []
+    loops: dict[str, list[Edge]] = {}
+    for edge in edges:
+        if edge.source == edge.dest and edge.source in loops:
+            loops[edge.source].append(edge)
+            continue
+        links.append((edge, [edge]))
+        if edge.source == edge.dest:
+            loops[edge.source] = links[-1][1]
+    return [
+        _FlowLink(
+            first.source,
+            first.dest,
+            ", ".join(_mermaid_text(edge.counted_label) for edge in merged),
+            traversed=any(edge.count for edge in merged),
+            engine=all(edge.kind == "engine" for edge in merged),
+        )
+        for first, merged in links
+    ]
+
+
+def _flow_node(ident: str, node: Node) -> str:
+    label = _mermaid_text(node.label)
+    if node.kind == "wildcard":
+        return f'{ident}["{label}"]'
+    if node.kind == "history":
+        return f'{ident}(("{label}"))'
+    if node.terminal:
+        return f'{ident}((("{label}")))'
+    return f'{ident}("{label}")'
+
+
+def render_mermaid_flowchart(graph: Graph) -> str:
+    """Render a graph as a Mermaid ``flowchart TD``, with the run's path styled on its links.
+
+    A state diagram cannot style transitions; a flowchart can (``linkStyle``), so a run is
+    drawn as one. States are rounded boxes, terminal states double circles, the initial state
+    is pointed at from a small filled circle, composites are ``subgraph`` blocks (nested) and
+    every name is aliased (``s_<name>``: the ``*`` node is ``any_state``). Edges carry the
+    labels of :func:`render_mermaid` (counts included); engine events are dotted links.
+    States get the classes ``visited``, ``current`` and ``failed``; every traversed link is
+    thick and blue (``linkStyle`` by the link's index, counted in the order links are written,
+    the start point's one included), every other one but the start point's grey.
+
+    Args:
+        graph: what to draw (from :func:`extract`, or built by hand).
+
+    Returns:
+        The diagram's text, ending with a newline.
+    """
+    ids = _MermaidIds(graph, alias_all=True)
+    lines = ["---", f"title: {_mermaid_title(graph.title)}", "---", "flowchart TD"]
+    scoped: dict[str | None, list[Edge]] = {}
+    for edge in graph.edges:
+        scoped.setdefault(graph.scope(edge), []).append(edge)
+    traversed: list[int] = []
+    untraversed: list[int] = []
+    links = 0
+
+    def link(indent: str, source: str, dest: str, label: str = "", *, dotted: bool = False) -> None:
+        nonlocal links
+        arrow = "-.->" if dotted else "-->"
+        text = f'|"{label}"| ' if label else " "
+        lines.append(f"{indent}{ids(source)} {arrow}{text}{ids(dest)}")
+        links += 1
+
+    def block(scope: str | None, indent: str) -> None:
+        for name in graph.members(scope):
+            node = graph.node(name)
+            if node is not None:
+                lines.append(f"{indent}{_flow_node(ids(name), node)}")
+            elif graph.composite(name) is not None:
+                lines.append(f'{indent}subgraph {ids(name)} ["{_mermaid_text(name)}"]')
+                block(name, indent + "    ")
+                lines.append(f"{indent}end")
+        if scope is None and graph.initial:
+            link(indent, _FLOW_START, graph.initial)
+        for flow in _flow_links(scoped.get(scope, ())):
+            (traversed if flow.traversed else untraversed).append(links)
+            link(indent, flow.source, flow.dest, flow.label, dotted=flow.engine)
+
+    if graph.initial:
+        lines.append(f'    {_FLOW_START}((" "))')
+    block(None, "    ")
+    for name, style in (_FLOW_START_CLASS, *_MERMAID_CLASSES):
+        lines.append(f"    classDef {name} {style}")
+    if graph.initial:
+        lines.append(f"    class {_FLOW_START} {_FLOW_START_CLASS[0]}")
+    for name, _style in _MERMAID_CLASSES:
+        members = [ids(n.name) for n in graph.nodes if getattr(n, name)]
+        if members:
+            lines.append(f"    class {','.join(members)} {name}")
+    for indexes, style in ((traversed, _FLOW_TRAVERSED), (untraversed, _FLOW_UNTRAVERSED)):
+        if indexes:
+            lines.append(f"    linkStyle {','.join(map(str, indexes))} {style}")
+    return "\n".join(lines) + "\n"
+
+
 # -- Graphviz DOT ------------------------------------------------------------------------------
 
 _INITIAL = "$initial"
-_TRAVERSED = "#1565c0"
-_UNTRAVERSED = "#9e9e9e"
 
 
 def _q(text: str) -> str:
@@ -797,6 +928,9 @@ def render(
 ) -> str:
     """Draw a spec, and a run's path through it: :func:`extract`, then render as text.
 
+    Mermaid is a ``stateDiagram-v2`` for a spec alone and a ``flowchart`` (whose links can be
+    styled) when a run or a timeline is given.
+
     Args:
         spec: the machine.
         format: ``mermaid`` or ``dot``.
@@ -815,7 +949,9 @@ def render(
             "render_image)"
         )
     graph = extract(spec, run=run, timeline=timeline)
-    return render_mermaid(graph) if format == "mermaid" else render_dot(graph)
+    if format == "dot":
+        return render_dot(graph)
+    return render_mermaid_flowchart(graph) if graph.has_run else render_mermaid(graph)
 
 
 def _first_line(stderr: bytes) -> str:

@@ -38,6 +38,7 @@ from fsm_runner.diagrams import (
     render_dot,
     render_image,
     render_mermaid,
+    render_mermaid_flowchart,
 )
 from fsm_runner.exceptions import DiagramError
 from fsm_runner.testing import FakeClock, ScriptedHandler
@@ -238,6 +239,166 @@ def parse_mermaid(text):
             raise AssertionError(f"unexpected Mermaid line {line!r}")
     assert stack == [None], "unbalanced composite blocks"
     return parsed
+
+
+@dataclass
+class FlowLink:
+    index: int
+    source: str  # the id as written
+    dest: str
+    label: str
+    dotted: bool
+    scope: str | None  # the id of the subgraph it is written in
+
+
+@dataclass
+class Flowchart:
+    title: str
+    links: list[FlowLink] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)  # id -> label (nodes and subgraphs)
+    shapes: dict[str, str] = field(default_factory=dict)  # id -> box, circle, double, plain
+    scopes: dict[str, str | None] = field(default_factory=dict)  # id -> subgraph it is in
+    subgraphs: list[str] = field(default_factory=list)
+    class_defs: dict[str, str] = field(default_factory=dict)
+    classes: dict[str, set[str]] = field(default_factory=dict)  # class -> ids
+    link_styles: dict[str, set[int]] = field(default_factory=dict)  # style -> link indexes
+
+    def name(self, ident):
+        return self.labels[ident]
+
+    def named_links(self):
+        return [(self.name(link.source), self.name(link.dest), link.label) for link in self.links]
+
+    def id_of(self, name):
+        found = [i for i, label in self.labels.items() if label == name]
+        assert len(found) == 1, (name, found)
+        return found[0]
+
+    def classed(self, name):
+        return {self.name(i) for i in self.classes.get(name, set())}
+
+    @property
+    def traversed(self):
+        return self.link_styles.get(TRAVERSED_STYLE, set())
+
+    @property
+    def untraversed(self):
+        return self.link_styles.get(UNTRAVERSED_STYLE, set())
+
+
+TRAVERSED_STYLE = "stroke:#1565c0,stroke-width:3px"
+UNTRAVERSED_STYLE = "stroke:#9e9e9e"
+FLOW_ID = r"(?:s_\w+|any_state|start_)"
+_FLOW_SHAPES = [
+    ("double", r'\(\(\("([^"]*)"\)\)\)'),
+    ("circle", r'\(\("([^"]*)"\)\)'),
+    ("box", r'\("([^"]*)"\)'),
+    ("plain", r'\["([^"]*)"\]'),
+]
+
+
+def parse_flowchart(text):
+    """Read our Mermaid flowchart back; any line outside the subset we write fails the test.
+
+    Links are numbered in the order they are written, as Mermaid numbers them for linkStyle.
+    """
+    lines = text.splitlines()
+    assert text.endswith("\n")
+    assert lines[0] == "---"
+    assert lines[2] == "---"
+    assert lines[3] == "flowchart TD"
+    title = re.fullmatch(r"title: (.+)", lines[1])
+    assert title, lines[1]
+    parsed = Flowchart(title.group(1))
+    stack: list[str | None] = [None]
+
+    def node_line(line):
+        for shape, pattern in _FLOW_SHAPES:
+            if m := re.fullmatch(rf"({FLOW_ID}){pattern}", line):
+                return m.group(1), shape, m.group(2)
+        return None
+
+    for line in lines[4:]:
+        text_line = line.strip()
+        if m := re.fullmatch(rf'subgraph ({FLOW_ID}) \["([^"]*)"\]', text_line):
+            assert m.group(1) not in parsed.labels, "declared twice"
+            parsed.labels[m.group(1)] = m.group(2)
+            parsed.scopes[m.group(1)] = stack[-1]
+            parsed.subgraphs.append(m.group(1))
+            stack.append(m.group(1))
+        elif text_line == "end":
+            stack.pop()
+        elif node := node_line(text_line):
+            ident, shape, label = node
+            assert ident not in parsed.labels, "declared twice"
+            parsed.labels[ident] = label
+            parsed.shapes[ident] = shape
+            parsed.scopes[ident] = stack[-1]
+        elif m := re.fullmatch(
+            rf'({FLOW_ID}) (-->|-\.->)(?:\|"([^"]*)"\|)? ?({FLOW_ID})', text_line
+        ):
+            source, arrow, label, dest = m.groups()
+            link = FlowLink(
+                len(parsed.links), source, dest, label or "", arrow == "-.->", stack[-1]
+            )
+            parsed.links.append(link)
+        elif m := re.fullmatch(r"classDef (\w+) (\S+)", text_line):
+            parsed.class_defs[m.group(1)] = m.group(2)
+        elif m := re.fullmatch(r"class ([\w,]+) (\w+)", text_line):
+            parsed.classes.setdefault(m.group(2), set()).update(m.group(1).split(","))
+        elif m := re.fullmatch(r"linkStyle ([\d,]+) (\S+)", text_line):
+            assert m.group(2) not in parsed.link_styles
+            parsed.link_styles[m.group(2)] = {int(i) for i in m.group(1).split(",")}
+        else:
+            raise AssertionError(f"unexpected flowchart line {line!r}")
+    assert stack == [None], "unbalanced subgraphs"
+    for link in parsed.links:
+        assert link.source in parsed.labels, f"undeclared {link.source}"
+        assert link.dest in parsed.labels, f"undeclared {link.dest}"
+    return parsed
+
+
+def assert_path_styled(text, graph):
+    """The linkStyle indexes are exactly the links of the edges the run took.
+
+    Each written link is matched back to the graph's edges it draws (by the labels of its
+    ends and its label, a merged self-loop drawing several); every edge is drawn by exactly
+    one link; a link is styled as traversed iff one of its edges has a count, grey otherwise,
+    and the start point's link is not styled.
+    """
+    flow = parse_flowchart(text)
+
+    def label_of(name):
+        node = graph.node(name)
+        return node.label if node is not None else name
+
+    drawn = {index: [] for index in range(len(graph.edges))}
+    start = [link.index for link in flow.links if link.source == "start_"]
+    assert len(start) == (1 if graph.initial else 0)
+    expected = set()
+    for link in flow.links:
+        if link.source == "start_":
+            assert flow.name(link.dest) == label_of(graph.initial)
+            continue
+        parts = link.label.split(", ")
+        edges = [
+            index
+            for index, edge in enumerate(graph.edges)
+            if (label_of(edge.source), label_of(edge.dest))
+            == (flow.name(link.source), flow.name(link.dest))
+            and edge.counted_label in parts
+        ]
+        assert len(edges) == len(parts), (link, edges)
+        for index in edges:
+            drawn[index].append(link.index)
+        assert link.dotted == all(graph.edges[i].kind == "engine" for i in edges)
+        if any(graph.edges[i].count for i in edges):
+            expected.add(link.index)
+    assert all(len(links) == 1 for links in drawn.values()), drawn
+    assert flow.traversed == expected
+    assert flow.untraversed == set(range(len(flow.links))) - expected - set(start)
+    assert not set(start) & (flow.traversed | flow.untraversed)
+    return flow
 
 
 _Q = r'"((?:[^"\\]|\\.)*)"'
@@ -475,13 +636,22 @@ class TestMermaidSpec:
             "NUDGED",
         ]
 
-    def test_linkstyle_is_never_written(self, journal):
+    def test_a_state_diagram_never_has_link_styles(self, journal):
         # Mermaid's state diagrams have no linkStyle (flowchart syntax): Mermaid 11 reads a
-        # linkStyle line in a stateDiagram-v2 as stray states. Runs show through classes and
-        # counts in the labels instead.
+        # linkStyle line in a stateDiagram-v2 as stray states. A run is drawn as a flowchart.
         spec, run, timeline = failed_run_with_retries(journal)
+        graph = extract(spec, run=run, timeline=timeline)
 
-        assert "linkStyle" not in render(spec, run=run, timeline=timeline)
+        assert "linkStyle" not in render(spec)
+        assert "linkStyle" not in render_mermaid(graph)
+        assert render(spec, run=run, timeline=timeline) == render_mermaid_flowchart(graph)
+
+    def test_a_spec_alone_is_still_a_state_diagram(self):
+        text = render(rich_spec(), format="mermaid")
+
+        assert text.splitlines()[3] == "stateDiagram-v2"
+        assert text == render_mermaid(extract(rich_spec()))
+        assert "flowchart" not in text
 
 
 class TestMermaidIds:
@@ -623,6 +793,36 @@ class TestRenderersOnHandBuiltGraphs:
             "    class a,b visited\n"
             "    class b current\n"
         )
+
+    def test_mermaid_flowchart_text(self):
+        assert render_mermaid_flowchart(self.GRAPH) == (
+            "---\n"
+            "title: tiny\n"
+            "---\n"
+            "flowchart TD\n"
+            '    start_((" "))\n'
+            '    subgraph s_box ["box"]\n'
+            '        s_a("a")\n'
+            '        s_b("b")\n'
+            f'        s_a -->|"NEXT {TIMES}2"| s_b\n'
+            f'        s_b -.->|"RETRIED {TIMES}1"| s_b\n'
+            "    end\n"
+            '    s_c((("c")))\n'
+            '    any_state["*"]\n'
+            "    start_ --> s_box\n"
+            '    s_box -->|"DONE"| s_c\n'
+            '    any_state -->|"FAILED"| s_c\n'
+            "    classDef initial fill:#212121,stroke:#212121\n"
+            "    classDef visited fill:#e3f2fd,stroke:#1565c0\n"
+            "    classDef current fill:#fff59d,stroke:#f57f17,stroke-width:3px\n"
+            "    classDef failed fill:#ffcdd2,stroke:#c62828,stroke-width:3px\n"
+            "    class start_ initial\n"
+            "    class s_a,s_b visited\n"
+            "    class s_b current\n"
+            "    linkStyle 0,1 stroke:#1565c0,stroke-width:3px\n"
+            "    linkStyle 3,4 stroke:#9e9e9e\n"
+        )
+        assert_path_styled(render_mermaid_flowchart(self.GRAPH), self.GRAPH)
 
     def test_dot_statements(self):
         dot = parse_dot(render_dot(self.GRAPH))
@@ -786,9 +986,13 @@ class TestExtractRun:
         assert ("1a", "RETRIED", "1a") in path_of(timeline)
         assert ("1a", "INTERRUPTED", "1a") in path_of(timeline)
 
-        links = parse_mermaid(render(spec, run=run, timeline=timeline)).named_links()
+        text = render(spec, run=run, timeline=timeline)
+        flow = assert_path_styled(text, extract(spec, run=run, timeline=timeline))
 
-        assert ("1a", "1a", f"RETRIED {TIMES}1, INTERRUPTED {TIMES}1") in links
+        assert ("1a", "1a", f"RETRIED {TIMES}1, INTERRUPTED {TIMES}1") in flow.named_links()
+        assert ("1a", "1a", f"RETRIED {TIMES}1, INTERRUPTED {TIMES}1") in parse_mermaid(
+            render_mermaid(extract(spec, run=run, timeline=timeline))
+        ).named_links()
 
     def test_abort_through_the_spec_counts_the_wildcard_edge(self, journal):
         engine = rich_engine(journal)
@@ -944,18 +1148,18 @@ class TestExtractRun:
 
 
 class TestMermaidRun:
-    """A run in Mermaid: classes on states, counts in edge labels."""
+    """A run in Mermaid: a flowchart with classes on states, counts and styles on links."""
 
     @pytest.fixture
     def drawn(self, journal):
         spec, run, timeline = failed_run_with_retries(journal)
-        return parse_mermaid(render(spec, format="mermaid", run=run, timeline=timeline))
+        return parse_flowchart(render(spec, format="mermaid", run=run, timeline=timeline))
 
     def test_class_definitions_use_lower_case_keywords(self, drawn, journal):
         spec, run, timeline = failed_run_with_retries(journal)
         text = render(spec, run=run, timeline=timeline)
 
-        assert set(drawn.class_defs) == {"visited", "current", "failed"}
+        assert set(drawn.class_defs) == {"initial", "visited", "current", "failed"}
         assert re.findall(r"^\s*(classDef|class) ", text, flags=re.MULTILINE)
         assert not re.search(r"^\s*(ClassDef|CLASSDEF|Class|CLASS) ", text, flags=re.MULTILINE)
 
@@ -979,17 +1183,191 @@ class TestMermaidRun:
             ("*", "failed", f"{SYSTEM_ERROR} {TIMES}1"),
         }
 
-    def test_the_retry_loop_is_drawn_in_the_composite_of_its_state(self, drawn):
+    def test_the_retry_loop_is_drawn_dotted_in_the_composite_of_its_state(self, drawn):
         (loop,) = [link for link in drawn.links if "RETRIED" in link.label]
 
         assert drawn.name(loop.source) == drawn.name(loop.dest) == "1a"
-        assert loop.scope == "working"
+        assert drawn.name(loop.scope) == "working"
+        assert loop.dotted
+        assert loop.index in drawn.traversed
+
+    def test_traversed_links_are_styled_by_their_index(self, journal):
+        spec, run, timeline = failed_run_with_retries(journal)
+        text = render(spec, run=run, timeline=timeline)
+
+        drawn = assert_path_styled(text, extract(spec, run=run, timeline=timeline))
+
+        assert {drawn.named_links()[i] for i in drawn.traversed} == {
+            ("end", "c", f"{PHASE_COMPLETED} {TIMES}1"),  # written first: inside inner
+            ("1a", "inner", f"{PHASE_COMPLETED} {TIMES}1"),
+            ("1a", "1a", f"RETRIED {TIMES}2"),
+            ("preparing", "working", f"PREPARED {TIMES}1"),
+            ("working", "recovering", f"{LOST} {TIMES}1"),
+            ("recovering", "H*", f"{FOUND} {TIMES}1"),
+            ("*", "failed", f"{SYSTEM_ERROR} {TIMES}1"),
+        }
+        assert sorted(drawn.traversed) == [0, 1, 3, 5, 8, 10, 11]
+        assert sorted(drawn.untraversed) == [2, 6, 7, 9, 12]
+        assert drawn.links[4].source == "start_"
+        assert drawn.named_links()[4] == (" ", "preparing", "")
+
+    def test_composites_are_nested_subgraphs(self, drawn):
+        working, inner = drawn.id_of("working"), drawn.id_of("inner")
+
+        assert drawn.subgraphs == [working, inner]
+        assert drawn.scopes[inner] == working
+        assert drawn.scopes[drawn.id_of("end")] == inner
+        assert drawn.scopes[drawn.id_of("1a")] == working
+        assert drawn.scopes[drawn.id_of("H*")] == working
+        assert drawn.scopes[drawn.id_of("preparing")] is None
+        assert ("inner", "d", PHASE_COMPLETED) in drawn.named_links()  # an advance edge
+
+    def test_shapes(self, drawn):
+        assert drawn.shapes[drawn.id_of("preparing")] == "box"
+        assert drawn.shapes[drawn.id_of("failed")] == "double"
+        assert drawn.shapes[drawn.id_of("H*")] == "circle"
+        assert drawn.shapes[drawn.id_of("*")] == "plain"
+        assert drawn.shapes["start_"] == "circle"
+        assert drawn.classes["initial"] == {"start_"}
+
+    def test_every_id_is_an_alias(self, drawn):
+        assert all(re.fullmatch(r"s_\w+|any_state|start_", ident) for ident in drawn.labels)
+        assert drawn.id_of("end") == "s_end"  # a flowchart keyword as an id of its own
+        assert drawn.id_of("1a") == "s_1a"
 
     def test_untraversed_edges_have_plain_labels(self, drawn):
         links = drawn.named_links()
 
         assert ("inner", "d", PHASE_COMPLETED) in links
         assert ("recovering", "failed", "SERVER_FOUND [unless restarts_left]") in links
+
+
+class TestMermaidFlowchartLinkStyles:
+    """linkStyle indexes name exactly the links a run took, whatever the machine's shape."""
+
+    def test_a_succeeded_run_through_composites(self, journal):
+        spec, run, timeline = succeeded_run(journal)
+        graph = extract(spec, run=run, timeline=timeline)
+
+        drawn = assert_path_styled(render(spec, run=run, timeline=timeline), graph)
+
+        assert len(drawn.traversed) == len(counts(graph))
+        assert drawn.classed("current") == {"done"}
+
+    def test_a_return_through_composites_and_history(self, journal):
+        engine = rich_engine(journal, b=(LOST, RunStatus.OK))
+        run_id = engine.start()
+        engine.run(run_id)
+        spec, run, timeline = finished(engine, run_id)
+        graph = extract(spec, run=run, timeline=timeline)
+
+        drawn = assert_path_styled(render(spec, run=run, timeline=timeline), graph)
+
+        (returned,) = [link for link in drawn.links if drawn.name(link.dest) == "H*"]
+        assert returned.index in drawn.traversed
+        assert drawn.scopes[returned.dest] == drawn.id_of("working")
+
+    def test_wildcards_and_a_top_level_history_node(self):
+        spec = MachineSpec(
+            "anywhere",
+            [
+                State("a", handler="a"),
+                State("b", handler="b"),
+                State("pausing", handler="pause"),
+                State("done", terminal=True),
+                State("failed", terminal=True, outcome="failed"),
+            ],
+            [
+                Transition("a", "NEXT", "b"),
+                Transition("b", "NEXT", "done"),
+                Transition("*", "PAUSED", "pausing"),
+                Transition("pausing", "RESUMED", RETURN),
+                Transition("*", SYSTEM_ERROR, "failed"),
+            ],
+        )
+        timeline = [
+            TransitionRecord("r", 0, None, "STARTED", "a"),
+            TransitionRecord("r", 1, "a", "PAUSED", "pausing"),
+            TransitionRecord("r", 2, "pausing", "RESUMED", "a"),
+            TransitionRecord("r", 3, "a", "NEXT", "b"),
+            TransitionRecord("r", 4, "b", "PAUSED", "pausing"),
+            TransitionRecord("r", 5, "pausing", "RESUMED", "b"),
+            TransitionRecord("r", 6, "b", "NEXT", "done"),
+        ]
+        graph = extract(spec, timeline=timeline)
+
+        drawn = assert_path_styled(render(spec, timeline=timeline), graph)
+
+        assert {drawn.named_links()[i] for i in drawn.traversed} == {
+            ("a", "b", f"NEXT {TIMES}1"),
+            ("b", "done", f"NEXT {TIMES}1"),
+            ("*", "pausing", f"PAUSED {TIMES}2"),
+            ("pausing", "H*", f"RESUMED {TIMES}2"),
+        }
+        assert {drawn.named_links()[i] for i in drawn.untraversed} == {
+            ("*", "failed", SYSTEM_ERROR)
+        }
+        assert drawn.scopes[drawn.id_of("H*")] is None
+
+    def test_a_failed_run_with_retries_on_names_needing_aliases(self, journal):
+        names = ["o1", "x1", "a-b", "default", "subgraph", "click"]
+        retry = RetryPolicy(max_attempts=3, wait_initial=0.1)
+        spec = MachineSpec(
+            "names",
+            [
+                *(State(n, handler="h", retry=retry if n == "default" else None) for n in names),
+                State("end", terminal=True),
+                State("failed", terminal=True, outcome="failed"),
+            ],
+            [
+                *(Transition(a, "NEXT", b) for a, b in itertools.pairwise([*names, "end"])),
+                Transition("*", SYSTEM_ERROR, "failed"),
+            ],
+        )
+        boom = RuntimeError("boom")
+        clock = FakeClock()
+        handler = ScriptedHandler("NEXT", "NEXT", "NEXT", boom, boom, "NEXT", boom)
+        engine = Engine(
+            spec, handlers={"h": handler}, journal=journal, clock=clock, sleep=clock.sleep
+        )
+        run_id = engine.start()
+        engine.run(run_id)
+        spec, run, timeline = finished(engine, run_id)
+        assert path_of(timeline).count(("default", "RETRIED", "default")) == 2
+        graph = extract(spec, run=run, timeline=timeline)
+
+        drawn = assert_path_styled(render(spec, run=run, timeline=timeline), graph)
+
+        assert [drawn.id_of(n) for n in [*names, "end"]] == [
+            "s_o1",
+            "s_x1",
+            "s_a_b",
+            "s_default",
+            "s_subgraph",
+            "s_click",
+            "s_end",
+        ]
+        assert drawn.classed("failed") == {"subgraph"}
+        assert drawn.classed("current") == {"failed"}
+        (retried,) = [link for link in drawn.links if "RETRIED" in link.label]
+        assert retried.dotted
+        assert retried.label == f"RETRIED {TIMES}2"
+        assert retried.index in drawn.traversed
+        assert {drawn.named_links()[i] for i in drawn.untraversed} == {
+            ("subgraph", "click", "NEXT"),
+            ("click", "end", "NEXT"),
+        }
+
+    def test_a_just_started_run_styles_no_link_as_taken(self, journal):
+        engine = rich_engine(journal)
+        run_id = engine.start()
+        spec, run, timeline = finished(engine, run_id)
+        text = render(spec, run=run, timeline=timeline)
+
+        drawn = assert_path_styled(text, extract(spec, run=run, timeline=timeline))
+
+        assert not drawn.traversed
+        assert drawn.untraversed  # every link but the start point's is grey
 
 
 class TestDotRun:
@@ -1037,7 +1415,12 @@ class TestRender:
         spec, run, timeline = failed_run_with_retries(journal)
         graph = extract(spec, run=run, timeline=timeline)
 
-        assert render(spec, run=run, timeline=timeline) == render_mermaid(graph)
+        assert render(spec) == render_mermaid(extract(spec))
+        assert render(spec, run=run, timeline=timeline) == render_mermaid_flowchart(graph)
+        assert render(spec, timeline=timeline) == render_mermaid_flowchart(
+            extract(spec, timeline=timeline)
+        )
+        assert render(spec, run=run) == render_mermaid_flowchart(extract(spec, run=run))
         assert render(spec, format="dot", run=run, timeline=timeline) == render_dot(graph)
 
     @pytest.mark.parametrize("fmt", ["svg", "png", "plantuml", ""])
