@@ -27,10 +27,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import fsm_runner.examples
 import fsm_runner.presets
-from fsm_runner.diagrams import render, render_image
+from fsm_runner.cli import cli
+from fsm_runner.diagrams import render
 from fsm_runner.spec import MachineSpec
 
 DIAGRAMS = Path(__file__).parents[1] / "diagrams"
@@ -61,12 +63,21 @@ def load_spec(import_path: str) -> MachineSpec:
     return spec
 
 
+def diagram(stem: str, fmt: str) -> bytes:
+    """What `fsm-runner diagram IMPORT_PATH --format FMT` prints for a shipped machine."""
+    result = CliRunner().invoke(cli, ["diagram", PRESETS[stem], "--format", fmt])
+    assert result.exit_code == 0, result.output
+    return result.stdout_bytes
+
+
 def mermaid_of(stem: str) -> str:
-    return render(load_spec(PRESETS[stem]), format="mermaid")
+    text = diagram(stem, "mermaid").decode()
+    assert text == render(load_spec(PRESETS[stem]), format="mermaid")  # the CLI adds nothing
+    return text
 
 
 def svg_of(stem: str) -> bytes:
-    return render_image(render(load_spec(PRESETS[stem]), format="dot"), format="svg")
+    return diagram(stem, "svg")
 
 
 def without_comments(svg: str) -> str:
