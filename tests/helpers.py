@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import attrs
 
-from fsm_runner import MachineSpec, RunEvent, State, Transition
+from fsm_runner import RETURN, MachineSpec, RunEvent, State, Transition
 
 NEXT = "NEXT"
+PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
+SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
+LOST = "SERVER_LOST"
+FOUND = "SERVER_FOUND"
 
 
 def snapshot(journal, run_id: str):
@@ -120,3 +124,67 @@ def start_release(journal_path, tmp_path, stop_after: int | None, version: str =
     engine.run(run_id, max_steps=stop_after)
     engine.journal.close()
     return run_id
+
+
+def nested_spec(*, extra_transitions=(), initial="", status_events=None, inner=None, **outer):
+    """prepare -> working[a, inner[b, c], d] -> done; LOST anywhere in working -> recovering.
+
+    recovering -FOUND-> RETURN (back to the sub-phase that was lost); SYSTEM_ERROR -> failed.
+    """
+    return MachineSpec(
+        "nested",
+        [
+            State("prepare", handler="prepare"),
+            State(
+                "working",
+                children=[
+                    State("a", handler="a"),
+                    State(
+                        "inner",
+                        children=[State("b", handler="b"), State("c", handler="c")],
+                        **(inner or {}),
+                    ),
+                    State("d", handler="d"),
+                ],
+                **outer,
+            ),
+            State("recovering", handler="recover"),
+            State("done", terminal=True),
+            State("failed", terminal=True, outcome="failed"),
+        ],
+        [
+            *extra_transitions,
+            Transition("prepare", PHASE_COMPLETED, "working"),
+            Transition("working", PHASE_COMPLETED, "done"),
+            Transition("working", LOST, "recovering"),
+            Transition("recovering", FOUND, RETURN),
+            Transition("*", SYSTEM_ERROR, "failed"),
+        ],
+        initial=initial,
+        status_events=status_events or {},
+    )
+
+
+def iteration_loop_spec() -> MachineSpec:
+    """building (starts an iteration) -> verifying -> feedback -> building ..., with a limit."""
+    return MachineSpec(
+        "loop",
+        [
+            State("building", handler="build", starts_iteration=True),
+            State("verifying", handler="verify"),
+            State("feedback", handler="feedback"),
+            State("succeeded", terminal=True),
+            State("failed", terminal=True, outcome="failed"),
+        ],
+        [
+            Transition("building", "BUILT", "verifying"),
+            Transition("verifying", RunEvent.VERIFY_PASSED, "succeeded"),
+            Transition("verifying", RunEvent.VERIFY_FAILED_RETRYABLE, "feedback"),
+            Transition(
+                "feedback", "FEEDBACK_READY", "failed", unless=["iterations_left"],
+                reason="iteration limit spent",
+            ),
+            Transition("feedback", "FEEDBACK_READY", "building"),
+            Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
+        ],
+    )  # fmt: skip

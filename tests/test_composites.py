@@ -26,55 +26,14 @@ from fsm_runner import (
 )
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.machine import compile_spec
-from tests.helpers import linear_spec, snapshot, undo_v4
+from tests.helpers import FOUND, LOST, linear_spec, nested_spec, snapshot, undo_v4
 
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 INTERRUPTED = RunEvent.INTERRUPTED.value
-LOST = "SERVER_LOST"
-FOUND = "SERVER_FOUND"
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def nested_spec(*, extra_transitions=(), initial="", status_events=None, inner=None, **outer):
-    """prepare -> working[a, inner[b, c], d] -> done; LOST anywhere in working -> recovering.
-
-    recovering -FOUND-> RETURN (back to the sub-phase that was lost); SYSTEM_ERROR -> failed.
-    """
-    return MachineSpec(
-        "nested",
-        [
-            State("prepare", handler="prepare"),
-            State(
-                "working",
-                children=[
-                    State("a", handler="a"),
-                    State(
-                        "inner",
-                        children=[State("b", handler="b"), State("c", handler="c")],
-                        **(inner or {}),
-                    ),
-                    State("d", handler="d"),
-                ],
-                **outer,
-            ),
-            State("recovering", handler="recover"),
-            State("done", terminal=True),
-            State("failed", terminal=True, outcome="failed"),
-        ],
-        [
-            *extra_transitions,
-            Transition("prepare", PHASE_COMPLETED, "working"),
-            Transition("working", PHASE_COMPLETED, "done"),
-            Transition("working", LOST, "recovering"),
-            Transition("recovering", FOUND, RETURN),
-            Transition("*", SYSTEM_ERROR, "failed"),
-        ],
-        initial=initial,
-        status_events=status_events or {},
-    )
 
 
 def completed(_ctx):

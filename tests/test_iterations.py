@@ -6,33 +6,13 @@ import sqlite3
 
 import pytest
 
-from fsm_runner import Engine, MachineSpec, PhaseResult, RunEvent, SqliteJournal, State, Transition
+from fsm_runner import Engine, PhaseResult, RunEvent, SqliteJournal
 from fsm_runner.exceptions import JournalError
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.records import ArtifactRecord, ErrorType
-from tests.helpers import undo_v4
+from tests.helpers import iteration_loop_spec, undo_v4
 
-SPEC = MachineSpec(
-    "loop",
-    [
-        State("building", handler="build", starts_iteration=True),
-        State("verifying", handler="verify"),
-        State("feedback", handler="feedback"),
-        State("succeeded", terminal=True),
-        State("failed", terminal=True, outcome="failed"),
-    ],
-    [
-        Transition("building", "BUILT", "verifying"),
-        Transition("verifying", RunEvent.VERIFY_PASSED, "succeeded"),
-        Transition("verifying", RunEvent.VERIFY_FAILED_RETRYABLE, "feedback"),
-        Transition(
-            "feedback", "FEEDBACK_READY", "failed", unless=["iterations_left"],
-            reason="iteration limit spent",
-        ),
-        Transition("feedback", "FEEDBACK_READY", "building"),
-        Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
-    ],
-)  # fmt: skip
+SPEC = iteration_loop_spec()
 
 
 def engine_for(journal, *, passes_on: int = 2, limit: int = 3, fail_in_verify: bool = False):

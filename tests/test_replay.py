@@ -51,7 +51,7 @@ from tests.fake_services import (
     failing_report,
     passing_report,
 )
-from tests.helpers import NEXT, linear_spec
+from tests.helpers import FOUND, LOST, NEXT, iteration_loop_spec, linear_spec, nested_spec
 
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 USER_ABORTED = RunEvent.USER_ABORTED.value
@@ -59,8 +59,6 @@ INTERRUPTED = RunEvent.INTERRUPTED.value
 RETRIED = RunEvent.RETRIED.value
 REWOUND = RunEvent.REWOUND.value
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
-LOST = "SERVER_LOST"
-FOUND = "SERVER_FOUND"
 AGENT_INPUT = {"task": "make the tests pass", "workspace": "/work/ws"}
 
 
@@ -132,31 +130,6 @@ def recorder(result=NEXT):
     return handler
 
 
-def loop_spec() -> MachineSpec:
-    """building (starts an iteration) -> verifying -> feedback -> building ..., with a limit."""
-    return MachineSpec(
-        "loop",
-        [
-            State("building", handler="build", starts_iteration=True),
-            State("verifying", handler="verify"),
-            State("feedback", handler="feedback"),
-            State("succeeded", terminal=True),
-            State("failed", terminal=True, outcome="failed"),
-        ],
-        [
-            Transition("building", "BUILT", "verifying"),
-            Transition("verifying", RunEvent.VERIFY_PASSED, "succeeded"),
-            Transition("verifying", RunEvent.VERIFY_FAILED_RETRYABLE, "feedback"),
-            Transition(
-                "feedback", "FEEDBACK_READY", "failed", unless=["iterations_left"],
-                reason="iteration limit spent",
-            ),
-            Transition("feedback", "FEEDBACK_READY", "building"),
-            Transition("*", SYSTEM_ERROR, "failed"),
-        ],
-    )  # fmt: skip
-
-
 def loop_engine(journal, *, passes_on: int, limit: int = 5):
     def verify_phase(ctx):
         passed = ctx.iteration >= passes_on
@@ -167,7 +140,7 @@ def loop_engine(journal, *, passes_on: int, limit: int = 5):
         )
 
     return engine_for(
-        loop_spec(),
+        iteration_loop_spec(),
         journal,
         {
             "build": recorder(lambda ctx: PhaseResult("BUILT", iteration={"model": "m"})),
@@ -192,34 +165,6 @@ def retry_spec(*, max_attempts: int = 3, starts_iteration: bool = False) -> Mach
             State("failed", terminal=True, outcome="failed"),
         ],
         [Transition("calling", NEXT, "done"), Transition("calling", SYSTEM_ERROR, "failed")],
-    )
-
-
-def nested_spec() -> MachineSpec:
-    """prepare -> working[a, inner[b, c], d] -> done; LOST in working -> recovering -FOUND-> RETURN."""
-    return MachineSpec(
-        "nested",
-        [
-            State("prepare", handler="prepare"),
-            State(
-                "working",
-                children=[
-                    State("a", handler="a"),
-                    State("inner", children=[State("b", handler="b"), State("c", handler="c")]),
-                    State("d", handler="d"),
-                ],
-            ),
-            State("recovering", handler="recover"),
-            State("done", terminal=True),
-            State("failed", terminal=True, outcome="failed"),
-        ],
-        [
-            Transition("prepare", PHASE_COMPLETED, "working"),
-            Transition("working", PHASE_COMPLETED, "done"),
-            Transition("working", LOST, "recovering"),
-            Transition("recovering", FOUND, RETURN),
-            Transition("*", SYSTEM_ERROR, "failed"),
-        ],
     )
 
 
