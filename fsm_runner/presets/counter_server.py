@@ -41,7 +41,6 @@ Foreign failures (``OSError``, ``http.client.HTTPException``, bad JSON) become
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http
 import http.client
 import http.server
@@ -58,10 +57,10 @@ from types import TracebackType
 from typing import Any
 
 from fsm_runner.exceptions import FsmRunnerError, SupervisorError
+from fsm_runner.presets._local_server import HOST, LocalServer
 
 __all__ = ["CounterClient", "CounterServer", "CounterServerError", "main"]
 
-HOST = "127.0.0.1"
 #: How long a stalled hit waits before it is answered after all (the test kills first).
 STALL_SECONDS = 600.0
 
@@ -177,7 +176,7 @@ class CounterClient:
 # -- the resource ------------------------------------------------------------------------------
 
 
-class CounterServer:
+class CounterServer(LocalServer):
     """The counter server process: a :class:`fsm_runner.supervisor.Resource` and a context manager.
 
     :meth:`start` spawns ``python -m fsm_runner.presets.counter_server`` and returns once it
@@ -201,12 +200,9 @@ class CounterServer:
         stall_after_hit: Path | None = None,
         health_timeout: float = 0.5,
     ) -> None:
+        super().__init__(port=port, health_timeout=health_timeout)
         self.state = Path(state)
-        self.port = port
         self.stall_after_hit = stall_after_hit
-        self.health_timeout = health_timeout
-        self._process: subprocess.Popen[str] | None = None
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"CounterServer(port={self.port}, pid={self.pid})"
@@ -233,12 +229,6 @@ class CounterServer:
         if self.port is None:
             raise SupervisorError(self.name, "not started yet; its port is not known")
         return f"http://{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """The process id of the server started last, or ``None`` when it is stopped."""
-        process = self._process
-        return None if process is None else process.pid
 
     def command(self) -> list[str]:
         """The command line that starts the server."""
@@ -267,49 +257,6 @@ class CounterServer:
                 self._stop_locked()
                 raise SupervisorError(self.name, f"exited before it listened ({line.strip()!r})")
             self.port = int(line)
-
-    def health(self) -> bool:
-        """Whether the server started last answers ``/health`` with its own pid.
-
-        Raises:
-            SupervisorError: the server process has exited; it will not become healthy.
-        """
-        process = self._process
-        if process is None or self.port is None:
-            return False
-        code = process.poll()
-        if code is not None:
-            raise SupervisorError(self.name, f"server process {process.pid} exited with {code}")
-        conn = http.client.HTTPConnection(HOST, self.port, timeout=self.health_timeout)
-        try:
-            conn.request("GET", "/health")
-            response = conn.getresponse()
-            data = json.loads(response.read())
-        except (OSError, http.client.HTTPException, ValueError):
-            return False
-        finally:
-            conn.close()
-        return bool(
-            response.status == http.HTTPStatus.OK
-            and isinstance(data, dict)
-            and data.get("pid") == process.pid
-        )
-
-    def stop(self) -> None:
-        """Kill the server and wait for it; nothing happens if it is stopped or dead."""
-        with self._lock:
-            self._stop_locked()
-
-    def _stop_locked(self) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # died between poll() and kill()
-                process.kill()
-        process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
 
     def client(self) -> CounterClient:
         """A client for the server."""

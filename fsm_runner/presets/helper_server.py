@@ -31,7 +31,6 @@ a phase gets — it can do work, and nothing else. Foreign failures (``OSError``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import http.server
 import json
@@ -46,7 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fsm_runner.exceptions import FsmRunnerError, SupervisorError
+from fsm_runner.exceptions import FsmRunnerError
+from fsm_runner.presets._local_server import HOST, LocalServer
 
 __all__ = [
     "HelperClient",
@@ -56,8 +56,6 @@ __all__ = [
     "free_port",
     "main",
 ]
-
-HOST = "127.0.0.1"
 
 
 class ServerUnreachableError(FsmRunnerError, ConnectionError):
@@ -188,7 +186,7 @@ def free_port() -> int:
         return port
 
 
-class HelperServer:
+class HelperServer(LocalServer):
     """The helper server as a supervised :class:`fsm_runner.supervisor.Resource`.
 
     Each :meth:`start` spawns ``python -m fsm_runner.presets.helper_server`` in the caller's
@@ -212,12 +210,11 @@ class HelperServer:
         refuse_if_exists: Path | None = None,
         health_timeout: float = 0.5,
     ) -> None:
+        super().__init__(
+            port=port if port is not None else free_port(), health_timeout=health_timeout
+        )
         self.log = Path(log)
-        self.port = port if port is not None else free_port()
         self.refuse_if_exists = refuse_if_exists
-        self.health_timeout = health_timeout
-        self._process: subprocess.Popen[bytes] | None = None
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"HelperServer(port={self.port}, pid={self.pid})"
@@ -226,12 +223,6 @@ class HelperServer:
     def base_url(self) -> str:
         """Where the server listens: ``http://127.0.0.1:PORT``."""
         return f"http://{HOST}:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        """The process id of the server started last, or ``None`` when it is stopped."""
-        process = self._process
-        return None if process is None else process.pid
 
     def command(self) -> list[str]:
         """The command line that starts the server."""
@@ -260,48 +251,8 @@ class HelperServer:
                 self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
             )
 
-    def health(self) -> bool:
-        """Whether the server started last answers ``/health`` with its own pid.
-
-        Raises:
-            SupervisorError: the server process has exited; it will not become healthy.
-        """
-        process = self._process
-        if process is None:
-            return False
-        code = process.poll()
-        if code is not None:
-            raise SupervisorError(self.name, f"server process {process.pid} exited with {code}")
-        conn = http.client.HTTPConnection(HOST, self.port, timeout=self.health_timeout)
-        try:
-            conn.request("GET", "/health")
-            response = conn.getresponse()
-            data = json.loads(response.read())
-        except (OSError, http.client.HTTPException, ValueError):
-            return False
-        finally:
-            conn.close()
-        # The pid check: a stray process on the port must not pass for ours.
-        return bool(
-            response.status == http.HTTPStatus.OK
-            and isinstance(data, dict)
-            and data.get("ok")
-            and data.get("pid") == process.pid
-        )
-
-    def stop(self) -> None:
-        """Kill the server and wait for it; nothing happens if it is stopped or dead."""
-        with self._lock:
-            self._stop_locked()
-
-    def _stop_locked(self) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # died between poll() and kill()
-                process.kill()
-        process.wait()
+    def _healthy(self, answer: dict[str, Any]) -> bool:
+        return bool(answer.get("ok"))
 
     def client(self) -> HelperClient:
         """A client for the server: it can do work, and nothing else."""
