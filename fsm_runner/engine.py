@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from fsm_runner._group import GroupCommitter
 from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -45,6 +46,7 @@ from fsm_runner.exceptions import (
     SpecMismatchError,
 )
 from fsm_runner.journal import Journal, SqliteJournal
+from fsm_runner.journal.base import Commit
 from fsm_runner.machine import Guard, compile_spec
 from fsm_runner.phases import (
     PhaseContext,
@@ -61,6 +63,7 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
+    positional_builder,
     utc_now,
 )
 from fsm_runner.replay import journal_specs, state_at
@@ -88,6 +91,9 @@ _KEEPS_VISIT = frozenset({_RETRIED, _INTERRUPTED, RunEvent.SPEC_CHANGED.value})
 _MAX_ABORT_TRIES = 20
 #: Seconds the short lease of an abort from outside any engine lasts.
 _ABORT_LEASE_TTL = 30.0
+# The hot path's record constructors: every field, positionally (see positional_builder).
+_new_run = positional_builder(RunRecord)
+_new_transition = positional_builder(TransitionRecord)
 # What handlers return most; checked before the much slower inspect.isawaitable.
 _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
 
@@ -120,6 +126,11 @@ class _Outcome(NamedTuple):
     result: PhaseResult | None
     error: BaseException | None
     duration_ms: float
+
+
+#: A transition about to be committed: the transition, the run row it leads to, and the
+#: iterations and artifacts written with it (a plain tuple: built on the hot path).
+_Planned = tuple[TransitionRecord, RunRecord, Sequence[IterationRecord], Sequence[ArtifactRecord]]
 
 
 class _Step(NamedTuple):
@@ -159,6 +170,9 @@ class Engine:
             output, context update, iteration update or artifacts) the engine journals; a
             larger one is refused before anything is written (a handler's: as a
             :class:`HandlerResultError`, journaled as ``SYSTEM_ERROR``).
+        group_commit: in async runs (:meth:`arun`), commit the transitions of all runs whose
+            phases ended in the same turn of the event loop in one journal transaction; each
+            run still waits for its own transition to be durable before its next phase.
 
     Raises:
         SpecError: the spec is invalid, or names handlers or guards that are not given.
@@ -183,6 +197,7 @@ class Engine:
         heartbeat_interval: float | None = None,
         max_recoveries: int = 3,
         max_payload_bytes: int = 16 * 1024 * 1024,
+        group_commit: bool = True,
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be positive, not {lease_ttl!r}")
@@ -228,6 +243,8 @@ class Engine:
         self.heartbeat_interval = heartbeat_interval or lease_ttl / 3
         self.max_recoveries = max_recoveries
         self.max_payload_bytes = max_payload_bytes
+        self.group_commit = group_commit
+        self._committer: GroupCommitter | None = None
         self._held: dict[str, int] = {}  # run id -> the lease token this engine holds
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
@@ -253,10 +270,13 @@ class Engine:
             heartbeat_interval=self.heartbeat_interval,
             max_recoveries=self.max_recoveries,
             max_payload_bytes=self.max_payload_bytes,
+            group_commit=self.group_commit,
         )
 
     def close(self) -> None:
-        """Stop the heartbeat and close the event loop of async handlers in sync runs.
+        """Stop the heartbeat, group commit's writer thread and the loop of sync runs.
+
+        The event loop closed is the one async handlers run in during sync runs.
 
         The journal is the host's to close.
         """
@@ -265,6 +285,9 @@ class Engine:
             self._heartbeat.join()
             self._heartbeat = None
         self._stop_heartbeat.clear()
+        if self._committer is not None:
+            self._committer.close()
+            self._committer = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -884,7 +907,10 @@ class Engine:
     async def _astep(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
         pending_abort = self._aborts.get(run.run_id) or run.abort_reason
         if pending_abort is not None:
-            return self._commit_abort(run, pending_abort)
+            return await self._awrite(self._plan_abort(run, pending_abort))
+        fast = self._fast.get(run.state)
+        if fast is not None:
+            return await self._astep_fast(run, fast)
         step = self._prepare(run)
         if step is None:
             return None, run
@@ -895,10 +921,62 @@ class Engine:
             raise
         finally:
             self._release(run.run_id)
+        return await self._asettle(step, outcome)
+
+    async def _astep_fast(
+        self, run: RunRecord, handler: Callable[[PhaseContext], Any]
+    ) -> tuple[TransitionRecord, RunRecord]:
+        """Async :meth:`_step_fast`: a handler without timeout or validate(), awaited directly."""
+        run_id = run.run_id
+        state = self._states[run.state]
+        ctx = PhaseContext(
+            run,
+            self.services,
+            self.clock,
+            None,
+            None,
+            self._logger_names[run.state],
+            self.journal,
+            state,
+        )
+        self._active[run_id] = ctx
+        started = self.clock()
+        try:
+            value = handler(ctx)
+            if type(value) is types.CoroutineType or (
+                not isinstance(value, _PLAIN_RETURNS) and inspect.isawaitable(value)
+            ):
+                value = await value
+        except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
+            self._finished(run_id)
+            step = _Step(run, state, ctx, started)
+            return await self._asettle(step, self._outcome(step, None, exc))
+        except (KeyboardInterrupt, asyncio.CancelledError) as exc:
+            self._finished(run_id)
+            self._journal_interruption(run, type(exc).__name__)
+            raise
+        except BaseException:
+            self._finished(run_id)
+            raise
+        self._finished(run_id)
+        if type(value) is str and not run.iteration:
+            dest = self._plain_edges.get((run.state, value))
+            if dest is not None:
+                duration_ms = (self.clock() - started) * 1000.0
+                return await self._awrite(self._plan_plain(run, value, dest, duration_ms))
+        step = _Step(run, state, ctx, started)
+        try:
+            outcome = self._outcome(step, value, None)
+        except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
+            outcome = self._outcome(step, None, exc)
+        return await self._asettle(step, outcome)
+
+    async def _asettle(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+        """Async :meth:`_settle`."""
         wait = self._retry_wait(step, outcome)
         if wait is None:
-            return self._finish(step, outcome)
-        committed = self._commit_retry(step, outcome)
+            return await self._awrite(self._decide(step, outcome))
+        committed = await self._awrite(self._plan_retry(step, outcome))
         await self.async_sleep(wait)
         return committed
 
@@ -984,12 +1062,11 @@ class Engine:
         )
 
     def _commit_abort(self, run: RunRecord, reason: str) -> tuple[TransitionRecord, RunRecord]:
+        return self._write(self._plan_abort(run, reason))
+
+    def _plan_abort(self, run: RunRecord, reason: str) -> _Planned:
         transition, after = _abort_records(self.spec, run, reason, self.guards)
-        self.journal.commit(after, transition)
-        with self._lock:
-            self._aborts.pop(run.run_id, None)
-        self._notify(transition, after)
-        return transition, after
+        return transition, after, (), ()
 
     # -- shared step machinery -----------------------------------------------------------------
 
@@ -1112,9 +1189,12 @@ class Engine:
         return policy.wait(step.run.attempt)
 
     def _commit_retry(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+        return self._write(self._plan_retry(step, outcome))
+
+    def _plan_retry(self, step: _Step, outcome: _Outcome) -> _Planned:
         assert outcome.error is not None
         error = _error_info(outcome.error)
-        return self._commit(
+        return self._plan(
             step.run,
             _RETRIED,
             step.state.name,
@@ -1125,9 +1205,13 @@ class Engine:
         )
 
     def _finish(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+        return self._write(self._decide(step, outcome))
+
+    def _decide(self, step: _Step, outcome: _Outcome) -> _Planned:
+        """The transition a phase's outcome leads to, and what to write with it (not written)."""
         run = step.run
         if isinstance(outcome.error, RunAbortedError):
-            return self._commit_abort(run, outcome.error.reason)
+            return self._plan_abort(run, outcome.error.reason)
         if outcome.error is not None:
             error = _error_info(outcome.error)
             event = _TIMEOUT if isinstance(outcome.error, PhaseTimeoutError) else _SYSTEM_ERROR
@@ -1138,7 +1222,7 @@ class Engine:
                     raise outcome.error
                 raise PhaseError(run_id=run.run_id, state=run.state, event=event, error=error)
             dest = self._machine.resolve(run.state, event, run, self.guards, run_id=run.run_id)
-            return self._commit(
+            return self._plan(
                 run, event, dest, result={"error": error}, duration_ms=outcome.duration_ms,
                 error=error,
             )  # fmt: skip
@@ -1160,7 +1244,7 @@ class Engine:
             and run.iteration == 0
             and dest != RETURN
         ):
-            return self._commit_plain(run, result.event, dest, outcome.duration_ms)
+            return self._plan_plain(run, result.event, dest, outcome.duration_ms)
         payload: dict[str, Any] = {}
         if result.output is not None:
             payload["output"] = result.output
@@ -1177,7 +1261,7 @@ class Engine:
             payload["reason"] = reason
             if error_payload is None:
                 error_payload = {"type": result.event, "message": reason}
-        return self._commit(
+        return self._plan(
             guarded,
             result.event,
             dest,
@@ -1199,9 +1283,72 @@ class Engine:
         error: Mapping[str, Any] | None = None,
         attempt: int | None = None,
         status: Outcome | None = None,
+    ) -> tuple[TransitionRecord, RunRecord]:
+        """Journal the transition ``run`` takes on ``event`` to ``dest`` (see :meth:`_plan`)."""
+        return self._write(
+            self._plan(
+                run,
+                event,
+                dest,
+                result=result,
+                duration_ms=duration_ms,
+                error=error,
+                attempt=attempt,
+                status=status,
+            )
+        )
+
+    def _write(self, planned: _Planned) -> tuple[TransitionRecord, RunRecord]:
+        """Commit a planned transition, then tell the listeners."""
+        transition, after, iterations, artifacts = planned
+        if iterations or artifacts:
+            self.journal.commit(after, transition, iterations=iterations, artifacts=artifacts)
+        else:
+            self.journal.commit(after, transition)
+        return self._committed(transition, after)
+
+    async def _awrite(self, planned: _Planned) -> tuple[TransitionRecord, RunRecord]:
+        """Commit a planned transition with other runs' in one transaction (group commit).
+
+        Returns once the transaction is durable, so the run's next phase cannot start before.
+        """
+        if not self.group_commit:
+            return self._write(planned)
+        transition, after, iterations, artifacts = planned
+        loop = asyncio.get_running_loop()
+        committer = self._committer
+        if committer is None or committer.loop is not loop:
+            if committer is not None:
+                committer.close()
+            committer = self._committer = GroupCommitter(self.journal, loop)
+        await committer.submit(Commit(after, transition, iterations, artifacts))
+        return self._committed(transition, after)
+
+    def _committed(
+        self, transition: TransitionRecord, after: RunRecord
+    ) -> tuple[TransitionRecord, RunRecord]:
+        if after.status is not Outcome.ACTIVE or transition.event == _USER_ABORTED:
+            with self._lock:
+                self._aborts.pop(after.run_id, None)
+        if self.listeners:
+            self._notify(transition, after)
+        return transition, after
+
+    def _plan(
+        self,
+        run: RunRecord,
+        event: str,
+        dest: str,
+        *,
+        result: Mapping[str, Any] | None,
+        duration_ms: float,
+        error: Mapping[str, Any] | None = None,
+        attempt: int | None = None,
+        status: Outcome | None = None,
         iteration_updates: Mapping[str, Any] | None = None,
         artifacts: Sequence[ArtifactRecord] = (),
-    ) -> tuple[TransitionRecord, RunRecord]:
+    ) -> _Planned:
+        """Build the transition, the run row it leads to and the rows written with it."""
         transition, after = _advance(
             self.spec,
             run,
@@ -1232,35 +1379,40 @@ class Engine:
                 )
                 for artifact in artifacts
             ]
-        if iterations or artifacts:
-            self.journal.commit(after, transition, iterations=iterations, artifacts=artifacts)
-        else:
-            self.journal.commit(after, transition)
-        if after.ended:
-            with self._lock:
-                self._aborts.pop(run.run_id, None)
-        self._notify(transition, after)
-        return transition, after
+        return transition, after, iterations, artifacts
 
     def _commit_plain(
         self, run: RunRecord, event: str, dest: str, duration_ms: float
     ) -> tuple[TransitionRecord, RunRecord]:
-        """Commit a bare event outside iterations: :func:`_advance` and :meth:`_commit` inlined.
+        """Commit a bare event outside iterations (the sync hot path)."""
+        planned = self._plan_plain(run, event, dest, duration_ms)
+        transition, after, iterations, _ = planned
+        if iterations:
+            return self._write(planned)
+        self.journal.commit(after, transition)
+        if after.status is not Outcome.ACTIVE:
+            self._aborts.pop(after.run_id, None)
+        if self.listeners:
+            self._notify(transition, after)
+        return transition, after
+
+    def _plan_plain(self, run: RunRecord, event: str, dest: str, duration_ms: float) -> _Planned:
+        """Plan a bare event outside iterations: :func:`_advance` and :meth:`_plan` inlined.
 
         Positional calls only; keyword arguments cost on every step.
         """
         dest_state = self._states[dest]
         iteration = run.iteration + dest_state.starts_iteration
         if iteration or run.return_to is not None or dest in self._returning:
-            return self._commit(run, event, dest, result=None, duration_ms=duration_ms)
+            return self._plan(run, event, dest, result=None, duration_ms=duration_ms)
         now = utc_now()
         seq = run.seq + 1
         run_id = run.run_id
-        transition = TransitionRecord(
+        transition = _new_transition(
             run_id, seq, run.state, event, dest, 0, run.attempt, now, duration_ms, None,
             run.lease_token,
         )  # fmt: skip
-        after = RunRecord(
+        after = _new_run(
             run_id,
             run.machine,
             run.spec_hash,
@@ -1286,12 +1438,7 @@ class Engine:
             0,
             run.recoveries,
         )
-        self.journal.commit(after, transition)
-        if dest_state.terminal:
-            self._aborts.pop(run_id, None)
-        if self.listeners:
-            self._notify(transition, after)
-        return transition, after
+        return transition, after, (), ()
 
     def _iteration_rows(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
@@ -28,6 +28,7 @@ __all__ = [
     "converter",
     "format_utc",
     "parse_utc",
+    "positional_builder",
     "structure",
     "unstructure",
     "utc_now",
@@ -334,6 +335,35 @@ def _defaulted(cls: Any) -> frozenset[str]:
             f.name for f in fields if f.default is not attrs.NOTHING
         )
     return names
+
+
+def positional_builder(cls: type[T]) -> Callable[..., T]:
+    """A fast constructor of the frozen, slotted attrs class ``cls``: every field, in order.
+
+    For the engine's hot path. ``cls(...)`` of a frozen class sets each field through
+    ``object.__setattr__``; the builder sets the slots through their descriptors, about twice
+    as fast for a 24-field record. It applies no defaults, so callers pass every field; a class
+    with converters or validators is refused (the builder would skip them).
+
+    Raises:
+        TypeError: ``cls`` has a field with a converter or validator, or no slots.
+    """
+    fields = attrs.fields(cls)
+    if any(f.converter is not None or f.validator is not None for f in fields):
+        raise TypeError(f"{cls.__qualname__} has converters or validators")
+    namespace: dict[str, Any] = {"new": object.__new__, "cls": cls}
+    lines = [f"def build({', '.join(f'v{i}' for i in range(len(fields)))}):", "    obj = new(cls)"]
+    for index, field in enumerate(fields):
+        slot = cls.__dict__.get(field.name)
+        if slot is None or not hasattr(slot, "__set__"):
+            raise TypeError(f"{cls.__qualname__}.{field.name} is not a slot")
+        namespace[f"set{index}"] = slot.__set__
+        lines.append(f"    set{index}(obj, v{index})")
+    lines.append("    return obj")
+    code = compile("\n".join(lines), f"<positional builder of {cls.__qualname__}>", "exec")
+    exec(code, namespace)  # noqa: S102 - our own generated source, as attrs does for __init__
+    build: Callable[..., T] = namespace["build"]
+    return build
 
 
 def structure(data: Mapping[str, Any], cls: type[T]) -> T:

@@ -34,11 +34,30 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import Outcome
 
-__all__ = ["Durability", "Journal", "PruneReport"]
+__all__ = ["Commit", "Durability", "Journal", "PruneReport"]
 
 #: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
 #: ``power``: it also survives power loss (synchronous=FULL).
 Durability = Literal["process", "power"]
+
+
+@attrs.frozen
+class Commit:
+    """One run's commit in a group (:meth:`Journal.commit_many`): the arguments of ``commit``.
+
+    Attributes:
+        run: the run row the transition leads to.
+        transition: the transition.
+        iterations: iteration records stored with it.
+        artifacts: artifacts stored with it.
+        spec_json: the spec the run moves to, if it changes spec.
+    """
+
+    run: RunRecord
+    transition: TransitionRecord
+    iterations: Sequence[IterationRecord] = ()
+    artifacts: Sequence[ArtifactRecord] = ()
+    spec_json: str | None = None
 
 
 @attrs.frozen
@@ -106,6 +125,20 @@ class Journal(Protocol):
             RunConflictError: the stored run is not at ``transition.seq - 1`` (another writer
                 advanced it); nothing was written.
             JournalError: the medium failed; nothing was written.
+        """
+
+    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
+        """Store several commits in ONE transaction: a group commit, one durable write for all.
+
+        Each commit is checked exactly as :meth:`commit` checks it, on its own: one that is
+        refused writes nothing and its error (``RunConflictError``, ``LeaseLostError``,
+        ``RunNotFoundError``, ``ValueError``) is returned at its index, while the others are
+        stored. When the transaction itself fails (disk full, locked past the busy timeout),
+        nothing was written and every entry is that ``JournalError``. Nothing is durable
+        before this returns.
+
+        Returns:
+            For each commit, ``None`` when it was stored, else why it was not.
         """
 
     def load(self, run_id: str) -> RunRecord:

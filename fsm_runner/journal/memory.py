@@ -24,7 +24,7 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
     RunTerminalError,
 )
-from fsm_runner.journal.base import PruneReport
+from fsm_runner.journal.base import Commit, PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -162,6 +162,25 @@ class MemoryJournal:
                 named = self._artifacts.setdefault(run.run_id, {})
                 named.pop(artifact.name, None)  # replaced by name, and ordered as committed
                 named[artifact.name] = artifact
+
+    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
+        """Store several commits; each is refused or stored on its own, as by :meth:`commit`."""
+        results: list[Exception | None] = []
+        with self._lock:
+            for item in commits:
+                try:
+                    self.commit(
+                        item.run,
+                        item.transition,
+                        iterations=item.iterations,
+                        artifacts=item.artifacts,
+                        spec_json=item.spec_json,
+                    )
+                except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned
+                    results.append(exc)
+                else:
+                    results.append(None)
+        return results
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted."""

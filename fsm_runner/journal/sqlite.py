@@ -31,7 +31,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SchemaVersionError,
 )
-from fsm_runner.journal.base import Durability, PruneReport
+from fsm_runner.journal.base import Commit, Durability, PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -366,6 +366,10 @@ class SqliteJournal:
                     conn.execute("ROLLBACK")
                 raise
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise JournalError("is closed", path=self.path)
+
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._errors():
@@ -422,10 +426,108 @@ class SqliteJournal:
         Other changed columns are written by an UPDATE in the same ``BEGIN IMMEDIATE``
         transaction.
         """
+        insert, rows = self._statements(run, transition, iterations, artifacts, spec_json)
+        run_id = run.run_id
+        written = self._written
+        with self._lock:
+            if self._closed:
+                raise JournalError("is closed", path=self.path)
+            cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
+            try:
+                if rows is None:
+                    cursor.execute(_INSERT_TRANSITION, insert)
+                else:
+                    self._commit_with_rows(cursor, insert, rows)
+            except sqlite3.IntegrityError as exc:
+                written.pop(run_id, None)
+                raise self._commit_refusal(
+                    exc, run_id, transition.seq - 1, transition.lease_token
+                ) from None
+            except sqlite3.Error as exc:
+                written.pop(run_id, None)
+                raise JournalError(self._describe(exc), path=self.path) from exc
+            if len(written) >= _REMEMBERED_RUNS:
+                written.clear()
+            written[run_id] = run
+
+    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
+        """Store several commits in one ``BEGIN IMMEDIATE`` transaction (see ``Journal``).
+
+        A one-statement commit that is refused is undone by SQLite itself (the trigger's
+        ``RAISE(ABORT)`` ends that statement only); one with more statements runs inside a
+        SAVEPOINT, rolled back when it is refused.
+        """
+        results: list[Exception | None] = [None] * len(commits)
+        planned = []
+        for index, item in enumerate(commits):
+            try:
+                insert, rows = self._statements(
+                    item.run, item.transition, item.iterations, item.artifacts, item.spec_json
+                )
+            except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned at its index
+                results[index] = exc
+            else:
+                planned.append((index, insert, rows))
+        if not planned:
+            return results
+        stored: list[int] = []
+        with self._lock:
+            try:
+                self._check_open()
+                with self._errors():
+                    self._write_group(commits, planned, results, stored)
+            except JournalError as failure:
+                for index in stored:
+                    self._written.pop(commits[index].run.run_id, None)
+                return [failure if result is None else result for result in results]
+            if len(self._written) >= _REMEMBERED_RUNS:
+                self._written.clear()
+        return results
+
+    def _write_group(
+        self,
+        commits: Sequence[Commit],
+        planned: Sequence[tuple[int, tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]],
+        results: list[Exception | None],
+        stored: list[int],
+    ) -> None:
+        written = self._written
+        cursor = self._cursor
+        cursor.execute("BEGIN IMMEDIATE")
+        try:
+            for index, insert, rows in planned:
+                run = commits[index].run
+                try:
+                    if rows is None:
+                        cursor.execute(_INSERT_TRANSITION, insert)
+                    else:
+                        self._savepoint(cursor, insert, rows)
+                except sqlite3.IntegrityError as exc:
+                    written.pop(run.run_id, None)
+                    results[index] = self._commit_refusal(
+                        exc, run.run_id, run.seq - 1, commits[index].transition.lease_token
+                    )
+                else:
+                    written[run.run_id] = run  # known at this seq for a later commit here
+                    stored.append(index)
+            cursor.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                cursor.execute("ROLLBACK")
+            raise
+
+    def _statements(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        iterations: Sequence[IterationRecord],
+        artifacts: Sequence[ArtifactRecord],
+        spec_json: str | None,
+    ) -> tuple[tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]:
+        """The INSERT of ``transition`` and, off the hot path, the other statements with it."""
         seq = transition.seq
         if run.seq != seq or run.state != transition.to_state or seq < 1:
             self._refuse_malformed(run, transition)
-        at = transition.at
         insert = (
             transition.run_id,
             seq,
@@ -434,13 +536,12 @@ class SqliteJournal:
             transition.to_state,
             transition.iteration,
             transition.attempt,
-            format_utc(at),
+            format_utc(transition.at),
             transition.duration_ms,
             None if transition.result is None else _dumps(transition.result),
             transition.lease_token,
         )
-        run_id = run.run_id
-        known = self._written.get(run_id)
+        known = self._written.get(run.run_id)
         if (
             known is not None  # the hot path: the trigger alone writes everything that changed
             and known.seq == seq - 1
@@ -455,39 +556,39 @@ class SqliteJournal:
             extra = None
         else:
             extra = self._extra_update(run, transition)
-        rows: list[tuple[str, tuple[Any, ...]]] | None = None
-        if extra is not None or iterations or artifacts or spec_json is not None:  # off hot path
-            rows = [extra] if extra is not None else []
-            if spec_json is not None:
-                rows += [
-                    (
-                        "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
-                        " VALUES (?, ?, ?, ?)",
-                        (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
-                    ),
-                    ("UPDATE runs SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run_id)),
-                ]
-            rows += [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
-            rows += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
-        written = self._written
-        with self._lock:
-            if self._closed:
-                raise JournalError("is closed", path=self.path)
-            cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
-            try:
-                if rows is None:
-                    cursor.execute(_INSERT_TRANSITION, insert)
-                else:
-                    self._commit_with_rows(cursor, insert, rows)
-            except sqlite3.IntegrityError as exc:
-                written.pop(run_id, None)
-                raise self._commit_refusal(exc, run_id, seq - 1, transition.lease_token) from None
-            except sqlite3.Error as exc:
-                written.pop(run_id, None)
-                raise JournalError(self._describe(exc), path=self.path) from exc
-            if len(written) >= _REMEMBERED_RUNS:
-                written.clear()
-            written[run_id] = run
+        if extra is None and not iterations and not artifacts and spec_json is None:
+            return insert, None
+        rows = [extra] if extra is not None else []
+        if spec_json is not None:
+            rows += [
+                (
+                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
+                ),
+                ("UPDATE runs SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run.run_id)),
+            ]
+        rows += [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
+        rows += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
+        return insert, rows
+
+    def _savepoint(
+        self,
+        cursor: sqlite3.Cursor,
+        insert: tuple[Any, ...],
+        rows: Sequence[tuple[str, tuple[Any, ...]]],
+    ) -> None:
+        """One commit of several statements inside a group: all of them or none."""
+        cursor.execute("SAVEPOINT one_commit")
+        try:
+            cursor.execute(_INSERT_TRANSITION, insert)
+            for sql, params in rows:
+                cursor.execute(sql, params)
+        except BaseException:
+            cursor.execute("ROLLBACK TO one_commit")
+            raise
+        finally:
+            cursor.execute("RELEASE one_commit")
 
     def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
         if run.seq != transition.seq or run.state != transition.to_state:

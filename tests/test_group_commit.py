@@ -1,0 +1,332 @@
+"""Group commit: many async runs' transitions in one journal transaction, every invariant kept.
+
+The contract of ``Journal.commit_many`` on every journal (each commit refused or stored on its
+own, a failed transaction writing nothing), the ``GroupCommitter`` (batches, the writer thread,
+cancellation) and the engine's async path on a real SQLite file: no phase starts before the
+transition that led to it is durable — checked from a second connection, which sees only
+committed data — and the journal replays cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import attrs
+import pytest
+
+from fsm_runner import Engine, SqliteJournal
+from fsm_runner._group import GroupCommitter
+from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError
+from fsm_runner.journal.base import Commit
+from fsm_runner.records import IterationRecord, TransitionRecord, utc_now
+from fsm_runner.replay import check_journal
+from tests.helpers import NEXT, linear_spec, loop_spec
+
+SPEC = linear_spec("a", "b", "c", name="grouped")
+
+
+def sync_noop(_ctx):
+    return NEXT
+
+
+def engine_for(journal, **options) -> Engine:
+    handlers = {"a": sync_noop, "b": sync_noop, "c": sync_noop}
+    return Engine(SPEC, handlers=handlers, journal=journal, **options)
+
+
+def next_commit(run, *, token=None, seq=None, iteration=None) -> Commit:
+    """The commit moving ``run`` one state on (a -> b -> c -> done)."""
+    order = ["a", "b", "c", "done"]
+    dest = order[order.index(run.state) + 1]
+    seq = run.seq + 1 if seq is None else seq
+    now = utc_now()
+    transition = TransitionRecord(
+        run.run_id,
+        seq,
+        run.state,
+        NEXT,
+        dest,
+        lease_token=run.lease_token if token is None else token,
+        at=now,
+    )
+    after = attrs.evolve(run, state=dest, seq=seq, visit_seq=seq, updated_at=now)
+    iterations = (IterationRecord(run.run_id, iteration, started_at=now),) if iteration else ()
+    return Commit(after, transition, iterations)
+
+
+class TestCommitMany:
+    """Journal.commit_many on every journal: one transaction, each commit judged alone."""
+
+    def test_all_stored_in_order(self, journal):
+        engine = engine_for(journal)
+        runs = [journal.load(engine.start()) for _ in range(5)]
+        results = journal.commit_many([next_commit(run) for run in runs])
+        assert results == [None] * 5
+        for run in runs:
+            assert journal.load(run.run_id).state == "b"
+            assert [t.seq for t in journal.transitions(run.run_id)] == [0, 1]
+
+    def test_refused_commits_write_nothing_and_the_others_are_stored(self, journal):
+        engine = engine_for(journal)
+        ok, stale, fenced, missing_seq, ok2 = (journal.load(engine.start()) for _ in range(5))
+        journal.claim(fenced.run_id, "w2", ttl=60)  # its token moved on: the commit is fenced
+        commits = [
+            next_commit(ok),
+            next_commit(stale, seq=stale.seq + 2),  # not at seq - 1
+            next_commit(fenced),
+            next_commit(missing_seq, seq=0),  # seq 0 is create_run's
+            next_commit(ok2, iteration=1),  # several statements: inside a savepoint
+        ]
+        before = {r.run_id: journal.load(r.run_id) for r in (stale, fenced, missing_seq)}
+        results = journal.commit_many(commits)
+        assert results[0] is None
+        assert isinstance(results[1], RunConflictError)
+        assert isinstance(results[2], LeaseLostError)
+        assert isinstance(results[3], (RunConflictError, ValueError))
+        assert results[4] is None
+        for run_id, row in before.items():
+            assert journal.load(run_id) == row
+            assert [t.seq for t in journal.transitions(run_id)] == [0]
+        assert journal.load(ok.run_id).state == "b"
+        assert journal.load(ok2.run_id).state == "b"
+        assert journal.iteration(ok2.run_id, 1) is not None
+
+    def test_a_refused_commit_of_several_statements_leaves_none_of_them(self, journal):
+        engine = engine_for(journal)
+        run = journal.load(engine.start())
+        journal.claim(run.run_id, "w2", ttl=60)
+        (result,) = journal.commit_many([next_commit(run, iteration=1)])
+        assert isinstance(result, LeaseLostError)
+        assert journal.iteration(run.run_id, 1) is None
+        assert journal.iterations(run.run_id) == []
+
+    def test_two_commits_of_one_run_in_one_group(self, journal):
+        engine = engine_for(journal)
+        run = journal.load(engine.start())
+        first = next_commit(run)
+        second = next_commit(first.run)
+        assert journal.commit_many([first, second]) == [None, None]
+        assert journal.load(run.run_id) == second.run
+        assert check_journal(journal) == []
+
+    def test_an_empty_group(self, journal):
+        assert journal.commit_many([]) == []
+
+
+class TestFailedTransaction:
+    def test_a_full_disk_fails_every_commit_and_writes_nothing(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            engine = engine_for(journal)
+            runs = [journal.load(engine.start()) for _ in range(40)]
+            conn = journal._conn
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages}")
+            commits = [next_commit(run) for run in runs]
+            for commit in commits:  # results big enough to need new pages
+                object.__setattr__(commit.transition, "result", {"output": "x" * 3000})
+            results = journal.commit_many(commits)
+            assert all(isinstance(r, JournalError) and "full" in str(r) for r in results)
+            for run in runs:
+                assert journal.load(run.run_id) == run
+                assert [t.seq for t in journal.transitions(run.run_id)] == [0]
+            conn.execute(f"PRAGMA max_page_count = {pages * 100}")
+            assert journal.commit_many(commits) == [None] * 40  # the same group, once there is room
+            assert check_journal(journal) == []
+
+    def test_a_closed_journal(self, tmp_path):
+        journal = SqliteJournal(tmp_path / "j.db")
+        run = journal.load(engine_for(journal).start())
+        journal.close()
+        (result,) = journal.commit_many([next_commit(run)])
+        assert isinstance(result, JournalError)
+        assert "closed" in str(result)
+
+
+class TestGroupCommitter:
+    def test_one_turn_of_the_loop_is_one_transaction(self, sqlite_journal):
+        engine = engine_for(sqlite_journal)
+        runs = [sqlite_journal.load(engine.start()) for _ in range(30)]
+
+        async def main():
+            committer = GroupCommitter(
+                sqlite_journal, asyncio.get_running_loop(), thread_from=10**6
+            )
+            await asyncio.gather(*(committer.submit(next_commit(run)) for run in runs))
+            return committer
+
+        committer = asyncio.run(main())
+        assert (committer.transactions, committer.commits) == (1, 30)
+        assert all(sqlite_journal.load(run.run_id).seq == 1 for run in runs)
+
+    def test_batches_are_capped_and_written_by_the_thread(self, sqlite_journal):
+        engine = engine_for(sqlite_journal)
+        runs = [sqlite_journal.load(engine.start()) for _ in range(50)]
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            committer = GroupCommitter(sqlite_journal, loop, max_batch=20, thread_from=5)
+            try:
+                await asyncio.gather(*(committer.submit(next_commit(run)) for run in runs))
+            finally:
+                committer.close()
+            return committer
+
+        committer = asyncio.run(main())
+        assert (committer.transactions, committer.commits) == (3, 50)
+        assert check_journal(sqlite_journal) == []
+
+    def test_refusals_reach_their_own_submitter_only(self, sqlite_journal):
+        engine = engine_for(sqlite_journal)
+        good, fenced = (sqlite_journal.load(engine.start()) for _ in range(2))
+        sqlite_journal.claim(fenced.run_id, "w2", ttl=60)
+
+        async def main():
+            committer = GroupCommitter(sqlite_journal, asyncio.get_running_loop())
+            return await asyncio.gather(
+                committer.submit(next_commit(good)),
+                committer.submit(next_commit(fenced)),
+                return_exceptions=True,
+            )
+
+        ok, refused = asyncio.run(main())
+        assert ok is None
+        assert isinstance(refused, LeaseLostError)
+
+    def test_a_commit_cancelled_before_the_flush_is_not_written(self, sqlite_journal):
+        engine = engine_for(sqlite_journal)
+        kept, dropped = (sqlite_journal.load(engine.start()) for _ in range(2))
+
+        async def main():
+            committer = GroupCommitter(sqlite_journal, asyncio.get_running_loop())
+            first = committer.submit(next_commit(kept))
+            second = committer.submit(next_commit(dropped))
+            second.cancel()
+            await first
+
+        asyncio.run(main())
+        assert sqlite_journal.load(kept.run_id).seq == 1
+        assert sqlite_journal.load(dropped.run_id).seq == 0
+
+    def test_max_batch_must_be_positive(self, sqlite_journal):
+        loop = asyncio.new_event_loop()
+        with pytest.raises(ValueError, match="max_batch"):
+            GroupCommitter(sqlite_journal, loop, max_batch=0)
+        loop.close()
+
+
+class TestEngineGroupCommit:
+    """Concurrent async runs on a real file: durable before the next phase, replayable after."""
+
+    @pytest.mark.parametrize("thread_from", [16, 10**6], ids=["writer-thread", "on-the-loop"])
+    def test_no_phase_starts_before_its_transition_is_durable(self, tmp_path, thread_from):
+        path = tmp_path / "journal.db"
+        observer = sqlite3.connect(path, check_same_thread=False)  # sees committed data only
+        observer.execute("PRAGMA query_only = 1")
+        premature: list[tuple[str, int, int]] = []
+        entered: list[int] = []
+
+        async def phase(ctx):
+            (committed,) = observer.execute(
+                "SELECT max(seq) FROM transitions WHERE run_id = ?", (ctx.run.run_id,)
+            ).fetchone()
+            if committed != ctx.run.seq:
+                premature.append((ctx.run.run_id, ctx.run.seq, committed))
+            entered.append(ctx.run.seq)
+            await asyncio.sleep(0)
+            return NEXT
+
+        with SqliteJournal(path) as journal:
+            engine = Engine(loop_spec(), handlers={"noop": phase}, journal=journal)
+            run_ids = [engine.start() for _ in range(200)]
+
+            async def main():
+                committer_options = {"thread_from": thread_from, "max_batch": 64}
+                loop = asyncio.get_running_loop()
+                engine._committer = GroupCommitter(journal, loop, **committer_options)
+                return await asyncio.gather(*(engine.arun(r, max_steps=12) for r in run_ids))
+
+            done = asyncio.run(main())
+            committer = engine._committer
+            engine.close()
+            assert premature == []
+            assert len(entered) == 200 * 12
+            assert all(run.seq == 12 for run in done)
+            assert committer.commits == 200 * 12
+            assert committer.transactions < committer.commits / 10  # they really were grouped
+            assert check_journal(journal) == []
+        observer.close()
+
+    def test_results_match_one_commit_per_step(self, tmp_path):
+        async def phase(ctx):
+            return NEXT
+
+        def drive(path, group_commit):
+            with SqliteJournal(path) as journal:
+                engine = Engine(
+                    SPEC,
+                    handlers={"a": phase, "b": phase, "c": phase},
+                    journal=journal,
+                    group_commit=group_commit,
+                )
+                run_ids = [engine.start(run_id=f"run-{n}") for n in range(20)]
+
+                async def main():
+                    return await asyncio.gather(*(engine.arun(r) for r in run_ids))
+
+                done = asyncio.run(main())
+                engine.close()
+                paths = [
+                    [(t.seq, t.from_state, t.event, t.to_state) for t in journal.transitions(r)]
+                    for r in run_ids
+                ]
+                return [(r.state, r.status, r.seq) for r in done], paths
+
+        assert drive(tmp_path / "grouped.db", True) == drive(tmp_path / "single.db", False)
+
+    def test_a_failing_handler_and_a_fenced_run_do_not_disturb_the_others(self, tmp_path):
+        async def phase(ctx):
+            if ctx.run.input.get("fail") and ctx.run.state == "b":
+                raise RuntimeError("boom")
+            return NEXT
+
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = Engine(SPEC, handlers={"a": phase, "b": phase, "c": phase}, journal=journal)
+            run_ids = [engine.start({"fail": n % 3 == 0}) for n in range(30)]
+
+            async def main():
+                return await asyncio.gather(*(engine.arun(r) for r in run_ids))
+
+            done = asyncio.run(main())
+            engine.close()
+            for n, run in enumerate(done):
+                assert run.state == ("failed" if n % 3 == 0 else "done")
+            assert check_journal(journal) == []
+
+    def test_a_run_taken_over_mid_group_gets_lease_lost(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            stolen: dict[str, bool] = {}
+
+            async def phase(ctx):
+                if ctx.run.input.get("steal") and not stolen:
+                    stolen["done"] = True
+                    # another worker takes the lease over while this phase runs
+                    journal.claim(ctx.run.run_id, "thief", ttl=60, take_over=ctx.run.lease_owner)
+                await asyncio.sleep(0)
+                return NEXT
+
+            engine = Engine(SPEC, handlers={"a": phase, "b": phase, "c": phase}, journal=journal)
+            run_ids = [engine.start({"steal": n == 3}) for n in range(10)]
+
+            async def main():
+                return await asyncio.gather(
+                    *(engine.arun(r) for r in run_ids), return_exceptions=True
+                )
+
+            done = asyncio.run(main())
+            engine.close()
+            assert isinstance(done[3], LeaseLostError)
+            assert journal.load(run_ids[3]).seq == 0  # nothing of the fenced worker written
+            assert all(run.state == "done" for n, run in enumerate(done) if n != 3)
+            assert check_journal(journal) == []
