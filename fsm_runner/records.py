@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+A = TypeVar("A", bound=attrs.AttrsInstance)
 
 
 def utc_now() -> dt.datetime:
@@ -337,7 +338,7 @@ def _defaulted(cls: Any) -> frozenset[str]:
     return names
 
 
-def positional_builder(cls: type[T]) -> Callable[..., T]:
+def positional_builder(cls: type[A]) -> Callable[..., A]:
     """A fast constructor of the frozen, slotted attrs class ``cls``: every field, in order.
 
     For the engine's hot path. ``cls(...)`` of a frozen class sets each field through
@@ -362,7 +363,7 @@ def positional_builder(cls: type[T]) -> Callable[..., T]:
     lines.append("    return obj")
     code = compile("\n".join(lines), f"<positional builder of {cls.__qualname__}>", "exec")
     exec(code, namespace)  # noqa: S102 - our own generated source, as attrs does for __init__
-    build: Callable[..., T] = namespace["build"]
+    build: Callable[..., A] = namespace["build"]
     return build
 
 
