@@ -281,3 +281,42 @@ class TestFormatUtc:
         assert [dt.datetime.fromisoformat(t) for t in texts][1] == base + dt.timedelta(
             microseconds=1
         )
+
+
+class TestPositionalBuilder:
+    """The hot path's record constructors build exactly what the attrs constructors build."""
+
+    def test_builds_equal_frozen_records(self):
+        from fsm_runner.records import positional_builder
+
+        now = dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc)
+        values = [f"v{i}" for i in range(len(attrs.fields(RunRecord)))]
+        values[4] = Outcome.ACTIVE
+        built = positional_builder(RunRecord)(*values)
+        assert built == RunRecord(*values)
+        assert hash(built) == hash(RunRecord(*values))
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            built.state = "x"
+        transition = positional_builder(TransitionRecord)(
+            "r", 1, "a", "NEXT", "b", 0, 1, now, 0.5, None, 3
+        )
+        assert transition == TransitionRecord("r", 1, "a", "NEXT", "b", 0, 1, now, 0.5, None, 3)
+
+    def test_every_field_is_required(self):
+        from fsm_runner.records import positional_builder
+
+        with pytest.raises(TypeError):
+            positional_builder(TransitionRecord)("r", 1)
+
+    def test_classes_with_converters_or_without_slots_are_refused(self):
+        from fsm_runner.records import IterationRecord, positional_builder
+
+        with pytest.raises(TypeError, match="converters"):
+            positional_builder(IterationRecord)
+
+        @attrs.frozen(slots=False)
+        class Loose:
+            a: int
+
+        with pytest.raises(TypeError, match="not a slot"):
+            positional_builder(Loose)
