@@ -94,6 +94,7 @@ _ABORT_LEASE_TTL = 30.0
 # The hot path's record constructors: every field, positionally (see positional_builder).
 _new_run = positional_builder(RunRecord)
 _new_transition = positional_builder(TransitionRecord)
+_new_commit = positional_builder(Commit)
 # What handlers return most; checked before the much slower inspect.isawaitable.
 _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
 
@@ -274,9 +275,7 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Stop the heartbeat, group commit's writer thread and the loop of sync runs.
-
-        The event loop closed is the one async handlers run in during sync runs.
+        """Stop the heartbeat and close the event loop of async handlers in sync runs.
 
         The journal is the host's to close.
         """
@@ -285,9 +284,7 @@ class Engine:
             self._heartbeat.join()
             self._heartbeat = None
         self._stop_heartbeat.clear()
-        if self._committer is not None:
-            self._committer.close()
-            self._committer = None
+        self._committer = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -880,9 +877,16 @@ class Engine:
         run = self._claim(run_id)
         try:
             steps = 0
+            fast_states = self._fast
+            aborts = self._aborts
+            transition: TransitionRecord | None
             while (max_steps is None or steps < max_steps) and not run.ended:
                 try:
-                    transition, after = await self._astep(run)
+                    fast = fast_states.get(run.state)
+                    if fast is not None and run.abort_reason is None and run_id not in aborts:
+                        transition, after = await self._astep_fast(run, fast)  # the hot path
+                    else:
+                        transition, after = await self._astep(run)
                 except RunConflictError:
                     run = self.journal.load(run_id)
                     if run.ended:
@@ -1318,10 +1322,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         committer = self._committer
         if committer is None or committer.loop is not loop:
-            if committer is not None:
-                committer.close()
             committer = self._committer = GroupCommitter(self.journal, loop)
-        await committer.submit(Commit(after, transition, iterations, artifacts))
+        await committer.submit(_new_commit(after, transition, iterations, artifacts, None))
         return self._committed(transition, after)
 
     def _committed(
@@ -1576,6 +1578,9 @@ def _advance(
             )
         dest, attempt, visit_seq = return_to, return_attempt + 1, return_visit
         return_to, return_attempt, return_visit = None, 0, 0
+        # The journal says it was a return: a spec may also lead to the same state directly
+        # on the same event (behind a guard), and replay must tell the two apart.
+        result = {**(result or {}), "returned": True}
     elif dest != run.state or not (event in _KEEPS_VISIT or status in _IN_PLACE):
         visit_seq = seq  # a new visit begins (a spec's own self transition too)
         if dest == run.state:

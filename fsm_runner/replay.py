@@ -596,9 +596,16 @@ class _Walker:
             self.problem(seq, f"an event that state {state!r} allows", f"event {event!r}")
             return "transition"
         targets = [prev.return_to if c.dest == RETURN else c.dest for c in candidates]
-        for candidate, target in zip(candidates, targets, strict=True):
-            if target == dest:
-                return "return" if candidate.dest == RETURN else "transition"
+        kinds: set[StepKind] = {
+            "return" if candidate.dest == RETURN else "transition"
+            for candidate, target in zip(candidates, targets, strict=True)
+            if target == dest
+        }
+        if len(kinds) > 1:  # a guarded edge and a RETURN to the same state: the journal says
+            returned = isinstance(transition.result, Mapping) and transition.result.get("returned")
+            return "return" if returned else "transition"
+        if kinds:
+            return kinds.pop()
         self.problem(seq, _states(targets), f"state {dest!r}")
         return "transition"
 

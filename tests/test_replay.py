@@ -456,6 +456,42 @@ class TestReturnTargets:
         assert (run.state, run.iteration) == ("done", 1)
         assert_replays(journal, run.run_id, held)
 
+    @pytest.mark.parametrize("flagged", [False, True], ids=["returns", "guarded-edge"])
+    def test_a_return_and_a_guarded_edge_to_the_same_state(self, journal, flagged):
+        """Both lead back to ``working`` on FOUND: only the journal can say which was taken.
+
+        Found by the property tests: replay took the guarded edge (a new visit, attempt 1)
+        for a RETURN (the same visit's next attempt).
+        """
+        spec = MachineSpec(
+            "ambiguous",
+            [
+                State("working", handler="work"),
+                State("recovering", handler="recover"),
+                State("done", terminal=True),
+            ],
+            [
+                Transition("working", LOST, "recovering"),
+                Transition("working", NEXT, "done"),
+                Transition("recovering", FOUND, "working", guards=["flagged"]),
+                Transition("recovering", FOUND, RETURN),
+            ],
+        )
+        engine = Engine(
+            spec,
+            handlers={"work": lambda _c: NEXT, "recover": lambda _c: FOUND},
+            guards={"flagged": lambda _run: flagged},
+            journal=journal,
+        )
+        run_id = engine.start()
+        engine.send(run_id, LOST)
+        run = engine.send(run_id, FOUND)
+        assert (run.state, run.attempt) == ("working", 1 if flagged else 2)
+        replayed = replay_run(journal, run_id)
+        assert replayed.run == journal.load(run_id)
+        assert [s.kind for s in replayed.steps][-1] == ("transition" if flagged else "return")
+        assert check_journal(journal) == []
+
 
 class TestAborts:
     """Aborts with and without a USER_ABORTED exit."""
