@@ -21,7 +21,13 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
         RunTerminalError,
         SpecError,
     )
-    from fsm_runner.journal import Journal, MemoryJournal, SqliteJournal, open_journal
+    from fsm_runner.journal import (
+        Journal,
+        MemoryJournal,
+        PostgresJournal,
+        SqliteJournal,
+        open_journal,
+    )
     from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult
     from fsm_runner.records import RunRecord, TransitionRecord
     from fsm_runner.spec import (
@@ -49,6 +55,7 @@ __all__ = [
     "PhaseContext",
     "PhaseHandler",
     "PhaseResult",
+    "PostgresJournal",
     "RetryPolicy",
     "RunEvent",
     "RunNotFoundError",
@@ -81,6 +88,7 @@ _EXPORTS: dict[str, str] = {
     "PhaseContext": "fsm_runner.phases",
     "PhaseHandler": "fsm_runner.phases",
     "PhaseResult": "fsm_runner.phases",
+    "PostgresJournal": "fsm_runner.journal",
     "RETURN": "fsm_runner.spec",
     "RetryPolicy": "fsm_runner.spec",
     "RunEvent": "fsm_runner.events",

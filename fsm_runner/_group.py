@@ -11,9 +11,6 @@ transition is durable, exactly as with one commit per step.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
-from collections.abc import Sequence
 
 from fsm_runner.journal.base import Commit, Journal
 
@@ -21,119 +18,64 @@ __all__ = ["GroupCommitter"]
 
 
 class GroupCommitter:
-    """Collects the commits of one event loop's runs and writes them in few transactions.
+    """Collects the commits of one event loop's runs and writes each turn's in one transaction.
 
-    A batch of at least ``thread_from`` commits is written by a writer thread, so the loop
-    runs the phases of other runs (whose commits are durable) while SQLite writes; its
-    commits accumulate into the next batch, written as soon as this one is done. Smaller
-    batches — one run alone, say — are written on the loop itself, which is quicker for them.
+    The write happens on the loop itself, at the end of the turn in which the first commit was
+    submitted. (A writer thread was measured: SQLite releases the GIL only while it steps a
+    statement, and getting it back from a busy loop costs more than the overlap gains.)
 
     Args:
         journal: where the commits go (:meth:`Journal.commit_many`).
         loop: the event loop whose runs submit.
-        max_batch: the most commits written in one transaction; more wait for the next one.
-        thread_from: the smallest batch handed to the writer thread.
+        max_batch: the most commits written in one transaction; more go in the next one.
     """
 
     def __init__(
-        self,
-        journal: Journal,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        max_batch: int = 512,
-        thread_from: int = 16,
+        self, journal: Journal, loop: asyncio.AbstractEventLoop, *, max_batch: int = 4096
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch!r}")
         self.journal = journal
         self.loop = loop
         self.max_batch = max_batch
-        self.thread_from = thread_from
         self._pending: list[tuple[Commit, asyncio.Future[None]]] = []
         self._scheduled = False
-        self._writing = False
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.transactions = 0  # how many transactions were written (for benchmarks and tests)
         self.commits = 0  # how many commits they held
-
-    def close(self) -> None:
-        """Stop the writer thread (after the batch it is writing, if any)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
     def submit(self, commit: Commit) -> asyncio.Future[None]:
         """Queue ``commit``; the future is done once it is durable (or holds why it was not).
 
-        Cancelling the future before its batch is written leaves the commit out: nothing is
-        written for it.
+        Cancelling the future before its turn ends leaves the commit out: nothing is written
+        for it.
         """
         future: asyncio.Future[None] = self.loop.create_future()
         self._pending.append((commit, future))
-        if not self._scheduled and not self._writing:
+        if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._flush)
         return future
 
-    def _take(self) -> list[tuple[Commit, asyncio.Future[None]]]:
-        pending = self._pending
-        self._pending = pending[self.max_batch :]
-        return [(c, f) for c, f in pending[: self.max_batch] if not f.cancelled()]
-
     def _flush(self) -> None:
-        self._scheduled = False
-        while not self._writing and self._pending:
-            batch = self._take()
-            if len(batch) >= self.thread_from:
-                self._writing = True
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(
-                        1, thread_name_prefix="fsm-runner-group-commit"
-                    )
-                commits = [commit for commit, _ in batch]
-                written = self.loop.run_in_executor(
-                    self._executor, self.journal.commit_many, commits
-                )
-                written.add_done_callback(functools.partial(self._written, batch))
-            elif batch:
-                try:
-                    results = self.journal.commit_many([commit for commit, _ in batch])
-                except BaseException as exc:  # a journal that raised instead of returning
-                    self._fail(batch, exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                else:
-                    self._resolve(batch, results)
-
-    def _written(
-        self,
-        batch: Sequence[tuple[Commit, asyncio.Future[None]]],
-        written: asyncio.Future[list[Exception | None]],
-    ) -> None:
-        self._writing = False
-        error = written.exception() if not written.cancelled() else asyncio.CancelledError()
-        if error is not None:
-            self._fail(batch, error)
-        else:
-            self._resolve(batch, written.result())
-        self._flush()  # what accumulated meanwhile goes at once: the next batch
-
-    @staticmethod
-    def _fail(batch: Sequence[tuple[Commit, asyncio.Future[None]]], exc: BaseException) -> None:
-        for _, future in batch:
-            if not future.done():
+        pending = self._pending
+        batch = [(c, f) for c, f in pending[: self.max_batch] if not f.cancelled()]
+        self._pending = pending[self.max_batch :]
+        self._scheduled = bool(self._pending)
+        if self._scheduled:
+            self.loop.call_soon(self._flush)
+        if not batch:
+            return
+        try:
+            results = self.journal.commit_many([commit for commit, _ in batch])
+        except BaseException as exc:  # a journal that raised instead of returning the errors
+            for _, future in batch:
                 future.set_exception(exc)
-
-    def _resolve(
-        self,
-        batch: Sequence[tuple[Commit, asyncio.Future[None]]],
-        results: Sequence[Exception | None],
-    ) -> None:
+            if not isinstance(exc, Exception):
+                raise
+            return
         self.transactions += 1
         self.commits += len(batch)
         for (_, future), error in zip(batch, results, strict=True):
-            if future.done():  # cancelled while the transaction was written: it is written
-                continue
             if error is None:
                 future.set_result(None)
             else:

@@ -116,6 +116,10 @@ class _State:
             from fsm_runner.journal import open_journal
 
             location = self.journal_path
+            if location.startswith(("postgresql://", "postgres://")):
+                # A database is not a file: a missing journal is the journal's own error.
+                self._journal = open_journal(location, create=not must_exist)
+                return self._journal
             path = location.removeprefix("sqlite:///")
             if must_exist and location != ":memory:" and not Path(path).exists():
                 _fail(
@@ -162,7 +166,10 @@ def _styled_status(text: str, status: str) -> str:
     default=DEFAULT_JOURNAL,
     show_default=True,
     metavar="PATH",
-    help=f"The SQLite journal file (also from ${ENV_JOURNAL}).",
+    help=(
+        "The SQLite journal file, or a postgresql://USER@HOST/DB[?schema=NAME] URL "
+        f"(also from ${ENV_JOURNAL})."
+    ),
 )
 @click.version_option(package_name="fsm-runner", prog_name="fsm-runner")
 @click.pass_context

@@ -1,12 +1,21 @@
-"""Journals: the one I/O seam of the engine (``base.Journal``) and its implementations."""
+"""Journals: the one I/O seam of the engine (``base.Journal``) and its implementations.
+
+:class:`PostgresJournal` loads on first use, so that nothing here imports psycopg unless a
+PostgreSQL journal is asked for.
+"""
 
 from __future__ import annotations
 
 import os
+import typing
 
+from fsm_runner.exceptions import JournalError
 from fsm_runner.journal.base import Durability, Journal, PruneReport
 from fsm_runner.journal.memory import MemoryJournal
 from fsm_runner.journal.sqlite import DEFAULT_PATH, SCHEMA_VERSION, SqliteJournal
+
+if typing.TYPE_CHECKING:
+    from fsm_runner.journal.postgres import PostgresJournal
 
 __all__ = [
     "DEFAULT_PATH",
@@ -14,23 +23,62 @@ __all__ = [
     "Durability",
     "Journal",
     "MemoryJournal",
+    "PostgresJournal",
     "PruneReport",
     "SqliteJournal",
     "open_journal",
 ]
 
+_POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def __getattr__(name: str) -> typing.Any:
+    if name == "PostgresJournal":
+        return _postgres_journal()
+    raise AttributeError(f"module 'fsm_runner.journal' has no attribute {name!r}")
+
+
+def _postgres_journal() -> type[PostgresJournal]:
+    """Import the PostgreSQL journal, or explain how to install what it needs."""
+    try:
+        from fsm_runner.journal.postgres import PostgresJournal  # noqa: PLC0415 - lazy (above)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("psycopg"):
+            raise
+        raise JournalError(
+            "a PostgreSQL journal needs psycopg 3: install fsm-runner[postgres]"
+        ) from None
+    return PostgresJournal
+
 
 def open_journal(
-    location: str | os.PathLike[str], *, durability: Durability = "process"
+    location: str | os.PathLike[str],
+    *,
+    durability: Durability = "process",
+    create: bool = True,
 ) -> Journal:
-    """Open the journal at ``location``: ``:memory:``, ``sqlite:///PATH`` or a file path.
+    """Open the journal at ``location``.
+
+    ``location`` is ``:memory:``, a PostgreSQL URL (``postgresql://...`` or ``postgres://...``,
+    with an optional ``?schema=NAME``), ``sqlite:///PATH`` or a file path.
+
+    Args:
+        location: where the journal is.
+        durability: see :data:`Durability`.
+        create: make the journal when it does not exist yet; when ``False`` a missing journal
+            (a PostgreSQL schema without one, a SQLite file that is not there) is an error.
 
     Raises:
-        JournalError: the journal cannot be opened (see :class:`SqliteJournal`).
+        JournalError: the journal cannot be opened (see :class:`SqliteJournal` and
+            :class:`PostgresJournal`), or psycopg is not installed for a PostgreSQL URL.
     """
     text = os.fspath(location)
     if text == ":memory:":
         return MemoryJournal()
+    if text.startswith(_POSTGRES_SCHEMES):
+        return _postgres_journal()(text, durability=durability, create=create)
     if text.startswith("sqlite:///"):
         text = text[len("sqlite:///") :]
+    if not create and not os.path.exists(text):
+        raise JournalError("does not exist", path=os.path.abspath(text))
     return SqliteJournal(text, durability=durability)

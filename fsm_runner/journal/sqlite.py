@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import enum
+import functools
+import itertools
 import json
 import os
 import sqlite3
@@ -94,6 +96,16 @@ _INSERT_TRANSITION = (
     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
     " duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+_BULK_ROWS = 64
+
+
+@functools.cache
+def _bulk_insert(rows: int) -> str:
+    """The INSERT of ``rows`` transitions in one statement."""
+    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * rows)
+    return _INSERT_TRANSITION.split(" VALUES ", maxsplit=1)[0] + " VALUES " + values
+
+
 _RUN_COLUMNS = (
     "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
     "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
@@ -495,7 +507,24 @@ class SqliteJournal:
         cursor = self._cursor
         cursor.execute("BEGIN IMMEDIATE")
         try:
-            for index, insert, rows in planned:
+            one_each = [item for item in planned if item[2] is not None]
+            bulk = [item for item in planned if item[2] is None]
+            if len(bulk) > 1 and len({commits[i].run.run_id for i, _, _ in planned}) == len(
+                planned
+            ):
+                try:
+                    self._insert_many([insert for _, insert, _ in bulk])
+                except sqlite3.IntegrityError:  # one of them is refused: each on its own, below
+                    cursor.execute("ROLLBACK")
+                    cursor.execute("BEGIN IMMEDIATE")
+                    one_each = list(planned)
+                else:
+                    for index, _, _ in bulk:
+                        written[commits[index].run.run_id] = commits[index].run
+                        stored.append(index)
+            else:
+                one_each = list(planned)
+            for index, insert, rows in one_each:
                 run = commits[index].run
                 try:
                     if rows is None:
@@ -515,6 +544,23 @@ class SqliteJournal:
             if self._conn.in_transaction:
                 cursor.execute("ROLLBACK")
             raise
+
+    def _insert_many(self, inserts: Sequence[tuple[Any, ...]]) -> None:
+        """INSERT many transitions with few statements: multi-row VALUES of 64, 32, ... rows.
+
+        One statement binds a whole chunk and steps once, instead of one call per row; the
+        chunk sizes are powers of two so their statements stay in the statement cache (and
+        64 x 11 parameters stay under old SQLite's limit of 999).
+        """
+        cursor = self._cursor
+        start = 0
+        while start < len(inserts):
+            size = _BULK_ROWS
+            while size > len(inserts) - start:
+                size //= 2
+            chunk = inserts[start : start + size]
+            cursor.execute(_bulk_insert(size), list(itertools.chain.from_iterable(chunk)))
+            start += size
 
     def _statements(
         self,
@@ -550,8 +596,13 @@ class SqliteJournal:
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
-            and run.visit_seq == self._trigger_visit(known, transition)
             and transition.event != _USER_ABORTED
+            and run.visit_seq
+            == (
+                known.visit_seq
+                if transition.event in _SAME_VISIT and transition.from_state == transition.to_state
+                else seq
+            )  # what the trigger writes (_trigger_visit, inlined)
         ):
             extra = None
         else:

@@ -1,0 +1,169 @@
+"""The PostgreSQL journal's schema: its migrations, as plain SQL.
+
+The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): schema version N
+holds the same tables and columns in both, so a record written by one reads back the same from
+the other. Migrations are frozen once released: a change of schema is a new migration, never an
+edit of an old one. Each migration runs inside the transaction that opens the journal, under an
+advisory lock, so two processes opening a new schema at once create it once.
+
+Types: ``bigint`` for seqs, tokens and counts; ``timestamptz`` for times (microseconds, like the
+ISO text the SQLite journal stores); ``text`` for JSON payloads, holding exactly the JSON the
+SQLite journal stores (``jsonb`` would reorder keys and refuse what ``json.dumps`` writes for
+``NaN``), so records round-trip unchanged — cast to ``jsonb`` to query them. Run ids use the
+``"C"`` collation: they sort and compare by code point, as in SQLite. Foreign keys are enforced.
+``rowid`` columns keep insertion order, as SQLite's implicit rowid does.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION"]
+
+#: The schema version this fsm_runner writes; a schema with a higher one is refused.
+SCHEMA_VERSION = 5
+
+_M0001_INITIAL = """
+CREATE TABLE meta (key text PRIMARY KEY, value text);
+CREATE TABLE specs (
+    spec_hash text COLLATE "C" PRIMARY KEY,
+    machine text,
+    json text,
+    created_at timestamptz
+);
+CREATE TABLE runs (
+    run_id text COLLATE "C" PRIMARY KEY,
+    machine text NOT NULL,
+    spec_hash text COLLATE "C" NOT NULL REFERENCES specs (spec_hash),
+    state text NOT NULL,
+    status text NOT NULL,
+    seq bigint NOT NULL,
+    iteration bigint NOT NULL DEFAULT 0,
+    attempt bigint NOT NULL DEFAULT 1,
+    input text,
+    context text,
+    error text,
+    created_at timestamptz NOT NULL,
+    updated_at timestamptz,
+    parent_run_id text COLLATE "C",
+    forked_from text,
+    abort_reason text,
+    lease_owner text,
+    lease_expires_at timestamptz,
+    lease_token bigint NOT NULL DEFAULT 0,
+    rowid bigint GENERATED ALWAYS AS IDENTITY UNIQUE
+);
+CREATE INDEX runs_machine_created_at ON runs (machine, created_at);
+CREATE INDEX runs_status_created_at ON runs (status, created_at);
+CREATE INDEX runs_created_at ON runs (created_at, rowid);
+CREATE INDEX runs_parent_run_id ON runs (parent_run_id);
+CREATE TABLE transitions (
+    run_id text COLLATE "C" NOT NULL REFERENCES runs (run_id),
+    seq bigint NOT NULL,
+    from_state text,
+    event text NOT NULL,
+    to_state text NOT NULL,
+    iteration bigint,
+    attempt bigint,
+    at timestamptz NOT NULL,
+    duration_ms double precision,
+    result text,
+    PRIMARY KEY (run_id, seq)
+);
+INSERT INTO meta (key, value) VALUES ('schema_version', '1'), ('format', 'fsm_runner journal');
+"""
+
+_M0002_ITERATIONS_ARTIFACTS = """
+CREATE TABLE iterations (
+    run_id text COLLATE "C" NOT NULL REFERENCES runs (run_id),
+    iteration bigint NOT NULL,
+    state text,
+    started_at timestamptz,
+    completed_at timestamptz,
+    duration_ms double precision,
+    snapshot_id text,
+    feedback text,
+    feedback_fallback boolean,
+    agent_session_id text,
+    agent_result_ref text,
+    agent_duration_ms double precision,
+    success boolean,
+    model text,
+    tokens_input bigint,
+    tokens_output bigint,
+    tokens_total bigint,
+    cost_usd double precision,
+    verification_ref text,
+    passed boolean,
+    levels_run text,
+    verification_duration_ms double precision,
+    error_type text,
+    error_message text,
+    error_details text,
+    extra text,
+    PRIMARY KEY (run_id, iteration)
+);
+CREATE TABLE artifacts (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id text COLLATE "C" NOT NULL REFERENCES runs (run_id),
+    name text NOT NULL,
+    kind text,
+    seq bigint,
+    iteration bigint,
+    status text,
+    path text,
+    sha256 text,
+    size bigint,
+    error text,
+    content text,
+    created_at timestamptz,
+    UNIQUE (run_id, name)
+);
+UPDATE meta SET value = '2' WHERE key = 'schema_version';
+"""
+
+_M0003_RETURN_TARGETS = """
+ALTER TABLE runs ADD COLUMN return_to text, ADD COLUMN return_attempt bigint NOT NULL DEFAULT 0;
+UPDATE meta SET value = '3' WHERE key = 'schema_version';
+"""
+
+_M0004_EFFECTS = """
+ALTER TABLE runs ADD COLUMN visit_seq bigint NOT NULL DEFAULT 0,
+                 ADD COLUMN return_visit bigint NOT NULL DEFAULT 0;
+UPDATE runs SET visit_seq = seq;
+CREATE TABLE effects (
+    run_id text COLLATE "C" NOT NULL REFERENCES runs (run_id),
+    visit_seq bigint NOT NULL,
+    name text NOT NULL,
+    state text,
+    kind text,
+    params text,
+    idempotency_key text,
+    status text,
+    result text,
+    error text,
+    idempotent boolean,
+    started_at timestamptz,
+    completed_at timestamptz,
+    rowid bigint GENERATED ALWAYS AS IDENTITY UNIQUE,
+    PRIMARY KEY (run_id, visit_seq, name)
+);
+CREATE INDEX effects_status ON effects (status);
+UPDATE meta SET value = '4' WHERE key = 'schema_version';
+"""
+
+_M0005_LEASES = """
+ALTER TABLE transitions ADD COLUMN lease_token bigint NOT NULL DEFAULT 0;
+ALTER TABLE runs ADD COLUMN recoveries bigint NOT NULL DEFAULT 0;
+CREATE INDEX runs_status_lease_expires_at ON runs (status, lease_expires_at);
+CREATE INDEX runs_status_machine_created_at ON runs (status, machine, created_at, rowid);
+UPDATE meta SET value = '5' WHERE key = 'schema_version';
+"""
+
+#: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
+MIGRATIONS: tuple[tuple[int, str, str], ...] = (
+    (1, "m0001_initial", _M0001_INITIAL),
+    (2, "m0002_iterations_artifacts", _M0002_ITERATIONS_ARTIFACTS),
+    (3, "m0003_return_targets", _M0003_RETURN_TARGETS),
+    (4, "m0004_effects", _M0004_EFFECTS),
+    (5, "m0005_leases", _M0005_LEASES),
+)
+assert MIGRATIONS[-1][0] == SCHEMA_VERSION

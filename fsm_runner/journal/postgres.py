@@ -1,0 +1,1398 @@
+"""The PostgreSQL journal: one database shared by many workers on many hosts.
+
+The same contract as :class:`~fsm_runner.journal.sqlite.SqliteJournal`, on PostgreSQL through
+psycopg 3 (``pip install 'fsm-runner[postgres]'``). The tables, columns and schema versions are the
+SQLite journal's (see :mod:`fsm_runner.journal._postgres_schema`), in a PostgreSQL schema of
+their own (``?schema=NAME``; ``public`` by default), so several journals share one database.
+
+How it keeps the contract:
+
+* **One transaction per commit.** The hot-path commit is a single statement, run in autocommit
+  mode: an ``UPDATE`` of the run row, fenced by its seq and lease token, and the ``INSERT`` of the
+  transition that follows from it (a data-modifying ``WITH``). Either both happen or neither.
+  Iterations, artifacts and a spec change share one short explicit transaction with it.
+* **Fencing** is explicit SQL in every write that a lease holder makes: the transition commit
+  (``seq = N - 1 AND lease_token = T``), ``put_effect`` (which share-locks the run row it checks,
+  so the run cannot move on before the effect is written), ``renew`` and ``release``.
+* **Claims** lock the run row (``FOR UPDATE``); ``claim_next`` picks the longest-waiting runnable
+  run with ``FOR UPDATE SKIP LOCKED``, so workers on many hosts never claim one run twice and never
+  queue behind each other.
+* **Lost connections** (the server restarted, the backend was terminated, the network dropped)
+  are reconnected with backoff for up to ``retry_for`` seconds, then the operation is retried.
+  When a write's outcome is unknown — the connection died while its COMMIT was on the wire — the
+  journal first looks for what that write would have left (the transition at ``(run_id, seq)``
+  with the same lease token, time and event; the lease with the exact expiry it set; ...) and
+  takes it as committed, else does it again; the fencing makes doing it again safe.
+
+Opening the journal connects once, without retrying: a wrong URL or password, or a server that
+is not there, is reported at once. Passwords never appear in messages or in :attr:`location`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import enum
+import json
+import random
+import re
+import threading
+import time
+import urllib.parse
+import zlib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Final, TypeVar
+
+import attrs
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from fsm_runner.events import RunEvent
+from fsm_runner.exceptions import (
+    JournalError,
+    LeaseError,
+    LeaseHeldError,
+    LeaseLostError,
+    RunConflictError,
+    RunExistsError,
+    RunNotFoundError,
+    RunTerminalError,
+    SchemaVersionError,
+)
+from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
+from fsm_runner.journal.base import Commit, Durability, PruneReport
+from fsm_runner.records import (
+    ArtifactRecord,
+    EffectRecord,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    converter,
+    format_utc,
+    structure,
+    utc_now,
+)
+from fsm_runner.spec import Outcome
+
+__all__ = [
+    "DEFAULT_RETRY_FOR",
+    "DEFAULT_SCHEMA",
+    "SCHEMA_VERSION",
+    "PostgresJournal",
+    "is_postgres_url",
+    "redact",
+]
+
+T = TypeVar("T")
+_Connection = psycopg.Connection[tuple[Any, ...]]
+
+#: The PostgreSQL schema (namespace) a journal lives in when the URL names none.
+DEFAULT_SCHEMA = "public"
+#: What the ``meta`` table's ``format`` row says in every fsm_runner journal.
+_FORMAT: Final = "fsm_runner journal"
+_SCHEMES = ("postgresql://", "postgres://")
+_CONNINFO_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)")
+_UTC = dt.timezone.utc
+_USER_ABORTED = RunEvent.USER_ABORTED.value
+#: Seconds a write waits for a lost connection to come back before giving up.
+DEFAULT_RETRY_FOR = 15.0
+_FIRST_BACKOFF = 0.05
+_MAX_BACKOFF = 1.0
+
+_RUN_COLUMNS = (
+    "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
+    "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
+    "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
+    "return_attempt", "visit_seq", "return_visit", "recoveries",
+)  # fmt: skip
+_RUN_SELECT = ", ".join(_RUN_COLUMNS)
+_RUN_JSON = ("input", "context", "error")
+_RUN_TIMES = ("created_at", "updated_at", "lease_expires_at")
+_INSERT_RUN = f"INSERT INTO runs ({_RUN_SELECT}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
+_TRANSITION_COLUMNS = (
+    "run_id", "seq", "from_state", "event", "to_state", "iteration", "attempt", "at",
+    "duration_ms", "result", "lease_token",
+)  # fmt: skip
+_INSERT_TRANSITION = (
+    f"INSERT INTO transitions ({', '.join(_TRANSITION_COLUMNS)})"
+    f" VALUES ({', '.join(['%s'] * len(_TRANSITION_COLUMNS))})"
+)
+#: The hot path, one statement: move the run row from seq N-1 to N — only if it is at N-1 and
+#: the writer holds its current lease token (fencing) — and insert transition N from it.
+_COMMIT_TEMPLATE = """
+WITH moved AS (
+    UPDATE runs SET state = %s, seq = %s, iteration = %s, updated_at = %s, status = %s,
+                    attempt = %s, context = %s, error = %s, return_to = %s, return_attempt = %s,
+                    return_visit = %s, visit_seq = %s,
+                    abort_reason = CASE WHEN %s THEN NULL ELSE abort_reason END{spec}
+     WHERE run_id = %s AND seq = %s AND lease_token = %s
+    RETURNING run_id
+)
+INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,
+                         duration_ms, result, lease_token)
+SELECT run_id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s FROM moved
+"""
+_COMMIT = _COMMIT_TEMPLATE.format(spec="")
+_COMMIT_WITH_SPEC = _COMMIT_TEMPLATE.format(spec=", spec_hash = %s")
+_INSERT_SPEC = (
+    "INSERT INTO specs (spec_hash, machine, json, created_at) VALUES (%s, %s, %s, %s)"
+    " ON CONFLICT (spec_hash) DO NOTHING"
+)
+
+_ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
+_ITERATION_JSON = ("levels_run", "error_details", "extra")
+_UPSERT_ITERATION = (
+    f"INSERT INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
+    f" VALUES ({', '.join(['%s'] * len(_ITERATION_COLUMNS))})"
+    " ON CONFLICT (run_id, iteration) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _ITERATION_COLUMNS[2:])
+)
+_ARTIFACT_COLUMNS = (
+    "run_id", "name", "kind", "seq", "iteration", "status", "path", "sha256", "size", "error",
+    "content", "created_at",
+)  # fmt: skip
+# A replaced artifact takes a new id, so artifacts stay ordered as committed (SQLite's REPLACE).
+_UPSERT_ARTIFACT = (
+    f"INSERT INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
+    f" VALUES ({', '.join(['%s'] * len(_ARTIFACT_COLUMNS))})"
+    " ON CONFLICT (run_id, name) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _ARTIFACT_COLUMNS[2:])
+    + ", id = DEFAULT"
+)
+_EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
+_EFFECT_JSON = ("params", "result", "error")
+# FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
+_PUT_EFFECT = (
+    f"INSERT INTO effects ({', '.join(_EFFECT_COLUMNS)})"
+    f" SELECT {', '.join(['%s'] * len(_EFFECT_COLUMNS))}"
+    " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = %s AND seq = %s"
+    " AND (%s::bigint IS NULL OR lease_token = %s) FOR SHARE)"
+    " ON CONFLICT (run_id, visit_seq, name) DO UPDATE SET "
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _EFFECT_COLUMNS[3:])
+    + ", rowid = DEFAULT"
+)
+_TABLES = ("transitions", "iterations", "artifacts", "effects", "runs")
+
+
+class _RefusedError(Exception):
+    """A commit inside a transaction was refused: leave the transaction, rolling it back."""
+
+
+class _Unresolved:
+    """What a resolver returns when the interrupted write left nothing: do it again."""
+
+
+_UNRESOLVED = _Unresolved()
+#: Refusals that a write done again may meet because its first try did commit after all.
+_REFUSALS = (RunConflictError, LeaseError, RunExistsError)
+
+
+def is_postgres_url(location: str) -> bool:
+    """Whether ``location`` is a PostgreSQL URL (``postgresql://`` or ``postgres://``)."""
+    return location.startswith(_SCHEMES)
+
+
+def redact(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password`` parameter) hidden."""
+    if not is_postgres_url(url):  # a libpq key=value string
+        return _CONNINFO_PASSWORD.sub(r"\1***", url)
+    scheme, _, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
+    path, question, query = tail.partition("?")
+    if question:
+        kept = [
+            part if _query_key(part) != "password" else "password=***" for part in query.split("&")
+        ]
+        tail = f"{path}?{'&'.join(kept)}"
+    return f"{scheme}://{netloc}{slash}{tail}"
+
+
+def _passwords(url: str) -> tuple[str, ...]:
+    """The passwords written in ``url`` (as written and decoded), to keep out of messages."""
+    found: list[str] = []
+    if not is_postgres_url(url):  # a libpq key=value string
+        for match in _CONNINFO_PASSWORD.finditer(url):
+            value = match.group(2)
+            found.append(value)
+            if value.startswith("'"):
+                found.append(value[1:-1].replace("\\'", "'").replace("\\\\", "\\"))
+    else:
+        netloc = url.partition("://")[2].partition("/")[0].partition("?")[0]
+        userinfo, at, _ = netloc.rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.split(":", 1)[1])
+        query = url.partition("?")[2].partition("#")[0]
+        found += [
+            part.partition("=")[2] for part in query.split("&") if _query_key(part) == "password"
+        ]
+    decoded = [urllib.parse.unquote_plus(secret) for secret in found]
+    # Shorter ones would blot out ordinary words of a message; libpq never quotes a password.
+    return tuple(sorted({s for s in (*found, *decoded) if len(s) >= 4}, key=len, reverse=True))
+
+
+def _query_key(part: str) -> str:
+    return urllib.parse.unquote_plus(part.partition("=")[0])
+
+
+def _split_schema(url: str) -> tuple[str, str | None]:
+    """Take the ``schema`` parameter out of a URL's query (psycopg does not know it)."""
+    if not is_postgres_url(url):
+        return url, None
+    head, question, rest = url.partition("?")
+    if not question:
+        return url, None
+    query, hash_mark, fragment = rest.partition("#")
+    schema = None
+    kept = []
+    for part in query.split("&"):
+        if _query_key(part) == "schema":
+            schema = urllib.parse.unquote_plus(part.partition("=")[2])
+        elif part:
+            kept.append(part)
+    rebuilt = head + ("?" + "&".join(kept) if kept else "") + hash_mark + fragment
+    return rebuilt, schema
+
+
+def _dumps(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise JournalError(
+            f"payload is not JSON-serialisable ({exc}); nothing was written"
+        ) from None
+
+
+def _utc(value: dt.datetime | None) -> dt.datetime | None:
+    """A datetime as PostgreSQL should store it: naive datetimes are taken as UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=_UTC)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+@attrs.frozen
+class _CommitPlan:
+    """One commit's statements: what :meth:`PostgresJournal.commit` runs, alone or in a group."""
+
+    journal: PostgresJournal
+    transition: TransitionRecord
+    statement: str
+    params: Sequence[Any]
+    before: Sequence[tuple[str, Sequence[Any]]]
+    after: Sequence[tuple[str, Sequence[Any]]]
+
+    @property
+    def simple(self) -> bool:
+        """Whether the commit is one statement (the hot path)."""
+        return not self.before and not self.after
+
+    def apply(self, conn: _Connection) -> bool:
+        """Run the statements; ``False`` when the commit was refused (the caller rolls back)."""
+        for text, values in self.before:
+            conn.execute(text, values)
+        try:
+            moved = conn.execute(self.statement, self.params).rowcount
+        except pg_errors.UniqueViolation as exc:
+            if exc.diag.constraint_name != "transitions_pkey":
+                raise
+            return False  # a transition at that seq exists: another writer was first
+        if moved != 1:
+            return False
+        for text, values in self.after:
+            conn.execute(text, values)
+        return True
+
+    def apply_or_raise(self, conn: _Connection) -> None:
+        """Run the statements; raise :class:`_RefusedError` when the commit was refused."""
+        if not self.apply(conn):
+            raise _RefusedError
+
+    def refusal(self, conn: _Connection) -> Exception:
+        """Why the commit was refused (asked once its statements are rolled back)."""
+        transition = self.transition
+        found = conn.execute(
+            "SELECT seq, lease_token FROM runs WHERE run_id = %s", (transition.run_id,)
+        ).fetchone()
+        if found is None:
+            return RunNotFoundError(transition.run_id)
+        if found[1] != transition.lease_token:  # taken over: the more telling refusal
+            return LeaseLostError(transition.run_id, token=transition.lease_token)
+        return RunConflictError(
+            run_id=transition.run_id,
+            expected_seq=transition.seq - 1,
+            path=self.journal.location,
+        )
+
+    def resolve(self, conn: _Connection) -> _Unresolved | None:
+        """``None`` when this very transition is stored (a cut-off try did commit it)."""
+        transition = self.transition
+        row = conn.execute(
+            "SELECT lease_token, at, event, to_state FROM transitions"
+            " WHERE run_id = %s AND seq = %s",
+            (transition.run_id, transition.seq),
+        ).fetchone()
+        expected = (
+            transition.lease_token,
+            _utc(transition.at),
+            transition.event,
+            transition.to_state,
+        )
+        return None if row is not None and tuple(row) == expected else _UNRESOLVED
+
+
+class PostgresJournal:
+    """A journal in a PostgreSQL database, shared by every worker that connects to it.
+
+    Args:
+        url: ``postgresql://USER[:PASSWORD]@HOST[:PORT]/DBNAME[?schema=NAME&...]`` (also
+            ``postgres://``, or a libpq ``key=value`` string); other query parameters go to
+            libpq (``sslmode``, ``connect_timeout``, ...).
+        schema: the PostgreSQL schema the journal's tables live in (overrides ``?schema=``);
+            created when missing. ``public`` when neither names one.
+        durability: ``process`` or ``power``: both keep ``synchronous_commit = on`` (a commit
+            is in the server's WAL on disk when it returns). With a shared server, the process
+            that may be killed is the server's too, and a run's next phase must never start on
+            a transition a server crash could take back; ``off`` would allow exactly that.
+        create: create the schema and tables when they do not exist; when ``False`` a
+            missing journal raises :class:`JournalError`.
+        retry_for: seconds an operation keeps trying to get a lost connection back before it
+            raises :class:`JournalError`.
+
+    Raises:
+        JournalError: the URL is malformed, the server cannot be reached or refuses the login,
+            the schema holds tables that are not an fsm_runner journal, or (``create=False``)
+            there is no journal.
+        SchemaVersionError: the journal was written by a newer fsm_runner.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str | None = None,
+        durability: Durability = "process",
+        create: bool = True,
+        retry_for: float = DEFAULT_RETRY_FOR,
+    ) -> None:
+        if durability not in ("process", "power"):
+            raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
+        self._secrets = _passwords(url)  # kept out of every message
+        conninfo, url_schema = _split_schema(url)
+        if schema is not None and url_schema is not None and schema != url_schema:
+            raise ValueError(f"schema {schema!r} contradicts the URL's ?schema={url_schema}")
+        self.schema: str = schema or url_schema or DEFAULT_SCHEMA
+        self.durability: Durability = durability
+        self.retry_for = retry_for
+        shown = redact(conninfo)
+        if is_postgres_url(conninfo):
+            joiner = "&" if "?" in shown else "?"
+            self._location = f"{shown}{joiner}schema={urllib.parse.quote(self.schema)}"
+        else:
+            self._location = f"{shown} schema={self.schema}"
+        try:
+            params = conninfo_to_dict(conninfo)
+        except psycopg.Error as exc:
+            raise JournalError(
+                f"is not a valid PostgreSQL URL ({self._describe(exc)})",
+                path=self._location,
+            ) from None
+        self._conninfo = conninfo
+        self._connect_options: dict[str, Any] = {}
+        if "application_name" not in params:
+            self._connect_options["application_name"] = "fsm_runner"
+        if "connect_timeout" not in params:
+            self._connect_options["connect_timeout"] = 10
+        self._lock = threading.RLock()
+        self._closed = False
+        self._conn: _Connection | None = None
+        try:
+            conn = self._connect()
+        except psycopg.Error as exc:
+            raise JournalError(
+                f"cannot connect to PostgreSQL ({self._describe(exc)})", path=self._location
+            ) from None
+        try:
+            self._open_schema(conn, create=create)
+        except psycopg.Error as exc:
+            conn.close()
+            raise JournalError(self._describe(exc), path=self._location) from None
+        except BaseException:
+            conn.close()
+            raise
+
+    @property
+    def location(self) -> str:
+        """The journal's URL with its schema, without the password."""
+        return self._location
+
+    def __repr__(self) -> str:
+        return f"PostgresJournal({self._location!r}, durability={self.durability!r})"
+
+    def __enter__(self) -> PostgresJournal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; further use raises ``JournalError``."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                if self._conn is not None:
+                    with contextlib.suppress(psycopg.Error):
+                        self._conn.close()
+                    self._conn = None
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The process id of this journal's server backend (``None`` while disconnected)."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return None
+        return int(conn.info.backend_pid)
+
+    # -- connecting ----------------------------------------------------------------------------
+
+    def _connect(self, *, timeout: float | None = None) -> _Connection:
+        options = dict(self._connect_options)
+        if timeout is not None and "connect_timeout" in options:
+            options["connect_timeout"] = max(2, min(10, round(timeout)))
+        conn = psycopg.connect(self._conninfo, autocommit=True, **options)
+        try:
+            conn.execute(
+                sql.SQL(
+                    "SET search_path TO {}; SET TIME ZONE 'UTC'; SET synchronous_commit TO on"
+                ).format(sql.Identifier(self.schema))
+            )
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _connection(self, deadline: float | None) -> _Connection:
+        if self._closed:
+            raise JournalError("is closed", path=self._location)
+        conn = self._conn
+        if conn is not None and not conn.closed and not conn.broken:
+            return conn
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+            self._conn = None
+        remaining = None if deadline is None else deadline - time.monotonic()
+        return self._connect(timeout=remaining)
+
+    def _open_schema(self, conn: _Connection, *, create: bool) -> None:
+        try:
+            rows = conn.execute(
+                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'format')"
+            ).fetchall()
+        except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
+            rows = None  # no journal here yet, or somebody else's meta table: look closer
+        if rows is not None:
+            meta: dict[Any, Any] = dict(rows)
+            if meta.get("format") == _FORMAT and self._version(meta) == SCHEMA_VERSION:
+                return  # the common case: an up-to-date journal, opened without a lock
+        lock_key = zlib.crc32(f"fsm_runner schema {self.schema}".encode())
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            found = conn.execute(
+                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)
+            ).fetchone()
+            if found is None:
+                if not create:
+                    raise JournalError(
+                        f"holds no fsm_runner journal (there is no schema {self.schema!r})",
+                        path=self._location,
+                    )
+                conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
+            tables = {
+                str(row[0])
+                for row in conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
+                )
+            }
+            version = self._stored_version(conn, tables, create=create)
+            if version > SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    found=version, supported=SCHEMA_VERSION, path=self._location
+                )
+            pending = "".join(text for number, _name, text in MIGRATIONS if number > version)
+            if pending:
+                conn.execute(pending)
+
+    def _stored_version(self, conn: _Connection, tables: set[str], *, create: bool) -> int:
+        if not tables:
+            if not create:
+                raise JournalError(
+                    f"holds no fsm_runner journal (schema {self.schema!r} has no tables)",
+                    path=self._location,
+                )
+            return 0
+        foreign = JournalError(
+            f"schema {self.schema!r} holds tables that are not an fsm_runner journal "
+            f"({', '.join(sorted(tables)[:5])}); nothing was changed",
+            path=self._location,
+        )
+        if "meta" not in tables:
+            raise foreign
+        try:
+            with conn.transaction():  # a savepoint: a foreign meta table must not abort ours
+                meta: dict[Any, Any] = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        except psycopg.errors.UndefinedColumn:
+            raise foreign from None
+        if meta.get("format") != _FORMAT:
+            raise foreign
+        version = self._version(meta)
+        if version is None:
+            raise JournalError("has no schema version", path=self._location)
+        return version
+
+    def _version(self, meta: Mapping[Any, Any]) -> int | None:
+        value = meta.get("schema_version")
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise JournalError(
+                f"has an unreadable schema version {value!r}", path=self._location
+            ) from None
+
+    # -- calling the database ------------------------------------------------------------------
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _describe(self, exc: BaseException) -> str:
+        return self._scrub(_first_line(exc))
+
+    def _call(
+        self,
+        work: Callable[[_Connection], T],
+        *,
+        resolve: Callable[[_Connection], T | _Unresolved] | None = None,
+    ) -> T:
+        """Run ``work`` on the connection, getting a lost connection back and trying again.
+
+        ``resolve`` tells, after a try whose outcome is unknown (the connection died while it
+        ran), whether that try committed after all — then its answer is returned instead of
+        doing the work again.
+        """
+        deadline: float | None = None
+        unknown = False
+        backoff = _FIRST_BACKOFF
+        while True:
+            with self._lock:
+                started = False
+                try:
+                    conn = self._connection(deadline)
+                    if unknown and resolve is not None:
+                        found = resolve(conn)
+                        if not isinstance(found, _Unresolved):
+                            return found
+                    started = True
+                    try:
+                        return work(conn)
+                    except _REFUSALS:
+                        if not (unknown and resolve is not None):
+                            raise
+                        found = resolve(conn)  # a slow first try may have committed meanwhile
+                        if not isinstance(found, _Unresolved):
+                            return found
+                        raise
+                except psycopg.OperationalError as exc:
+                    if not self._transient(exc):
+                        raise JournalError(self._describe(exc), path=self._location) from None
+                    unknown = unknown or started
+                    last = self._describe(exc)
+                except psycopg.Error as exc:
+                    raise JournalError(self._describe(exc), path=self._location) from None
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.retry_for
+            if now >= deadline:
+                outcome = "; whether the last write was committed is unknown" if unknown else ""
+                raise JournalError(
+                    f"lost its connection to PostgreSQL and could not get it back within "
+                    f"{self.retry_for:g} s ({last}){outcome}",
+                    path=self._location,
+                )
+            jitter = 0.5 + random.random()  # noqa: S311 - spreads reconnects, not a secret
+            time.sleep(min(backoff * jitter, max(0.0, deadline - now)))
+            backoff = min(backoff * 2, _MAX_BACKOFF)
+
+    def _transient(self, exc: psycopg.OperationalError) -> bool:
+        """A lost connection (or a failed reconnect), a deadlock or a serialization failure."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            return True
+        return isinstance(exc, pg_errors.TransactionRollback)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def create_run(
+        self,
+        run: RunRecord,
+        first: TransitionRecord,
+        *,
+        spec_json: str,
+        iterations: Sequence[IterationRecord] = (),
+    ) -> None:
+        """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
+        run_row = self._run_params(run)
+        transition_row = self._transition_params(first)
+        iteration_rows = [self._iteration_params(record) for record in iterations]
+        spec_row = (run.spec_hash, run.machine, spec_json, utc_now())
+
+        def work(conn: _Connection) -> None:
+            try:
+                with conn.transaction():
+                    conn.execute(_INSERT_SPEC, spec_row)
+                    conn.execute(_INSERT_RUN, run_row)
+                    conn.execute(_INSERT_TRANSITION, transition_row)
+                    for row in iteration_rows:
+                        conn.execute(_UPSERT_ITERATION, row)
+            except pg_errors.UniqueViolation as exc:
+                if exc.diag.constraint_name == "runs_pkey":
+                    raise RunExistsError(run.run_id) from None
+                raise
+
+        def resolve(conn: _Connection) -> _Unresolved | None:
+            row = conn.execute(
+                "SELECT r.created_at, t.at, t.event FROM runs AS r JOIN transitions AS t"
+                " ON t.run_id = r.run_id AND t.seq = 0 WHERE r.run_id = %s",
+                (run.run_id,),
+            ).fetchone()
+            if row is not None and (row[0], row[1], row[2]) == (
+                _utc(run.created_at),
+                _utc(first.at),
+                first.event,
+            ):
+                return None
+            return _UNRESOLVED
+
+        self._call(work, resolve=resolve)
+
+    def commit(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        *,
+        iterations: Sequence[IterationRecord] = (),
+        artifacts: Sequence[ArtifactRecord] = (),
+        spec_json: str | None = None,
+    ) -> None:
+        """Store ``transition`` and the run row it leads to, in one transaction.
+
+        The run row moves from ``seq - 1`` to ``seq`` only if it is at ``seq - 1`` and carries
+        the transition's lease token; the transition is inserted from that UPDATE, in the same
+        statement. Without iterations, artifacts or a spec change that statement is the whole
+        commit.
+        """
+        plan = self._plan(run, transition, iterations, artifacts, spec_json)
+
+        def work(conn: _Connection) -> None:
+            if plan.simple:  # the hot path: one statement, one transaction
+                if not plan.apply(conn):
+                    raise plan.refusal(conn)
+                return
+            try:
+                with conn.transaction():
+                    plan.apply_or_raise(conn)
+            except _RefusedError:  # and rolled back: nothing of it was written
+                raise plan.refusal(conn) from None
+
+        self._call(work, resolve=plan.resolve)
+
+    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
+        """Store several commits in one transaction (see :meth:`Journal.commit_many`).
+
+        Each commit runs in a savepoint of its own, rolled back when it is refused. After a
+        lost connection the group is done again; a commit refused then because the cut-off try
+        did store it (its transition is there, with its lease token, time and event) counts as
+        stored.
+        """
+        results: list[Exception | None] = [None] * len(commits)
+        plans: list[tuple[int, _CommitPlan]] = []
+        for index, item in enumerate(commits):
+            try:
+                plan = self._plan(
+                    item.run, item.transition, item.iterations, item.artifacts, item.spec_json
+                )
+            except Exception as exc:  # noqa: BLE001, PERF203 - a malformed commit is refused alone
+                results[index] = exc
+            else:
+                plans.append((index, plan))
+        if not plans:
+            return results
+        tries = 0
+
+        def work(conn: _Connection) -> dict[int, Exception]:
+            nonlocal tries
+            tries += 1
+            refused: dict[int, Exception] = {}
+            with conn.transaction():
+                for index, plan in plans:
+                    conn.execute("SAVEPOINT one_commit")
+                    if plan.apply(conn):
+                        conn.execute("RELEASE SAVEPOINT one_commit")
+                        continue
+                    conn.execute("ROLLBACK TO SAVEPOINT one_commit")
+                    if tries > 1 and not isinstance(plan.resolve(conn), _Unresolved):
+                        continue  # stored by the try that was cut off
+                    refused[index] = plan.refusal(conn)
+            return refused
+
+        try:
+            refused = self._call(work)
+        except JournalError as failure:
+            return [failure if result is None else result for result in results]
+        for index, refusal in refused.items():
+            results[index] = refusal
+        return results
+
+    def _plan(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        iterations: Sequence[IterationRecord],
+        artifacts: Sequence[ArtifactRecord],
+        spec_json: str | None,
+    ) -> _CommitPlan:
+        """The statements of one commit (checked, and its payloads serialised, up front)."""
+        seq = transition.seq
+        if run.seq != seq or run.state != transition.to_state or seq < 1:
+            self._refuse_malformed(run, transition)
+        params: list[Any] = [
+            transition.to_state,
+            seq,
+            transition.iteration,
+            _utc(transition.at),
+            run.status.value,
+            run.attempt,
+            _dumps(run.context),
+            _dumps(run.error),
+            run.return_to,
+            run.return_attempt,
+            run.return_visit,
+            run.visit_seq,
+            transition.event == _USER_ABORTED,  # the abort carried out clears the request
+        ]
+        before: list[tuple[str, Sequence[Any]]] = []
+        if spec_json is not None:
+            params.append(run.spec_hash)
+            before.append((_INSERT_SPEC, (run.spec_hash, run.machine, spec_json, utc_now())))
+        params += [run.run_id, seq - 1, transition.lease_token]
+        params += self._transition_params(transition)[1:]
+        after = [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
+        after += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
+        return _CommitPlan(
+            journal=self,
+            transition=transition,
+            statement=_COMMIT if spec_json is None else _COMMIT_WITH_SPEC,
+            params=params,
+            before=before,
+            after=after,
+        )
+
+    def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
+        if run.seq != transition.seq or run.state != transition.to_state:
+            raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
+        if transition.seq < 1:  # seq 0 is written by create_run only
+            self.load(run.run_id)
+            raise RunConflictError(
+                run_id=run.run_id, expected_seq=transition.seq - 1, path=self._location
+            )
+
+    def request_abort(self, run_id: str, reason: str) -> RunRecord:
+        """Mark an active run as to be aborted."""
+
+        def work(conn: _Connection) -> RunRecord:
+            with conn.transaction():
+                run = self._load(conn, run_id, lock=True)
+                if run.ended:
+                    raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+                cursor = conn.execute(
+                    f"UPDATE runs SET abort_reason = %s WHERE run_id = %s RETURNING {_RUN_SELECT}",
+                    (reason, run_id),
+                )
+                return self._run_from_row(cursor.fetchone())
+
+        return self._call(work)
+
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
+        """Store ``record`` in its own transaction, only while the run is at ``run_seq``.
+
+        It replaces the record of the same run, visit and name, if there is one.
+
+        Raises:
+            RunConflictError: the run moved on (another writer advanced it); nothing written.
+            LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
+        """
+        values: list[Any] = []
+        for column in _EFFECT_COLUMNS:
+            value = getattr(record, column)
+            if column in _EFFECT_JSON:
+                value = _dumps(value)
+            elif isinstance(value, dt.datetime):
+                value = _utc(value)
+            elif isinstance(value, enum.Enum):
+                value = value.value
+            values.append(value)
+        params = (*values, record.run_id, run_seq, lease_token, lease_token)
+
+        def work(conn: _Connection) -> None:
+            if conn.execute(_PUT_EFFECT, params).rowcount == 1:
+                return
+            found = conn.execute(
+                "SELECT seq, lease_token FROM runs WHERE run_id = %s", (record.run_id,)
+            ).fetchone()
+            if found is None:
+                raise RunNotFoundError(record.run_id)
+            if lease_token is not None and found[1] != lease_token:
+                raise LeaseLostError(record.run_id, token=lease_token)
+            raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self._location)
+
+        self._call(work)  # writing the same record again is harmless
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def claim(
+        self, run_id: str, owner: str, *, ttl: float, take_over: str | None = None
+    ) -> RunRecord:
+        """Take the run's lease for ``ttl`` seconds; its token increases by one.
+
+        Granted when nobody holds the lease, when it has expired (a takeover: the run's
+        ``recoveries`` count increases), or when ``owner`` holds it already.
+        """
+        now = utc_now()
+        expires = now + dt.timedelta(seconds=ttl)
+
+        def work(conn: _Connection) -> RunRecord:
+            with conn.transaction():
+                run = self._load(conn, run_id, lock=True)
+                if run.ended:
+                    raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+                lease_expires = run.lease_expires_at
+                held = run.lease_owner is not None and lease_expires is not None
+                live = held and lease_expires is not None and lease_expires > now
+                if live and run.lease_owner not in (owner, take_over):
+                    raise LeaseHeldError(
+                        run_id,
+                        owner=str(run.lease_owner),
+                        expires_at=format_utc(lease_expires or now),
+                    )
+                takeover = held and (not live or run.lease_owner != owner)  # a lost lease
+                cursor = conn.execute(
+                    "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
+                    " lease_token = lease_token + 1, recoveries = recoveries + %s"
+                    f" WHERE run_id = %s RETURNING {_RUN_SELECT}",
+                    (owner, expires, int(takeover), run_id),
+                )
+                return self._run_from_row(cursor.fetchone())
+
+        def resolve(conn: _Connection) -> RunRecord | _Unresolved:
+            run = self._load(conn, run_id)
+            if run.lease_owner == owner and run.lease_expires_at == expires:
+                return run  # the lease this very claim set
+            return _UNRESOLVED
+
+        return self._call(work, resolve=resolve)
+
+    def claim_next(
+        self,
+        owner: str,
+        *,
+        ttl: float,
+        machine: str,
+        states: Collection[str],
+        spec_hash: str | None = None,
+    ) -> RunRecord | None:
+        """Claim the oldest runnable run, or ``None``.
+
+        One statement: the oldest runnable run not locked by another worker's claim is chosen
+        with ``FOR UPDATE SKIP LOCKED`` and its lease taken, so concurrent workers each get a
+        different run and never wait for each other.
+        """
+        if not states:
+            return None
+        now = utc_now()
+        expires = now + dt.timedelta(seconds=ttl)
+        spec_filter = " AND spec_hash = %s" if spec_hash is not None else ""
+        statement = (
+            "WITH chosen AS (SELECT run_id, lease_owner FROM runs WHERE status = 'active'"
+            " AND machine = %s AND state = ANY(%s)"
+            " AND (lease_owner IS NULL OR lease_expires_at < %s)"
+            f"{spec_filter} ORDER BY created_at, rowid LIMIT 1 FOR UPDATE SKIP LOCKED)"
+            " UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
+            " lease_token = runs.lease_token + 1,"
+            " recoveries = runs.recoveries + (chosen.lease_owner IS NOT NULL)::int"
+            " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "
+            + ", ".join(f"runs.{column}" for column in _RUN_COLUMNS)
+        )
+        params: list[Any] = [machine, list(states), now]
+        if spec_hash is not None:
+            params.append(spec_hash)
+        params += [owner, expires]
+
+        def work(conn: _Connection) -> RunRecord | None:
+            row = conn.execute(statement, params).fetchone()
+            return None if row is None else self._run_from_row(row)
+
+        def resolve(conn: _Connection) -> RunRecord | _Unresolved | None:
+            row = conn.execute(
+                f"SELECT {_RUN_SELECT} FROM runs WHERE lease_owner = %s"
+                " AND lease_expires_at = %s AND machine = %s",
+                (owner, expires, machine),
+            ).fetchone()
+            return _UNRESOLVED if row is None else self._run_from_row(row)
+
+        return self._call(work, resolve=resolve)
+
+    def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
+        """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
+        expires = utc_now() + dt.timedelta(seconds=ttl)
+
+        def work(conn: _Connection) -> None:
+            changed = conn.execute(
+                "UPDATE runs SET lease_expires_at = %s WHERE run_id = %s AND lease_owner = %s"
+                " AND lease_token = %s",
+                (expires, run_id, owner, token),
+            ).rowcount
+            if not changed:
+                if (
+                    conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone()
+                    is None
+                ):
+                    raise RunNotFoundError(run_id)
+                raise LeaseLostError(run_id, token=token)
+
+        self._call(work)  # setting the same expiry again is harmless
+        return expires
+
+    def release(self, run_id: str, owner: str, token: int) -> bool:
+        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
+
+        def work(conn: _Connection) -> bool:
+            return bool(
+                conn.execute(
+                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
+                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
+                    (run_id, owner, token),
+                ).rowcount
+            )
+
+        def resolve(conn: _Connection) -> bool | _Unresolved:
+            row = conn.execute(
+                "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
+            ).fetchone()
+            if row is not None and row[0] is None and row[1] == token:
+                return True  # released by the try that was cut off, and nobody claimed since
+            return _UNRESOLVED
+
+        return self._call(work, resolve=resolve)
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
+        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        if run.seq != at_seq:
+            raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+        row = self._run_params(run)
+        rest = [column for column in _TRANSITION_COLUMNS if column not in ("run_id", "lease_token")]
+        copy_transitions = (
+            f"INSERT INTO transitions (run_id, {', '.join(rest)}, lease_token)"
+            f" SELECT %s, {', '.join(rest)}, 0 FROM transitions"  # under the fork's own leases
+            " WHERE run_id = %s AND seq <= %s ORDER BY seq"
+        )
+        copies = (
+            ("iterations", _ITERATION_COLUMNS, "iteration <= %s", "iteration", run.iteration),
+            ("artifacts", _ARTIFACT_COLUMNS, "seq <= %s", "id", at_seq),
+            ("effects", _EFFECT_COLUMNS, "visit_seq < %s", "rowid", run.visit_seq),
+        )
+
+        def work(conn: _Connection) -> None:
+            with conn.transaction():
+                found = conn.execute(
+                    "SELECT seq FROM runs WHERE run_id = %s FOR SHARE", (source_run_id,)
+                ).fetchone()
+                if found is None:
+                    raise RunNotFoundError(source_run_id)
+                if not 0 <= at_seq <= found[0]:
+                    raise ValueError(
+                        f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
+                    )
+                try:
+                    with conn.transaction():
+                        conn.execute(_INSERT_RUN, row)
+                except pg_errors.UniqueViolation as exc:
+                    if exc.diag.constraint_name == "runs_pkey":
+                        raise RunExistsError(run.run_id) from None
+                    raise
+                conn.execute(copy_transitions, (run.run_id, source_run_id, at_seq))
+                for table, columns, condition, order, bound in copies:
+                    names = [column for column in columns if column != "run_id"]
+                    conn.execute(
+                        f"INSERT INTO {table} (run_id, {', '.join(names)})"
+                        f" SELECT %s, {', '.join(names)} FROM {table}"
+                        f" WHERE run_id = %s AND {condition} ORDER BY {order}",
+                        (run.run_id, source_run_id, bound),
+                    )
+
+        def resolve(conn: _Connection) -> _Unresolved | None:
+            found = conn.execute(
+                "SELECT forked_from, created_at FROM runs WHERE run_id = %s", (run.run_id,)
+            ).fetchone()
+            if found is not None and tuple(found) == (run.forked_from, _utc(run.created_at)):
+                return None
+            return _UNRESOLVED
+
+        self._call(work, resolve=resolve)
+
+    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, then ``VACUUM`` the tables.
+
+        The space is made reusable by the journal (PostgreSQL's plain ``VACUUM``), not given
+        back to the operating system, so the report carries no sizes.
+        """
+        select = (
+            "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < %s"
+            " AND NOT EXISTS (SELECT 1 FROM runs AS c WHERE c.parent_run_id = r.run_id"
+            " AND c.status = 'active')"
+        )
+        cutoff = (_utc(ended_before),)
+
+        def work(conn: _Connection) -> PruneReport:
+            with conn.transaction():
+                ids = tuple(
+                    str(row[0])
+                    for row in conn.execute(
+                        f"{select} ORDER BY updated_at NULLS FIRST, rowid"
+                        + ("" if dry_run else " FOR UPDATE"),
+                        cutoff,
+                    )
+                )
+                if dry_run or not ids:
+                    found = conn.execute(
+                        "SELECT count(*) FROM transitions WHERE run_id = ANY(%s)", (list(ids),)
+                    ).fetchone()
+                    return PruneReport(ids, int(found[0] if found else 0), dry_run=dry_run)
+                count = 0
+                for table in _TABLES:
+                    deleted = conn.execute(
+                        f"DELETE FROM {table} WHERE run_id = ANY(%s)", (list(ids),)
+                    ).rowcount
+                    if table == "transitions":
+                        count = deleted
+                conn.execute(
+                    "DELETE FROM specs WHERE NOT EXISTS"
+                    " (SELECT 1 FROM runs WHERE runs.spec_hash = specs.spec_hash)"
+                )
+                return PruneReport(ids, count, dry_run=False)
+
+        report = self._call(work)
+        if report.run_ids and not dry_run:
+            self._call(lambda conn: conn.execute("VACUUM " + ", ".join((*_TABLES, "specs"))))
+        return report
+
+    def integrity_problems(self) -> list[str]:
+        """Runs whose row is not their last transition's, and runs with gaps in their seqs.
+
+        PostgreSQL checks its own pages and the foreign keys (which it enforces); what is left
+        to check is the journal's invariants 1 and 2, over every run.
+        """
+        checks = (
+            (
+                "SELECT r.run_id FROM runs AS r LEFT JOIN LATERAL (SELECT seq, to_state"
+                " FROM transitions AS t WHERE t.run_id = r.run_id ORDER BY seq DESC LIMIT 1)"
+                " AS last ON true WHERE last.seq IS DISTINCT FROM r.seq"
+                " OR last.to_state IS DISTINCT FROM r.state ORDER BY r.run_id",
+                "run(s) whose row is not at their last transition",
+            ),
+            (
+                "SELECT run_id FROM transitions GROUP BY run_id"
+                " HAVING min(seq) <> 0 OR count(*) <> max(seq) + 1 ORDER BY run_id",
+                "run(s) with gaps in their seqs",
+            ),
+        )
+
+        def work(conn: _Connection) -> list[str]:
+            problems = []
+            for query, what in checks:
+                ids = [str(row[0]) for row in conn.execute(query)]
+                if ids:
+                    problems.append(f"{len(ids)} {what} (first {ids[0]})")
+            return problems
+
+        return self._call(work)
+
+    def meta(self) -> Mapping[str, str]:
+        """The journal's ``meta`` table (schema version, format)."""
+        return self._call(
+            lambda conn: {
+                str(key): str(value)
+                for key, value in conn.execute("SELECT key, value FROM meta").fetchall()
+            }
+        )
+
+    # -- parameters ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _run_params(run: RunRecord) -> tuple[Any, ...]:
+        values = []
+        for column in _RUN_COLUMNS:
+            value = getattr(run, column)
+            if column in _RUN_JSON:
+                value = _dumps(value)
+            elif column == "status":
+                value = value.value
+            elif column in _RUN_TIMES:
+                value = _utc(value)
+            values.append(value)
+        return tuple(values)
+
+    @staticmethod
+    def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
+        return (
+            transition.run_id,
+            transition.seq,
+            transition.from_state,
+            transition.event,
+            transition.to_state,
+            transition.iteration,
+            transition.attempt,
+            _utc(transition.at),
+            transition.duration_ms,
+            _dumps(transition.result),
+            transition.lease_token,
+        )
+
+    @staticmethod
+    def _iteration_params(record: IterationRecord) -> tuple[Any, ...]:
+        values: list[Any] = []
+        for column in _ITERATION_COLUMNS:
+            value = getattr(record, column)
+            if column in _ITERATION_JSON:
+                value = _dumps(converter.unstructure(value))
+            elif isinstance(value, dt.datetime):
+                value = _utc(value)
+            elif isinstance(value, enum.Enum):
+                value = value.value
+            values.append(value)
+        return tuple(values)
+
+    @staticmethod
+    def _artifact_params(artifact: ArtifactRecord) -> tuple[Any, ...]:
+        values: list[Any] = []
+        for column in _ARTIFACT_COLUMNS:
+            value = getattr(artifact, column)
+            if column == "content":
+                value = _dumps(value)
+            elif isinstance(value, dt.datetime):
+                value = _utc(value)
+            values.append(value)
+        return tuple(values)
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def load(self, run_id: str) -> RunRecord:
+        """Return the run's row (one primary-key lookup; history is not read)."""
+        return self._call(lambda conn: self._load(conn, run_id))
+
+    def _load(self, conn: _Connection, run_id: str, *, lock: bool = False) -> RunRecord:
+        row = conn.execute(
+            f"SELECT {_RUN_SELECT} FROM runs WHERE run_id = %s" + (" FOR UPDATE" if lock else ""),
+            (run_id,),
+        ).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return self._run_from_row(row)
+
+    def _run_from_row(self, row: Sequence[Any] | None) -> RunRecord:
+        assert row is not None
+        data = dict(zip(_RUN_COLUMNS, row, strict=True))
+        try:
+            for column in _RUN_JSON:
+                data[column] = self._loads(data[column])
+            if data["context"] is None:
+                data["context"] = {}
+            return structure(data, RunRecord)
+        except Exception as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self._location
+            ) from exc
+
+    def _loads(self, text: str | None) -> Any:
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"holds unreadable JSON ({exc}): {text[:60]!r}", path=self._location
+            ) from exc
+
+    def _structure(self, data: dict[str, Any], cls: type[T]) -> T:
+        try:
+            return structure(data, cls)
+        except Exception as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"has an unreadable {cls.__name__} row ({exc})", path=self._location
+            ) from exc
+
+    def _select(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        return self._call(lambda conn: conn.execute(query, params).fetchall())
+
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit, if any."""
+        found = self._effects(
+            "WHERE run_id = %s AND visit_seq = %s AND name = %s", (run_id, visit_seq, name)
+        )
+        return found[0] if found else None
+
+    def effects(self, run_id: str) -> list[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+        self.load(run_id)
+        return self._effects("WHERE run_id = %s ORDER BY started_at NULLS FIRST, rowid", (run_id,))
+
+    def _effects(self, where: str, params: Sequence[Any]) -> list[EffectRecord]:
+        rows = self._select(f"SELECT {', '.join(_EFFECT_COLUMNS)} FROM effects {where}", params)
+        records = []
+        for row in rows:
+            data = dict(zip(_EFFECT_COLUMNS, row, strict=True))
+            for column in _EFFECT_JSON:
+                data[column] = self._loads(data[column])
+            data["idempotent"] = bool(data["idempotent"])
+            records.append(self._structure(data, EffectRecord))
+        return records
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+        records = self._iterations("WHERE run_id = %s AND iteration = %s", (run_id, iteration))
+        return records[0] if records else None
+
+    def iterations(self, run_id: str) -> list[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+        self.load(run_id)
+        return self._iterations("WHERE run_id = %s ORDER BY iteration", (run_id,))
+
+    def _iterations(self, where: str, params: Sequence[Any]) -> list[IterationRecord]:
+        rows = self._select(
+            f"SELECT {', '.join(_ITERATION_COLUMNS)} FROM iterations {where}", params
+        )
+        records = []
+        for row in rows:
+            data = dict(zip(_ITERATION_COLUMNS, row, strict=True))
+            for column in _ITERATION_JSON:
+                data[column] = self._loads(data[column])
+            records.append(self._structure(data, IterationRecord))
+        return records
+
+    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
+        self.load(run_id)
+        rows = self._select(
+            f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts WHERE run_id = %s ORDER BY id",
+            (run_id,),
+        )
+        records = []
+        for row in rows:
+            data = dict(zip(_ARTIFACT_COLUMNS, row, strict=True))
+            data["content"] = self._loads(data["content"])
+            records.append(self._structure(data, ArtifactRecord))
+        return records
+
+    def transitions(
+        self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
+    ) -> list[TransitionRecord]:
+        """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
+
+        def work(conn: _Connection) -> list[tuple[Any, ...]]:
+            if conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone() is None:
+                raise RunNotFoundError(run_id)
+            return conn.execute(
+                f"SELECT {', '.join(_TRANSITION_COLUMNS)} FROM transitions"
+                " WHERE run_id = %s AND seq >= %s AND seq <= %s ORDER BY seq",
+                (run_id, from_seq, to_seq if to_seq is not None else 2**62),
+            ).fetchall()
+
+        records = []
+        for row in self._call(work):
+            data = dict(zip(_TRANSITION_COLUMNS, row, strict=True))
+            data["result"] = self._loads(data["result"])
+            records.append(self._structure(data, TransitionRecord))
+        return records
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: Outcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+        effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
+    ) -> list[RunRecord]:
+        """Return runs, newest first, filtered by machine, status, parent and state.
+
+        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
+        lease has expired.
+        """
+        where: list[str] = []
+        params: list[Any] = []
+        if effect_in_flight:
+            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
+        if stale:
+            where.append("status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < %s")
+            params.append(utc_now())
+        for column, value in (
+            ("machine", machine),
+            ("status", Outcome(status).value if status is not None else None),
+            ("parent_run_id", parent_run_id),
+            ("state", state),
+        ):
+            if value is not None:
+                where.append(f"{column} = %s")
+                params.append(value)
+        query = f"SELECT {_RUN_SELECT} FROM runs"
+        if where:
+            query += " WHERE " + " AND ".join(where)
+        query += " ORDER BY created_at DESC, rowid DESC"
+        if limit is not None:
+            query += " LIMIT %s"
+            params.append(int(limit))
+        return [self._run_from_row(row) for row in self._select(query, params)]
+
+    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Return up to ``limit`` run ids that start with ``prefix``."""
+        rows = self._select(
+            "SELECT run_id FROM runs WHERE run_id >= %s AND run_id < %s ORDER BY run_id LIMIT %s",
+            (prefix, prefix + "\U0010ffff", limit),
+        )
+        return [str(row[0]) for row in rows]
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash."""
+        rows = self._select("SELECT json FROM specs WHERE spec_hash = %s", (spec_hash,))
+        if not rows:
+            raise JournalError(f"holds no spec {spec_hash[:12]}", path=self._location)
+        return str(rows[0][0])
