@@ -55,7 +55,6 @@ __all__ = [
     "PhaseContext",
     "PhaseHandler",
     "PhaseResult",
-    "PostgresJournal",
     "RetryPolicy",
     "RunEvent",
     "RunNotFoundError",
@@ -72,6 +71,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Public names left out of ``__all__`` because they need an optional extra: ``from fsm_runner
+#: import *`` must work on a default install. ``from fsm_runner import PostgresJournal`` works
+#: wherever ``fsm-runner[postgres]`` is installed.
+_OPTIONAL = frozenset({"PostgresJournal"})
 
 #: Where each public name lives: importing ``fsm_runner`` (as the CLI does) stays cheap, and a
 #: name's module is imported the first time the name is used.

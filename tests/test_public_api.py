@@ -169,7 +169,31 @@ class TestAll:
             and not isinstance(getattr(fsm_runner, name), types.ModuleType)
             and name != "annotations"
         }
-        assert offered == set(fsm_runner.__all__)
+        assert offered == set(fsm_runner.__all__) | fsm_runner._OPTIONAL
+
+    def test_the_star_import_works_without_optional_extras(self):
+        code = (
+            "import sys; sys.modules['psycopg'] = None; "  # as if psycopg were not installed
+            "from fsm_runner import *; from fsm_runner.journal import *; print(Engine.__name__)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        assert out.strip() == "Engine"
+
+    def test_an_optional_name_without_its_extra_is_a_clear_error(self):
+        code = (
+            "import sys; sys.modules['psycopg'] = None\n"
+            "from fsm_runner import JournalError\n"
+            "try:\n"
+            "    from fsm_runner import PostgresJournal\n"
+            "except JournalError as exc:\n"
+            "    print(exc)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        assert "install fsm-runner[postgres]" in out
 
     def test_importing_the_package_imports_no_engine(self):
         code = (

@@ -23,7 +23,6 @@ __all__ = [
     "Durability",
     "Journal",
     "MemoryJournal",
-    "PostgresJournal",
     "PruneReport",
     "SqliteJournal",
     "open_journal",
