@@ -24,9 +24,11 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
     from fsm_runner.journal import (
         Journal,
         MemoryJournal,
-        PostgresJournal,
         SqliteJournal,
         open_journal,
+    )
+    from fsm_runner.journal.postgres import (
+        PostgresJournal as PostgresJournal,  # optional: not in __all__ (see _OPTIONAL)
     )
     from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult
     from fsm_runner.records import RunRecord, TransitionRecord

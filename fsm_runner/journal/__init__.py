@@ -15,7 +15,7 @@ from fsm_runner.journal.memory import MemoryJournal
 from fsm_runner.journal.sqlite import DEFAULT_PATH, SCHEMA_VERSION, SqliteJournal
 
 if typing.TYPE_CHECKING:
-    from fsm_runner.journal.postgres import PostgresJournal
+    from fsm_runner.journal.postgres import PostgresJournal as PostgresJournal  # not in __all__
 
 __all__ = [
     "DEFAULT_PATH",
