@@ -61,6 +61,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SchemaVersionError,
 )
+from fsm_runner.journal import _rows
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal.base import Commit, Durability, PruneReport
 from fsm_runner.records import (
@@ -69,7 +70,6 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
-    converter,
     format_utc,
     structure,
     utc_now,
@@ -108,8 +108,7 @@ _RUN_COLUMNS = (
     "return_attempt", "visit_seq", "return_visit", "recoveries",
 )  # fmt: skip
 _RUN_SELECT = ", ".join(_RUN_COLUMNS)
-_RUN_JSON = ("input", "context", "error")
-_RUN_TIMES = ("created_at", "updated_at", "lease_expires_at")
+_RUN_JSON = _rows.RUN_JSON
 _INSERT_RUN = f"INSERT INTO runs ({_RUN_SELECT}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
 _TRANSITION_COLUMNS = (
     "run_id", "seq", "from_state", "event", "to_state", "iteration", "attempt", "at",
@@ -141,18 +140,15 @@ _INSERT_SPEC = (
     " ON CONFLICT (spec_hash) DO NOTHING"
 )
 
-_ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
-_ITERATION_JSON = ("levels_run", "error_details", "extra")
+_ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
+_ITERATION_JSON = _rows.ITERATION_JSON
 _UPSERT_ITERATION = (
     f"INSERT INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
     f" VALUES ({', '.join(['%s'] * len(_ITERATION_COLUMNS))})"
     " ON CONFLICT (run_id, iteration) DO UPDATE SET "
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _ITERATION_COLUMNS[2:])
 )
-_ARTIFACT_COLUMNS = (
-    "run_id", "name", "kind", "seq", "iteration", "status", "path", "sha256", "size", "error",
-    "content", "created_at",
-)  # fmt: skip
+_ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
 # A replaced artifact takes a new id, so artifacts stay ordered as committed (SQLite's REPLACE).
 _UPSERT_ARTIFACT = (
     f"INSERT INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
@@ -161,7 +157,7 @@ _UPSERT_ARTIFACT = (
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _ARTIFACT_COLUMNS[2:])
     + ", id = DEFAULT"
 )
-_EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
+_EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 _EFFECT_JSON = ("params", "result", "error")
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
 _PUT_EFFECT = (
@@ -258,15 +254,7 @@ def _split_schema(url: str) -> tuple[str, str | None]:
     return rebuilt, schema
 
 
-def _dumps(value: Any) -> str | None:
-    if value is None:
-        return None
-    try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise JournalError(
-            f"payload is not JSON-serialisable ({exc}); nothing was written"
-        ) from None
+_dumps = _rows.dumps
 
 
 def _utc(value: dt.datetime | None) -> dt.datetime | None:
@@ -1157,59 +1145,19 @@ class PostgresJournal:
 
     @staticmethod
     def _run_params(run: RunRecord) -> tuple[Any, ...]:
-        values = []
-        for column in _RUN_COLUMNS:
-            value = getattr(run, column)
-            if column in _RUN_JSON:
-                value = _dumps(value)
-            elif column == "status":
-                value = value.value
-            elif column in _RUN_TIMES:
-                value = _utc(value)
-            values.append(value)
-        return tuple(values)
+        return _rows.run_params(run, _RUN_COLUMNS, _utc)
 
     @staticmethod
     def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
-        return (
-            transition.run_id,
-            transition.seq,
-            transition.from_state,
-            transition.event,
-            transition.to_state,
-            transition.iteration,
-            transition.attempt,
-            _utc(transition.at),
-            transition.duration_ms,
-            _dumps(transition.result),
-            transition.lease_token,
-        )
+        return _rows.transition_params(transition, _utc)
 
     @staticmethod
     def _iteration_params(record: IterationRecord) -> tuple[Any, ...]:
-        values: list[Any] = []
-        for column in _ITERATION_COLUMNS:
-            value = getattr(record, column)
-            if column in _ITERATION_JSON:
-                value = _dumps(converter.unstructure(value))
-            elif isinstance(value, dt.datetime):
-                value = _utc(value)
-            elif isinstance(value, enum.Enum):
-                value = value.value
-            values.append(value)
-        return tuple(values)
+        return _rows.iteration_params(record, _utc)
 
     @staticmethod
     def _artifact_params(artifact: ArtifactRecord) -> tuple[Any, ...]:
-        values: list[Any] = []
-        for column in _ARTIFACT_COLUMNS:
-            value = getattr(artifact, column)
-            if column == "content":
-                value = _dumps(value)
-            elif isinstance(value, dt.datetime):
-                value = _utc(value)
-            values.append(value)
-        return tuple(values)
+        return _rows.artifact_params(artifact, _utc)
 
     # -- reads ---------------------------------------------------------------------------------
 

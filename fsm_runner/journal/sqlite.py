@@ -33,6 +33,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SchemaVersionError,
 )
+from fsm_runner.journal import _rows
 from fsm_runner.journal.base import Commit, Durability, PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
@@ -40,7 +41,6 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
-    converter,
     format_utc,
     structure,
     utc_now,
@@ -68,23 +68,20 @@ _UTC = dt.timezone.utc
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
 
 
-_EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
+_EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 _PUT_EFFECT = (
     f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)})"
     f" SELECT {', '.join('?' * len(_EFFECT_COLUMNS))}"
     " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = ? AND seq = ?"
     " AND (? IS NULL OR lease_token = ?))"
 )
-_ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
-_ITERATION_JSON = ("levels_run", "error_details", "extra")
+_ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
+_ITERATION_JSON = _rows.ITERATION_JSON
 _UPSERT_ITERATION = (
     f"INSERT OR REPLACE INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
     f" VALUES ({', '.join('?' * len(_ITERATION_COLUMNS))})"
 )
-_ARTIFACT_COLUMNS = (
-    "run_id", "name", "kind", "seq", "iteration", "status", "path", "sha256", "size", "error",
-    "content", "created_at",
-)  # fmt: skip
+_ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
 _UPSERT_ARTIFACT = (
     f"INSERT OR REPLACE INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
     f" VALUES ({', '.join('?' * len(_ARTIFACT_COLUMNS))})"
@@ -119,15 +116,7 @@ _INSERT_RUN = (
 )
 
 
-def _dumps(value: Any) -> str | None:
-    if value is None:
-        return None
-    try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise JournalError(
-            f"payload is not JSON-serialisable ({exc}); nothing was written"
-        ) from None
+_dumps = _rows.dumps
 
 
 def _json_or_none(text: str | None) -> Any:
@@ -775,59 +764,19 @@ class SqliteJournal:
 
     @staticmethod
     def _run_params(run: RunRecord) -> tuple[Any, ...]:
-        values = []
-        for column in _RUN_COLUMNS:
-            value = getattr(run, column)
-            if column in _JSON_COLUMNS:
-                value = _dumps(value)
-            elif column == "status":
-                value = value.value
-            elif column in ("created_at", "updated_at", "lease_expires_at") and value is not None:
-                value = format_utc(value)
-            values.append(value)
-        return tuple(values)
+        return _rows.run_params(run, _RUN_COLUMNS, format_utc)
 
     @staticmethod
     def _iteration_params(record: IterationRecord) -> tuple[Any, ...]:
-        values: list[Any] = []
-        for column in _ITERATION_COLUMNS:
-            value = getattr(record, column)
-            if column in _ITERATION_JSON:
-                value = _dumps(converter.unstructure(value))
-            elif isinstance(value, dt.datetime):
-                value = format_utc(value)
-            elif isinstance(value, enum.Enum):
-                value = value.value
-            values.append(value)
-        return tuple(values)
+        return _rows.iteration_params(record, format_utc)
 
     @staticmethod
     def _artifact_params(artifact: ArtifactRecord) -> tuple[Any, ...]:
-        values: list[Any] = []
-        for column in _ARTIFACT_COLUMNS:
-            value = getattr(artifact, column)
-            if column == "content":
-                value = _dumps(value)
-            elif isinstance(value, dt.datetime):
-                value = format_utc(value)
-            values.append(value)
-        return tuple(values)
+        return _rows.artifact_params(artifact, format_utc)
 
     @staticmethod
     def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
-        return (
-            transition.run_id,
-            transition.seq,
-            transition.from_state,
-            transition.event,
-            transition.to_state,
-            transition.iteration,
-            transition.attempt,
-            format_utc(transition.at),
-            transition.duration_ms,
-            _dumps(transition.result),
-            transition.lease_token,
-        )
+        return _rows.transition_params(transition, format_utc)
 
     # -- reads ---------------------------------------------------------------------------------
 

@@ -1,0 +1,130 @@
+"""Records as rows: the parameters both SQL journals bind, each with its own way to store a time.
+
+SQLite stores timestamps as fixed-width UTC text (:func:`fsm_runner.records.format_utc`);
+PostgreSQL as ``timestamptz`` (aware datetimes). Everything else — which columns hold JSON, how
+enums are written — is the same, and lives here once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from fsm_runner.exceptions import JournalError
+from fsm_runner.records import (
+    ArtifactRecord,
+    EffectRecord,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    converter,
+)
+
+__all__ = [
+    "ARTIFACT_COLUMNS",
+    "EFFECT_COLUMNS",
+    "ITERATION_COLUMNS",
+    "ITERATION_JSON",
+    "RUN_JSON",
+    "RUN_TIMES",
+    "Stamp",
+    "artifact_params",
+    "dumps",
+    "iteration_params",
+    "run_params",
+    "transition_params",
+]
+
+#: How a journal stores a time.
+Stamp = Callable[[dt.datetime], Any]
+
+RUN_JSON = ("input", "context", "error")
+RUN_TIMES = ("created_at", "updated_at", "lease_expires_at")
+ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
+ITERATION_JSON = ("levels_run", "error_details", "extra")
+ARTIFACT_COLUMNS = (
+    "run_id", "name", "kind", "seq", "iteration", "status", "path", "sha256", "size", "error",
+    "content", "created_at",
+)  # fmt: skip
+EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
+
+
+def dumps(value: Any) -> str | None:
+    """Compact JSON text of ``value`` (``None`` stays NULL).
+
+    Raises:
+        JournalError: the value is not JSON-serialisable; nothing was written.
+    """
+    if value is None:
+        return None
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise JournalError(
+            f"payload is not JSON-serialisable ({exc}); nothing was written"
+        ) from None
+
+
+def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[Any, ...]:
+    """The run row's values, in ``columns`` order."""
+    values = []
+    for column in columns:
+        value = getattr(run, column)
+        if column in RUN_JSON:
+            value = dumps(value)
+        elif column == "status":
+            value = value.value
+        elif column in RUN_TIMES and value is not None:
+            value = stamp(value)
+        values.append(value)
+    return tuple(values)
+
+
+def transition_params(transition: TransitionRecord, stamp: Stamp) -> tuple[Any, ...]:
+    """A transition's values, in the order of the journals' INSERT."""
+    return (
+        transition.run_id,
+        transition.seq,
+        transition.from_state,
+        transition.event,
+        transition.to_state,
+        transition.iteration,
+        transition.attempt,
+        stamp(transition.at),
+        transition.duration_ms,
+        dumps(transition.result),
+        transition.lease_token,
+    )
+
+
+def iteration_params(record: IterationRecord, stamp: Stamp) -> tuple[Any, ...]:
+    """An iteration record's values, in :data:`ITERATION_COLUMNS` order."""
+    values: list[Any] = []
+    for column in ITERATION_COLUMNS:
+        value = getattr(record, column)
+        if column in ITERATION_JSON:
+            value = dumps(converter.unstructure(value))
+        elif isinstance(value, dt.datetime):
+            value = stamp(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        values.append(value)
+    return tuple(values)
+
+
+def artifact_params(artifact: ArtifactRecord, stamp: Stamp) -> tuple[Any, ...]:
+    """An artifact's values, in :data:`ARTIFACT_COLUMNS` order."""
+    values: list[Any] = []
+    for column in ARTIFACT_COLUMNS:
+        value = getattr(artifact, column)
+        if column == "content":
+            value = dumps(value)
+        elif isinstance(value, dt.datetime):
+            value = stamp(value)
+        values.append(value)
+    return tuple(values)
