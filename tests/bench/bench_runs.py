@@ -9,7 +9,9 @@ Run from the repository root::
    same run). Target: the engine adds <= 100 µs per start.
 2. ``--idle`` runs held by one engine at once: each is inside ``arun`` with its async handler
    awaiting an event (claimed, leased, its phase prepared), all in one event loop. Memory is
-   traced with ``tracemalloc`` from before the runs are started to when all of them wait.
+   traced with ``tracemalloc`` from before the runs are started to when all of them wait, and
+   the process's resident set is read at both points too (it also sees SQLite's page cache);
+   the larger of the two is held to the target.
    Target: <= 50 MB for 10,000. Also checks that no ``transitions`` machine or model is built
    per run (the compiled machine is shared by every run of a spec).
 """
@@ -99,7 +101,15 @@ def raw_starts(path: Path, count: int) -> float:
     return elapsed / count * 1e6
 
 
-async def hold_idle(path: Path, count: int) -> tuple[float, int]:
+def rss_mb() -> float:
+    """This process's resident set size (Linux), MB: SQLite's page cache is not traced."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1000
+    return float("nan")
+
+
+async def hold_idle(path: Path, count: int) -> tuple[float, float, int]:
     release = asyncio.Event()
     waiting = 0
     all_waiting = asyncio.Event()
@@ -118,6 +128,7 @@ async def hold_idle(path: Path, count: int) -> tuple[float, int]:
         )
         run_ids = [engine.start() for _ in range(count)]
         gc.collect()
+        rss_before = rss_mb()
         tracemalloc.start()
         base, _ = tracemalloc.get_traced_memory()
         tasks = [asyncio.create_task(engine.arun(run_id, max_steps=1)) for run_id in run_ids]
@@ -125,11 +136,12 @@ async def hold_idle(path: Path, count: int) -> tuple[float, int]:
         gc.collect()
         held, _peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
+        rss_grew = rss_mb() - rss_before
         machines = len(machine_cache)
         release.set()
         await asyncio.gather(*tasks)
         engine.close()
-    return (held - base) / 1e6, machines
+    return (held - base) / 1e6, rss_grew, machines
 
 
 def main() -> int:
@@ -154,14 +166,19 @@ def main() -> int:
         print(f"  engine.start   {engine_median:7.1f} µs")
         print(f"  raw commit     {raw_median:7.1f} µs   (run row + transition seq 0, prepared SQL)")
         print(f"  engine adds    {extra:7.1f} µs   target <= {START_TARGET_US:.0f} µs: {verdict}\n")
-        megabytes, machines = asyncio.run(hold_idle(directory / "idle.db", args.idle))
-        verdict = "PASS" if megabytes <= IDLE_TARGET_MB else "FAIL"
-        failed |= megabytes > IDLE_TARGET_MB
+        megabytes, rss_grew, machines = asyncio.run(hold_idle(directory / "idle.db", args.idle))
+        worst = max(megabytes, rss_grew)
+        verdict = "PASS" if worst <= IDLE_TARGET_MB else "FAIL"
+        failed |= worst > IDLE_TARGET_MB
         print(f"{args.idle:,} runs held at once by one engine (async phases awaiting):")
         print(
             f"  traced memory  {megabytes:7.1f} MB   ({megabytes * 1e6 / args.idle:,.0f} bytes a run)"
-            f"   target <= {IDLE_TARGET_MB:.0f} MB: {verdict}"
         )
+        print(
+            f"  resident set   {rss_grew:7.1f} MB more   (tracemalloc plus what it does not see:"
+            " SQLite's page cache, allocator slack)"
+        )
+        print(f"  the larger of the two against target <= {IDLE_TARGET_MB:.0f} MB: {verdict}")
         print(
             f"  compiled transitions machines: {machines} in this process (one per spec, none per run)"
         )
