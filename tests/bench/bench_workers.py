@@ -1,21 +1,28 @@
-"""Shared-journal throughput: 1, 2 and 4 worker processes draining 1,000 runs from one SQLite journal.
+"""Shared-journal throughput: 1, 2, 4 (and 8) worker processes draining 1,000 runs from one journal.
 
     python tests/bench/bench_workers.py [--runs 1000] [--workers 1 2 4] [--rounds 3]
+    python tests/bench/bench_workers.py --journal postgresql://root@127.0.0.1/test [--workers 1 2 4 8]
 
-Each round and worker count gets a fresh journal with ``--runs`` runs of a four-phase machine
-(fetching → building → testing → publishing → published: four journaled transitions a run)
-started in it. Then N worker processes, released together by closing their stdin, each call
-``Engine.work(exit_when_idle=True)``: claim the longest-waiting run (``claim_next``, one
-transaction), run it to its end, release it, claim the next, until none is left.
+Without ``--journal`` the journal is a SQLite file; with a PostgreSQL URL, each measurement gets
+a schema of its own in that database (``bench_workers_...``, dropped afterwards), and the
+worker counts default to 1, 2, 4 and 8. Each round and worker count gets a fresh journal with
+``--runs`` runs of a four-phase machine (fetching → building → testing → publishing →
+published: four journaled transitions a run) started in it. Then N worker processes, released
+together by closing their stdin, each call ``Engine.work(exit_when_idle=True)``: claim the
+longest-waiting run (``claim_next``, one transaction), run it to its end, release it, claim the
+next, until none is left.
 
 Every phase handler logs ``run state visit`` to its worker's log. A (run, state, visit) logged
-more than once is a double execution. A "database is locked" error surfaced is any error a
-worker saw, raised or logged by the engine, whose message says locked or busy (the journal maps
-SQLite's to ``JournalError`` "is locked by another writer ..."). Both must be 0, and every run
-must end ``succeeded`` having been claimed once; throughput is the median over the rounds.
+more than once is a double execution; a run that did not end ``succeeded`` is lost. A
+"database is locked" error surfaced is any error a worker saw, raised or logged by the engine,
+whose message says locked or busy (the SQLite journal maps SQLite's to ``JournalError`` "is
+locked by another writer ..."). All must be 0, and every run must end ``succeeded`` having been
+claimed once; throughput is the median over the rounds, and ``vs 1w`` its ratio to one worker's.
 
-Baseline, measured in the same run: raw ``sqlite3`` single-row commits (autocommit INSERTs into
-the journal's own ``transitions`` table definition, WAL, synchronous=NORMAL) from one process.
+Baseline, measured in the same run: raw single-row commits from one process into a table of
+the journal's own ``transitions`` definition — ``sqlite3`` autocommit INSERTs (WAL,
+synchronous=NORMAL), or psycopg autocommit INSERTs (prepared, ``synchronous_commit = on`` as
+the journal's commits) for PostgreSQL.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -49,6 +58,7 @@ from fsm_runner import (  # noqa: E402 - after the sys.path set-up above
     State,
     Transition,
 )
+from fsm_runner.journal import Journal, open_journal  # noqa: E402 - after the sys.path set-up
 from fsm_runner.records import format_utc, utc_now  # noqa: E402 - after the sys.path set-up
 
 PHASES = ("fetching", "building", "testing", "publishing")
@@ -69,9 +79,38 @@ SPEC = MachineSpec(
     ],
 )
 BASELINE_COMMITS = 20_000
+#: PostgreSQL commits wait for the WAL to reach the disk: fewer make as good a median.
+BASELINE_COMMITS_POSTGRES = 5_000
 LOCKED_WORDS = ("locked", "busy")
 #: How often a worker calls work() again after an error escaped it, before giving up.
 MAX_ESCAPES = 100
+
+
+def is_postgres(location: str) -> bool:
+    """Whether ``location`` is a PostgreSQL URL."""
+    return location.startswith(("postgresql://", "postgres://"))
+
+
+def with_schema(url: str, schema: str) -> str:
+    """``url`` naming the PostgreSQL schema ``schema``."""
+    return f"{url}{'&' if '?' in url else '?'}schema={urllib.parse.quote(schema)}"
+
+
+def open_bench_journal(location: str) -> Journal:
+    """The journal at ``location``: a SQLite file as before, or a PostgreSQL URL with a schema."""
+    return open_journal(location) if is_postgres(location) else SqliteJournal(location)
+
+
+def new_schema(label: str) -> str:
+    return f"bench_workers_{label.replace('-', '_')}_{uuid.uuid4().hex[:8]}"
+
+
+def drop_schema(url: str, schema: str) -> None:
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 # -- the worker process ------------------------------------------------------------------------
@@ -88,7 +127,7 @@ class _Collector(logging.Handler):
         self.messages.append(f"{record.levelname}: {record.getMessage()}")
 
 
-def worker(journal_path: str, log_path: str) -> int:
+def worker(journal_location: str, log_path: str) -> int:
     """Drain the journal with Engine.work; print one JSON line of what happened."""
     collector = _Collector()
     logging.getLogger("fsm_runner").addHandler(collector)
@@ -98,7 +137,7 @@ def worker(journal_path: str, log_path: str) -> int:
         log.write(f"{ctx.run_id} {ctx.state} {ctx.run.visit_seq}\n")
         return DONE
 
-    journal = SqliteJournal(journal_path)
+    journal = open_bench_journal(journal_location)
     engine = Engine(SPEC, handlers={"phase": phase}, journal=journal)
     print("ready", flush=True)
     sys.stdin.read()  # the barrier: the parent closes every worker's stdin at once
@@ -132,22 +171,69 @@ def worker(journal_path: str, log_path: str) -> int:
 # -- the parent --------------------------------------------------------------------------------
 
 
-def prepare(path: Path, runs: int) -> list[str]:
-    with SqliteJournal(path) as journal:
+def prepare(location: str, runs: int) -> list[str]:
+    journal = open_bench_journal(location)
+    try:
         engine = Engine(SPEC, handlers={"phase": lambda _ctx: DONE}, journal=journal)
         run_ids = [engine.start() for _ in range(runs)]
         engine.close()
+    finally:
+        journal.close()
     return run_ids
 
 
-def drain(directory: Path, runs: int, workers: int, label: str) -> dict[str, Any]:
-    """Start ``runs`` runs in a fresh journal, drain it with ``workers`` processes; measure."""
-    path = directory / f"journal-{label}.db"
-    run_ids = prepare(path, runs)
+def count_transitions(location: str, postgres: tuple[str, str] | None) -> int:
+    """Journaled transitions past each run's start (seq 0); ``postgres``: (url, schema)."""
+    if postgres is None:
+        conn = sqlite3.connect(location)
+        try:
+            return int(conn.execute("SELECT count(*) FROM transitions WHERE seq > 0").fetchone()[0])
+        finally:
+            conn.close()
+    import psycopg
+    from psycopg import sql
+
+    url, schema = postgres
+    with psycopg.connect(url, autocommit=True) as server:
+        found = server.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE seq > 0").format(
+                sql.Identifier(schema, "transitions")
+            )
+        ).fetchone()
+    return int(found[0]) if found else 0
+
+
+def drain(
+    directory: Path, runs: int, workers: int, label: str, postgres: str | None = None
+) -> dict[str, Any]:
+    """Start ``runs`` runs in a fresh journal, drain it with ``workers`` processes; measure.
+
+    The journal is a new SQLite file in ``directory``, or a new schema in the PostgreSQL
+    database at ``postgres`` (dropped again afterwards).
+    """
+    if postgres is None:
+        return _drain(directory, str(directory / f"journal-{label}.db"), runs, workers, label, None)
+    schema = new_schema(label)
+    try:
+        location = with_schema(postgres, schema)
+        return _drain(directory, location, runs, workers, label, (postgres, schema))
+    finally:
+        drop_schema(postgres, schema)
+
+
+def _drain(
+    directory: Path,
+    location: str,
+    runs: int,
+    workers: int,
+    label: str,
+    postgres: tuple[str, str] | None,
+) -> dict[str, Any]:
+    run_ids = prepare(location, runs)
     logs = [directory / f"worker-{label}-{index}.log" for index in range(workers)]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(path), str(log)],
+            [sys.executable, __file__, "--worker", location, str(log)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -182,17 +268,19 @@ def drain(directory: Path, runs: int, workers: int, label: str) -> dict[str, Any
         executions.update(tuple(line.split()) for line in log.read_text().splitlines())
     errors = [m for r in reports for m in (*r["escaped"], *r["logged"])]
     locked = [m for m in errors if any(word in m.lower() for word in LOCKED_WORDS)]
-    with SqliteJournal(path) as journal:
+    journal = open_bench_journal(location)
+    try:
         finished = journal.runs(machine=SPEC.name, limit=runs + 1)
-    conn = sqlite3.connect(path)
-    (transitions,) = conn.execute("SELECT count(*) FROM transitions WHERE seq > 0").fetchone()
-    conn.close()
+    finally:
+        journal.close()
+    transitions = count_transitions(location, postgres)
     succeeded = sum(1 for run in finished if run.status is Outcome.SUCCEEDED)
     claimed_once = sum(1 for run in finished if (run.lease_token, run.recoveries) == (1, 0))
     return {
         "workers": workers,
         "runs": len(run_ids),
         "succeeded": succeeded,
+        "lost": len(run_ids) - succeeded,
         "claimed_once": claimed_once,
         "transitions": int(transitions),
         "executions": sum(executions.values()),
@@ -237,49 +325,125 @@ def raw_commit_rate(directory: Path, commits: int, index: int) -> float:
     return commits / elapsed
 
 
+def raw_postgres_commit_rate(url: str, commits: int, index: int) -> float:
+    """Single-row autocommit INSERTs into a copy of the journal's transitions table, prepared,
+    with ``synchronous_commit = on`` (as the journal's own commits)."""
+    import psycopg
+    from psycopg import sql
+
+    schema = new_schema(f"raw_{index}")
+    open_bench_journal(with_schema(url, schema)).close()  # the journal's tables, as workers see
+    try:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("SET synchronous_commit TO on")
+            table = sql.Identifier(schema, "raw")
+            conn.execute(
+                sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL)").format(
+                    table, sql.Identifier(schema, "transitions")
+                )
+            )
+            at = utc_now()
+            rows = [
+                (
+                    "0" * 32,
+                    seq,
+                    PHASES[seq % 4],
+                    DONE,
+                    PHASES[(seq + 1) % 4],
+                    0,
+                    1,
+                    at,
+                    0.01,
+                    None,
+                    1,
+                )
+                for seq in range(commits + 200)
+            ]
+            insert = sql.SQL(
+                "INSERT INTO {} (run_id, seq, from_state, event, to_state, iteration, attempt,"
+                " at, duration_ms, result, lease_token)"
+                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+            ).format(table)
+            cursor = conn.cursor()
+            for row in rows[:200]:  # warm up
+                cursor.execute(insert, row, prepare=True)
+            started = time.perf_counter()
+            for row in rows[200:]:
+                cursor.execute(insert, row, prepare=True)
+            elapsed = time.perf_counter() - started
+    finally:
+        drop_schema(url, schema)
+    return commits / elapsed
+
+
+def describe_postgres(url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        found = conn.execute("SHOW server_version").fetchone()
+    return f"PostgreSQL {found[0] if found else '?'}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--workers", type=int, nargs="+", help="default: 1 2 4 (SQLite), 1 2 4 8")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--journal",
+        metavar="URL",
+        help="a postgresql:// URL: measure on that database (a schema per measurement)",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("JOURNAL", "LOG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker)
+    postgres = args.journal
+    if postgres is not None and not is_postgres(postgres):
+        parser.error("--journal takes a postgresql:// URL (SQLite is the default)")
+    worker_counts = args.workers or ([1, 2, 4, 8] if postgres else [1, 2, 4])
 
+    medium = describe_postgres(postgres) if postgres else f"sqlite {sqlite3.sqlite_version}"
     print(
-        f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version}, "
+        f"python {platform.python_version()}, {medium}, "
         f"{platform.machine()}, {os.cpu_count()} cores"
     )
     print(
-        f"{args.runs} runs x {len(PHASES)} phases per journal; workers {args.workers}; "
+        f"{args.runs} runs x {len(PHASES)} phases per journal; workers {worker_counts}; "
         f"{args.rounds} rounds, medians\n"
     )
-    results: dict[int, list[dict[str, Any]]] = {n: [] for n in args.workers}
+    results: dict[int, list[dict[str, Any]]] = {n: [] for n in worker_counts}
     raw_rates = []
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         for round_index in range(args.rounds):  # interleaved, so drift hits every column alike
-            raw_rates.append(raw_commit_rate(directory, BASELINE_COMMITS, round_index))
-            for workers in args.workers:
+            if postgres:
+                raw_rates.append(
+                    raw_postgres_commit_rate(postgres, BASELINE_COMMITS_POSTGRES, round_index)
+                )
+            else:
+                raw_rates.append(raw_commit_rate(directory, BASELINE_COMMITS, round_index))
+            for workers in worker_counts:
                 results[workers].append(
-                    drain(directory, args.runs, workers, f"{workers}w-{round_index}")
+                    drain(directory, args.runs, workers, f"{workers}w-{round_index}", postgres)
                 )
     raw = statistics.median(raw_rates)
-    print(
-        f"baseline  raw SQLite single-row commits, 1 process (WAL, synchronous=NORMAL): "
-        f"{raw:,.0f} commits/s ({1e6 / raw:.1f} us/commit)\n"
+    baseline = (
+        "raw PostgreSQL single-row commits, 1 process (prepared INSERT, synchronous_commit=on)"
+        if postgres
+        else "raw SQLite single-row commits, 1 process (WAL, synchronous=NORMAL)"
     )
+    print(f"baseline  {baseline}: {raw:,.0f} commits/s ({1e6 / raw:.1f} us/commit)\n")
     header = (
         f"{'workers':>7} {'runs':>6} {'transitions':>11} {'elapsed':>8} {'runs/s':>8} "
-        f"{'trans/s':>8} {'vs 1w':>6} {'vs raw':>6} {'doubles':>7} {'locked':>6} "
+        f"{'trans/s':>8} {'vs 1w':>6} {'vs raw':>6} {'doubles':>7} {'lost':>5} {'locked':>6} "
         f"{'other':>5}  result"
     )
     print(header)
     print("-" * len(header))
     failed = False
     base_rate = None
-    for workers in args.workers:
+    for workers in worker_counts:
         rounds = results[workers]
         elapsed = statistics.median(r["elapsed"] for r in rounds)
         runs = rounds[0]["runs"]
@@ -289,14 +453,15 @@ def main() -> int:
         base_rate = base_rate or (trans_rate if workers == 1 else None)
         versus = f"{trans_rate / base_rate:.2f}x" if base_rate else "-"
         doubles = sum(r["doubles"] for r in rounds)
+        lost = sum(r["lost"] for r in rounds)
         locked = sum(r["locked"] for r in rounds)
         other = sum(r["other_errors"] for r in rounds)
         problems = [
             name
             for name, bad in (
                 ("doubles", doubles),
+                ("lost runs", lost),
                 ("locked", locked),
-                ("unfinished runs", any(r["succeeded"] != r["runs"] for r in rounds)),
                 (
                     "runs claimed more than once",
                     any(r["claimed_once"] != r["runs"] for r in rounds),
@@ -312,8 +477,8 @@ def main() -> int:
         verdict = f"FAIL ({', '.join(problems)})" if problems else "PASS"
         print(
             f"{workers:>7} {runs:>6} {transitions:>11} {elapsed:>7.2f}s {runs_rate:>8,.0f} "
-            f"{trans_rate:>8,.0f} {versus:>6} {trans_rate / raw:>6.2f} {doubles:>7} {locked:>6} "
-            f"{other:>5}  {verdict}"
+            f"{trans_rate:>8,.0f} {versus:>6} {trans_rate / raw:>6.2f} {doubles:>7} {lost:>5} "
+            f"{locked:>6} {other:>5}  {verdict}"
         )
     if base_rate:
         print(
@@ -321,7 +486,7 @@ def main() -> int:
             f"commit rate (each run also costs a claim and a release transaction)"
         )
     print("\nruns taken per worker (last round):")
-    for workers in args.workers:
+    for workers in worker_counts:
         print(f"  {workers} worker(s): {' / '.join(map(str, results[workers][-1]['taken']))}")
     samples = [m for rounds in results.values() for r in rounds for m in r["error_samples"]]
     if samples:
@@ -329,10 +494,12 @@ def main() -> int:
         for message in samples[:5]:
             print(f"  {message}")
     print(
-        f"\ndoubles: a (run, state, visit) whose phase ran more than once; locked: errors "
-        f"mentioning {'/'.join(LOCKED_WORDS)} surfaced in a worker (raised or logged); both "
-        f"summed over {args.rounds} rounds. vs raw: transitions/s over the baseline commits/s."
+        f"\ndoubles: a (run, state, visit) whose phase ran more than once; lost: runs that did "
+        f"not end succeeded; locked: errors mentioning {'/'.join(LOCKED_WORDS)} surfaced in a "
+        f"worker (raised or logged); all summed over {args.rounds} rounds. vs 1w: transitions/s "
+        f"over one worker's; vs raw: transitions/s over the baseline commits/s."
     )
+    print(f"\n{'FAIL' if failed else 'PASS'}: {'not ' if failed else ''}every check held")
     return 1 if failed else 0
 
 
