@@ -254,6 +254,35 @@ class TestCommandVerifier:
         assert two.output_tail == f"two\n{tmp_path.resolve()}\n"  # stderr merged, run in place
         assert not any(check.timed_out for check in (zero, one, two))
 
+    def test_stale_bytecode_of_a_same_size_edit_is_never_run(self, tmp_path):
+        """An agent's edit of the same size in the same second: Python would trust the old .pyc.
+
+        Reproduced exactly: the file's mtime is set back to the first version's, so a .pyc
+        keyed by mtime and size (Python's default) matches the new source. The CI failure this
+        caught: the agent loop's third, correct attempt was verified as its second, wrong one.
+        """
+        source = tmp_path / "calc.py"
+        check = f"{sys.executable} -c 'import calc; assert calc.add(2, 3) == 5, calc.add(2, 3)'"
+        levels = {"L0": f"{sys.executable} -m compileall -q calc.py", "L1": check}
+        source.write_text("def add(a, b):\n    return a - b\n")
+        stamp = source.stat().st_mtime_ns
+        # as a plain `python -m compileall` in the workspace would, outside any verification
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "calc.py"], cwd=tmp_path, check=True
+        )
+        assert not CommandVerifier(levels).verify(str(tmp_path)).passed  # a - b is wrong
+
+        source.write_text("def add(a, b):\n    return a + b\n")  # same size
+        os.utime(source, ns=(stamp, stamp))  # and the same mtime: the old .pyc looks valid
+        stale = subprocess.run(
+            [sys.executable, "-c", "import calc; print(calc.add(2, 3))"],
+            cwd=tmp_path, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert stale.stdout.strip() == "-1"  # the trap is real: plain Python runs the old code
+
+        report = CommandVerifier(levels).verify(str(tmp_path))
+        assert report.passed, report.levels[-1].checks[0].output_tail
+
     def test_a_failed_level_stops_the_later_ones(self, tmp_path):
         verifier = CommandVerifier(
             {"L0": "true", "L1": "echo broken; exit 3", "L2": "touch l2-ran"}

@@ -341,7 +341,8 @@ class CommandVerifier:
     Each command runs in a process group of its own and may take ``timeout`` seconds, or what is
     left of the ``timeout`` given to :meth:`verify` if that is less; past it, the whole group is
     killed. A command that would start after that budget is spent is not run and counts as
-    timed out.
+    timed out. Python bytecode is cached apart for each verification (``PYTHONPYCACHEPREFIX``),
+    so a stale ``.pyc`` in the workspace is never run in place of the source.
 
     Attributes:
         levels: the default levels, ``{name: command or [commands]}``; :meth:`verify` may
@@ -385,25 +386,48 @@ class CommandVerifier:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         results: list[LevelResult] = []
-        for name, commands in plan.items():
-            level_started = time.monotonic()
-            # A list, not a generator stopping at the first failure: every check of a level runs.
-            checks = tuple([self._check(command, workspace, deadline) for command in commands])
-            passed = all(check.passed for check in checks)
-            results.append(
-                LevelResult(
-                    name, passed=passed, checks=checks, duration_ms=_ms_since(level_started)
-                )
-            )
-            if not passed:
-                break
+        with tempfile.TemporaryDirectory(prefix="fsm-runner-pycache-") as pycache:
+            # Python bytecode goes to a cache of this verification's own: a .pyc compiled from
+            # an earlier version of a file with the same size, written in the same second, would
+            # otherwise be run instead of the file the agent just wrote.
+            environment = {**os.environ, "PYTHONPYCACHEPREFIX": pycache}
+            for name, commands in plan.items():
+                if not self._level(name, commands, workspace, deadline, environment, results):
+                    break
         return VerificationReport(
             passed=all(level.passed for level in results),
             levels=tuple(results),
             duration_ms=_ms_since(started),
         )
 
-    def _check(self, command: str, workspace: str, deadline: float | None) -> CheckResult:
+    def _level(  # noqa: PLR0917 - a private step of verify(), called once
+        self,
+        name: str,
+        commands: Sequence[str],
+        workspace: str,
+        deadline: float | None,
+        environment: Mapping[str, str],
+        results: list[LevelResult],
+    ) -> bool:
+        """Run every command of a level; record it; whether it passed."""
+        level_started = time.monotonic()
+        # A list, not a generator stopping at the first failure: every check of a level runs.
+        checks = tuple(
+            [self._check(command, workspace, deadline, environment) for command in commands]
+        )
+        passed = all(check.passed for check in checks)
+        results.append(
+            LevelResult(name, passed=passed, checks=checks, duration_ms=_ms_since(level_started))
+        )
+        return passed
+
+    def _check(
+        self,
+        command: str,
+        workspace: str,
+        deadline: float | None,
+        environment: Mapping[str, str],
+    ) -> CheckResult:
         """Run one command, within the verifier's timeout and the verification's deadline."""
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
@@ -420,6 +444,7 @@ class CommandVerifier:
                     command,
                     shell=True,
                     cwd=workspace,
+                    env=environment,
                     stdin=subprocess.DEVNULL,
                     stdout=output,
                     stderr=subprocess.STDOUT,
