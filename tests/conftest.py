@@ -40,6 +40,11 @@ class PostgresServer:
         """A connection of the tests' own (a new one after the server restarted)."""
         import psycopg
 
+        if not (self._admin.closed or self._admin.broken):
+            try:  # a connection the server dropped is not marked broken until it is used
+                self._admin.execute("SELECT 1")
+            except psycopg.OperationalError:
+                self._admin.close()
         if self._admin.closed or self._admin.broken:
             self._admin = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             self._admin.execute("SET synchronous_commit TO off")
