@@ -32,16 +32,14 @@ import os
 import random
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from fsm_runner import Engine, MemoryJournal, Outcome
-from fsm_runner.replay import check_journal
-from tests.torture import PHASES, SPEC, decide, expected_path
+from fsm_runner import Engine, MemoryJournal
+from tests.torture import PHASES, SPEC, check_executions, decide
 
 __all__ = [
     "LONG_MS",
@@ -281,94 +279,26 @@ class Report:
         return "\n".join(lines)
 
 
-def _visits(transitions: Sequence[Any]) -> list[tuple[Any, int]]:
-    """Each transition that leaves a visit, with that visit's seq (as the engine counts them)."""
-    found = []
-    visit = 0
-    for t in transitions[1:]:
-        found.append((t, visit))
-        if t.to_state != t.from_state or t.event not in ("RETRIED", "INTERRUPTED"):
-            visit = t.seq
-    return found
-
-
 def verify(
     journal: Any, executions: Collection[Execution], inputs: Mapping[str, Mapping[str, Any]]
 ) -> Report:
     """Check a finished session's journal against its inputs and its phase executions.
 
-    1. Every run reached its expected terminal state by exactly its expected path (nothing
-       lost, nothing repeated), with gapless seqs, and ``check_journal`` finds nothing.
-    2. No completed phase executed twice: for each journaled transition out of
-       ``(run, state, visit)`` under lease token L, exactly one execution of that visit ran
-       under L and it finished, and none ran under a token above L. Executions under tokens
-       below L are the phase running again after its worker was lost; they are counted and
-       listed (``re_executed``), for the caller to match with what it did to the workers.
-    3. Every execution belongs to a visit the journal left, each lease token of a run was used
-       by one worker only, and the tokens of a run's transitions never go back.
+    The checks are the SQLite torture's (:func:`tests.torture.check_executions`): every run at
+    its expected end by its expected path, gapless, ``check_journal`` clean; no completed phase
+    executed twice; executions under earlier tokens (a phase run again after its worker was
+    lost) listed for the caller to match with what it did to the workers.
     """
-    report = Report(runs=len(inputs), executions=len(executions))
-    problems = report.problems
-    problems += [f"check_journal: {problem}" for problem in check_journal(journal)]
-    by_visit: dict[tuple[str, str, int], list[Execution]] = defaultdict(list)
-    workers_by_token: dict[tuple[str, int], set[tuple[str, int]]] = defaultdict(set)
-    for e in executions:
-        by_visit[(e.run_id, e.state, e.visit_seq)].append(e)
-        workers_by_token[(e.run_id, e.lease_token)].add((e.worker, e.pid))
-    left: set[tuple[str, str, int]] = set()
-    for run_id, run_input in inputs.items():
-        run = journal.load(run_id)
-        transitions = list(journal.transitions(run_id))
-        report.transitions += len(transitions)
-        report.recoveries += run.recoveries
-        if run.recoveries:
-            report.taken_over.append(run_id)
-        path = [(t.from_state, t.event, t.to_state) for t in transitions]
-        want = expected_path(run_input)
-        want_status = Outcome.SUCCEEDED if want[-1][2] == "published" else Outcome.FAILED
-        if (run.state, run.status) != (want[-1][2], want_status):
-            problems.append(
-                f"run {run_id}: ended {run.state}/{run.status}, expected {want[-1][2]}/{want_status}"
-            )
-        if path != want:
-            problems.append(f"run {run_id}: journaled path {path}, expected {want}")
-        seqs = [t.seq for t in transitions]
-        if seqs != list(range(len(transitions))) or run.seq != len(transitions) - 1:
-            problems.append(f"run {run_id}: seqs {seqs}, run row at seq {run.seq}")
-        tokens = [t.lease_token for t in transitions]
-        if tokens != sorted(tokens):
-            problems.append(f"run {run_id}: transition lease tokens go back: {tokens}")
-        for t, visit in _visits(transitions):
-            key = (run_id, t.from_state, visit)
-            left.add(key)
-            ran = by_visit.get(key, [])
-            writers = [e for e in ran if e.lease_token == t.lease_token]
-            if len(writers) != 1 or writers[0].finished_at is None:
-                problems.append(
-                    f"run {run_id} seq {t.seq}: {len(writers)} execution(s) of {t.from_state!r}"
-                    f" visit {visit} under token {t.lease_token} (expected one, finished):"
-                    f" {writers}"
-                )
-            later = [e for e in ran if e.lease_token > t.lease_token]
-            if later:
-                problems.append(
-                    f"run {run_id} seq {t.seq}: {t.from_state!r} visit {visit} ran again after"
-                    f" its transition was journaled under token {t.lease_token}: {later}"
-                )
-            if len(ran) > 1:
-                report.re_executions += len(ran) - 1
-                report.re_executed[key] = ran
-            for e in ran:
-                if e.lease_token < t.lease_token:
-                    (report.unfinished if e.finished_at is None else report.lost_results).append(e)
-    phantom = [e for e in executions if (e.run_id, e.state, e.visit_seq) not in left]
-    if phantom:
-        problems.append(
-            f"{len(phantom)} execution(s) of visits the journal never left: {phantom[:3]}"
-        )
-    shared = {key: ids for key, ids in workers_by_token.items() if len(ids) > 1}
-    if shared:
-        problems.append(
-            f"lease tokens used by more than one worker: {dict(list(shared.items())[:5])}"
-        )
-    return report
+    checked = check_executions(journal, executions, inputs)
+    return Report(
+        runs=len(inputs),
+        transitions=checked.transitions,
+        executions=len(executions),
+        re_executions=checked.re_executions,
+        re_executed=checked.re_executed,
+        lost_results=[e for e in checked.earlier if e.finished_at is not None],
+        unfinished=[e for e in checked.earlier if e.finished_at is None],
+        recoveries=checked.recoveries,
+        taken_over=checked.taken_over,
+        problems=checked.problems,
+    )

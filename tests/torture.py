@@ -63,7 +63,7 @@ import time
 import traceback
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -655,6 +655,118 @@ def _visits(transitions: list[Any]) -> Iterator[tuple[Any, int]]:
             visit = t.seq
 
 
+@dataclasses.dataclass
+class Checked:
+    """What :func:`check_executions` found in a journal and its phase executions.
+
+    Executions are any records with ``id``, ``run_id``, ``state``, ``visit_seq``,
+    ``lease_token``, ``worker``, ``pid``, ``started_at`` and ``finished_at`` (epoch seconds):
+    the SQLite torture's side table and the PostgreSQL workers' one alike.
+    """
+
+    problems: list[str] = dataclasses.field(default_factory=list)
+    transitions: int = 0
+    #: Lease takeovers (``runs.recoveries``, summed) and the runs that had any.
+    recoveries: int = 0
+    taken_over: list[str] = dataclasses.field(default_factory=list)
+    #: The visits that ran more than once: ``(run_id, state, visit_seq)`` -> their executions.
+    re_executed: dict[tuple[str, str, int], list[Any]] = dataclasses.field(default_factory=dict)
+    #: Executions under a token below the one whose result was journaled (the phase ran again
+    #: after its worker was lost): unfinished, or finished with the result refused.
+    earlier: list[Any] = dataclasses.field(default_factory=list)
+    #: ``(run, state, visit, token)`` of every journaled phase result.
+    committed: set[tuple[str, str, int, int]] = dataclasses.field(default_factory=set)
+    #: Executions that began after their visit's transition was journaled.
+    stale_starts: int = 0
+
+    @property
+    def re_executions(self) -> int:
+        """Executions beyond one per journaled visit."""
+        return sum(len(ran) - 1 for ran in self.re_executed.values())
+
+
+def check_executions(
+    journal: Any, executions: Collection[Any], inputs: Mapping[str, Mapping[str, Any]]
+) -> Checked:
+    """Check a finished session's journal against its runs' inputs and phase executions.
+
+    1. Every run reached its expected terminal state by exactly its expected path (nothing
+       lost, nothing repeated), with gapless seqs, and ``check_journal`` finds nothing.
+    2. No completed phase executed twice: for each journaled transition out of
+       ``(run, state, visit)`` under lease token L, exactly one execution of that visit ran
+       under L and it finished, and none ran under a token above L. Executions under tokens
+       below L are the phase running again after its worker was lost: they are listed
+       (``earlier``, ``re_executed``) for the caller to match with what it did to the workers.
+    3. Every execution belongs to a visit the journal left, each lease token of a run was used
+       by one worker only, and the tokens of a run's transitions never go back.
+    """
+    checked = Checked()
+    problems = checked.problems
+    problems += [f"check_journal: {problem}" for problem in check_journal(journal)]
+    by_visit: dict[tuple[str, str, int], list[Any]] = defaultdict(list)
+    workers_by_token: dict[tuple[str, int], set[tuple[str, int]]] = defaultdict(set)
+    for e in executions:
+        by_visit[(e.run_id, e.state, e.visit_seq)].append(e)
+        workers_by_token[(e.run_id, e.lease_token)].add((e.worker, e.pid))
+    left: set[tuple[str, str, int]] = set()
+    for run_id, run_input in inputs.items():
+        run = journal.load(run_id)
+        transitions = list(journal.transitions(run_id))
+        checked.transitions += len(transitions)
+        checked.recoveries += run.recoveries
+        if run.recoveries:
+            checked.taken_over.append(run_id)
+        path = [(t.from_state, t.event, t.to_state) for t in transitions]
+        want = expected_path(run_input)
+        want_status = Outcome.SUCCEEDED if want[-1][2] == "published" else Outcome.FAILED
+        if (run.state, run.status) != (want[-1][2], want_status):
+            problems.append(
+                f"run {run_id}: ended {run.state}/{run.status}, expected {want[-1][2]}/{want_status}"
+            )
+        if path != want:
+            problems.append(f"run {run_id}: journaled path {path}, expected {want}")
+        seqs = [t.seq for t in transitions]
+        if seqs != list(range(len(transitions))) or run.seq != len(transitions) - 1:
+            problems.append(f"run {run_id}: seqs {seqs}, run row at seq {run.seq}")
+        tokens = [t.lease_token for t in transitions]
+        if tokens != sorted(tokens):
+            problems.append(f"run {run_id}: transition lease tokens go back: {tokens}")
+        for t, visit in _visits(transitions):
+            key = (run_id, t.from_state, visit)
+            left.add(key)
+            ran = by_visit.get(key, [])
+            writers = [e for e in ran if e.lease_token == t.lease_token]
+            if len(writers) != 1 or writers[0].finished_at is None:
+                problems.append(
+                    f"run {run_id} seq {t.seq}: {len(writers)} execution(s) of {t.from_state!r}"
+                    f" visit {visit} under token {t.lease_token} (expected one, finished):"
+                    f" {writers}"
+                )
+            checked.committed.add((*key, t.lease_token))
+            later = [e for e in ran if e.lease_token > t.lease_token]
+            if later:
+                problems.append(
+                    f"run {run_id} seq {t.seq}: {t.from_state!r} visit {visit} ran again after"
+                    f" its transition was journaled under token {t.lease_token}: {later}"
+                )
+            if len(ran) > 1:
+                checked.re_executed[key] = ran
+            checked.earlier += [e for e in ran if e.lease_token < t.lease_token]
+            at = t.at.timestamp()
+            checked.stale_starts += sum(1 for e in ran if e.started_at >= at)
+    phantom = [e for e in executions if (e.run_id, e.state, e.visit_seq) not in left]
+    if phantom:
+        problems.append(
+            f"{len(phantom)} execution(s) of visits the journal never left: {phantom[:3]}"
+        )
+    shared = {key: ids for key, ids in workers_by_token.items() if len(ids) > 1}
+    if shared:
+        problems.append(
+            f"lease tokens used by more than one worker: {dict(list(shared.items())[:5])}"
+        )
+    return checked
+
+
 def verify(
     journal: SqliteJournal,
     inputs: Mapping[str, Mapping[str, Any]],
@@ -669,85 +781,16 @@ def verify(
         killed: the worker ids of the workers killed, in order.
         report: where figures and problems go.
     """
-    problems = report.problems
-    problems += [f"check_journal: {problem}" for problem in check_journal(journal)]
-    by_visit: dict[tuple[str, str, int], list[_Execution]] = defaultdict(list)
-    workers_by_token: dict[tuple[str, int], set[str]] = defaultdict(set)
     executions = _executions(journal)
-    for e in executions:
-        by_visit[(e.run_id, e.state, e.visit_seq)].append(e)
-        workers_by_token[(e.run_id, e.lease_token)].add(e.worker)
+    checked = check_executions(journal, executions, inputs)
+    report.problems += checked.problems
     report.executions = len(executions)
-    committed: set[tuple[str, str, int, int]] = set()  # (run, state, visit, token) journaled
-    left: set[tuple[str, str, int]] = set()
-    lost: list[_Execution] = []  # finished under an older token, result not journaled
-
-    for run_id, run_input in inputs.items():
-        run = journal.load(run_id)
-        transitions = list(journal.transitions(run_id))
-        report.transitions += len(transitions)
-        report.recoveries += run.recoveries
-        # 1. the expected end, by the expected path
-        path = [(t.from_state, t.event, t.to_state) for t in transitions]
-        want = expected_path(run_input)
-        want_status = Outcome.SUCCEEDED if want[-1][2] == "published" else Outcome.FAILED
-        if (run.state, run.status) != (want[-1][2], want_status):
-            problems.append(
-                f"run {run_id}: ended {run.state}/{run.status}, expected {want[-1][2]}/{want_status}"
-            )
-        if path != want:
-            problems.append(f"run {run_id}: journaled path {path}, expected {want}")
-        # 2. gapless seqs
-        if [t.seq for t in transitions] != list(range(len(transitions))) or run.seq != len(
-            transitions
-        ) - 1:
-            problems.append(
-                f"run {run_id}: seqs {[t.seq for t in transitions]}, run row at seq {run.seq}"
-            )
-        # 4. tokens of the run's writers never go back
-        tokens = [t.lease_token for t in transitions]
-        if tokens != sorted(tokens):
-            problems.append(f"run {run_id}: transition lease tokens go back: {tokens}")
-        # 3. each journaled phase result came from one execution under the writer's token, and
-        # the phase never ran under a later token
-        for t, visit in _visits(transitions):
-            key = (run_id, t.from_state, visit)
-            left.add(key)
-            runs_of_visit = by_visit.get(key, [])
-            writers = [e for e in runs_of_visit if e.lease_token == t.lease_token]
-            if len(writers) != 1 or writers[0].finished_at is None:
-                problems.append(
-                    f"run {run_id} seq {t.seq}: {len(writers)} execution(s) of {t.from_state!r}"
-                    f" visit {visit} under token {t.lease_token} (expected one, finished):"
-                    f" {writers}"
-                )
-            committed.add((*key, t.lease_token))
-            later = [e for e in runs_of_visit if e.lease_token > t.lease_token]
-            if later:
-                problems.append(
-                    f"run {run_id} seq {t.seq}: {t.from_state!r} visit {visit} ran again after"
-                    f" its transition was journaled under token {t.lease_token}: {later}"
-                )
-            report.re_executions += max(len(runs_of_visit) - 1, 0)
-            lost.extend(
-                e
-                for e in runs_of_visit
-                if e.lease_token < t.lease_token and e.finished_at is not None
-            )
-            at = t.at.timestamp()
-            report.stale_starts += sum(1 for e in runs_of_visit if e.started_at >= at)
-
-    phantom = [e for e in executions if (e.run_id, e.state, e.visit_seq) not in left]
-    if phantom:
-        problems.append(
-            f"{len(phantom)} execution(s) of visits the journal never left: {phantom[:3]}"
-        )
-    # 4. one worker per lease token
-    shared = {key: ids for key, ids in workers_by_token.items() if len(ids) > 1}
-    if shared:
-        problems.append(
-            f"lease tokens used by more than one worker: {dict(list(shared.items())[:5])}"
-        )
+    report.transitions += checked.transitions
+    report.recoveries += checked.recoveries
+    report.re_executions += checked.re_executions
+    report.stale_starts += checked.stale_starts
+    # finished under an older token, result not journaled
+    lost = [e for e in checked.earlier if e.finished_at is not None]
 
     # Where the kills landed: the victim's last execution.
     last: dict[str, _Execution] = {}
@@ -759,7 +802,8 @@ def verify(
             report.kills_mid_phase += 1
         elif (
             final is not None
-            and (final.run_id, final.state, final.visit_seq, final.lease_token) not in committed
+            and (final.run_id, final.state, final.visit_seq, final.lease_token)
+            not in checked.committed
         ):
             report.kills_before_commit += 1
         else:
