@@ -506,14 +506,16 @@ class Engine:
             f"{self.max_recoveries}); fork it to try again"
         )
         error = {"type": _DEAD_LETTERED, "message": message}
-        return self._commit(
-            run,
-            _DEAD_LETTERED,
-            run.state,
-            result={"error": error},
-            duration_ms=0.0,
-            error=error,
-            status=Outcome.DEAD_LETTER,
+        return self._write(
+            self._plan(
+                run,
+                _DEAD_LETTERED,
+                run.state,
+                result={"error": error},
+                duration_ms=0.0,
+                error=error,
+                status=Outcome.DEAD_LETTER,
+            )
         )[1]
 
     # -- starting ------------------------------------------------------------------------------
@@ -701,7 +703,8 @@ class Engine:
         """Claim the run, commit one transition decided on the claimed row, and release it."""
         run = self._claim(run_id)
         try:
-            run = self._commit(run, event, dest(run), result=result(run), duration_ms=0.0)[1]
+            planned = self._plan(run, event, dest(run), result=result(run), duration_ms=0.0)
+            run = self._write(planned)[1]
         finally:
             self._let_go(run_id)
         return _unleased(run)
@@ -818,14 +821,16 @@ class Engine:
         """
         error = {"type": _INTERRUPTED, "message": f"interrupted ({cause}) in {run.state!r}"}
         try:
-            self._commit(
-                run,
-                _INTERRUPTED,
-                run.state,
-                result={"error": error},
-                duration_ms=0.0,
-                error=error,
-                attempt=run.attempt + 1,
+            self._write(
+                self._plan(
+                    run,
+                    _INTERRUPTED,
+                    run.state,
+                    result={"error": error},
+                    duration_ms=0.0,
+                    error=error,
+                    attempt=run.attempt + 1,
+                )
             )
         except FsmRunnerError:
             # Journaling is best effort here: the run is still at its last committed state,
@@ -1274,32 +1279,6 @@ class Engine:
             error=error_payload,
             iteration_updates=result.iteration,
             artifacts=result.artifacts,
-        )
-
-    def _commit(
-        self,
-        run: RunRecord,
-        event: str,
-        dest: str,
-        *,
-        result: Mapping[str, Any] | None,
-        duration_ms: float,
-        error: Mapping[str, Any] | None = None,
-        attempt: int | None = None,
-        status: Outcome | None = None,
-    ) -> tuple[TransitionRecord, RunRecord]:
-        """Journal the transition ``run`` takes on ``event`` to ``dest`` (see :meth:`_plan`)."""
-        return self._write(
-            self._plan(
-                run,
-                event,
-                dest,
-                result=result,
-                duration_ms=duration_ms,
-                error=error,
-                attempt=attempt,
-                status=status,
-            )
         )
 
     def _write(self, planned: _Planned) -> tuple[TransitionRecord, RunRecord]:
