@@ -34,10 +34,15 @@ from fsm_runner import (
     open_journal,
 )
 from fsm_runner.cli import cli
-from fsm_runner.exceptions import LeaseLostError, RunConflictError, SchemaVersionError
+from fsm_runner.exceptions import (
+    LeaseHeldError,
+    LeaseLostError,
+    RunConflictError,
+    SchemaVersionError,
+)
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal.postgres import redact
-from fsm_runner.records import ArtifactRecord, IterationRecord, utc_now
+from fsm_runner.records import ArtifactRecord, IterationRecord
 from tests.conftest import POSTGRES_URL
 from tests.helpers import NEXT, linear_spec
 
@@ -649,17 +654,40 @@ class TestCli:
         assert "Traceback" not in result.stderr
 
 
-def test_claims_use_the_clock_of_the_claimer(postgres_journal):
-    """Lease expiries are the claimer's now + ttl, to the microsecond, as in the SQLite journal."""
-    start(postgres_journal)
-    before = utc_now()
-    run = postgres_journal.claim("r1", "w", ttl=30)
-    assert run.lease_expires_at is not None
-    assert (
-        before + dt.timedelta(seconds=30)
-        <= run.lease_expires_at
-        <= utc_now() + dt.timedelta(seconds=30)
-    )
+class TestServerClock:
+    """Leases are set and judged by the database server's clock, never a worker host's."""
+
+    def test_an_expiry_is_the_servers_now_plus_ttl(self, postgres_journal, admin):
+        start(postgres_journal)
+        (before,) = admin.execute("SELECT clock_timestamp()").fetchone()
+        run = postgres_journal.claim("r1", "w", ttl=30)
+        (after,) = admin.execute("SELECT clock_timestamp()").fetchone()
+        assert run.lease_expires_at is not None
+        ttl = dt.timedelta(seconds=30)
+        assert before + ttl <= run.lease_expires_at <= after + ttl
+        later = postgres_journal.renew("r1", "w", run.lease_token, ttl=60)
+        assert later > after + dt.timedelta(seconds=59)
+
+    @pytest.mark.parametrize("skew", [dt.timedelta(hours=1), dt.timedelta(hours=-1)])
+    def test_a_worker_whose_clock_is_off_neither_steals_nor_misses(
+        self, postgres_journal, monkeypatch, skew
+    ):
+        """A host an hour ahead must not take live leases over; one behind must see dead ones."""
+        import fsm_runner.journal.postgres as module
+        import fsm_runner.records as records
+
+        start(postgres_journal)
+        start(postgres_journal, "r2")
+        postgres_journal.claim("r1", "w1", ttl=60)  # live for a minute
+        postgres_journal.claim("r2", "w1", ttl=-1)  # already expired
+        skewed = lambda: dt.datetime.now(dt.timezone.utc) + skew  # noqa: E731
+        monkeypatch.setattr(module, "utc_now", skewed)
+        monkeypatch.setattr(records, "utc_now", skewed)
+        with pytest.raises(LeaseHeldError):
+            postgres_journal.claim("r1", "w2", ttl=60)
+        assert [r.run_id for r in postgres_journal.runs(stale=True)] == ["r2"]
+        taken = postgres_journal.claim("r2", "w2", ttl=60)
+        assert (taken.lease_owner, taken.recoveries) == ("w2", 1)
 
 
 class TestMoreLostConnections:

@@ -11,6 +11,8 @@ How it keeps the contract:
   mode: an ``UPDATE`` of the run row, fenced by its seq and lease token, and the ``INSERT`` of the
   transition that follows from it (a data-modifying ``WITH``). Either both happen or neither.
   Iterations, artifacts and a spec change share one short explicit transaction with it.
+* **Leases** are set and judged by the server's clock (``clock_timestamp()``), not the
+  workers': hosts whose clocks disagree still agree on when a lease expires.
 * **Fencing** is explicit SQL in every write that a lease holder makes: the transition commit
   (``seq = N - 1 AND lease_token = T``), ``put_effect`` (which share-locks the run row it checks,
   so the run cannot move on before the effect is written), ``renew`` and ``release``.
@@ -262,6 +264,18 @@ def _utc(value: dt.datetime | None) -> dt.datetime | None:
     if value is None or value.tzinfo is not None:
         return value
     return value.replace(tzinfo=_UTC)
+
+
+def _server_now(conn: _Connection) -> dt.datetime:
+    """The database server's time: leases are set and judged by one clock, whatever the hosts'.
+
+    Workers on several hosts each see a lease expire when the *server's* clock passes it, so a
+    host whose own clock runs ahead cannot take over runs that are still held.
+    """
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    now: dt.datetime = row[0]
+    return now
 
 
 def _first_line(exc: BaseException) -> str:
@@ -871,12 +885,14 @@ class PostgresJournal:
         Granted when nobody holds the lease, when it has expired (a takeover: the run's
         ``recoveries`` count increases), or when ``owner`` holds it already.
         """
-        now = utc_now()
-        expires = now + dt.timedelta(seconds=ttl)
+        tried: list[dt.datetime] = []  # the expiry each try set: the resolver looks for them
 
         def work(conn: _Connection) -> RunRecord:
             with conn.transaction():
                 run = self._load(conn, run_id, lock=True)
+                now = _server_now(conn)
+                expires = now + dt.timedelta(seconds=ttl)
+                tried.append(expires)
                 if run.ended:
                     raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
                 lease_expires = run.lease_expires_at
@@ -899,7 +915,7 @@ class PostgresJournal:
 
         def resolve(conn: _Connection) -> RunRecord | _Unresolved:
             run = self._load(conn, run_id)
-            if run.lease_owner == owner and run.lease_expires_at == expires:
+            if run.lease_owner == owner and run.lease_expires_at in tried:
                 return run  # the lease this very claim set
             return _UNRESOLVED
 
@@ -922,8 +938,6 @@ class PostgresJournal:
         """
         if not states:
             return None
-        now = utc_now()
-        expires = now + dt.timedelta(seconds=ttl)
         spec_filter = " AND spec_hash = %s" if spec_hash is not None else ""
         statement = (
             "WITH chosen AS (SELECT run_id, lease_owner FROM runs WHERE status = 'active'"
@@ -936,20 +950,24 @@ class PostgresJournal:
             " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "
             + ", ".join(f"runs.{column}" for column in _RUN_COLUMNS)
         )
-        params: list[Any] = [machine, list(states), now]
-        if spec_hash is not None:
-            params.append(spec_hash)
-        params += [owner, expires]
+        tried: list[dt.datetime] = []
 
         def work(conn: _Connection) -> RunRecord | None:
+            now = _server_now(conn)
+            expires = now + dt.timedelta(seconds=ttl)
+            tried.append(expires)
+            params: list[Any] = [machine, list(states), now]
+            if spec_hash is not None:
+                params.append(spec_hash)
+            params += [owner, expires]
             row = conn.execute(statement, params).fetchone()
             return None if row is None else self._run_from_row(row)
 
         def resolve(conn: _Connection) -> RunRecord | _Unresolved | None:
             row = conn.execute(
                 f"SELECT {_RUN_SELECT} FROM runs WHERE lease_owner = %s"
-                " AND lease_expires_at = %s AND machine = %s",
-                (owner, expires, machine),
+                " AND lease_expires_at = ANY(%s) AND machine = %s",
+                (owner, tried, machine),
             ).fetchone()
             return _UNRESOLVED if row is None else self._run_from_row(row)
 
@@ -957,9 +975,9 @@ class PostgresJournal:
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
-        expires = utc_now() + dt.timedelta(seconds=ttl)
 
-        def work(conn: _Connection) -> None:
+        def work(conn: _Connection) -> dt.datetime:
+            expires = _server_now(conn) + dt.timedelta(seconds=ttl)
             changed = conn.execute(
                 "UPDATE runs SET lease_expires_at = %s WHERE run_id = %s AND lease_owner = %s"
                 " AND lease_token = %s",
@@ -972,9 +990,9 @@ class PostgresJournal:
                 ):
                     raise RunNotFoundError(run_id)
                 raise LeaseLostError(run_id, token=token)
+            return expires
 
-        self._call(work)  # setting the same expiry again is harmless
-        return expires
+        return self._call(work)  # setting an expiry again is harmless
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
@@ -1310,8 +1328,10 @@ class PostgresJournal:
         if effect_in_flight:
             where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
         if stale:
-            where.append("status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < %s")
-            params.append(utc_now())
+            where.append(
+                "status = 'active' AND lease_owner IS NOT NULL"
+                " AND lease_expires_at < clock_timestamp()"
+            )
         for column, value in (
             ("machine", machine),
             ("status", Outcome(status).value if status is not None else None),
