@@ -34,6 +34,8 @@ __all__ = [
     "RUN_TIMES",
     "Stamp",
     "artifact_params",
+    "decode_effect",
+    "decode_iteration",
     "dumps",
     "iteration_params",
     "run_params",
@@ -42,6 +44,8 @@ __all__ = [
 
 #: How a journal stores a time.
 Stamp = Callable[[dt.datetime], Any]
+#: How a journal reads a JSON column back (``None`` stays ``None``).
+Loads = Callable[[Any], Any]
 
 RUN_JSON = ("input", "context", "error")
 RUN_TIMES = ("created_at", "updated_at", "lease_expires_at")
@@ -52,6 +56,8 @@ ARTIFACT_COLUMNS = (
     "content", "created_at",
 )  # fmt: skip
 EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
+EFFECT_JSON = ("params", "result", "error")
+_ITERATION_FLAGS = ("success", "passed", "feedback_fallback")
 
 
 def dumps(value: Any) -> str | None:
@@ -128,3 +134,21 @@ def artifact_params(artifact: ArtifactRecord, stamp: Stamp) -> tuple[Any, ...]:
             value = stamp(value)
         values.append(value)
     return tuple(values)
+
+
+def decode_iteration(data: dict[str, Any], loads: Loads) -> dict[str, Any]:
+    """An iterations row, by column, ready to structure: JSON parsed, flags as bools."""
+    for column in ITERATION_JSON:
+        data[column] = loads(data[column])
+    for column in _ITERATION_FLAGS:  # SQLite stores booleans as 0/1
+        if data[column] is not None:
+            data[column] = bool(data[column])
+    return data
+
+
+def decode_effect(data: dict[str, Any], loads: Loads) -> dict[str, Any]:
+    """An effects row, by column, ready to structure: JSON parsed, ``idempotent`` a bool."""
+    for column in EFFECT_JSON:
+        data[column] = loads(data[column])
+    data["idempotent"] = bool(data["idempotent"])
+    return data

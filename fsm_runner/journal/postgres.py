@@ -143,7 +143,6 @@ _INSERT_SPEC = (
 )
 
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
-_ITERATION_JSON = _rows.ITERATION_JSON
 _UPSERT_ITERATION = (
     f"INSERT INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
     f" VALUES ({', '.join(['%s'] * len(_ITERATION_COLUMNS))})"
@@ -160,7 +159,7 @@ _UPSERT_ARTIFACT = (
     + ", id = DEFAULT"
 )
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
-_EFFECT_JSON = ("params", "result", "error")
+_EFFECT_JSON = _rows.EFFECT_JSON
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
 _PUT_EFFECT = (
     f"INSERT INTO effects ({', '.join(_EFFECT_COLUMNS)})"
@@ -1243,10 +1242,7 @@ class PostgresJournal:
         rows = self._select(f"SELECT {', '.join(_EFFECT_COLUMNS)} FROM effects {where}", params)
         records = []
         for row in rows:
-            data = dict(zip(_EFFECT_COLUMNS, row, strict=True))
-            for column in _EFFECT_JSON:
-                data[column] = self._loads(data[column])
-            data["idempotent"] = bool(data["idempotent"])
+            data = _rows.decode_effect(dict(zip(_EFFECT_COLUMNS, row, strict=True)), self._loads)
             records.append(self._structure(data, EffectRecord))
         return records
 
@@ -1266,9 +1262,9 @@ class PostgresJournal:
         )
         records = []
         for row in rows:
-            data = dict(zip(_ITERATION_COLUMNS, row, strict=True))
-            for column in _ITERATION_JSON:
-                data[column] = self._loads(data[column])
+            data = _rows.decode_iteration(
+                dict(zip(_ITERATION_COLUMNS, row, strict=True)), self._loads
+            )
             records.append(self._structure(data, IterationRecord))
         return records
 

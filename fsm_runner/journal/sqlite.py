@@ -76,7 +76,6 @@ _PUT_EFFECT = (
     " AND (? IS NULL OR lease_token = ?))"
 )
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
-_ITERATION_JSON = _rows.ITERATION_JSON
 _UPSERT_ITERATION = (
     f"INSERT OR REPLACE INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
     f" VALUES ({', '.join('?' * len(_ITERATION_COLUMNS))})"
@@ -635,14 +634,23 @@ class SqliteJournal:
         """One commit of several statements inside a group: all of them or none."""
         cursor.execute("SAVEPOINT one_commit")
         try:
-            cursor.execute(_INSERT_TRANSITION, insert)
-            for sql, params in rows:
-                cursor.execute(sql, params)
+            self._insert_with(cursor, insert, rows)
         except BaseException:
             cursor.execute("ROLLBACK TO one_commit")
             raise
         finally:
             cursor.execute("RELEASE one_commit")
+
+    @staticmethod
+    def _insert_with(
+        cursor: sqlite3.Cursor,
+        insert: tuple[Any, ...],
+        rows: Sequence[tuple[str, tuple[Any, ...]]],
+    ) -> None:
+        """The transition's INSERT, then the statements that go with it (inside a transaction)."""
+        cursor.execute(_INSERT_TRANSITION, insert)
+        for sql, params in rows:
+            cursor.execute(sql, params)
 
     def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
         if run.seq != transition.seq or run.state != transition.to_state:
@@ -666,9 +674,7 @@ class SqliteJournal:
     ) -> None:
         cursor.execute("BEGIN IMMEDIATE")
         try:
-            cursor.execute(_INSERT_TRANSITION, insert)
-            for sql, params in rows:
-                cursor.execute(sql, params)
+            self._insert_with(cursor, insert, rows)
             cursor.execute("COMMIT")
         except BaseException:
             if self._conn.in_transaction:
@@ -833,12 +839,7 @@ class SqliteJournal:
             rows = cursor.fetchall()
         records = []
         for row in rows:
-            data = dict(zip(names, row, strict=True))
-            for column in _ITERATION_JSON:
-                data[column] = _json_or_none(data[column])
-            for column in ("success", "passed", "feedback_fallback"):
-                if data[column] is not None:
-                    data[column] = bool(data[column])
+            data = _rows.decode_iteration(dict(zip(names, row, strict=True)), _json_or_none)
             records.append(self._structure(data, IterationRecord))
         return records
 
@@ -948,10 +949,7 @@ class SqliteJournal:
             ).fetchall()
         records = []
         for row in rows:
-            data = dict(zip(_EFFECT_COLUMNS, row, strict=True))
-            for column in ("params", "result", "error"):
-                data[column] = _json_or_none(data[column])
-            data["idempotent"] = bool(data["idempotent"])
+            data = _rows.decode_effect(dict(zip(_EFFECT_COLUMNS, row, strict=True)), _json_or_none)
             records.append(self._structure(data, EffectRecord))
         return records
 
