@@ -82,8 +82,42 @@ BEGIN
 END"""
 
 
+# The trigger as schema version 5 wrote it (before run heads were read from transitions).
+TRIGGER_V5 = """CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions
+WHEN NEW.seq > 0
+BEGIN
+    UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
+                    updated_at = NEW.at,
+                    visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
+                                       AND NEW.event IN ('RETRIED', 'INTERRUPTED')
+                                     THEN visit_seq ELSE NEW.seq END
+     WHERE run_id = NEW.run_id AND seq = NEW.seq - 1 AND lease_token = NEW.lease_token;
+    SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
+     WHERE changes() = 0;
+END"""
+
+
+def undo_v6(conn) -> None:
+    """Turn a journal's schema back from version 6 (run heads read from transitions) to 5."""
+    heads = conn.execute(
+        "SELECT run_id, state, seq, iteration, updated_at, visit_seq FROM runs"
+    ).fetchall()
+    conn.execute("DROP VIEW runs")
+    conn.execute("DROP TRIGGER transitions_fence")
+    conn.execute("ALTER TABLE run_rows RENAME TO runs")
+    conn.executemany(
+        "UPDATE runs SET state = ?, seq = ?, iteration = ?, updated_at = ?, visit_seq = ?"
+        " WHERE run_id = ?",
+        [(*head[1:], head[0]) for head in heads],
+    )
+    conn.execute(TRIGGER_V5)
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0006_derived_heads'")
+    conn.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
+
+
 def undo_v5(conn) -> None:
-    """Turn a journal's schema back from version 5 (lease tokens, recoveries) to version 4."""
+    """Turn a journal's schema back from version 6 to version 4 (no lease tokens, recoveries)."""
+    undo_v6(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_machine_created_at")
@@ -95,7 +129,7 @@ def undo_v5(conn) -> None:
 
 
 def undo_v4(conn) -> None:
-    """Turn a journal's schema back from version 5 to version 3 (no effects, no visits)."""
+    """Turn a journal's schema back from version 6 to version 3 (no effects, no visits)."""
     undo_v5(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     for column in ("visit_seq", "return_visit"):

@@ -110,7 +110,7 @@ class TestRuns:
         start_release(journal_path, tmp_path, 1)
         conn = sqlite3.connect(journal_path)
         conn.execute(
-            "UPDATE runs SET lease_owner = 'worker-9', "
+            "UPDATE run_rows SET lease_owner = 'worker-9', "
             "lease_expires_at = '2020-01-01T00:00:00.000000+00:00' WHERE run_id = ?",
             (run_id,),
         )
@@ -305,7 +305,7 @@ class TestExport:
 
 def tamper(journal_path, sql: str, *params) -> None:
     conn = sqlite3.connect(journal_path)
-    conn.execute("DROP TRIGGER IF EXISTS transitions_advance_run")  # write what the test likes
+    conn.execute("DROP TRIGGER IF EXISTS transitions_fence")  # write what the test likes
     conn.execute(sql, params)
     conn.commit()
     conn.close()
@@ -393,7 +393,7 @@ class TestCheck:
         gap = start_release(journal_path, tmp_path, None)
         moved = start_release(journal_path, tmp_path, 2)
         tamper(journal_path, "DELETE FROM transitions WHERE run_id = ? AND seq = 2", gap)
-        tamper(journal_path, "UPDATE runs SET iteration = 7 WHERE run_id = ?", moved)
+        tamper(journal_path, "UPDATE run_rows SET attempt = 7 WHERE run_id = ?", moved)
         result = invoke("check")
         assert result.exit_code == EXIT_FAILURE
         lines = result.output.splitlines()

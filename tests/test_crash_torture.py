@@ -261,7 +261,7 @@ class TestChecks:
     def test_earlier_executions_are_counted_and_kills_placed(self, session):
         path, inputs, conn = session
         _, run_id, state, visit, token, _ = first_execution(conn)
-        for table in ("transitions", "runs"):
+        for table in ("transitions", "run_rows"):
             conn.execute(
                 f"UPDATE {table} SET lease_token = lease_token + 3 WHERE run_id = ?", (run_id,)
             )

@@ -147,7 +147,7 @@ class TestInvariant1OneRowPerStateChangeInTheRunRowsTransaction:
             before = snapshot(journal, run_id)
             raw = sqlite3.connect(path)
             raw.execute(
-                "CREATE TRIGGER refuse_poison BEFORE UPDATE OF context ON runs"
+                "CREATE TRIGGER refuse_poison BEFORE UPDATE OF context ON run_rows"
                 " WHEN NEW.context LIKE '%poison%' BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
             )
             raw.commit()

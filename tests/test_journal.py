@@ -13,6 +13,7 @@ import attrs
 import pytest
 
 from fsm_runner import (
+    Engine,
     Journal,
     JournalError,
     MemoryJournal,
@@ -28,7 +29,7 @@ from fsm_runner import (
 from fsm_runner.exceptions import RunConflictError, RunExistsError, SchemaVersionError
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.journal.sqlite import APPLICATION_ID
-from tests.helpers import NEXT, linear_spec
+from tests.helpers import NEXT, linear_spec, loop_spec, undo_v6
 
 SPEC = linear_spec("building", "verifying")
 T0 = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.timezone.utc)
@@ -534,6 +535,77 @@ class TestSqliteFile:
                     (minutes(6).isoformat(),),
                 )
         assert assert_consistent(path) == [0, 1]
+
+    def test_a_plain_step_writes_its_transition_and_nothing_else(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            engine = Engine(loop_spec(), handlers={"noop": lambda _ctx: NEXT}, journal=journal)
+            run_id = engine.start()
+            engine.run(run_id, max_steps=1)  # the claim's row is known from here on
+            before = journal._conn.total_changes
+            run = engine.run(run_id, max_steps=10)
+            claim_and_release = 2
+            assert journal._conn.total_changes - before == 10 + claim_and_release
+            assert journal.load(run_id) == run
+            assert (run.state, run.seq, run.visit_seq) == ("d", 11, 11)
+
+        with raw(path) as conn:
+            stored = conn.execute("SELECT seq, state FROM run_rows").fetchone()
+            head = conn.execute("SELECT seq, state, updated_at FROM runs").fetchone()
+            last = conn.execute("SELECT seq, to_state, at FROM transitions ORDER BY seq DESC")
+            assert stored == (0, "a")  # the stored row was never rewritten by a step
+            assert head == last.fetchone()
+        assert assert_consistent(path, run_id) == list(range(12))
+
+    def test_a_stale_lease_token_is_fenced_out_by_the_trigger(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+            journal.claim("r1", "w1", ttl=60)  # token 1
+
+        with raw(path) as conn:
+            with pytest.raises(sqlite3.IntegrityError, match="not at the seq before"):
+                conn.execute(
+                    "INSERT INTO transitions (run_id, seq, event, to_state, at, lease_token)"
+                    " VALUES ('r1', 1, 'NEXT', 'verifying', ?, 0)",
+                    (minutes(1).isoformat(),),
+                )
+            conn.execute(
+                "INSERT INTO transitions (run_id, seq, event, to_state, at, lease_token)"
+                " VALUES ('r1', 1, 'NEXT', 'verifying', ?, 1)",
+                (minutes(1).isoformat(),),
+            )
+        assert assert_consistent(path) == [0, 1]
+
+    def test_a_version_5_journal_is_migrated_and_its_runs_go_on(self, tmp_path):
+        path = tmp_path / "j.db"
+        handlers = {"noop": lambda _ctx: NEXT}
+        with SqliteJournal(path) as journal:
+            engine = Engine(loop_spec(), handlers=handlers, journal=journal)
+            run_ids = [engine.start() for _ in range(3)]
+            for steps, run_id in enumerate(run_ids):
+                engine.run(run_id, max_steps=steps * 5)
+            heads = {run_id: journal.load(run_id) for run_id in run_ids}
+        with raw(path) as conn:
+            undo_v6(conn)
+            assert conn.execute("SELECT type FROM sqlite_master WHERE name = 'runs'").fetchone()
+            assert [row[0] for row in conn.execute("SELECT seq FROM runs ORDER BY seq")] == [
+                0, 5, 10,
+            ]  # fmt: skip
+
+        with SqliteJournal(path) as journal:
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "6"
+            assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
+            engine = Engine(loop_spec(), handlers=handlers, journal=journal)
+            assert engine.run(run_ids[2], max_steps=3).seq == 13
+        with raw(path) as conn:
+            kinds = dict(conn.execute("SELECT name, type FROM sqlite_master"))
+        assert (kinds["runs"], kinds["run_rows"], kinds["transitions_fence"]) == (
+            "view", "table", "trigger",
+        )  # fmt: skip
+        assert "transitions_advance_run" not in kinds
+        for run_id in run_ids:
+            assert_consistent(path, run_id)
 
     def test_reopen_keeps_everything(self, tmp_path):
         path = tmp_path / "j.db"

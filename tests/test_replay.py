@@ -875,11 +875,11 @@ class TestTamperedJournals:
         path, run_id = agent_db
         tamper(
             path,
-            "DROP TRIGGER transitions_advance_run",
+            "DROP TRIGGER transitions_fence",
             "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
             f" attempt, at) SELECT '{run_id}', 9, 'succeeded', 'RUN_ACCEPTED', 'building', 3, 1,"
             f" at FROM transitions WHERE run_id = '{run_id}' AND seq = 8",
-            f"UPDATE runs SET seq = 9, state = 'building' WHERE run_id = '{run_id}'",
+            f"UPDATE run_rows SET seq = 9, state = 'building' WHERE run_id = '{run_id}'",
         )
         assert named(mismatch(path, run_id)) == (
             9,
@@ -904,7 +904,7 @@ class TestTamperedJournals:
         self, agent_db, column, value, expected, found
     ):
         path, run_id = agent_db
-        tamper(path, f"UPDATE runs SET {column} = {value} WHERE run_id = '{run_id}'")
+        tamper(path, f"UPDATE run_rows SET {column} = {value} WHERE run_id = '{run_id}'")
         error = mismatch(path, run_id)
         assert error.seq == 8
         if expected is None:
@@ -918,7 +918,9 @@ class TestTamperedJournals:
         with SqliteJournal(path) as journal:
             context = journal.load(run_id).context
         changed = {**context, "extra": 1}
-        tamper(path, f"UPDATE runs SET context = '{json.dumps(changed)}' WHERE run_id = '{run_id}'")
+        tamper(
+            path, f"UPDATE run_rows SET context = '{json.dumps(changed)}' WHERE run_id = '{run_id}'"
+        )
         error = mismatch(path, run_id)
         assert error.seq == 8
         assert (error.expected, error.found) == ("context['extra'] absent", "context['extra'] 1")
@@ -941,7 +943,7 @@ class TestTamperedJournals:
             path,
             "UPDATE transitions SET event = 'VERIFY_PASSED' WHERE seq = 2",
             "UPDATE transitions SET iteration = 7 WHERE seq = 5",
-            f"UPDATE runs SET attempt = 4 WHERE run_id = '{run_id}'",
+            f"UPDATE run_rows SET attempt = 4 WHERE run_id = '{run_id}'",
         )
         with SqliteJournal(path) as journal:
             run = journal.load(run_id)
@@ -1096,7 +1098,7 @@ class TestCheckJournal:
         with SqliteJournal(path) as journal:
             good, _held = agent_run(journal)
             bad, _held = agent_run(journal)
-        tamper(path, f"UPDATE runs SET status = 'bogus' WHERE run_id = '{bad}'")
+        tamper(path, f"UPDATE run_rows SET status = 'bogus' WHERE run_id = '{bad}'")
         with SqliteJournal(path) as journal:
             problems = check_journal(journal)
             assert replay_run(journal, good).run.state == "succeeded"

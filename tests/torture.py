@@ -67,7 +67,16 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from fsm_runner import Engine, MachineSpec, Outcome, RunEvent, SqliteJournal, State, Transition
+from fsm_runner import (
+    Engine,
+    JournalError,
+    MachineSpec,
+    Outcome,
+    RunEvent,
+    SqliteJournal,
+    State,
+    Transition,
+)
 from fsm_runner.replay import check_journal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +120,9 @@ CREATE TABLE IF NOT EXISTS executions (
 )
 """
 BUSY_TIMEOUT = 60.0
+#: The driver's own writes (starting runs) give up sooner: the lock may be held by a worker the
+#: driver itself stopped, and only the driver can continue it.
+STARTER_BUSY_TIMEOUT = 2.0
 
 
 # -- the machine's behaviour, from the input alone ----------------------------------------------
@@ -533,7 +545,7 @@ def torture(
     killed: list[str] = []  # worker ids
     paused: dict[int, float] = {}  # pid -> when to continue it
 
-    journal = SqliteJournal(path, busy_timeout=BUSY_TIMEOUT)
+    journal = SqliteJournal(path, busy_timeout=STARTER_BUSY_TIMEOUT)
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT, isolation_level=None)
     recorder = Recorder(path)  # creates the table; its handlers run nowhere in the driver
     starter = Engine(SPEC, handlers=recorder.handlers, journal=journal)
@@ -541,7 +553,17 @@ def torture(
     def start_runs(count: int) -> None:
         for _ in range(count):
             run_input = make_input(rng)
-            inputs[starter.start(run_input, run_id=f"r{len(inputs):06d}")] = run_input
+            run_id = f"r{len(inputs):06d}"
+            while True:
+                try:
+                    inputs[starter.start(run_input, run_id=run_id)] = run_input
+                    break
+                except JournalError:  # locked: nothing was written
+                    if not paused:
+                        raise
+                    # A worker stopped inside its transaction holds the write lock until it
+                    # is continued; waiting for it here would wait for ever.
+                    continue_paused(all_of_them=True)
 
     def continue_paused(*, all_of_them: bool = False) -> None:
         now = time.monotonic()

@@ -52,7 +52,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "Sqlite
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -61,9 +61,8 @@ _SQLITE_HEADER = b"SQLite format 3\x00"
 _JSON_COLUMNS = ("input", "context", "error")
 
 _USER_ABORTED = RunEvent.USER_ABORTED.value
-_SAME_VISIT = frozenset({RunEvent.RETRIED.value, RunEvent.INTERRUPTED.value})
 _UTC = dt.timezone.utc
-#: What the ``transitions_advance_run`` trigger raises when a transition does not follow the
+#: What the ``transitions_fence`` trigger raises when a transition does not follow the
 #: run's last one (a stale seq) or its writer's lease token is not the run's (fencing).
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
 
@@ -118,7 +117,8 @@ _RUN_COLUMNS = (
     "return_attempt", "visit_seq", "return_visit", "recoveries",
 )  # fmt: skip
 _INSERT_RUN = (
-    f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
+    f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)})"
+    f" VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
 )
 
 
@@ -421,7 +421,7 @@ class SqliteJournal:
                     conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
             self._remember(run)
         except JournalError as exc:
-            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "runs.run_id" in str(
+            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
                 exc.__cause__
             ):
                 raise RunExistsError(run.run_id) from None
@@ -438,11 +438,11 @@ class SqliteJournal:
     ) -> None:
         """Store ``transition`` and the run row it leads to, in one transaction.
 
-        The ``transitions_advance_run`` trigger moves the run row (state, seq, iteration,
-        updated_at) inside the INSERT itself and refuses a stale seq, so in the common step —
-        nothing else about the run changed — the whole commit is one autocommit statement.
-        Other changed columns are written by an UPDATE in the same ``BEGIN IMMEDIATE``
-        transaction.
+        The run's head (state, seq, iteration, updated_at) is its last transition, and the
+        ``transitions_fence`` trigger refuses a stale seq or lease token, so in the common
+        step — nothing else about the run changed — the whole commit is one autocommit INSERT.
+        Other changed columns are written by an UPDATE of ``run_rows`` in the same
+        ``BEGIN IMMEDIATE`` transaction.
         """
         insert, rows = self._statements(run, transition, iterations, artifacts, spec_json)
         run_id = run.run_id
@@ -591,20 +591,15 @@ class SqliteJournal:
         )
         known = self._written.get(run.run_id)
         if (
-            known is not None  # the hot path: the trigger alone writes everything that changed
+            known is not None  # the hot path: the transition is all that changed
             and known.seq == seq - 1
+            and run.visit_seq == seq
             and run.status is known.status
             and run.attempt == known.attempt
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
             and transition.event != _USER_ABORTED
-            and run.visit_seq
-            == (
-                known.visit_seq
-                if transition.event in _SAME_VISIT and transition.from_state == transition.to_state
-                else seq
-            )  # what the trigger writes (_trigger_visit, inlined)
         ):
             extra = None
         else:
@@ -619,7 +614,7 @@ class SqliteJournal:
                     " VALUES (?, ?, ?, ?)",
                     (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
                 ),
-                ("UPDATE runs SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run.run_id)),
+                ("UPDATE run_rows SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run.run_id)),
             ]
         rows += [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
         rows += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
@@ -658,7 +653,7 @@ class SqliteJournal:
         if transition.seq < 1:  # seq 0 is written by create_run only
             with self._read() as conn:
                 exists = conn.execute(
-                    "SELECT 1 FROM runs WHERE run_id = ?", (run.run_id,)
+                    "SELECT 1 FROM run_rows WHERE run_id = ?", (run.run_id,)
                 ).fetchone()
             if exists is None:
                 raise RunNotFoundError(run.run_id)
@@ -684,27 +679,37 @@ class SqliteJournal:
     def _extra_update(
         self, run: RunRecord, transition: TransitionRecord
     ) -> tuple[str, tuple[Any, ...]] | None:
-        """The UPDATE for run columns the trigger does not write, if any of them changed.
+        """The UPDATE of the stored run row, when more than the run's head changed.
 
-        Every column assigned costs (the status index alone ~8 µs a step), so when this journal
-        knows the row as stored at ``seq - 1`` it leaves unchanged columns alone. That knowledge
-        is safe: the trigger refuses the commit unless the row is at ``seq - 1``.
+        The head (state, seq, iteration, updated_at and a new visit) is the last transition, read
+        through the ``runs`` view, so a plain step writes no run row at all. Any other change
+        writes the head into the row too (the view then reads the row's own updated_at and
+        visit_seq). Every column assigned costs (the status index alone ~8 µs a step), so when
+        this journal knows the row as stored at ``seq - 1`` it leaves unchanged columns alone.
+        That knowledge is safe: the fence trigger refuses the commit unless the run is at
+        ``seq - 1``.
         """
         known = self._written.get(run.run_id)
         if known is None or known.seq != transition.seq - 1:
             known = None
         elif (
-            run.status is known.status
+            run.visit_seq == transition.seq
+            and run.status is known.status
             and run.attempt == known.attempt
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
-            and run.visit_seq == self._trigger_visit(known, transition)
             and transition.event != _USER_ABORTED
         ):
-            return None  # the hot path: the trigger writes all that changed
-        columns: list[str] = []
-        params: list[Any] = []
+            return None  # the hot path: the transition is all that changed
+        columns = ["state", "seq", "iteration", "updated_at", "visit_seq"]
+        params: list[Any] = [
+            run.state,
+            run.seq,
+            run.iteration,
+            format_utc(run.updated_at),
+            run.visit_seq,
+        ]
         if known is None or run.status is not known.status:
             columns.append("status")
             params.append(run.status.value)
@@ -723,27 +728,16 @@ class SqliteJournal:
         ):
             columns += ["return_to", "return_attempt", "return_visit"]
             params += [run.return_to, run.return_attempt, run.return_visit]
-        if known is None or run.visit_seq != self._trigger_visit(known, transition):
-            columns.append("visit_seq")  # after a RETURN: the visit it returns to
-            params.append(run.visit_seq)
         if transition.event == _USER_ABORTED:
             columns.append("abort_reason")  # the abort carried out clears the request
             params.append(None)
-        if not columns:
-            return None
         key = tuple(columns)
         sql = self._update_sql.get(key)
         if sql is None:
             assignments = ", ".join(f"{column} = ?" for column in columns)
-            sql = self._update_sql[key] = f"UPDATE runs SET {assignments} WHERE run_id = ?"
+            sql = self._update_sql[key] = f"UPDATE run_rows SET {assignments} WHERE run_id = ?"
         params.append(run.run_id)
         return sql, tuple(params)
-
-    @staticmethod
-    def _trigger_visit(known: RunRecord, transition: TransitionRecord) -> int:
-        """The visit_seq the trigger writes for ``transition`` over the row ``known``."""
-        same = transition.from_state == transition.to_state and transition.event in _SAME_VISIT
-        return known.visit_seq if same else transition.seq
 
     def _remember(self, run: RunRecord) -> None:
         if len(self._written) >= _REMEMBERED_RUNS:
@@ -774,7 +768,7 @@ class SqliteJournal:
             run = self._load(conn, run_id)
             if run.ended:
                 raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-            conn.execute("UPDATE runs SET abort_reason = ? WHERE run_id = ?", (reason, run_id))
+            conn.execute("UPDATE run_rows SET abort_reason = ? WHERE run_id = ?", (reason, run_id))
         return self.load(run_id)
 
     @staticmethod
@@ -873,7 +867,10 @@ class SqliteJournal:
     ) -> list[TransitionRecord]:
         """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
         with self._read() as conn:
-            if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+            if (
+                conn.execute("SELECT 1 FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()
+                is None
+            ):
                 raise RunNotFoundError(run_id)
             cursor = conn.execute(
                 "SELECT * FROM transitions WHERE run_id = ? AND seq >= ? AND seq <= ? ORDER BY seq",
@@ -922,7 +919,7 @@ class SqliteJournal:
         sql = "SELECT * FROM runs"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, rowid DESC"
+        sql += " ORDER BY created_at DESC, row_order DESC"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
@@ -990,7 +987,8 @@ class SqliteJournal:
         """Return up to ``limit`` run ids that start with ``prefix``."""
         with self._read() as conn:
             rows = conn.execute(
-                "SELECT run_id FROM runs WHERE run_id >= ? AND run_id < ? ORDER BY run_id LIMIT ?",
+                "SELECT run_id FROM run_rows WHERE run_id >= ? AND run_id < ?"
+                " ORDER BY run_id LIMIT ?",
                 (prefix, prefix + "\U0010ffff", limit),
             ).fetchall()
         return [str(row[0]) for row in rows]
@@ -1031,7 +1029,7 @@ class SqliteJournal:
             takeover = held and (not live or run.lease_owner != owner)  # a lost lease, found
             expires = now + dt.timedelta(seconds=ttl)
             conn.execute(
-                "UPDATE runs SET lease_owner = ?, lease_expires_at = ?,"
+                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
                 " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
                 (owner, format_utc(expires), int(takeover), run_id),
             )
@@ -1059,14 +1057,14 @@ class SqliteJournal:
         if spec_hash is not None:
             sql += " AND spec_hash = ?"
             params.append(spec_hash)
-        sql += " ORDER BY created_at, rowid LIMIT 1"
+        sql += " ORDER BY created_at, row_order LIMIT 1"
         with self._write() as conn:
             found = conn.execute(sql, params).fetchone()
             if found is None:
                 return None
             expires = now + dt.timedelta(seconds=ttl)
             conn.execute(
-                "UPDATE runs SET lease_owner = ?, lease_expires_at = ?,"
+                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
                 " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
                 (owner, format_utc(expires), int(found[1] is not None), found[0]),
             )
@@ -1077,13 +1075,13 @@ class SqliteJournal:
         expires = utc_now() + dt.timedelta(seconds=ttl)
         with self._write() as conn:
             changed = conn.execute(
-                "UPDATE runs SET lease_expires_at = ? WHERE run_id = ? AND lease_owner = ?"
+                "UPDATE run_rows SET lease_expires_at = ? WHERE run_id = ? AND lease_owner = ?"
                 " AND lease_token = ?",
                 (format_utc(expires), run_id, owner, token),
             ).rowcount
             if not changed:
                 if (
-                    conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+                    conn.execute("SELECT 1 FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()
                     is None
                 ):
                     raise RunNotFoundError(run_id)
@@ -1094,7 +1092,7 @@ class SqliteJournal:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
         with self._write() as conn:
             released = conn.execute(
-                "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
+                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL"
                 " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
                 (run_id, owner, token),
             ).rowcount
@@ -1119,7 +1117,7 @@ class SqliteJournal:
                         f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
                     )
                 conn.execute(_INSERT_RUN, first)
-                # In seq order, so the trigger walks the new row from seq 0 to at_seq.
+                # In seq order: the fence trigger admits each on top of the one before.
                 conn.execute(
                     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
                     " attempt, at, duration_ms, result) SELECT ?, seq, from_state, event,"
@@ -1129,7 +1127,7 @@ class SqliteJournal:
                 )
                 assignments = ", ".join(f"{column} = ?" for column in _RUN_COLUMNS[1:])
                 conn.execute(
-                    f"UPDATE runs SET {assignments} WHERE run_id = ?",
+                    f"UPDATE run_rows SET {assignments} WHERE run_id = ?",
                     (*self._run_params(run)[1:], run.run_id),
                 )
                 copies = (
@@ -1147,7 +1145,7 @@ class SqliteJournal:
                     )
             self._remember(run)
         except JournalError as exc:
-            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "runs.run_id" in str(
+            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
                 exc.__cause__
             ):
                 raise RunExistsError(run.run_id) from None
@@ -1166,8 +1164,8 @@ class SqliteJournal:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
         select = (
             "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < ?"
-            " AND NOT EXISTS (SELECT 1 FROM runs AS c WHERE c.parent_run_id = r.run_id"
-            " AND c.status = 'active') ORDER BY updated_at, rowid"
+            " AND NOT EXISTS (SELECT 1 FROM run_rows AS c WHERE c.parent_run_id = r.run_id"
+            " AND c.status = 'active') ORDER BY updated_at, row_order"
         )
         cutoff = (format_utc(ended_before),)
         before = self._size()
@@ -1183,14 +1181,14 @@ class SqliteJournal:
             conn.execute(f"CREATE TEMP TABLE pruned AS {select}", cutoff)
             ids = tuple(str(row[0]) for row in conn.execute("SELECT run_id FROM temp.pruned"))
             count = 0
-            for table in ("transitions", "iterations", "artifacts", "effects", "runs"):
+            for table in ("transitions", "iterations", "artifacts", "effects", "run_rows"):
                 deleted = conn.execute(
                     f"DELETE FROM {table} WHERE run_id IN (SELECT run_id FROM temp.pruned)"
                 ).rowcount
                 if table == "transitions":
                     count = deleted
             conn.execute(
-                "DELETE FROM specs WHERE spec_hash NOT IN (SELECT DISTINCT spec_hash FROM runs)"
+                "DELETE FROM specs WHERE spec_hash NOT IN (SELECT DISTINCT spec_hash FROM run_rows)"
             )
             conn.execute("DROP TABLE temp.pruned")
         for run_id in ids:

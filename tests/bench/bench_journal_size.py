@@ -66,7 +66,11 @@ def fill(path: Path, runs: int, per_run: int, active: int) -> int:
             for seq in range(1, per_run)
         ),
     )  # fmt: skip
-    conn.execute("UPDATE runs SET status = 'succeeded' WHERE state = 'done'")
+    conn.execute(
+        "UPDATE run_rows SET status = 'succeeded', state = 'done', seq = ? WHERE run_id IN"
+        " (SELECT run_id FROM runs WHERE state = 'done')",
+        (per_run - 1,),
+    )
     conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()

@@ -45,7 +45,7 @@ class _Entered(BaseException):
 
 
 def fill(path: Path, runs: int, transitions: int) -> list[str]:
-    """``runs`` runs of the 4-state loop with ``transitions`` transitions each (trigger-kept)."""
+    """``runs`` runs of the 4-state loop with ``transitions`` transitions each."""
     with SqliteJournal(path) as journal:
         engine = Engine(SPEC, handlers={"noop": lambda _ctx: NEXT}, journal=journal)
         run_ids = [engine.start() for _ in range(runs)]

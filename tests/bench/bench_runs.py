@@ -71,7 +71,7 @@ def raw_starts(path: Path, count: int) -> float:
         (SPEC.spec_hash, SPEC.name, SPEC.to_json(), format_utc(utc_now())),
     )
     run_sql = (
-        "INSERT INTO runs (run_id, machine, spec_hash, state, status, seq, iteration, attempt,"
+        "INSERT INTO run_rows (run_id, machine, spec_hash, state, status, seq, iteration, attempt,"
         " input, context, created_at, updated_at) VALUES (?, ?, ?, 'waiting', 'active', 0, 0, 1,"
         " ?, '{}', ?, ?)"
     )
