@@ -24,6 +24,12 @@ class GroupCommitter:
     submitted. (A writer thread was measured: SQLite releases the GIL only while it steps a
     statement, and getting it back from a busy loop costs more than the overlap gains.)
 
+    Each commit has its own future, though all of a batch's complete together: a task that is
+    cancelled cancels the future it waits on, so a future shared by the batch would cancel
+    every run in it. (A shared future that ignores ``cancel()`` must be a Future subclass,
+    which asyncio's tasks wait on through a slow generic path: measured ~1 µs a commit slower
+    than one plain future each.)
+
     Args:
         journal: where the commits go (:meth:`Journal.commit_many`).
         loop: the event loop whose runs submit.
@@ -38,7 +44,10 @@ class GroupCommitter:
         self.journal = journal
         self.loop = loop
         self.max_batch = max_batch
-        self._pending: list[tuple[Commit, asyncio.Future[None]]] = []
+        # Two parallel lists rather than a list of pairs: no tuple per commit on the hot path.
+        self._commits: list[Commit] = []
+        self._futures: list[asyncio.Future[None]] = []
+        self._new_future = loop.create_future
         self._scheduled = False
         self.transactions = 0  # how many transactions were written (for benchmarks and tests)
         self.commits = 0  # how many commits they held
@@ -49,34 +58,45 @@ class GroupCommitter:
         Cancelling the future before its turn ends leaves the commit out: nothing is written
         for it.
         """
-        future: asyncio.Future[None] = self.loop.create_future()
-        self._pending.append((commit, future))
+        future = self._new_future()
+        self._commits.append(commit)
+        self._futures.append(future)
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._flush)
         return future
 
     def _flush(self) -> None:
-        pending = self._pending
-        batch = [(c, f) for c, f in pending[: self.max_batch] if not f.cancelled()]
-        self._pending = pending[self.max_batch :]
-        self._scheduled = bool(self._pending)
-        if self._scheduled:
+        commits, futures = self._commits, self._futures
+        if len(commits) > self.max_batch:  # the rest go in the next transaction
+            cap = self.max_batch
+            self._commits, self._futures = commits[cap:], futures[cap:]
+            commits, futures = commits[:cap], futures[:cap]
             self.loop.call_soon(self._flush)
-        if not batch:
-            return
+        else:
+            self._commits, self._futures = [], []
+            self._scheduled = False
+        if any(map(_cancelled, futures)):  # rare: filtered only then
+            kept = [index for index, future in enumerate(futures) if not future.cancelled()]
+            commits = [commits[index] for index in kept]
+            futures = [futures[index] for index in kept]
+            if not futures:
+                return
         try:
-            results = self.journal.commit_many([commit for commit, _ in batch])
+            results = self.journal.commit_many(commits)
         except BaseException as exc:  # a journal that raised instead of returning the errors
-            for _, future in batch:
+            for future in futures:
                 future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
         self.transactions += 1
-        self.commits += len(batch)
-        for (_, future), error in zip(batch, results, strict=True):
+        self.commits += len(futures)
+        for future, error in zip(futures, results, strict=True):
             if error is None:
                 future.set_result(None)
             else:
                 future.set_exception(error)
+
+
+_cancelled = asyncio.Future.cancelled

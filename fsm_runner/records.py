@@ -342,9 +342,13 @@ def positional_builder(cls: type[A]) -> Callable[..., A]:
     """A fast constructor of the frozen, slotted attrs class ``cls``: every field, in order.
 
     For the engine's hot path. ``cls(...)`` of a frozen class sets each field through
-    ``object.__setattr__``; the builder sets the slots through their descriptors, about twice
-    as fast for a 24-field record. It applies no defaults, so callers pass every field; a class
-    with converters or validators is refused (the builder would skip them).
+    ``object.__setattr__``, and calling each slot's ``__set__`` still costs ~45 ns a field. The
+    builder fills a bare instance of a private subclass that adds no slots and keeps Python's
+    plain ``__setattr__`` (so each field is one specialised slot store, ~10 ns), then makes it
+    a ``cls`` by ``__class__`` assignment, which Python allows between classes of one layout:
+    what comes out is exactly what ``cls(...)`` builds, frozen, about 3x faster for a 24-field
+    record. It applies no defaults, so callers pass every field; a class with converters or
+    validators is refused (the builder would skip them).
 
     Raises:
         TypeError: ``cls`` has a field with a converter or validator, or no slots.
@@ -352,15 +356,21 @@ def positional_builder(cls: type[A]) -> Callable[..., A]:
     fields = attrs.fields(cls)
     if any(f.converter is not None or f.validator is not None for f in fields):
         raise TypeError(f"{cls.__qualname__} has converters or validators")
-    namespace: dict[str, Any] = {"new": object.__new__, "cls": cls}
-    lines = [f"def build({', '.join(f'v{i}' for i in range(len(fields)))}):", "    obj = new(cls)"]
-    for index, field in enumerate(fields):
+    for field in fields:
         slot = cls.__dict__.get(field.name)
         if slot is None or not hasattr(slot, "__set__"):
             raise TypeError(f"{cls.__qualname__}.{field.name} is not a slot")
-        namespace[f"set{index}"] = slot.__set__
-        lines.append(f"    set{index}(obj, v{index})")
-    lines.append("    return obj")
+    # Both hooks: with either still the frozen class's, every store goes through Python.
+    unfrozen = type(
+        f"_Unfrozen{cls.__name__}",
+        (cls,),
+        {"__slots__": (), "__setattr__": object.__setattr__, "__delattr__": object.__delattr__},
+    )
+    namespace: dict[str, Any] = {"new": object.__new__, "cls": cls, "unfrozen": unfrozen}
+    lines = [f"def build({', '.join(f'v{i}' for i in range(len(fields)))}):"]
+    lines.append("    obj = new(unfrozen)")
+    lines += [f"    obj.{field.name} = v{index}" for index, field in enumerate(fields)]
+    lines += ["    obj.__class__ = cls", "    return obj"]
     code = compile("\n".join(lines), f"<positional builder of {cls.__qualname__}>", "exec")
     exec(code, namespace)  # noqa: S102 - our own generated source, as attrs does for __init__
     build: Callable[..., A] = namespace["build"]

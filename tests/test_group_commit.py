@@ -10,12 +10,13 @@ committed data — and the journal replays cleanly.
 from __future__ import annotations
 
 import asyncio
+import enum
 import sqlite3
 
 import attrs
 import pytest
 
-from fsm_runner import Engine, SqliteJournal
+from fsm_runner import Engine, PhaseResult, SqliteJournal
 from fsm_runner._group import GroupCommitter
 from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError
 from fsm_runner.journal.base import Commit
@@ -24,6 +25,10 @@ from fsm_runner.replay import check_journal
 from tests.helpers import NEXT, linear_spec, loop_spec
 
 SPEC = linear_spec("a", "b", "c", name="grouped")
+
+
+class Event(str, enum.Enum):
+    NEXT = NEXT
 
 
 def sync_noop(_ctx):
@@ -203,6 +208,24 @@ class TestGroupCommitter:
         assert sqlite_journal.load(kept.run_id).seq == 1
         assert sqlite_journal.load(dropped.run_id).seq == 0
 
+    def test_a_turn_whose_commits_were_all_cancelled_writes_nothing(self, sqlite_journal):
+        engine = engine_for(sqlite_journal)
+        runs = [sqlite_journal.load(engine.start()) for _ in range(5)]
+
+        async def main():
+            committer = GroupCommitter(sqlite_journal, asyncio.get_running_loop(), max_batch=2)
+            futures = [committer.submit(next_commit(run)) for run in runs]
+            for future in futures[1:]:
+                future.cancel()
+            await futures[0]
+            await asyncio.sleep(0)  # the capped remainder's turns
+            await asyncio.sleep(0)
+            return committer
+
+        committer = asyncio.run(main())
+        assert (committer.transactions, committer.commits) == (1, 1)
+        assert [sqlite_journal.load(run.run_id).seq for run in runs] == [1, 0, 0, 0, 0]
+
     def test_max_batch_must_be_positive(self, sqlite_journal):
         loop = asyncio.new_event_loop()
         with pytest.raises(ValueError, match="max_batch"):
@@ -322,4 +345,83 @@ class TestEngineGroupCommit:
             assert isinstance(done[3], LeaseLostError)
             assert journal.load(run_ids[3]).seq == 0  # nothing of the fenced worker written
             assert all(run.state == "done" for n, run in enumerate(done) if n != 3)
+            assert check_journal(journal) == []
+
+
+class TestArunHotPath:
+    """arun's inlined hot path: every other outcome of a fast handler goes the general way."""
+
+    @staticmethod
+    def outcomes(journal, run_id):
+        return [
+            (t.event, t.to_state, t.output, (t.error or {}).get("type"))
+            for t in journal.transitions(run_id)
+        ]
+
+    @pytest.mark.parametrize("group_commit", [True, False])
+    def test_arun_journals_what_the_sync_run_does(self, tmp_path, group_commit):
+        spec = linear_spec("a", "b", "c", "d", "e", name="outcomes")
+
+        async def with_output(_ctx):
+            return PhaseResult(NEXT, output={"n": 1})
+
+        async def enum_event(_ctx):
+            return Event.NEXT  # not a bare str: the general path
+
+        async def returns_an_exception(_ctx):
+            return RuntimeError("returned, not raised")
+
+        async def raises(ctx):
+            if ctx.attempt == 1 and ctx.run.input == "raise":
+                raise RuntimeError("boom")
+            return NEXT
+
+        handlers = {
+            "a": with_output,
+            "b": enum_event,
+            "c": sync_noop,
+            "d": raises,
+            "e": returns_an_exception,
+        }
+
+        def drive(path, use_async, run_input):
+            with SqliteJournal(path) as journal:
+                engine = Engine(spec, handlers=handlers, journal=journal, group_commit=group_commit)
+                run_id = engine.start(run_input, run_id="r")
+                run = asyncio.run(engine.arun(run_id)) if use_async else engine.run(run_id)
+                engine.close()
+                assert run.lease_owner is None
+                return run.state, self.outcomes(journal, run_id)
+
+        for run_input in ("raise", "go"):
+            sync = drive(tmp_path / f"sync-{run_input}.db", False, run_input)
+            grouped = drive(tmp_path / f"async-{run_input}.db", True, run_input)
+            assert grouped == sync
+        assert sync[0] == "failed"
+        assert ("NEXT", "b", {"n": 1}, None) in sync[1]
+        assert sync[1][-1][3] == "HandlerResultError"  # a returned exception is no event
+
+    def test_a_run_cancelled_while_its_commit_waits_is_left_out(self, tmp_path):
+        tasks: list[asyncio.Task] = []
+
+        async def phase(ctx):
+            if ctx.run.run_id == "r1" and ctx.run.seq == 0:
+                tasks[0].cancel()  # r0's commit of this turn is queued, not yet written
+            return NEXT
+
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = Engine(loop_spec(), handlers={"noop": phase}, journal=journal)
+            run_ids = [engine.start(run_id=f"r{n}") for n in range(3)]
+
+            async def main():
+                tasks.extend(asyncio.create_task(engine.arun(r, max_steps=5)) for r in run_ids)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+            done = asyncio.run(main())
+            engine.close()
+            assert isinstance(done[0], asyncio.CancelledError)
+            assert [run.seq for run in done[1:]] == [5, 5]
+            cancelled = journal.load("r0")
+            assert (cancelled.seq, cancelled.lease_owner) == (0, None)
+            assert [t.seq for t in journal.transitions("r0")] == [0]
             assert check_journal(journal) == []

@@ -293,10 +293,14 @@ class TestPositionalBuilder:
         values = [f"v{i}" for i in range(len(attrs.fields(RunRecord)))]
         values[4] = Outcome.ACTIVE
         built = positional_builder(RunRecord)(*values)
+        assert type(built) is RunRecord  # not the builder's private subclass
         assert built == RunRecord(*values)
+        assert attrs.evolve(built, state="y") == RunRecord(*values[:3], "y", *values[4:])
         assert hash(built) == hash(RunRecord(*values))
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             built.state = "x"
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            del built.state
         transition = positional_builder(TransitionRecord)(
             "r", 1, "a", "NEXT", "b", 0, 1, now, 0.5, None, 3
         )

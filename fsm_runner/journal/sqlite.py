@@ -13,6 +13,7 @@ import enum
 import functools
 import itertools
 import json
+import operator
 import os
 import sqlite3
 import threading
@@ -91,6 +92,7 @@ _INSERT_TRANSITION = (
     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
     " duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+_first = operator.itemgetter(0)
 _BULK_ROWS = 256  # rows per multi-row INSERT, at most (11 parameters each)
 _LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
 _CACHE_KIB = 16 * 1024
@@ -552,11 +554,14 @@ class SqliteJournal:
             raise
 
     def _insert_many(self, inserts: Sequence[tuple[Any, ...]]) -> None:
-        """INSERT many transitions in as few statements as the parameter limit allows.
+        """INSERT many transitions (of distinct runs) in as few statements as the parameters allow.
 
         One multi-row VALUES statement binds the whole group and steps once: one call, instead
-        of one per row, and SQLite releases the GIL for the whole of it.
+        of one per row, and SQLite releases the GIL for the whole of it. The rows go in the
+        order of the ``(run_id, seq)`` index, so each insert lands next to the one before
+        instead of in a random leaf: half the cost of a row at 1,000 runs (bench_concurrent).
         """
+        inserts = sorted(inserts, key=_first)
         per_statement = self._bulk_rows
         for start in range(0, len(inserts), per_statement):
             chunk = inserts[start : start + per_statement]

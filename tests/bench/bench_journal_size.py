@@ -67,9 +67,8 @@ def fill(path: Path, runs: int, per_run: int, active: int) -> int:
         ),
     )  # fmt: skip
     conn.execute(
-        "UPDATE run_rows SET status = 'succeeded', state = 'done', seq = ? WHERE run_id IN"
-        " (SELECT run_id FROM runs WHERE state = 'done')",
-        (per_run - 1,),
+        "UPDATE run_rows SET status = 'succeeded'"
+        " WHERE run_id IN (SELECT run_id FROM runs WHERE state = 'done')"
     )
     conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
