@@ -67,21 +67,6 @@ BEGIN
 END"""
 
 
-# The trigger as schema version 4 wrote it (before it checked lease tokens).
-TRIGGER_V4 = """CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions
-WHEN NEW.seq > 0
-BEGIN
-    UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
-                    updated_at = NEW.at,
-                    visit_seq = CASE WHEN NEW.from_state IS NEW.to_state
-                                       AND NEW.event IN ('RETRIED', 'INTERRUPTED')
-                                     THEN visit_seq ELSE NEW.seq END
-     WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
-    SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
-     WHERE changes() = 0;
-END"""
-
-
 # The trigger as schema version 5 wrote it (before run heads were read from transitions).
 TRIGGER_V5 = """CREATE TRIGGER transitions_advance_run AFTER INSERT ON transitions
 WHEN NEW.seq > 0
@@ -95,6 +80,11 @@ BEGIN
     SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
      WHERE changes() = 0;
 END"""
+
+
+# The trigger as schema version 4 wrote it (before it checked lease tokens).
+TRIGGER_V4 = TRIGGER_V5.replace(" AND lease_token = NEW.lease_token", "")
+assert TRIGGER_V4 != TRIGGER_V5
 
 
 def undo_v6(conn) -> None:
