@@ -59,6 +59,7 @@ class TestJournalLeases:
         journal.claim(run_id, "w1", ttl=-1)  # expired at once
         taken = journal.claim(run_id, "w2", ttl=60)
         assert (taken.lease_owner, taken.lease_token, taken.recoveries) == ("w2", 2, 1)
+        assert journal.load(run_id) == taken  # what claim returns is what it stored
 
     def test_take_over_names_a_live_holder_known_dead(self, journal):
         run_id = engine_for(journal).start()

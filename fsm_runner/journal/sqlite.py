@@ -1038,7 +1038,16 @@ class SqliteJournal:
                 " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
                 (owner, format_utc(expires), int(takeover), run_id),
             )
-            return self._load(conn, run_id)
+        # The row as just written (read inside the same write transaction): no second read.
+        claimed = attrs.evolve(
+            run,
+            lease_owner=owner,
+            lease_expires_at=expires,
+            lease_token=run.lease_token + 1,
+            recoveries=run.recoveries + int(takeover),
+        )
+        self._remember(claimed)
+        return claimed
 
     def claim_next(
         self,
