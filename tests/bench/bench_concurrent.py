@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python tests/bench/bench_concurrent.py [--runs 1000] [--steps 100] [--rounds 3]
+    python tests/bench/bench_concurrent.py [--runs 1000] [--steps 100] [--rounds 5]
 
 ``--runs`` runs of a 4-state loop (async no-op handlers) are driven concurrently by one engine
 in one event loop (``asyncio.gather`` of ``Engine.arun``), each for ``--steps`` steps, on a file
@@ -81,7 +81,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     print(
         f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version}, {platform.machine()}"
