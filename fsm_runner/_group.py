@@ -11,10 +11,12 @@ transition is durable, exactly as with one commit per step.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 
 from fsm_runner.journal.base import Commit, Journal
+from fsm_runner.records import RunRecord
 
-__all__ = ["GroupCommitter"]
+__all__ = ["GroupClaimer", "GroupCommitter"]
 
 
 class GroupCommitter:
@@ -100,3 +102,63 @@ class GroupCommitter:
 
 
 _cancelled = asyncio.Future.cancelled
+
+
+class GroupClaimer:
+    """Claims the leases of the runs one event loop starts in one turn, with one journal call.
+
+    ``asyncio.gather`` of a thousand ``Engine.arun`` claims a thousand leases before any step;
+    one transaction each was ~5 % of such a drive (bench_concurrent). Each run still gets its
+    own answer: its claimed row, or why it was refused.
+
+    Args:
+        loop: the event loop whose runs submit.
+        claim_many: claims a list of run ids at once, returning a row or an error for each.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        claim_many: Callable[[list[str]], Sequence[RunRecord | Exception]],
+    ) -> None:
+        self.loop = loop
+        self._claim_many = claim_many
+        self._run_ids: list[str] = []
+        self._futures: list[asyncio.Future[RunRecord]] = []
+        self.calls = 0  # how many journal calls were made (for tests)
+
+    def submit(self, run_id: str) -> asyncio.Future[RunRecord]:
+        """Queue a claim; the future holds the claimed row (or why the claim was refused).
+
+        Cancelling the future before its turn ends leaves the run unclaimed.
+        """
+        future: asyncio.Future[RunRecord] = self.loop.create_future()
+        if not self._run_ids:
+            self.loop.call_soon(self._flush)
+        self._run_ids.append(run_id)
+        self._futures.append(future)
+        return future
+
+    def _flush(self) -> None:
+        pending = [
+            (run_id, future)
+            for run_id, future in zip(self._run_ids, self._futures, strict=True)
+            if not future.cancelled()
+        ]
+        self._run_ids, self._futures = [], []
+        if not pending:
+            return
+        try:
+            results = self._claim_many([run_id for run_id, _ in pending])
+        except BaseException as exc:  # a journal that raised instead of returning the errors
+            for _, future in pending:
+                future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.calls += 1
+        for (_, future), result in zip(pending, results, strict=True):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from fsm_runner._group import GroupCommitter
+from fsm_runner._group import GroupClaimer, GroupCommitter
 from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -246,6 +246,7 @@ class Engine:
         self.max_payload_bytes = max_payload_bytes
         self.group_commit = group_commit
         self._committer: GroupCommitter | None = None
+        self._claimer: GroupClaimer | None = None
         self._held: dict[str, int] = {}  # run id -> the lease token this engine holds
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
@@ -285,6 +286,7 @@ class Engine:
             self._heartbeat = None
         self._stop_heartbeat.clear()
         self._committer = None
+        self._claimer = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -314,6 +316,47 @@ class Engine:
         except BaseException:
             with self._lock:
                 self._held.pop(run_id, None)
+            raise
+        self._hold(claimed)
+        try:
+            return self._adopt_spec(claimed)
+        except BaseException:
+            self._let_go(run_id)
+            raise
+
+    async def _aclaim(self, run_id: str) -> RunRecord:
+        """:meth:`_claim` for :meth:`arun`: the runs a loop starts in one turn, claimed at once.
+
+        With group commit and a journal that has ``claim_many``, every run whose ``arun``
+        begins in the same turn of the loop is claimed in one transaction, each checked by
+        :meth:`_check_runnable` (inside it) and granted or refused on its own.
+        """
+        claim_many = getattr(self.journal, "claim_many", None)
+        if not self.group_commit or claim_many is None:
+            return self._claim(run_id)
+        loop = asyncio.get_running_loop()
+        claimer = self._claimer
+        if claimer is None or claimer.loop is not loop:
+            worker_id, ttl, check = self.worker_id, self.lease_ttl, self._check_runnable
+            claimer = self._claimer = GroupClaimer(
+                loop, lambda run_ids: claim_many(run_ids, worker_id, ttl=ttl, check=check)
+            )
+        with self._lock:
+            if run_id in self._held:  # one engine advances a run in one place at a time
+                raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
+            self._held[run_id] = -1  # reserved while the claim is in flight
+        future = claimer.submit(run_id)
+        try:
+            claimed = await future
+        except BaseException as exc:
+            with self._lock:
+                self._held.pop(run_id, None)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Claimed, but this task was cancelled before it resumed: give the lease back.
+                self._hold(future.result())
+                self._let_go(run_id)
+            if isinstance(exc, LeaseHeldError) and _holder_is_dead(exc.owner):
+                return self._claim(run_id)  # its holder is gone: take the lease over now
             raise
         self._hold(claimed)
         try:
@@ -889,7 +932,7 @@ class Engine:
         group commit (~9 % of the Python per step). Any other outcome of such a handler is
         settled by :meth:`_afinish_fast`; other states take :meth:`_astep`.
         """
-        run = self._claim(run_id)
+        run = await self._aclaim(run_id)
         try:
             steps = 0
             fast_states = self._fast

@@ -17,8 +17,8 @@ import attrs
 import pytest
 
 from fsm_runner import Engine, PhaseResult, SqliteJournal
-from fsm_runner._group import GroupCommitter
-from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError
+from fsm_runner._group import GroupClaimer, GroupCommitter
+from fsm_runner.exceptions import JournalError, LeaseHeldError, LeaseLostError, RunConflictError
 from fsm_runner.journal.base import Commit
 from fsm_runner.records import IterationRecord, TransitionRecord, utc_now
 from fsm_runner.replay import check_journal
@@ -425,3 +425,103 @@ class TestArunHotPath:
             assert (cancelled.seq, cancelled.lease_owner) == (0, None)
             assert [t.seq for t in journal.transitions("r0")] == [0]
             assert check_journal(journal) == []
+
+
+class TestGroupClaims:
+    """The runs an engine starts in one turn of its loop are claimed in one transaction."""
+
+    def test_claim_many_grants_and_refuses_each_on_its_own(self, journal):
+        if not hasattr(journal, "claim_many"):
+            pytest.skip(f"{type(journal).__name__} claims one run at a time")
+        engine = engine_for(journal)
+        free, ended, held, vetoed = (engine.start(run_id=f"r{n}") for n in range(4))
+        engine.run(ended)
+        journal.claim(held, "w2", ttl=60)
+        before = {r: journal.load(r) for r in (ended, held, vetoed)}
+
+        def check(run):
+            if run.run_id == vetoed:
+                raise ValueError("not here")
+
+        results = journal.claim_many(
+            [free, ended, "missing", held, vetoed], "w1", ttl=60, check=check
+        )
+        claimed = results[0]
+        assert (claimed.lease_owner, claimed.lease_token) == ("w1", 1)
+        assert journal.load(free) == claimed
+        assert [type(r).__name__ for r in results[1:]] == [
+            "RunTerminalError", "RunNotFoundError", "LeaseHeldError", "ValueError",
+        ]  # fmt: skip
+        assert {r: journal.load(r) for r in before} == before  # nothing written for them
+
+    def test_arun_claims_the_runs_it_starts_together(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = engine_for(journal)
+            run_ids = [engine.start() for _ in range(50)]
+            transactions = []
+            claim_many = journal.claim_many
+            journal.claim_many = lambda *a, **k: transactions.append(a[0]) or claim_many(*a, **k)
+
+            async def main():
+                return await asyncio.gather(*(engine.arun(r, max_steps=2) for r in run_ids))
+
+            done = asyncio.run(main())
+            engine.close()
+            assert [len(ids) for ids in transactions] == [50]
+            assert all(run.seq == 2 and run.lease_token == 1 for run in done)
+            assert all(journal.load(r).lease_owner is None for r in run_ids)  # released
+
+    def test_a_refused_claim_fails_only_its_run(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = engine_for(journal)
+            run_ids = [engine.start() for _ in range(3)]
+            journal.claim(run_ids[1], "elsewhere:1:x", ttl=60)
+
+            async def main():
+                runs = (engine.arun(r) for r in run_ids)
+                return await asyncio.gather(*runs, return_exceptions=True)
+
+            first, second, third = asyncio.run(main())
+            engine.close()
+            assert isinstance(second, LeaseHeldError)
+            assert (first.state, third.state) == ("done", "done")
+            assert journal.load(run_ids[1]).seq == 0
+
+    def test_a_run_cancelled_after_its_claim_gives_the_lease_back(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = engine_for(journal)
+            run_ids = [engine.start() for _ in range(3)]
+            tasks = []
+            claim_many = journal.claim_many
+
+            def claim_then_cancel(*args, **kwargs):
+                results = claim_many(*args, **kwargs)
+                asyncio.get_running_loop().call_soon(tasks[1].cancel)  # before it resumes
+                return results
+
+            journal.claim_many = claim_then_cancel
+
+            async def main():
+                tasks.extend(asyncio.ensure_future(engine.arun(r)) for r in run_ids)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+            first, second, third = asyncio.run(main())
+            engine.close()
+            assert isinstance(second, asyncio.CancelledError)
+            cancelled = journal.load(run_ids[1])
+            assert (cancelled.seq, cancelled.lease_token, cancelled.lease_owner) == (0, 1, None)
+            assert (first.state, third.state) == ("done", "done")
+
+    def test_a_claim_cancelled_before_its_turn_is_not_made(self):
+        calls = []
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            claimer = GroupClaimer(loop, lambda ids: calls.append(ids) or [f"row {i}" for i in ids])
+            futures = [claimer.submit(r) for r in ("a", "b", "c")]
+            futures[1].cancel()
+            await asyncio.sleep(0)
+            return [f.result() for f in (futures[0], futures[2])]
+
+        assert asyncio.run(main()) == ["row a", "row c"]
+        assert calls == [["a", "c"]]

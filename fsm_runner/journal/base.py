@@ -235,6 +235,11 @@ class Journal(Protocol):
             RunNotFoundError: no such run.
             RunTerminalError: the run has ended.
             LeaseHeldError: another owner holds a live lease (its owner and expiry named).
+
+        A journal may also offer ``claim_many(run_ids, owner, *, ttl, check=None)``: several
+        claims in one transaction, each refused on its own (its error returned at its index,
+        after ``check(run)`` raised or as :meth:`claim` refuses). The engine uses it, when
+        there, to claim the runs it starts at once; SQLite and memory journals have it.
         """
 
     def claim_next(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -345,6 +345,26 @@ class MemoryJournal:
                 recoveries=run.recoveries + (held and (not live or run.lease_owner != owner)),
             )
             return claimed
+
+    def claim_many(
+        self,
+        run_ids: Sequence[str],
+        owner: str,
+        *,
+        ttl: float,
+        check: Callable[[RunRecord], object] | None = None,
+    ) -> list[RunRecord | Exception]:
+        """Claim several runs' leases, each granted or refused on its own (see SqliteJournal)."""
+        results: list[RunRecord | Exception] = []
+        with self._lock:
+            for run_id in run_ids:
+                try:
+                    if check is not None:
+                        check(self.load(run_id))
+                    results.append(self.claim(run_id, owner, ttl=ttl))
+                except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned
+                    results.append(exc)
+        return results
 
     def claim_next(
         self,

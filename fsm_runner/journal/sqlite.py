@@ -17,7 +17,7 @@ import operator
 import os
 import sqlite3
 import threading
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -1020,34 +1020,83 @@ class SqliteJournal:
         """
         now = utc_now()
         with self._write() as conn:
-            run = self._load(conn, run_id)
-            if run.ended:
-                raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-            held = run.lease_owner is not None and run.lease_expires_at is not None
-            live = held and run.lease_expires_at > now  # type: ignore[operator]
-            if live and run.lease_owner not in (owner, take_over):
-                raise LeaseHeldError(
-                    run_id,
-                    owner=str(run.lease_owner),
-                    expires_at=format_utc(run.lease_expires_at),  # type: ignore[arg-type]
-                )
-            takeover = held and (not live or run.lease_owner != owner)  # a lost lease, found
-            expires = now + dt.timedelta(seconds=ttl)
-            conn.execute(
-                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-                " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
-                (owner, format_utc(expires), int(takeover), run_id),
+            claimed = self._claim_in(conn, run_id, owner, now, ttl, take_over, None)
+        self._remember(claimed)
+        return claimed
+
+    def claim_many(
+        self,
+        run_ids: Sequence[str],
+        owner: str,
+        *,
+        ttl: float,
+        check: Callable[[RunRecord], object] | None = None,
+    ) -> list[RunRecord | Exception]:
+        """Claim several runs' leases in ONE transaction, each granted or refused on its own.
+
+        For an engine starting many runs at once (``Engine.arun`` with group commit): one
+        commit instead of one each. Each run is claimed as by :meth:`claim`; ``check`` is
+        called with the run as loaded, first, and what it raises refuses that run. A refused
+        run's error is returned at its index and nothing is written for it. When the
+        transaction itself fails, nothing was written and every entry is that ``JournalError``.
+        """
+        now = utc_now()
+        results: list[RunRecord | Exception] = []
+        try:
+            with self._write() as conn:
+                for run_id in run_ids:
+                    try:
+                        results.append(self._claim_in(conn, run_id, owner, now, ttl, None, check))
+                    except sqlite3.Error:  # noqa: PERF203 - the transaction failed: every claim
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - refused alone, returned at its index
+                        results.append(exc)
+        except JournalError as failure:
+            return [failure] * len(run_ids)
+        for result in results:
+            if isinstance(result, RunRecord):
+                self._remember(result)
+        return results
+
+    def _claim_in(  # noqa: PLR0917 - one private call shape for claim and claim_many
+        self,
+        conn: sqlite3.Connection,
+        run_id: str,
+        owner: str,
+        now: dt.datetime,
+        ttl: float,
+        take_over: str | None,
+        check: Callable[[RunRecord], object] | None,
+    ) -> RunRecord:
+        """One claim inside the caller's write transaction; returns the row it wrote."""
+        run = self._load(conn, run_id)
+        if check is not None:
+            check(run)
+        if run.ended:
+            raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
+        held = run.lease_owner is not None and run.lease_expires_at is not None
+        live = held and run.lease_expires_at > now  # type: ignore[operator]
+        if live and run.lease_owner not in (owner, take_over):
+            raise LeaseHeldError(
+                run_id,
+                owner=str(run.lease_owner),
+                expires_at=format_utc(run.lease_expires_at),  # type: ignore[arg-type]
             )
+        takeover = held and (not live or run.lease_owner != owner)  # a lost lease, found
+        expires = now + dt.timedelta(seconds=ttl)
+        conn.execute(
+            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+            " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
+            (owner, format_utc(expires), int(takeover), run_id),
+        )
         # The row as just written (read inside the same write transaction): no second read.
-        claimed = attrs.evolve(
+        return attrs.evolve(
             run,
             lease_owner=owner,
             lease_expires_at=expires,
             lease_token=run.lease_token + 1,
             recoveries=run.recoveries + int(takeover),
         )
-        self._remember(claimed)
-        return claimed
 
     def claim_next(
         self,
