@@ -297,10 +297,7 @@ class Engine:
         """Load the run, check it may run here, and take its lease (the heartbeat renews it)."""
         run = self.journal.load(run_id)
         self._check_runnable(run)
-        with self._lock:
-            if run_id in self._held:  # one engine advances a run in one place at a time
-                raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
-            self._held[run_id] = -1  # reserved while the claim is in flight
+        self._reserve(run_id)
         try:
             try:
                 claimed = self.journal.claim(run_id, self.worker_id, ttl=self.lease_ttl)
@@ -317,12 +314,7 @@ class Engine:
             with self._lock:
                 self._held.pop(run_id, None)
             raise
-        self._hold(claimed)
-        try:
-            return self._adopt_spec(claimed)
-        except BaseException:
-            self._let_go(run_id)
-            raise
+        return self._take(claimed)
 
     async def _aclaim(self, run_id: str) -> RunRecord:
         """:meth:`_claim` for :meth:`arun`: the runs a loop starts in one turn, claimed at once.
@@ -341,10 +333,7 @@ class Engine:
             claimer = self._claimer = GroupClaimer(
                 loop, lambda run_ids: claim_many(run_ids, worker_id, ttl=ttl, check=check)
             )
-        with self._lock:
-            if run_id in self._held:  # one engine advances a run in one place at a time
-                raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
-            self._held[run_id] = -1  # reserved while the claim is in flight
+        self._reserve(run_id)
         future = claimer.submit(run_id)
         try:
             claimed = await future
@@ -358,11 +347,22 @@ class Engine:
             if isinstance(exc, LeaseHeldError) and _holder_is_dead(exc.owner):
                 return self._claim(run_id)  # its holder is gone: take the lease over now
             raise
+        return self._take(claimed)
+
+    def _reserve(self, run_id: str) -> None:
+        """Mark the run as being claimed here: one engine advances a run in one place at a time."""
+        with self._lock:
+            if run_id in self._held:
+                raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
+            self._held[run_id] = -1  # reserved while the claim is in flight
+
+    def _take(self, claimed: RunRecord) -> RunRecord:
+        """Hold a lease just claimed and bring the run to this engine's spec."""
         self._hold(claimed)
         try:
             return self._adopt_spec(claimed)
         except BaseException:
-            self._let_go(run_id)
+            self._let_go(claimed.run_id)
             raise
 
     def _adopt_spec(self, run: RunRecord) -> RunRecord:
