@@ -404,7 +404,9 @@ def request(workspace: Path, **changes) -> AgentRequest:
 class TestCommandAgentDriver:
     """The agent is a command: request in through env and stdin, result out through stdout."""
 
-    def test_request_reaches_the_command_through_env_and_stdin(self, tmp_path):
+    def test_request_reaches_the_command_through_env_and_stdin(self, tmp_path, monkeypatch):
+        for name in [name for name in os.environ if name.startswith("FSM_")]:
+            monkeypatch.delenv(name)  # the test run's own (FSM_RUNNER_TEST_POSTGRES) pass through
         script = write_script(tmp_path, RECORDER)
         workspace = tmp_path / "ws"
         workspace.mkdir()
