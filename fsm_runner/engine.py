@@ -319,19 +319,19 @@ class Engine:
     async def _aclaim(self, run_id: str) -> RunRecord:
         """:meth:`_claim` for :meth:`arun`: the runs a loop starts in one turn, claimed at once.
 
-        With group commit and a journal that has ``claim_many``, every run whose ``arun``
-        begins in the same turn of the loop is claimed in one transaction, each checked by
-        :meth:`_check_runnable` (inside it) and granted or refused on its own.
+        With group commit, every run whose ``arun`` begins in the same turn of the loop is
+        claimed by one :meth:`Journal.claim_many` (one transaction on SQLite), each checked by
+        :meth:`_check_runnable` and granted or refused on its own.
         """
-        claim_many = getattr(self.journal, "claim_many", None)
-        if not self.group_commit or claim_many is None:
+        if not self.group_commit:
             return self._claim(run_id)
         loop = asyncio.get_running_loop()
         claimer = self._claimer
         if claimer is None or claimer.loop is not loop:
-            worker_id, ttl, check = self.worker_id, self.lease_ttl, self._check_runnable
+            journal, worker_id, ttl = self.journal, self.worker_id, self.lease_ttl
+            check = self._check_runnable
             claimer = self._claimer = GroupClaimer(
-                loop, lambda run_ids: claim_many(run_ids, worker_id, ttl=ttl, check=check)
+                loop, lambda run_ids: journal.claim_many(run_ids, worker_id, ttl=ttl, check=check)
             )
         self._reserve(run_id)
         future = claimer.submit(run_id)

@@ -431,8 +431,6 @@ class TestGroupClaims:
     """The runs an engine starts in one turn of its loop are claimed in one transaction."""
 
     def test_claim_many_grants_and_refuses_each_on_its_own(self, journal):
-        if not hasattr(journal, "claim_many"):
-            pytest.skip(f"{type(journal).__name__} claims one run at a time")
         engine = engine_for(journal)
         free, ended, held, vetoed = (engine.start(run_id=f"r{n}") for n in range(4))
         engine.run(ended)

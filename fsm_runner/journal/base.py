@@ -20,7 +20,7 @@ contract, and the journal test suite runs against each of them:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
@@ -34,7 +34,7 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import Outcome
 
-__all__ = ["Commit", "Durability", "Journal", "PruneReport"]
+__all__ = ["Commit", "Durability", "Journal", "PruneReport", "claim_each"]
 
 #: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
 #: ``power``: it also survives power loss (synchronous=FULL).
@@ -235,11 +235,22 @@ class Journal(Protocol):
             RunNotFoundError: no such run.
             RunTerminalError: the run has ended.
             LeaseHeldError: another owner holds a live lease (its owner and expiry named).
+        """
 
-        A journal may also offer ``claim_many(run_ids, owner, *, ttl, check=None)``: several
-        claims in one transaction, each refused on its own (its error returned at its index,
-        after ``check(run)`` raised or as :meth:`claim` refuses). The engine uses it, when
-        there, to claim the runs it starts at once; SQLite and memory journals have it.
+    def claim_many(
+        self,
+        run_ids: Sequence[str],
+        owner: str,
+        *,
+        ttl: float,
+        check: Callable[[RunRecord], object] | None = None,
+    ) -> list[RunRecord | Exception]:
+        """Claim several runs' leases at once, each granted or refused on its own.
+
+        Each run is claimed as by :meth:`claim`, after ``check(run)`` is called with it as
+        loaded; what either raises refuses that run: the error is returned at its index and
+        nothing is written for it. The engine uses this to claim the runs it starts together
+        (SQLite: in one transaction; see :func:`claim_each` for journals without one).
         """
 
     def claim_next(
@@ -302,3 +313,23 @@ class Journal(Protocol):
 
     def close(self) -> None:
         """Release the journal's resources; further use raises ``JournalError``."""
+
+
+def claim_each(
+    journal: Journal,
+    run_ids: Sequence[str],
+    owner: str,
+    *,
+    ttl: float,
+    check: Callable[[RunRecord], object] | None = None,
+) -> list[RunRecord | Exception]:
+    """:meth:`Journal.claim_many` as one :meth:`Journal.claim` after another."""
+    results: list[RunRecord | Exception] = []
+    for run_id in run_ids:
+        try:
+            if check is not None:
+                check(journal.load(run_id))
+            results.append(journal.claim(run_id, owner, ttl=ttl))
+        except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned at its index
+            results.append(exc)
+    return results

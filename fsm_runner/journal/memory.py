@@ -24,7 +24,7 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
     RunTerminalError,
 )
-from fsm_runner.journal.base import Commit, PruneReport
+from fsm_runner.journal.base import Commit, PruneReport, claim_each
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -354,17 +354,9 @@ class MemoryJournal:
         ttl: float,
         check: Callable[[RunRecord], object] | None = None,
     ) -> list[RunRecord | Exception]:
-        """Claim several runs' leases, each granted or refused on its own (see SqliteJournal)."""
-        results: list[RunRecord | Exception] = []
+        """Claim several runs' leases, each granted or refused on its own."""
         with self._lock:
-            for run_id in run_ids:
-                try:
-                    if check is not None:
-                        check(self.load(run_id))
-                    results.append(self.claim(run_id, owner, ttl=ttl))
-                except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned
-                    results.append(exc)
-        return results
+            return claim_each(self, run_ids, owner, ttl=ttl, check=check)
 
     def claim_next(
         self,

@@ -65,7 +65,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _rows
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
-from fsm_runner.journal.base import Commit, Durability, PruneReport
+from fsm_runner.journal.base import Commit, Durability, PruneReport, claim_each
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -919,6 +919,17 @@ class PostgresJournal:
             return _UNRESOLVED
 
         return self._call(work, resolve=resolve)
+
+    def claim_many(
+        self,
+        run_ids: Sequence[str],
+        owner: str,
+        *,
+        ttl: float,
+        check: Callable[[RunRecord], object] | None = None,
+    ) -> list[RunRecord | Exception]:
+        """Claim several runs' leases, each in its own transaction and refused on its own."""
+        return claim_each(self, run_ids, owner, ttl=ttl, check=check)
 
     def claim_next(
         self,
