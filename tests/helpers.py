@@ -87,8 +87,113 @@ TRIGGER_V4 = TRIGGER_V5.replace(" AND lease_token = NEW.lease_token", "")
 assert TRIGGER_V4 != TRIGGER_V5
 
 
+# The two tables, the trigger and the view as schema version 6 wrote them (before run keys).
+RUN_ROWS_V6 = """CREATE TABLE "run_rows_v6" (
+   "run_id" TEXT PRIMARY KEY,
+   "machine" TEXT NOT NULL,
+   "spec_hash" TEXT NOT NULL REFERENCES "specs"("spec_hash"),
+   "state" TEXT NOT NULL,
+   "status" TEXT NOT NULL,
+   "seq" INTEGER NOT NULL,
+   "iteration" INTEGER DEFAULT 0,
+   "attempt" INTEGER DEFAULT 1,
+   "input" TEXT,
+   "context" TEXT,
+   "error" TEXT,
+   "created_at" TEXT NOT NULL,
+   "updated_at" TEXT,
+   "parent_run_id" TEXT,
+   "forked_from" TEXT,
+   "abort_reason" TEXT,
+   "lease_owner" TEXT,
+   "lease_expires_at" TEXT,
+   "lease_token" INTEGER DEFAULT 0
+, "return_to" TEXT, "return_attempt" INTEGER NOT NULL DEFAULT 0, "visit_seq" INTEGER NOT NULL DEFAULT 0, "return_visit" INTEGER NOT NULL DEFAULT 0, "recoveries" INTEGER NOT NULL DEFAULT 0)"""
+TRANSITIONS_V6 = """CREATE TABLE "transitions_v6" (
+   "run_id" TEXT REFERENCES "run_rows"("run_id"),
+   "seq" INTEGER,
+   "from_state" TEXT,
+   "event" TEXT NOT NULL,
+   "to_state" TEXT NOT NULL,
+   "iteration" INTEGER,
+   "attempt" INTEGER,
+   "at" TEXT NOT NULL,
+   "duration_ms" REAL,
+   "result" TEXT, "lease_token" INTEGER NOT NULL DEFAULT 0,
+   PRIMARY KEY ("run_id", "seq")
+)"""
+TRIGGER_V6 = """CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
+BEGIN
+    SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
+     WHERE NOT EXISTS (SELECT 1 FROM run_rows
+                        WHERE run_id = NEW.run_id AND lease_token = NEW.lease_token)
+        OR NOT EXISTS (SELECT 1 FROM transitions
+                        WHERE run_id = NEW.run_id AND seq = NEW.seq - 1);
+END"""
+VIEW_V6 = """CREATE VIEW runs AS
+SELECT r.run_id, r.machine, r.spec_hash,
+       CASE WHEN t.seq > r.seq THEN t.to_state ELSE r.state END AS state,
+       r.status,
+       CASE WHEN t.seq > r.seq THEN t.seq ELSE r.seq END AS seq,
+       CASE WHEN t.seq > r.seq THEN t.iteration ELSE r.iteration END AS iteration,
+       r.attempt, r.input, r.context, r.error, r.created_at,
+       CASE WHEN t.seq > r.seq THEN t.at ELSE r.updated_at END AS updated_at,
+       r.parent_run_id, r.forked_from, r.abort_reason, r.lease_owner,
+       r.lease_expires_at, r.lease_token, r.return_to, r.return_attempt,
+       CASE WHEN t.seq > r.seq THEN t.seq ELSE r.visit_seq END AS visit_seq,
+       r.return_visit, r.recoveries, r.rowid AS row_order
+  FROM run_rows AS r
+  LEFT JOIN transitions AS t
+    ON t.run_id = r.run_id
+   AND t.seq = (SELECT max(m.seq) FROM transitions AS m WHERE m.run_id = r.run_id)"""
+RUN_COLUMNS_V6 = (
+    "run_id, machine, spec_hash, state, status, seq, iteration, attempt, input, context, error,"
+    " created_at, updated_at, parent_run_id, forked_from, abort_reason, lease_owner,"
+    " lease_expires_at, lease_token, return_to, return_attempt, visit_seq, return_visit,"
+    " recoveries"
+)
+TRANSITION_COLUMNS_V6 = (
+    "run_id, seq, from_state, event, to_state, iteration, attempt, at, duration_ms, result,"
+    " lease_token"
+)
+
+
+def undo_v7(conn) -> None:
+    """Turn a journal's schema back from version 7 (integer run keys) to 6: both tables rebuilt."""
+    conn.execute("DROP VIEW runs")
+    conn.execute("DROP TRIGGER transitions_fence")
+    indexes = [
+        sql
+        for (sql,) in conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'run_rows'"
+            " AND sql IS NOT NULL"
+        )
+    ]
+    conn.execute(RUN_ROWS_V6)
+    conn.execute(
+        f"INSERT INTO run_rows_v6 ({RUN_COLUMNS_V6}) SELECT {RUN_COLUMNS_V6} FROM run_rows"
+        " ORDER BY run_key"
+    )
+    conn.execute(TRANSITIONS_V6)
+    conn.execute(
+        f"INSERT INTO transitions_v6 ({TRANSITION_COLUMNS_V6}) SELECT {TRANSITION_COLUMNS_V6}"
+        " FROM transitions ORDER BY rowid"
+    )
+    conn.execute("DROP TABLE transitions")
+    conn.execute("DROP TABLE run_rows")
+    conn.execute("ALTER TABLE run_rows_v6 RENAME TO run_rows")
+    conn.execute("ALTER TABLE transitions_v6 RENAME TO transitions")
+    for sql in indexes:
+        conn.execute(sql)
+    conn.execute(TRIGGER_V6)
+    conn.execute(VIEW_V6)
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0007_run_keys'")
+    conn.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
+
+
 def undo_v6(conn) -> None:
-    """Turn a journal's schema back from version 6 (run heads read from transitions) to 5."""
+    """Turn a journal's schema back from version 7 to 5 (run heads kept in the run rows)."""
+    undo_v7(conn)
     heads = conn.execute(
         "SELECT run_id, state, seq, iteration, updated_at, visit_seq FROM runs"
     ).fetchall()
@@ -106,7 +211,7 @@ def undo_v6(conn) -> None:
 
 
 def undo_v5(conn) -> None:
-    """Turn a journal's schema back from version 6 to version 4 (no lease tokens, recoveries)."""
+    """Turn a journal's schema back from version 7 to version 4 (no lease tokens, recoveries)."""
     undo_v6(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
@@ -119,7 +224,7 @@ def undo_v5(conn) -> None:
 
 
 def undo_v4(conn) -> None:
-    """Turn a journal's schema back from version 6 to version 3 (no effects, no visits)."""
+    """Turn a journal's schema back from version 7 to version 3 (no effects, no visits)."""
     undo_v5(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     for column in ("visit_seq", "return_visit"):

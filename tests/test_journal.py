@@ -29,7 +29,7 @@ from fsm_runner import (
 from fsm_runner.exceptions import RunConflictError, RunExistsError, SchemaVersionError
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.journal.sqlite import APPLICATION_ID
-from tests.helpers import NEXT, linear_spec, loop_spec, undo_v6
+from tests.helpers import NEXT, linear_spec, loop_spec, undo_v6, undo_v7
 
 SPEC = linear_spec("building", "verifying")
 T0 = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.timezone.utc)
@@ -518,9 +518,23 @@ class TestSqliteFile:
             start(journal)
 
         with raw(path) as conn:
+            with pytest.raises(sqlite3.IntegrityError, match="needs the run_key of its run"):
+                conn.execute(
+                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
+                    " attempt, at) VALUES ('r1', 1, 'building', 'NEXT', 'verifying', 3, 1, ?)",
+                    (minutes(5).isoformat(),),
+                )
+            with pytest.raises(sqlite3.IntegrityError, match="not at the seq before"):
+                conn.execute(  # a run key that is not the run's: refused like a stale seq
+                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
+                    " attempt, at, run_key) VALUES ('r1', 1, 'building', 'NEXT', 'verifying', 3,"
+                    " 1, ?, 99)",
+                    (minutes(5).isoformat(),),
+                )
             conn.execute(
                 "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
-                " attempt, at) VALUES ('r1', 1, 'building', 'NEXT', 'verifying', 3, 1, ?)",
+                " attempt, at, run_key) VALUES ('r1', 1, 'building', 'NEXT', 'verifying', 3, 1, ?,"
+                " (SELECT run_key FROM run_rows WHERE run_id = 'r1'))",
                 (minutes(5).isoformat(),),
             )
             assert conn.execute("SELECT state, seq, iteration FROM runs").fetchone() == (
@@ -530,8 +544,9 @@ class TestSqliteFile:
             )
             with pytest.raises(sqlite3.IntegrityError, match="not at the seq before"):
                 conn.execute(
-                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, at)"
-                    " VALUES ('r1', 5, 'verifying', 'NEXT', 'done', ?)",
+                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, at, run_key)"
+                    " VALUES ('r1', 5, 'verifying', 'NEXT', 'done', ?,"
+                    " (SELECT run_key FROM run_rows WHERE run_id = 'r1'))",
                     (minutes(6).isoformat(),),
                 )
         assert assert_consistent(path) == [0, 1]
@@ -566,13 +581,13 @@ class TestSqliteFile:
         with raw(path) as conn:
             with pytest.raises(sqlite3.IntegrityError, match="not at the seq before"):
                 conn.execute(
-                    "INSERT INTO transitions (run_id, seq, event, to_state, at, lease_token)"
-                    " VALUES ('r1', 1, 'NEXT', 'verifying', ?, 0)",
+                    "INSERT INTO transitions (run_id, seq, event, to_state, at, lease_token,"
+                    " run_key) VALUES ('r1', 1, 'NEXT', 'verifying', ?, 0, (SELECT run_key FROM run_rows WHERE run_id = 'r1'))",
                     (minutes(1).isoformat(),),
                 )
             conn.execute(
-                "INSERT INTO transitions (run_id, seq, event, to_state, at, lease_token)"
-                " VALUES ('r1', 1, 'NEXT', 'verifying', ?, 1)",
+                "INSERT INTO transitions (run_id, seq, event, to_state, at, lease_token, run_key)"
+                " VALUES ('r1', 1, 'NEXT', 'verifying', ?, 1, (SELECT run_key FROM run_rows WHERE run_id = 'r1'))",
                 (minutes(1).isoformat(),),
             )
         assert assert_consistent(path) == [0, 1]
@@ -594,7 +609,7 @@ class TestSqliteFile:
             ]  # fmt: skip
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "6"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "7"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             engine = Engine(loop_spec(), handlers=handlers, journal=journal)
             assert engine.run(run_ids[2], max_steps=3).seq == 13
@@ -606,6 +621,71 @@ class TestSqliteFile:
         assert "transitions_advance_run" not in kinds
         for run_id in run_ids:
             assert_consistent(path, run_id)
+
+    def test_a_version_6_journal_is_migrated_to_run_keys(self, tmp_path):
+        path = tmp_path / "j.db"
+        handlers = {"noop": lambda _ctx: NEXT}
+        with SqliteJournal(path) as journal:
+            engine = Engine(loop_spec(), handlers=handlers, journal=journal)
+            run_ids = [engine.start() for _ in range(4)]
+            for steps, run_id in enumerate(run_ids):
+                engine.run(run_id, max_steps=steps * 3)
+            fork = engine.fork(run_ids[3], at_seq=4).run_id
+            run_ids.append(fork)
+            heads = {run_id: journal.load(run_id) for run_id in run_ids}
+            histories = {run_id: journal.transitions(run_id) for run_id in run_ids}
+            listed = [run.run_id for run in journal.runs()]
+        with raw(path) as conn:
+            undo_v7(conn)
+            conn.execute(  # a transition whose run was deleted by hand: kept, and reported
+                "INSERT INTO transitions (run_id, seq, event, to_state, at)"
+                " VALUES ('ghost', 0, 'STARTED', 'a', '2024-01-01T00:00:00.000000+00:00')"
+            )
+            before = dict(conn.execute("SELECT run_id, rowid FROM run_rows"))
+            assert "run_key" not in {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+
+        with SqliteJournal(path) as journal:
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "7"
+            assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
+            assert {run_id: journal.transitions(run_id) for run_id in run_ids} == histories
+            assert [run.run_id for run in journal.runs()] == listed
+            problems = journal.integrity_problems()
+            assert len(problems) == 1, problems
+            assert "transitions" in problems[0]
+            engine = Engine(loop_spec(), handlers=handlers, journal=journal)
+            assert engine.run(run_ids[2], max_steps=3).seq == 9
+            assert engine.run(fork, max_steps=2).seq == 6
+            new = engine.start()
+        with raw(path) as conn:
+            keys = dict(conn.execute("SELECT run_id, run_key FROM run_rows"))
+            ghost = conn.execute("SELECT run_key FROM transitions WHERE run_id = 'ghost'")
+            kinds = dict(conn.execute("SELECT name, type FROM sqlite_master"))
+            ghost_key = ghost.fetchone()[0]
+        assert {run_id: keys[run_id] for run_id in before} == before  # the rowids, kept
+        assert keys[new] == max(before.values()) + 1
+        assert ghost_key < 0
+        assert (kinds["runs"], kinds["run_rows"], kinds["transitions_fence"]) == (
+            "view", "table", "trigger",
+        )  # fmt: skip
+        for run_id in run_ids:
+            assert_consistent(path, run_id)
+
+    def test_run_keys_are_never_reused(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            engine = Engine(
+                linear_spec("one"), handlers={"one": lambda _ctx: NEXT}, journal=journal
+            )
+            first, last = engine.start(), engine.start()
+            engine.run(first)
+            engine.run(last)
+            report = journal.prune(ended_before=minutes(60 * 24 * 365 * 100))
+            assert set(report.run_ids) == {first, last}
+            again = engine.start()
+            assert [t.seq for t in journal.transitions(again)] == [0]
+        with raw(path) as conn:
+            (key,) = conn.execute("SELECT run_key FROM run_rows").fetchone()
+        assert key == 3  # not 2 (the last pruned run's) nor 1
 
     def test_reopen_keeps_everything(self, tmp_path):
         path = tmp_path / "j.db"

@@ -282,8 +282,8 @@ class TestIntegrity:
             finished_run(journal)
         conn = sqlite3.connect(path)
         conn.execute(
-            "INSERT INTO transitions (run_id, seq, event, to_state, at) "
-            "VALUES ('ghost', 0, 'STARTED', 'fetching', '2024-01-01T00:00:00.000000+00:00')"
+            "INSERT INTO transitions (run_id, seq, event, to_state, at, run_key) "
+            "VALUES ('ghost', 0, 'STARTED', 'fetching', '2024-01-01T00:00:00.000000+00:00', -1)"
         )
         conn.commit()
         conn.close()

@@ -877,8 +877,8 @@ class TestTamperedJournals:
             path,
             "DROP TRIGGER transitions_fence",
             "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
-            f" attempt, at) SELECT '{run_id}', 9, 'succeeded', 'RUN_ACCEPTED', 'building', 3, 1,"
-            f" at FROM transitions WHERE run_id = '{run_id}' AND seq = 8",
+            f" attempt, at, run_key) SELECT '{run_id}', 9, 'succeeded', 'RUN_ACCEPTED', 'building',"
+            f" 3, 1, at, run_key FROM transitions WHERE run_id = '{run_id}' AND seq = 8",
             f"UPDATE run_rows SET seq = 9, state = 'building' WHERE run_id = '{run_id}'",
         )
         assert named(mismatch(path, run_id)) == (

@@ -12,7 +12,7 @@ import sqlite3
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from fsm_runner.journal.sqlite import _STALE_SEQ
+from fsm_runner.journal.sqlite import _NO_RUN_KEY, _STALE_SEQ
 
 __all__ = ["database", "migrate", "unknown_migrations"]
 
@@ -308,6 +308,143 @@ def m0006_derived_heads(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '6' WHERE key = 'schema_version'")
 
 
+_RUN_ROWS_V7 = """
+CREATE TABLE run_rows_v7 (
+   run_key INTEGER PRIMARY KEY AUTOINCREMENT,
+   run_id TEXT NOT NULL UNIQUE,
+   machine TEXT NOT NULL,
+   spec_hash TEXT NOT NULL REFERENCES specs(spec_hash),
+   state TEXT NOT NULL,
+   status TEXT NOT NULL,
+   seq INTEGER NOT NULL,
+   iteration INTEGER DEFAULT 0,
+   attempt INTEGER DEFAULT 1,
+   input TEXT,
+   context TEXT,
+   error TEXT,
+   created_at TEXT NOT NULL,
+   updated_at TEXT,
+   parent_run_id TEXT,
+   forked_from TEXT,
+   abort_reason TEXT,
+   lease_owner TEXT,
+   lease_expires_at TEXT,
+   lease_token INTEGER DEFAULT 0,
+   return_to TEXT,
+   return_attempt INTEGER NOT NULL DEFAULT 0,
+   visit_seq INTEGER NOT NULL DEFAULT 0,
+   return_visit INTEGER NOT NULL DEFAULT 0,
+   recoveries INTEGER NOT NULL DEFAULT 0
+)
+"""
+_TRANSITIONS_V7 = """
+CREATE TABLE transitions_v7 (
+   run_id TEXT REFERENCES run_rows(run_id),
+   seq INTEGER NOT NULL,
+   from_state TEXT,
+   event TEXT NOT NULL,
+   to_state TEXT NOT NULL,
+   iteration INTEGER,
+   attempt INTEGER,
+   at TEXT NOT NULL,
+   duration_ms REAL,
+   result TEXT,
+   lease_token INTEGER NOT NULL DEFAULT 0,
+   run_key INTEGER NOT NULL,
+   PRIMARY KEY (run_key, seq)
+)
+"""
+_RUN_ROW_COLUMNS_V6 = (
+    "run_id, machine, spec_hash, state, status, seq, iteration, attempt, input, context, error,"
+    " created_at, updated_at, parent_run_id, forked_from, abort_reason, lease_owner,"
+    " lease_expires_at, lease_token, return_to, return_attempt, visit_seq, return_visit,"
+    " recoveries"
+)
+_TRANSITION_COLUMNS_V6 = (
+    "run_id, seq, from_state, event, to_state, iteration, attempt, at, duration_ms, result,"
+    " lease_token"
+)
+
+
+@_migrations()
+def m0007_run_keys(db: sqlite_utils.Database) -> None:
+    """Version 7: transitions are keyed by an integer run key, ``(run_key, seq)``.
+
+    Until version 6 their primary key was ``(run_id, seq)``, 32 characters of run id in every
+    index entry: ~90 entries a page, so a group commit of a thousand runs (each appending to
+    its own part of the index) wrote about a page a run, and each insert compared long keys.
+    ``run_rows`` gets ``run_key INTEGER PRIMARY KEY AUTOINCREMENT`` (stable across VACUUM,
+    never reused), ``run_id`` stays ``UNIQUE`` for every lookup by id; ``transitions`` keeps
+    ``run_id`` for readers and gains ``run_key``, which the fence trigger checks against the
+    run's id. Both tables are rebuilt, in their rowid order; transitions whose run is gone (a
+    journal edited by hand) keep a negative key, so ``check`` still reports them.
+    """
+    db.execute("DROP VIEW IF EXISTS runs")
+    db.execute("DROP TRIGGER IF EXISTS transitions_fence")
+    indexes = [
+        str(row[0])
+        for row in db.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'run_rows'"
+            " AND sql IS NOT NULL"
+        ).fetchall()
+    ]
+    db.execute(_RUN_ROWS_V7)
+    db.execute(
+        f"INSERT INTO run_rows_v7 (run_key, {_RUN_ROW_COLUMNS_V6})"
+        f" SELECT rowid, {_RUN_ROW_COLUMNS_V6} FROM run_rows ORDER BY rowid"
+    )
+    db.execute(_TRANSITIONS_V7)
+    db.execute(
+        f"INSERT INTO transitions_v7 ({_TRANSITION_COLUMNS_V6}, run_key)"
+        f" SELECT {', '.join('t.' + c.strip() for c in _TRANSITION_COLUMNS_V6.split(','))},"
+        "        coalesce(r.run_key, -(SELECT min(o.rowid) FROM transitions AS o"
+        "                               WHERE o.run_id IS t.run_id))"
+        "   FROM transitions AS t LEFT JOIN run_rows_v7 AS r ON r.run_id = t.run_id"
+        "  ORDER BY t.rowid"
+    )
+    db.execute("DROP TABLE transitions")
+    db.execute("DROP TABLE run_rows")
+    db.execute("ALTER TABLE run_rows_v7 RENAME TO run_rows")
+    db.execute("ALTER TABLE transitions_v7 RENAME TO transitions")
+    for sql in indexes:
+        db.execute(sql)
+    db.execute(
+        f"""
+        CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
+        BEGIN
+            SELECT RAISE(ABORT, '{_NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
+            SELECT RAISE(ABORT, '{_STALE_SEQ}')
+             WHERE NOT EXISTS (SELECT 1 FROM run_rows
+                                WHERE run_key = NEW.run_key AND run_id = NEW.run_id
+                                  AND lease_token = NEW.lease_token)
+                OR NOT EXISTS (SELECT 1 FROM transitions
+                                WHERE run_key = NEW.run_key AND seq = NEW.seq - 1);
+        END
+        """
+    )
+    db.execute(
+        """
+        CREATE VIEW runs AS
+        SELECT r.run_id, r.machine, r.spec_hash,
+               CASE WHEN t.seq > r.seq THEN t.to_state ELSE r.state END AS state,
+               r.status,
+               CASE WHEN t.seq > r.seq THEN t.seq ELSE r.seq END AS seq,
+               CASE WHEN t.seq > r.seq THEN t.iteration ELSE r.iteration END AS iteration,
+               r.attempt, r.input, r.context, r.error, r.created_at,
+               CASE WHEN t.seq > r.seq THEN t.at ELSE r.updated_at END AS updated_at,
+               r.parent_run_id, r.forked_from, r.abort_reason, r.lease_owner,
+               r.lease_expires_at, r.lease_token, r.return_to, r.return_attempt,
+               CASE WHEN t.seq > r.seq THEN t.seq ELSE r.visit_seq END AS visit_seq,
+               r.return_visit, r.recoveries, r.run_key
+          FROM run_rows AS r
+          LEFT JOIN transitions AS t
+            ON t.run_key = r.run_key
+           AND t.seq = (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = r.run_key)
+        """
+    )
+    db.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
@@ -315,4 +452,5 @@ _MIGRATION_VERSIONS = {
     "m0004_effects": 4,
     "m0005_leases": 5,
     "m0006_derived_heads": 6,
+    "m0007_run_keys": 7,
 }

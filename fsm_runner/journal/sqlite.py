@@ -53,7 +53,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "Sqlite
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -66,6 +66,11 @@ _UTC = dt.timezone.utc
 #: What the ``transitions_fence`` trigger raises when a transition does not follow the
 #: run's last one (a stale seq) or its writer's lease token is not the run's (fencing).
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
+#: What it raises for a transition written without its run's ``run_key`` (by hand, say).
+_NO_RUN_KEY = (
+    "fsm_runner: a transition needs the run_key of its run"
+    " (SELECT run_key FROM run_rows WHERE run_id = ...)"
+)
 
 
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
@@ -90,10 +95,13 @@ _UPSERT_ARTIFACT = (
 _REMEMBERED_RUNS = 10_000
 _INSERT_TRANSITION = (
     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
-    " duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " duration_ms, result, lease_token, run_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-_first = operator.itemgetter(0)
-_BULK_ROWS = 256  # rows per multi-row INSERT, at most (11 parameters each)
+_TRANSITION_PARAMS = 12
+_run_key_of = operator.itemgetter(_TRANSITION_PARAMS - 1)  # an INSERT's (run_key, seq) order
+_BULK_ROWS = 256  # rows per multi-row INSERT, at most (12 parameters each)
+#: How many run ids' keys (``run_rows.run_key``) the journal remembers; a miss costs one lookup.
+_REMEMBERED_KEYS = 100_000
 _LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
 _CACHE_KIB = 16 * 1024
 #: Pragmas of every connection beyond WAL, synchronous and the page cache (benchmarks give their
@@ -108,7 +116,7 @@ TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
 @functools.lru_cache(maxsize=64)
 def _bulk_insert(rows: int) -> str:
     """The INSERT of ``rows`` transitions in one statement."""
-    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * rows)
+    values = ", ".join(["(" + ", ".join("?" * _TRANSITION_PARAMS) + ")"] * rows)
     return _INSERT_TRANSITION.split(" VALUES ", maxsplit=1)[0] + " VALUES " + values
 
 
@@ -125,6 +133,14 @@ _INSERT_RUN = (
 
 
 _dumps = _rows.dumps
+
+
+def _inserted_key(cursor: sqlite3.Cursor) -> int:
+    """The ``run_key`` SQLite gave the run row ``cursor`` just inserted."""
+    key = cursor.lastrowid
+    if key is None:  # pragma: no cover - SQLite sets it after every successful INSERT
+        raise JournalError("gave no run_key to a new run row")
+    return key
 
 
 def _json_or_none(text: str | None) -> Any:
@@ -165,6 +181,7 @@ class SqliteJournal:
         self._lock = threading.RLock()
         self._closed = False
         self._written: dict[str, RunRecord] = {}  # run rows as last written or read here
+        self._keys: dict[str, int] = {}  # run id -> run_rows.run_key, as read or written here
         self._update_sql: dict[tuple[str, ...], str] = {}
         self._check_header()
         self._heal_side_files()
@@ -186,7 +203,7 @@ class SqliteJournal:
                     self._conn.execute(f"PRAGMA {pragma} = {value}")
                 getlimit = getattr(self._conn, "getlimit", None)  # Python 3.11+
                 variables = getlimit(_LIMIT_VARIABLE_NUMBER) if getlimit else 999
-                self._bulk_rows = max(1, min(_BULK_ROWS, variables // 11))
+                self._bulk_rows = max(1, min(_BULK_ROWS, variables // _TRANSITION_PARAMS))
                 self._open_schema()
                 self._conn.execute(
                     "PRAGMA synchronous = " + ("FULL" if durability == "power" else "NORMAL")
@@ -417,11 +434,12 @@ class SqliteJournal:
                     " VALUES (?, ?, ?, ?)",
                     (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
                 )
-                conn.execute(_INSERT_RUN, run_row)
-                conn.execute(_INSERT_TRANSITION, transition_row)
+                key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
+                conn.execute(_INSERT_TRANSITION, (*transition_row, key))
                 for record in iterations:
                     conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
             self._remember(run)
+            self._remember_key(run.run_id, key)
         except JournalError as exc:
             if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
                 exc.__cause__
@@ -561,7 +579,7 @@ class SqliteJournal:
         order of the ``(run_id, seq)`` index, so each insert lands next to the one before
         instead of in a random leaf: half the cost of a row at 1,000 runs (bench_concurrent).
         """
-        inserts = sorted(inserts, key=_first)
+        inserts = sorted(inserts, key=_run_key_of)
         per_statement = self._bulk_rows
         for start in range(0, len(inserts), per_statement):
             chunk = inserts[start : start + per_statement]
@@ -593,6 +611,7 @@ class SqliteJournal:
             transition.duration_ms,
             None if transition.result is None else _dumps(transition.result),
             transition.lease_token,
+            self._keys.get(transition.run_id) or self._run_key(transition.run_id),
         )
         known = self._written.get(run.run_id)
         if (
@@ -749,6 +768,23 @@ class SqliteJournal:
             self._written.clear()
         self._written[run.run_id] = run
 
+    def _remember_key(self, run_id: str, key: int) -> None:
+        if len(self._keys) >= _REMEMBERED_KEYS:
+            self._keys.clear()
+        self._keys[run_id] = key
+
+    def _run_key(self, run_id: str) -> int:
+        """The run's ``run_key`` (when this journal has not read or written the run yet)."""
+        with self._read() as conn:
+            row = conn.execute(
+                "SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        key = int(row[0])
+        self._remember_key(run_id, key)
+        return key
+
     def _commit_refusal(
         self,
         exc: sqlite3.IntegrityError,
@@ -756,7 +792,7 @@ class SqliteJournal:
         expected_seq: int,
         token: int | None = None,
     ) -> Exception:
-        if _STALE_SEQ not in str(exc) and "transitions.run_id" not in str(exc):
+        if _STALE_SEQ not in str(exc) and "transitions.run_key" not in str(exc):
             return JournalError(self._describe(exc), path=self.path)
         found = self._conn.execute(
             "SELECT seq, lease_token FROM runs WHERE run_id = ?", (run_id,)
@@ -810,6 +846,9 @@ class SqliteJournal:
 
     def _run_from_row(self, description: Any, row: Sequence[Any]) -> RunRecord:
         data = {column[0]: value for column, value in zip(description, row, strict=True)}
+        key = data.pop("run_key", None)
+        if key is not None:
+            self._remember_key(data["run_id"], key)
         try:
             for column in _JSON_COLUMNS:
                 data[column] = _json_or_none(data[column])
@@ -872,19 +911,21 @@ class SqliteJournal:
     ) -> list[TransitionRecord]:
         """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
         with self._read() as conn:
-            if (
-                conn.execute("SELECT 1 FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()
-                is None
-            ):
+            found = conn.execute(
+                "SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            if found is None:
                 raise RunNotFoundError(run_id)
             cursor = conn.execute(
-                "SELECT * FROM transitions WHERE run_id = ? AND seq >= ? AND seq <= ? ORDER BY seq",
-                (run_id, from_seq, to_seq if to_seq is not None else 2**62),
+                "SELECT * FROM transitions WHERE run_key = ? AND seq >= ? AND seq <= ?"
+                " ORDER BY seq",
+                (found[0], from_seq, to_seq if to_seq is not None else 2**62),
             )
             names = [column[0] for column in cursor.description]
             records = []
             for row in cursor:
                 data = dict(zip(names, row, strict=True))
+                del data["run_key"]
                 data["result"] = _json_or_none(data["result"])
                 records.append(self._structure(data, TransitionRecord))
             return records
@@ -924,7 +965,7 @@ class SqliteJournal:
         sql = "SELECT * FROM runs"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, row_order DESC"
+        sql += " ORDER BY created_at DESC, run_key DESC"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(int(limit))
@@ -1120,7 +1161,7 @@ class SqliteJournal:
         if spec_hash is not None:
             sql += " AND spec_hash = ?"
             params.append(spec_hash)
-        sql += " ORDER BY created_at, row_order LIMIT 1"
+        sql += " ORDER BY created_at, run_key LIMIT 1"
         with self._write() as conn:
             found = conn.execute(sql, params).fetchone()
             if found is None:
@@ -1171,7 +1212,7 @@ class SqliteJournal:
         try:
             with self._write() as conn:
                 found = conn.execute(
-                    "SELECT seq FROM runs WHERE run_id = ?", (source_run_id,)
+                    "SELECT seq, run_key FROM runs WHERE run_id = ?", (source_run_id,)
                 ).fetchone()
                 if found is None:
                     raise RunNotFoundError(source_run_id)
@@ -1179,14 +1220,14 @@ class SqliteJournal:
                     raise ValueError(
                         f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
                     )
-                conn.execute(_INSERT_RUN, first)
+                key = _inserted_key(conn.execute(_INSERT_RUN, first))
                 # In seq order: the fence trigger admits each on top of the one before.
                 conn.execute(
-                    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration,"
-                    " attempt, at, duration_ms, result) SELECT ?, seq, from_state, event,"
-                    " to_state, iteration, attempt, at, duration_ms, result FROM transitions"
-                    " WHERE run_id = ? AND seq <= ? ORDER BY seq",
-                    (run.run_id, source_run_id, at_seq),
+                    "INSERT INTO transitions (run_id, run_key, seq, from_state, event, to_state,"
+                    " iteration, attempt, at, duration_ms, result) SELECT ?, ?, seq, from_state,"
+                    " event, to_state, iteration, attempt, at, duration_ms, result"
+                    " FROM transitions WHERE run_key = ? AND seq <= ? ORDER BY seq",
+                    (run.run_id, key, found[1], at_seq),
                 )
                 assignments = ", ".join(f"{column} = ?" for column in _RUN_COLUMNS[1:])
                 conn.execute(
@@ -1207,6 +1248,7 @@ class SqliteJournal:
                         (run.run_id, source_run_id, bound),
                     )
             self._remember(run)
+            self._remember_key(run.run_id, key)
         except JournalError as exc:
             if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
                 exc.__cause__
@@ -1226,9 +1268,9 @@ class SqliteJournal:
     def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
         select = (
-            "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < ?"
+            "SELECT run_id, run_key FROM runs AS r WHERE status != 'active' AND updated_at < ?"
             " AND NOT EXISTS (SELECT 1 FROM run_rows AS c WHERE c.parent_run_id = r.run_id"
-            " AND c.status = 'active') ORDER BY updated_at, row_order"
+            " AND c.status = 'active') ORDER BY updated_at, run_key"
         )
         cutoff = (format_utc(ended_before),)
         before = self._size()
@@ -1236,26 +1278,29 @@ class SqliteJournal:
             with self._read() as conn:
                 ids = tuple(str(row[0]) for row in conn.execute(select, cutoff))
                 count = conn.execute(
-                    f"SELECT count(*) FROM transitions WHERE run_id IN ({select})", cutoff
+                    "SELECT count(*) FROM transitions"
+                    f" WHERE run_key IN (SELECT run_key FROM ({select}))",
+                    cutoff,
                 ).fetchone()[0]
             return PruneReport(ids, int(count), dry_run=True, bytes_before=before)
         with self._write() as conn:
             conn.execute("DROP TABLE IF EXISTS temp.pruned")
             conn.execute(f"CREATE TEMP TABLE pruned AS {select}", cutoff)
             ids = tuple(str(row[0]) for row in conn.execute("SELECT run_id FROM temp.pruned"))
-            count = 0
-            for table in ("transitions", "iterations", "artifacts", "effects", "run_rows"):
-                deleted = conn.execute(
+            count = conn.execute(
+                "DELETE FROM transitions WHERE run_key IN (SELECT run_key FROM temp.pruned)"
+            ).rowcount
+            for table in ("iterations", "artifacts", "effects", "run_rows"):
+                conn.execute(
                     f"DELETE FROM {table} WHERE run_id IN (SELECT run_id FROM temp.pruned)"
-                ).rowcount
-                if table == "transitions":
-                    count = deleted
+                )
             conn.execute(
                 "DELETE FROM specs WHERE spec_hash NOT IN (SELECT DISTINCT spec_hash FROM run_rows)"
             )
             conn.execute("DROP TABLE temp.pruned")
         for run_id in ids:
             self._written.pop(run_id, None)
+            self._keys.pop(run_id, None)
         if ids:
             with self._read() as conn:
                 conn.execute("VACUUM")

@@ -63,12 +63,13 @@ def raw_rate(directory: Path, steps: int, durability: str, index: int, ddl: str)
     run_id = "0" * 32
     at = format_utc(utc_now())
     rows = [
-        (run_id, seq, NAMES[seq % 4], "NEXT", NAMES[(seq + 1) % 4], 0, 1, at, 0.012, None, 1)
+        (run_id, seq, NAMES[seq % 4], "NEXT", NAMES[(seq + 1) % 4], 0, 1, at, 0.012, None, 1, 1)
         for seq in range(steps + 200)
     ]
     sql = (
         "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt,"
-        " at, duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " at, duration_ms, result, lease_token, run_key)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     )
     cursor = conn.cursor()
     for row in rows[:200]:

@@ -55,13 +55,15 @@ def fill(path: Path, runs: int, per_run: int, active: int) -> int:
     names = "abcd"
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("BEGIN")
+    keys = dict(conn.execute("SELECT run_id, run_key FROM run_rows"))
     conn.executemany(
         "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt,"
-        " at, duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, 0, 1, ?, 0.01, NULL, 0)",
+        " at, duration_ms, result, lease_token, run_key)"
+        " VALUES (?, ?, ?, ?, ?, 0, 1, ?, 0.01, NULL, 0, ?)",
         (
             (run_id, seq, names[(seq - 1) % 4], *(
                 (DONE, "done") if seq == per_run - 1 else (NEXT, names[seq % 4])
-            ), at)
+            ), at, keys[run_id])
             for run_id in ended
             for seq in range(1, per_run)
         ),
@@ -83,13 +85,13 @@ def raw_bytes(directory: Path, rows: int) -> int:
     conn.execute(
         "CREATE TABLE t (run_id TEXT, seq INTEGER, from_state TEXT, event TEXT, to_state TEXT,"
         " iteration INTEGER, attempt INTEGER, at TEXT, duration_ms FLOAT, result TEXT,"
-        " lease_token INTEGER)"
+        " lease_token INTEGER, run_key INTEGER)"
     )
     at = format_utc(utc_now())
     conn.execute("BEGIN")
     conn.executemany(
-        "INSERT INTO t VALUES (?, ?, 'a', 'NEXT', 'b', 0, 1, ?, 0.01, NULL, 0)",
-        ((f"{n // 100:032x}", n % 100, at) for n in range(rows)),
+        "INSERT INTO t VALUES (?, ?, 'a', 'NEXT', 'b', 0, 1, ?, 0.01, NULL, 0, ?)",
+        ((f"{n // 100:032x}", n % 100, at, n // 100 + 1) for n in range(rows)),
     )
     conn.execute("COMMIT")
     conn.close()

@@ -53,11 +53,13 @@ def fill(path: Path, runs: int, transitions: int) -> list[str]:
     conn = sqlite3.connect(path, isolation_level=None)
     at = format_utc(utc_now())
     conn.execute("BEGIN")
+    keys = dict(conn.execute("SELECT run_id, run_key FROM run_rows"))
     conn.executemany(
         "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt,"
-        " at, duration_ms, result, lease_token) VALUES (?, ?, ?, ?, ?, 0, 1, ?, 0.01, NULL, 0)",
+        " at, duration_ms, result, lease_token, run_key)"
+        " VALUES (?, ?, ?, ?, ?, 0, 1, ?, 0.01, NULL, 0, ?)",
         (
-            (run_id, seq, NAMES[(seq - 1) % 4], NEXT, NAMES[seq % 4], at)
+            (run_id, seq, NAMES[(seq - 1) % 4], NEXT, NAMES[seq % 4], at, keys[run_id])
             for run_id in run_ids
             for seq in range(1, transitions)
         ),

@@ -77,8 +77,8 @@ def raw_starts(path: Path, count: int) -> float:
     )
     transition_sql = (
         "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt,"
-        " at, duration_ms, result, lease_token) VALUES (?, 0, NULL, 'STARTED', 'waiting', 0, 1,"
-        " ?, 0.0, NULL, 0)"
+        " at, duration_ms, result, lease_token, run_key) VALUES (?, 0, NULL, 'STARTED', 'waiting',"
+        " 0, 1, ?, 0.0, NULL, 0, ?)"
     )
     at = format_utc(utc_now())
     rows = [(f"{n:032x}", f'{{"n": {n}}}') for n in range(count + 100)]
@@ -87,7 +87,7 @@ def raw_starts(path: Path, count: int) -> float:
     def one(run_id: str, payload: str) -> None:
         cursor.execute("BEGIN IMMEDIATE")
         cursor.execute(run_sql, (run_id, SPEC.name, SPEC.spec_hash, payload, at, at))
-        cursor.execute(transition_sql, (run_id, at))
+        cursor.execute(transition_sql, (run_id, at, cursor.lastrowid))
         cursor.execute("COMMIT")
 
     for run_id, payload in rows[:100]:

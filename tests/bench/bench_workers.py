@@ -307,12 +307,12 @@ def raw_commit_rate(directory: Path, commits: int, index: int) -> float:
     conn.execute(ddl)
     at = format_utc(utc_now())
     rows = [
-        ("0" * 32, seq, PHASES[seq % 4], DONE, PHASES[(seq + 1) % 4], 0, 1, at, 0.01, None)
+        ("0" * 32, seq, PHASES[seq % 4], DONE, PHASES[(seq + 1) % 4], 0, 1, at, 0.01, None, 1)
         for seq in range(commits + 200)
     ]
     sql = (
         "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt,"
-        " at, duration_ms, result) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        " at, duration_ms, result, run_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     )
     cursor = conn.cursor()
     for row in rows[:200]:  # warm up
