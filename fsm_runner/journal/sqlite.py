@@ -196,8 +196,9 @@ class SqliteJournal:
                 self._cursor = self._conn.cursor()
                 self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
                 # 16 MiB of page cache (SQLite's default is 2 MiB): a group commit of a thousand
-                # runs dirties a thousand index pages, and spilling them mid-transaction cost
-                # ~3 µs a row (bench_concurrent). Allocated only as pages are used.
+                # runs dirties up to a thousand index pages (one a run, once each run's keys
+                # fill a page), and spilling them mid-transaction cost ~3 µs a row
+                # (bench_concurrent). Allocated only as pages are used.
                 self._conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
                 for pragma, value in TUNING.items():
                     self._conn.execute(f"PRAGMA {pragma} = {value}")
@@ -576,7 +577,7 @@ class SqliteJournal:
 
         One multi-row VALUES statement binds the whole group and steps once: one call, instead
         of one per row, and SQLite releases the GIL for the whole of it. The rows go in the
-        order of the ``(run_id, seq)`` index, so each insert lands next to the one before
+        order of the ``(run_key, seq)`` index, so each insert lands next to the one before
         instead of in a random leaf: half the cost of a row at 1,000 runs (bench_concurrent).
         """
         inserts = sorted(inserts, key=_run_key_of)
