@@ -687,6 +687,38 @@ class TestSqliteFile:
             (key,) = conn.execute("SELECT run_key FROM run_rows").fetchone()
         assert key == 3  # not 2 (the last pruned run's) nor 1
 
+    def test_a_key_this_journal_knew_for_a_pruned_run_is_never_used(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as first, SqliteJournal(path) as second:
+            advance(first, start(first), "done", status=Outcome.SUCCEEDED)
+            assert second.prune(ended_before=minutes(60)).run_ids == ("r1",)
+            again = start(second, created=120)  # the same run id: a new run, a new run_key
+            after, transition = next_step(again, "verifying")
+
+            with pytest.raises(RunConflictError):
+                first.commit(after, transition)  # first knew r1 by the pruned run's key
+            assert [t.seq for t in second.transitions("r1")] == [0]
+
+            first.commit(after, transition)  # the key is read again: the commit goes through
+            assert second.load("r1") == after
+
+    def test_a_transition_keyed_to_another_run_is_reported(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            advance(journal, start(journal), "verifying")
+            start(journal, "r2")
+            assert journal.integrity_problems() == []
+        with raw(path) as conn:
+            conn.execute(
+                "UPDATE transitions SET run_key = (SELECT run_key FROM run_rows"
+                " WHERE run_id = 'r2') WHERE run_id = 'r1' AND seq = 1"
+            )
+        with SqliteJournal(path) as journal:
+            assert journal.integrity_problems() == [
+                "1 row(s) of table transitions have a run_key that is not their run's"
+                " (first rowid 2)"
+            ]
+
     def test_reopen_keeps_everything(self, tmp_path):
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:
