@@ -548,17 +548,8 @@ class Engine:
             f"its worker was lost {run.recoveries} times (more than max_recoveries="
             f"{self.max_recoveries}); fork it to try again"
         )
-        error = {"type": _DEAD_LETTERED, "message": message}
         return self._write(
-            self._plan(
-                run,
-                _DEAD_LETTERED,
-                run.state,
-                result={"error": error},
-                duration_ms=0.0,
-                error=error,
-                status=Outcome.DEAD_LETTER,
-            )
+            self._plan_in_place(run, _DEAD_LETTERED, message, status=Outcome.DEAD_LETTER)
         )[1]
 
     # -- starting ------------------------------------------------------------------------------
@@ -862,19 +853,9 @@ class Engine:
 
         The phase that was interrupted runs again, as its next attempt, when the run resumes.
         """
-        error = {"type": _INTERRUPTED, "message": f"interrupted ({cause}) in {run.state!r}"}
+        message = f"interrupted ({cause}) in {run.state!r}"
         try:
-            self._write(
-                self._plan(
-                    run,
-                    _INTERRUPTED,
-                    run.state,
-                    result={"error": error},
-                    duration_ms=0.0,
-                    error=error,
-                    attempt=run.attempt + 1,
-                )
-            )
+            self._write(self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1))
         except FsmRunnerError:
             # Journaling is best effort here: the run is still at its last committed state,
             # and resuming runs the phase again either way.
@@ -1395,6 +1376,28 @@ class Engine:
         if self.listeners:
             self._notify(transition, after)
         return transition, after
+
+    def _plan_in_place(
+        self,
+        run: RunRecord,
+        event: str,
+        message: str,
+        *,
+        attempt: int | None = None,
+        status: Outcome | None = None,
+    ) -> _Planned:
+        """A self transition that records why (``event`` as the error's type) and no phase."""
+        error = {"type": event, "message": message}
+        return self._plan(
+            run,
+            event,
+            run.state,
+            result={"error": error},
+            duration_ms=0.0,
+            error=error,
+            attempt=attempt,
+            status=status,
+        )
 
     def _plan(
         self,
