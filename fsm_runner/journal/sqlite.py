@@ -16,6 +16,7 @@ import json
 import operator
 import os
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -58,7 +59,6 @@ SCHEMA_VERSION = 7
 DEFAULT_PATH = "fsm-runner.db"
 
 T = TypeVar("T")
-_SQLITE_HEADER = b"SQLite format 3\x00"
 _JSON_COLUMNS = ("input", "context", "error")
 
 _USER_ABORTED = RunEvent.USER_ABORTED.value
@@ -238,24 +238,31 @@ class SqliteJournal:
 
     # -- opening -------------------------------------------------------------------------------
 
+    # Nothing here may open the journal or its side files with ``open()``: POSIX advisory locks
+    # belong to a process, not to a descriptor, so closing *any* descriptor of the file drops
+    # every lock this process's other connections hold on it. Another process closing its
+    # connection then believes it is the last one, checkpoints and deletes the ``-wal`` and
+    # ``-shm`` under our live connections: commits land in a deleted WAL and are lost, and
+    # readers of the truncated ``-shm`` die of SIGBUS. Only SQLite itself (which shares one lock
+    # set between the connections of a process) reads these files; the checks below use
+    # ``stat``/``access``, which open nothing.
+
     def _check_header(self) -> None:
+        """Refuse a path whose directory is missing, or that is a directory itself."""
         if self.path == ":memory:":
             return
         try:
-            with open(self.path, "rb") as handle:
-                header = handle.read(len(_SQLITE_HEADER))
+            mode = os.stat(self.path).st_mode
         except FileNotFoundError:
-            parent = Path(self.path).parent
-            if not parent.is_dir():
+            if not Path(self.path).parent.is_dir():
                 raise JournalError("its directory does not exist", path=self.path) from None
             return
         except OSError as exc:
             raise JournalError(f"cannot be read: {exc.strerror}", path=self.path) from None
-        if header and header != _SQLITE_HEADER:
-            raise JournalError(
-                "is not a SQLite database (a corrupt or foreign file); nothing was changed",
-                path=self.path,
-            )
+        if stat.S_ISDIR(mode):
+            raise JournalError("is a directory, not a journal file", path=self.path)
+        if not os.access(self.path, os.R_OK, effective_ids=True):
+            raise JournalError("cannot be read: Permission denied", path=self.path)
 
     def _heal_side_files(self) -> None:
         """Make stale ``-wal``/``-shm`` files writable again when the journal itself is.
@@ -264,27 +271,14 @@ class SqliteJournal:
         mode then; once the journal is made writable again, SQLite would still open it
         read-only because of that file. Only files this process owns are changed.
         """
-        if self.path == ":memory:":
-            return
-        main = Path(self.path)
-        try:
-            with main.open("r+b"):
-                pass
-        except OSError:
+        if self.path == ":memory:" or not os.access(self.path, os.W_OK, effective_ids=True):
             return  # missing, or not writable: nothing to heal
         for suffix in ("-wal", "-shm"):
-            side = Path(self.path + suffix)
-            try:
-                with side.open("r+b"):
-                    pass
-            except FileNotFoundError:
-                continue
-            except PermissionError:
+            side = self.path + suffix
+            if os.path.exists(side) and not os.access(side, os.W_OK, effective_ids=True):
                 with contextlib.suppress(OSError):
-                    if side.stat().st_uid == os.getuid():
-                        side.chmod(main.stat().st_mode & 0o777)
-            except OSError:
-                continue
+                    if os.stat(side).st_uid == os.getuid():
+                        os.chmod(side, os.stat(self.path).st_mode & 0o777)
 
     def _open_schema(self) -> None:
         conn = self._conn
@@ -382,7 +376,9 @@ class SqliteJournal:
             )
         if "full" in lowered:
             return "the disk (or the journal's size limit) is full; nothing was written"
-        if "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered:
+        if "not a database" in lowered:  # SQLITE_NOTADB: the header is not SQLite's
+            return "is not a SQLite database (a corrupt or foreign file); nothing was changed"
+        if "malformed" in lowered or "corrupt" in lowered:
             return f"is corrupt ({text}); nothing was changed"
         if "unable to open" in lowered:
             return "cannot be opened (check the path and its permissions)"
