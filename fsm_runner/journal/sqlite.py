@@ -58,6 +58,27 @@ SCHEMA_VERSION = 7
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
+#: What a ``sqlite3`` error says (lower-cased words in its message) -> what the user is told.
+_SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (
+        ("locked", "busy"),
+        "is locked by another writer for longer than the busy timeout; nothing was written",
+    ),
+    (
+        ("readonly", "read-only"),
+        "is read-only (check the permissions of the file, its -wal and -shm files and "
+        "its directory); nothing was written",
+    ),
+    (("full",), "the disk (or the journal's size limit) is full; nothing was written"),
+    # SQLITE_NOTADB: the file's header is not SQLite's.
+    (
+        ("not a database",),
+        "is not a SQLite database (a corrupt or foreign file); nothing was changed",
+    ),
+    (("malformed", "corrupt"), "is corrupt ({text}); nothing was changed"),
+    (("unable to open",), "cannot be opened (check the path and its permissions)"),
+)
+
 T = TypeVar("T")
 _JSON_COLUMNS = ("input", "context", "error")
 
@@ -365,23 +386,9 @@ class SqliteJournal:
     def _describe(exc: sqlite3.Error) -> str:
         text = str(exc)
         lowered = text.lower()
-        if "locked" in lowered or "busy" in lowered:
-            return (
-                "is locked by another writer for longer than the busy timeout; nothing was written"
-            )
-        if "readonly" in lowered or "read-only" in lowered:
-            return (
-                "is read-only (check the permissions of the file, its -wal and -shm files and "
-                "its directory); nothing was written"
-            )
-        if "full" in lowered:
-            return "the disk (or the journal's size limit) is full; nothing was written"
-        if "not a database" in lowered:  # SQLITE_NOTADB: the header is not SQLite's
-            return "is not a SQLite database (a corrupt or foreign file); nothing was changed"
-        if "malformed" in lowered or "corrupt" in lowered:
-            return f"is corrupt ({text}); nothing was changed"
-        if "unable to open" in lowered:
-            return "cannot be opened (check the path and its permissions)"
+        for needles, message in _SQLITE_ERRORS:
+            if any(needle in lowered for needle in needles):
+                return message.format(text=text)
         return f"SQLite error: {text}"
 
     @contextlib.contextmanager
