@@ -11,7 +11,9 @@ environment (all optional):
 - ``FSM_RACE_READY_FD``: a byte is written here once the engine is built, before the barrier;
 - ``FSM_RACE_GO_FD``: the barrier; read until end-of-file (the test closes the other end);
 - ``FSM_RACE_ENTERED_FD``: ``working`` writes a byte here once its effect is done;
-- ``FSM_RACE_HOLD_FD``: ``working`` reads here until end-of-file before it returns.
+- ``FSM_RACE_HOLD_FD``: ``working`` reads here until end-of-file before it returns;
+- ``FSM_RACE_FINISHING_FD``: ``finishing`` writes a byte here once it is logged, then reads
+  ``FSM_RACE_FINISHING_HOLD_FD`` until end-of-file (the test may SIGKILL it meanwhile).
 
 ``FSM_RACE_LEASE_TTL`` and ``FSM_RACE_HEARTBEAT`` set the engine's lease; with
 ``FSM_RACE_LATE_EFFECT`` set, ``working`` tries a second effect (``late``) after the hold.
@@ -108,8 +110,10 @@ def working(ctx: PhaseContext) -> PhaseResult:
 
 
 def finishing(ctx: PhaseContext) -> str:
-    """Log and move on."""
+    """Log, tell the test it is inside (if asked to), hold (if asked to), and move on."""
     _log("finishing", ctx.run_id, os.getpid(), ctx.run.lease_token)
+    _signal("FSM_RACE_FINISHING_FD")
+    _wait("FSM_RACE_FINISHING_HOLD_FD")
     return DONE
 
 

@@ -93,6 +93,7 @@ class Processes:
         entered: Pipe,
         barrier: tuple[Pipe, Pipe] | None = None,
         hold: Pipe | None = None,
+        more_fds: dict[str, int] | None = None,
         **env: str,
     ) -> subprocess.Popen[str]:
         """Start ``argv`` from the repository root with the app's environment.
@@ -102,6 +103,7 @@ class Processes:
             entered: where the child's ``working`` phase signals it is inside.
             barrier: (ready, go): the child signals ``ready`` and waits until ``go`` is closed.
             hold: the child's ``working`` phase returns once this is closed.
+            more_fds: more pipe ends the child inherits, by the variable that names them.
             env: more environment variables.
         """
         environ = {
@@ -119,6 +121,7 @@ class Processes:
             ends["FSM_RACE_GO_FD"] = barrier[1].read
         if hold is not None:
             ends["FSM_RACE_HOLD_FD"] = hold.read
+        ends.update(more_fds or {})
         environ.update({name: str(fd) for name, fd in ends.items()}, **env)
         proc = subprocess.Popen(
             argv,
