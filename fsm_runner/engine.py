@@ -13,14 +13,12 @@ import contextlib
 import datetime as dt
 import enum
 import inspect
-import json
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-import traceback
 import types
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -29,6 +27,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from fsm_runner._group import GroupClaimer, GroupCommitter
+from fsm_runner._json import dumps_json, error_info, storable_text
 from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -64,6 +63,7 @@ from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
     positional_builder,
+    unstructure,
     utc_now,
 )
 from fsm_runner.replay import journal_specs, state_at
@@ -100,11 +100,13 @@ _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
 
 
 def _error_info(exc: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
+    # storable whatever the exception: its __str__ may raise, its text hold a lone surrogate
+    return error_info(exc)
+
+
+def _json_size(text: str) -> int:
+    """Bytes of ``text`` as UTF-8 (what the journal stores)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 class _HandlerTimeoutError(Exception):
@@ -575,11 +577,16 @@ class Engine:
 
         Raises:
             RunExistsError: a run with ``run_id`` exists.
-            PayloadError: the input or context is not JSON-serialisable; nothing was written.
+            PayloadError: the run id is not text the journal can store, or the input or
+                context is not standard JSON (not serialisable, NaN or Infinity, nested more
+                than 255 levels, a lone surrogate) or is over ``max_payload_bytes``; nothing
+                was written.
             JournalError: the journal failed; nothing was written.
         """
         initial = self.spec.state(self.spec.initial_leaf)
         run_id = run_id or uuid.uuid4().hex
+        if not run_id.isascii():  # SQL journals store it as text: UTF-8 must hold it
+            self._check_json(storable_text(run_id), "run id", run_id)
         now = utc_now()
         iteration = 1 if initial.starts_iteration else 0
         run = RunRecord(
@@ -1077,10 +1084,21 @@ class Engine:
         """Journal an external event for the run (e.g. an approval for a waiting state).
 
         Raises:
-            InvalidTransitionError: the run's state does not allow the event; nothing changed.
+            InvalidTransitionError: the run's state does not allow the event, or the event is
+                not a str or a str enum; nothing changed.
             RunTerminalError: the run has ended.
+            PayloadError: the output is not JSON the journal stores; nothing changed.
         """
-        name = event_name(event)
+        try:
+            name = event_name(event)
+        except TypeError:
+            state = self.journal.load(run_id).state
+            raise InvalidTransitionError(
+                run_id=run_id,
+                state=state,
+                event=repr(event),
+                reason=f"not a str or a str enum ({type(event).__name__})",
+            ) from None
         self._check_json(run_id, "output", output)
         run = self.journal.load(run_id)
         self._check_runnable(run)
@@ -1199,7 +1217,13 @@ class Engine:
                 HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail),
                 duration_ms,
             )
-        if result.output is not None or result.context or result.iteration or result.artifacts:
+        if (
+            result.output is not None
+            or result.context
+            or result.iteration
+            or result.artifacts
+            or result.error is not None
+        ):
             problem = self._payload_problem(step, result)
             if problem is not None:
                 return _Outcome(None, problem, duration_ms)
@@ -1221,12 +1245,13 @@ class Engine:
             ("output", result.output),
             ("context", dict(result.context)),
             ("iteration", dict(result.iteration)),
-            ("artifacts", [artifact.content for artifact in result.artifacts]),
+            ("artifacts", [unstructure(artifact) for artifact in result.artifacts]),
+            ("error", result.error),
         ):
-            try:
-                size = len(json.dumps(payload))
-            except (TypeError, ValueError) as exc:
-                detail = f"returned {what} that is not JSON-serialisable ({exc})"
+            try:  # the journals' own encoder: refused here, nothing half-written there
+                size = _json_size(dumps_json(payload))
+            except ValueError as exc:
+                detail = f"returned {what} that {exc}"
                 return HandlerResultError(
                     run_id=step.run.run_id, state=step.state.name, detail=detail
                 )
@@ -1552,11 +1577,9 @@ class Engine:
         if value is None:
             return
         try:
-            size = len(json.dumps(value))
-        except (TypeError, ValueError) as exc:
-            raise PayloadError(
-                run_id=run_id, what=what, detail=f"is not JSON-serialisable ({exc})"
-            ) from None
+            size = _json_size(dumps_json(value))
+        except ValueError as exc:
+            raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
         if size > self.max_payload_bytes:
             raise PayloadError(
                 run_id=run_id,

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-import json
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
+from fsm_runner._json import dumps_json
 from fsm_runner.exceptions import JournalError
 from fsm_runner.records import (
     ArtifactRecord,
@@ -61,19 +62,34 @@ _ITERATION_FLAGS = ("success", "passed", "feedback_fallback")
 
 
 def dumps(value: Any) -> str | None:
-    """Compact JSON text of ``value`` (``None`` stays NULL).
+    """Compact, standard JSON text of ``value`` (``None`` stays NULL).
 
     Raises:
-        JournalError: the value is not JSON-serialisable; nothing was written.
+        JournalError: the value is not JSON that every journal stores alike (not
+            serialisable, NaN or Infinity, nested too deep, a lone surrogate: see
+            :func:`fsm_runner._json.dumps_json`); nothing was written.
     """
     if value is None:
         return None
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise JournalError(
-            f"payload is not JSON-serialisable ({exc}); nothing was written"
-        ) from None
+        return dumps_json(value)
+    except ValueError as exc:
+        raise JournalError(f"payload {exc}; nothing was written") from None
+
+
+def _check_column(value: Any, column: str) -> None:
+    """Refuse a plain column's value that SQLite and PostgreSQL would not store as given.
+
+    Only floats and non-ASCII text are looked at (both O(1) otherwise): SQLite stores NaN as
+    NULL, and neither database can hold a lone surrogate.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise JournalError(f"{column} is {value}, not a finite number; nothing was written")
+    if isinstance(value, str) and not value.isascii():
+        try:
+            dumps_json(value)
+        except ValueError as exc:
+            raise JournalError(f"{column} {exc}; nothing was written") from None
 
 
 def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[Any, ...]:
@@ -87,6 +103,8 @@ def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[An
             value = value.value
         elif column in RUN_TIMES and value is not None:
             value = stamp(value)
+        else:
+            _check_column(value, column)
         values.append(value)
     return tuple(values)
 
@@ -119,6 +137,8 @@ def iteration_params(record: IterationRecord, stamp: Stamp) -> tuple[Any, ...]:
             value = stamp(value)
         elif isinstance(value, enum.Enum):
             value = value.value
+        else:
+            _check_column(value, column)
         values.append(value)
     return tuple(values)
 
@@ -132,6 +152,8 @@ def artifact_params(artifact: ArtifactRecord, stamp: Stamp) -> tuple[Any, ...]:
             value = dumps(value)
         elif isinstance(value, dt.datetime):
             value = stamp(value)
+        else:
+            _check_column(value, column)
         values.append(value)
     return tuple(values)
 

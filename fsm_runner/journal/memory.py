@@ -7,13 +7,13 @@ write exactly as the SQLite journal checks them, so code that passes here passes
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
 
+from fsm_runner._json import dumps_json
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
@@ -41,12 +41,13 @@ __all__ = ["MemoryJournal"]
 
 
 def _check_json(*values: Any) -> None:
+    # The SQL journals' own encoder: this journal refuses exactly what they refuse.
     for value in values:
         if value is not None:
             try:
-                json.dumps(value)
-            except (TypeError, ValueError) as exc:
-                raise JournalError(f"payload is not JSON-serialisable: {exc}") from None
+                dumps_json(value)
+            except ValueError as exc:
+                raise JournalError(f"payload {exc}; nothing was written") from None
 
 
 def _check_pair(run: RunRecord, transition: TransitionRecord) -> None:
@@ -120,7 +121,7 @@ class MemoryJournal:
         """Store ``transition`` and the run row it leads to, with iterations and artifacts."""
         _check_pair(run, transition)
         _check_json(run.context, run.error, transition.result)
-        _check_json(*(unstructure(i) for i in iterations), *(a.content for a in artifacts))
+        _check_json(*(unstructure(i) for i in iterations), *(unstructure(a) for a in artifacts))
         with self._lock:
             self._check_open()
             stored = self._runs.get(run.run_id)
