@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fsm_runner._json import dumps_json, exception_message
 from fsm_runner.exceptions import (
     CapabilityError,
     EffectFailedError,
@@ -58,12 +59,13 @@ def _takes_key(fn: Callable[..., Any]) -> bool:
 
 
 def _canonical(value: Any, *, run_id: str, what: str) -> str:
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise PayloadError(
-            run_id=run_id, what=what, detail=f"is not JSON-serialisable ({exc})"
-        ) from None
+    try:  # the journals' own encoder: what it refuses could not be recorded
+        text = dumps_json(value, sort_keys=True)
+    except ValueError as exc:
+        raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
+    if not text.isascii():  # the text idempotency keys have always been derived from
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return text
 
 
 def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect's arguments
@@ -162,7 +164,7 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
     except Exception as exc:
         failed = EffectRecord(
             **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
-            error={"type": type(exc).__name__, "message": str(exc)},
+            error={"type": type(exc).__name__, "message": exception_message(exc)},
         )
         journal.put_effect(failed, run_seq=run.seq, lease_token=run.lease_token)
         raise
