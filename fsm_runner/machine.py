@@ -138,7 +138,11 @@ def compile_spec(spec: MachineSpec) -> CompiledMachine:
     Raises:
         SpecError: if the spec is not valid.
     """
-    key = spec.spec_hash
+    try:
+        key = spec.spec_hash
+    except Exception:  # a spec too malformed to hash: the SpecError says what is wrong
+        spec.validate()
+        raise
     compiled = _cache.get(key)
     if compiled is None:
         spec.validate()

@@ -13,9 +13,10 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import cattrs.gen
@@ -61,6 +62,39 @@ _ENGINE_ONLY_EVENTS = frozenset(
 )
 _INTERRUPTED = RunEvent.INTERRUPTED.value
 
+# The fields' converters never raise: a value of the wrong type is kept as it was given, and
+# validate() names it with every other problem of the spec in one SpecError.
+
+
+def _event_field(value: Any) -> str:
+    try:
+        return event_name(value)
+    except TypeError:
+        return cast(str, value)  # validate() names it
+
+
+def _int_field(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return cast(int, value)  # validate() names it
+
+
+def _float_field(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return cast(float, value)  # validate() names it
+
+
+def _items(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        return (value,)  # validate() names it
+
 
 @attrs.frozen
 class RetryPolicy:
@@ -76,10 +110,10 @@ class RetryPolicy:
         wait_exp_base: how much each wait grows over the one before.
     """
 
-    max_attempts: int = attrs.field(default=3, converter=int)
-    wait_initial: float = attrs.field(default=0.1, converter=float)
-    wait_max: float = attrs.field(default=5.0, converter=float)
-    wait_exp_base: float = attrs.field(default=2.0, converter=float)
+    max_attempts: int = attrs.field(default=3, converter=_int_field)
+    wait_initial: float = attrs.field(default=0.1, converter=_float_field)
+    wait_max: float = attrs.field(default=5.0, converter=_float_field)
+    wait_exp_base: float = attrs.field(default=2.0, converter=_float_field)
 
     def wait(self, failed_attempt: int) -> float:
         """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
@@ -88,26 +122,35 @@ class RetryPolicy:
 
     def problems(self) -> Iterator[str]:
         """Yield what is wrong with this policy."""
-        if self.max_attempts < 1:
-            yield f"max_attempts must be >= 1, not {self.max_attempts}"
-        if self.wait_initial < 0 or self.wait_max < 0 or self.wait_exp_base < 1:
+        attempts: Any = self.max_attempts  # as given: the converter keeps what it cannot read
+        if not isinstance(attempts, int):
+            yield f"max_attempts must be an integer, not {attempts!r}"
+        elif attempts < 1:
+            yield f"max_attempts must be >= 1, not {attempts}"
+        waits: tuple[Any, ...] = (self.wait_initial, self.wait_max, self.wait_exp_base)
+        if not all(isinstance(wait, float) and math.isfinite(wait) for wait in waits):
+            yield f"waits must be finite numbers, not {waits!r}"
+        elif self.wait_initial < 0 or self.wait_max < 0 or self.wait_exp_base < 1:
             yield "waits must be >= 0 and wait_exp_base >= 1"
 
 
 def _optional_kinds(value: Iterable[str] | None) -> tuple[str, ...] | None:
-    return None if value is None else tuple(value)
+    return None if value is None else _items(value)  # one kind given as a str is one kind
 
 
 def _child_tuple(value: Iterable[State]) -> tuple[State, ...]:
-    return tuple(value)
+    return _items(value)
 
 
 def _optional_float(value: float | None) -> float | None:
-    return None if value is None else float(value)
+    return None if value is None else _float_field(value)
 
 
 def _optional_outcome(value: Outcome | str | None) -> Outcome | None:
-    return None if value is None else Outcome(value)
+    try:
+        return None if value is None else Outcome(value)
+    except ValueError:
+        return cast(Outcome, value)  # validate() names it
 
 
 @attrs.frozen
@@ -145,7 +188,7 @@ class State:
     starts_iteration: bool = False
     description: str = ""
     children: tuple[State, ...] = attrs.field(default=(), converter=_child_tuple)
-    advance_on: str = attrs.field(default=PHASE_COMPLETED, converter=event_name)
+    advance_on: str = attrs.field(default=PHASE_COMPLETED, converter=_event_field)
     allows: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_kinds)
     max_mutations: int | None = None
 
@@ -163,9 +206,7 @@ class State:
 
 
 def _source_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    return tuple(value)
+    return _items(value)
 
 
 @attrs.frozen
@@ -184,7 +225,7 @@ class Transition:
     """
 
     source: tuple[str, ...] = attrs.field(converter=_source_tuple)
-    event: str = attrs.field(converter=event_name)
+    event: str = attrs.field(converter=_event_field)
     dest: str
     guards: tuple[str, ...] = attrs.field(default=(), converter=_source_tuple)
     unless: tuple[str, ...] = attrs.field(default=(), converter=_source_tuple)
@@ -198,17 +239,17 @@ class Transition:
 
 def _str_mapping(value: Mapping[Any, Any] | None) -> Mapping[str, str]:
     return {
-        (key.name if isinstance(key, RunStatus) else str(key)): event_name(event)
+        (key.name if isinstance(key, RunStatus) else str(key)): _event_field(event)
         for key, event in (value or {}).items()
     }
 
 
 def _state_tuple(value: Iterable[State]) -> tuple[State, ...]:
-    return tuple(value)
+    return _items(value)
 
 
 def _transition_tuple(value: Iterable[Transition]) -> tuple[Transition, ...]:
-    return tuple(value)
+    return _items(value)
 
 
 @attrs.frozen
@@ -233,21 +274,23 @@ class MachineSpec:
     status_events: Mapping[str, str] = attrs.field(factory=dict, converter=_str_mapping)
 
     def __attrs_post_init__(self) -> None:
-        if not self.initial and self.states:
+        if not self.initial and self.states and isinstance(self.states[0], State):
             object.__setattr__(self, "initial", self.states[0].name)
 
     @functools.cached_property
     def _by_name(self) -> dict[str, State]:
         found: dict[str, State] = {}
         for state in self._walk(self.states):
-            found.setdefault(state.name, state)
+            if isinstance(state.name, str):  # any other name: validate() names it
+                found.setdefault(state.name, state)
         return found
 
     @staticmethod
     def _walk(states: Iterable[State]) -> Iterator[State]:
         for state in states:
-            yield state
-            yield from MachineSpec._walk(state.children)
+            if isinstance(state, State):  # anything else: validate() names it
+                yield state
+                yield from MachineSpec._walk(state.children)
 
     @functools.cached_property
     def leaves(self) -> tuple[State, ...]:
@@ -320,7 +363,7 @@ class MachineSpec:
 
     def has_state(self, name: str) -> bool:
         """Whether the spec has a state called ``name``."""
-        return name in self._by_name
+        return isinstance(name, str) and name in self._by_name
 
     @property
     def terminal_states(self) -> tuple[str, ...]:
@@ -361,7 +404,7 @@ class MachineSpec:
         def add(key: tuple[str, str], rank: int, transition: Transition) -> None:
             groups.setdefault(key, {}).setdefault(rank, []).append(transition)
 
-        for transition in self.transitions:
+        for transition in self._well_typed_transitions:
             for leaf in self.expand_source(transition):
                 if WILDCARD in transition.source:
                     rank = 1000
@@ -373,6 +416,8 @@ class MachineSpec:
                     rank = 2 + 2 * (chain.index(owner) if owner is not None else 0)
                 add((leaf, transition.event), rank, self._resolved(transition))
         for composite in self._walk(self.states):
+            if not _is_text(composite.advance_on):
+                continue  # validate() names it
             for current, following in itertools.pairwise(composite.children):
                 leaf = self.exit_leaf(current.name)
                 # Just before the composite's own transitions, after those of everything inside
@@ -386,6 +431,16 @@ class MachineSpec:
             key: tuple(tuple(ranked[rank]) for rank in sorted(ranked))
             for key, ranked in groups.items()
         }
+
+    @functools.cached_property
+    def _well_typed_transitions(self) -> tuple[Transition, ...]:
+        """The transitions whose fields have the right types (validate() names the others)."""
+        return tuple(
+            transition
+            for transition in self.transitions
+            if isinstance(transition, Transition)
+            and not list(_transition_type_problems(transition))
+        )
 
     @functools.cached_property
     def edges(self) -> dict[tuple[str, str], tuple[Transition, ...]]:
@@ -405,14 +460,18 @@ class MachineSpec:
     @property
     def handler_names(self) -> frozenset[str]:
         """Every handler name the states refer to."""
-        return frozenset(state.handler for state in self.leaves if state.handler)
+        return frozenset(
+            state.handler
+            for state in self.leaves
+            if state.handler and isinstance(state.handler, str)
+        )
 
     @property
     def guard_names(self) -> frozenset[str]:
         """Every guard name the transitions refer to."""
         return frozenset(
             name
-            for transition in self.transitions
+            for transition in self._well_typed_transitions
             for name in transition.guards + transition.unless
         )
 
@@ -441,10 +500,36 @@ class MachineSpec:
         handlers: Collection[str] | Mapping[str, object] | None,
         guards: Collection[str] | Mapping[str, object] | None,
     ) -> Iterator[str]:
+        yield from self._type_problems()
         yield from self._state_problems(handlers)
         yield from self._transition_problems(guards)
         if self.has_state(self.initial):
             yield from self._graph_problems()
+
+    def _type_problems(self) -> Iterator[str]:
+        """Fields of the wrong type, and text that UTF-8 (so no journal) can store."""
+        yield from _text_problems("the machine's name", self.name)
+        if not _is_text(self.initial):
+            yield f"initial state {self.initial!r} is not a str"
+        for key, event in self.status_events.items():
+            yield from _text_problems(f"status_events[{key!r}]", event, kind="a str or a str enum")
+
+        def visit(states: Iterable[object], where: str) -> Iterator[str]:
+            for index, state in enumerate(states):
+                if not isinstance(state, State):
+                    yield f"{where}[{index}] is not a State: {state!r:.80}"
+                    continue
+                yield from _state_type_problems(state)
+                yield from visit(state.children, f"state {state.name!r}: children")
+
+        yield from visit(self.states, "states")
+        given: tuple[Any, ...] = self.transitions
+        for index, transition in enumerate(given):
+            if not isinstance(transition, Transition):
+                yield f"transitions[{index}] is not a Transition: {transition!r:.80}"
+                continue
+            label = _transition_label(index, transition)
+            yield from (f"{label}: {p}" for p in _transition_type_problems(transition))
 
     def _state_problems(  # noqa: PLR0912 - one flat list of independent checks reads best
         self, handlers: Collection[str] | Mapping[str, object] | None
@@ -455,9 +540,10 @@ class MachineSpec:
             yield "the machine has no states"
         seen: set[str] = set()
         for state in self._walk(self.states):
-            if not state.name or state.name == WILDCARD or state.name.startswith("$"):
+            named = isinstance(state.name, str)  # other names: _type_problems() names them
+            if named and (not state.name or state.name == WILDCARD or state.name.startswith("$")):
                 yield f"invalid state name {state.name!r}"
-            if state.max_mutations is not None and state.max_mutations < 0:
+            if isinstance(state.max_mutations, int) and state.max_mutations < 0:
                 yield f"state {state.name!r} has max_mutations < 0"
             if (state.composite or state.terminal) and (
                 state.allows is not None or state.max_mutations is not None
@@ -468,20 +554,26 @@ class MachineSpec:
                 )
             if state.composite and (state.handler or state.terminal or state.timeout):
                 yield f"composite {state.name!r} cannot have a handler or timeout, or be terminal"
-            if state.name in seen:
+            if named and state.name in seen:
                 yield f"state {state.name!r} is declared twice"
-            seen.add(state.name)
+            if named:
+                seen.add(state.name)
             if state.terminal and state.handler:
                 yield f"terminal state {state.name!r} has a handler ({state.handler!r})"
             if not state.terminal and state.outcome is not None:
                 yield f"non-terminal state {state.name!r} has an outcome"
             if state.terminal and state.outcome in (Outcome.ACTIVE, Outcome.DEAD_LETTER):
                 yield f"terminal state {state.name!r} cannot have outcome {state.outcome.value!r}"
-            if state.timeout is not None and state.timeout <= 0:
+            if isinstance(state.timeout, float) and state.timeout <= 0:
                 yield f"state {state.name!r} has a timeout <= 0"
-            if state.retry is not None:
+            if isinstance(state.retry, RetryPolicy):
                 yield from (f"state {state.name!r}: {p}" for p in state.retry.problems())
-            if handlers is not None and state.handler and state.handler not in handlers:
+            if (
+                handlers is not None
+                and isinstance(state.handler, str)
+                and state.handler
+                and state.handler not in handlers
+            ):
                 yield f"state {state.name!r} names handler {state.handler!r}, not registered"
         if self.states and not self.has_state(self.initial):
             yield f"initial state {self.initial!r} is not a state"
@@ -494,22 +586,31 @@ class MachineSpec:
     def _transition_problems(  # noqa: PLR0912 - one flat list of independent checks
         self, guards: Collection[str] | Mapping[str, object] | None
     ) -> Iterator[str]:
-        for index, transition in enumerate(self.transitions):
-            label = f"transition #{index} ({'|'.join(transition.source)} -{transition.event}->)"
-            if not transition.event:
+        given: tuple[Any, ...] = self.transitions
+        for index, transition in enumerate(given):
+            if not isinstance(transition, Transition):
+                continue  # _type_problems() names it
+            label = _transition_label(index, transition)
+            if _is_text(transition.event) and not transition.event:
                 yield f"{label} has no event"
             if not transition.source:
                 yield f"{label} has no source"
             for source in transition.source:
-                if source == WILDCARD:
+                if source == WILDCARD or not isinstance(source, str):
                     continue
                 if not self.has_state(source):
                     yield f"{label}: unknown source state {source!r}"
                 elif self.state(source).terminal:
                     yield f"{label}: terminal state {source!r} has an exit"
-            if transition.dest != RETURN and not self.has_state(transition.dest):
+            if (
+                isinstance(transition.dest, str)
+                and transition.dest != RETURN
+                and not self.has_state(transition.dest)
+            ):
                 yield f"{label}: unknown destination state {transition.dest!r}"
-            if transition.event in _ENGINE_ONLY_EVENTS:
+            if not _is_text(transition.event):
+                pass  # _type_problems() names it
+            elif transition.event in _ENGINE_ONLY_EVENTS:
                 yield f"{label}: {transition.event} is journaled by the engine alone"
             elif transition.event == _INTERRUPTED and transition.dest in (
                 *transition.source,
@@ -520,7 +621,7 @@ class MachineSpec:
                 yield f"{label}: an INTERRUPTED self transition is the engine's own"
             if guards is not None:
                 for name in transition.guards + transition.unless:
-                    if name not in guards:
+                    if isinstance(name, str) and name not in guards:
                         yield f"{label}: guard {name!r} is not registered"
         for (state, event), groups in self._edge_groups.items():
             # A more specific source overrides a wider one on purpose (a leaf its composite, a
@@ -548,6 +649,8 @@ class MachineSpec:
                         queue.append(candidate.dest)
         exits = {source for source, _event in self.edges}
         for state in self.leaves:
+            if not _is_text(state.name):
+                continue  # _type_problems() names it
             if state.name not in reachable:
                 yield f"state {state.name!r} is unreachable from {self.initial!r}"
             if not state.terminal and state.name not in exits:
@@ -593,6 +696,64 @@ class MachineSpec:
     def spec_hash(self) -> str:
         """SHA-256 of the canonical JSON: the same spec always has the same hash."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _transition_label(index: int, transition: Transition) -> str:
+    return f"transition #{index} ({'|'.join(map(str, transition.source))} -{transition.event}->)"
+
+
+def _text_problems(name: str, value: object, *, kind: str = "a str") -> Iterator[str]:
+    """A value that should be text but is not, or that no journal can store (UTF-8)."""
+    if not isinstance(value, str):
+        yield f"{name} {value!r:.80} is not {kind}"
+    elif not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            yield f"{name} {value!r:.80} holds a lone surrogate, which UTF-8 cannot store"
+
+
+def _state_type_problems(state: State) -> Iterator[str]:
+    where = f"state {state.name!r:.80}"
+    yield from _text_problems("state name", state.name)
+    if state.handler is not None:
+        yield from _text_problems(f"{where}: handler", state.handler)
+    for flag in ("terminal", "starts_iteration"):
+        if not isinstance(getattr(state, flag), bool):
+            yield f"{where}: {flag} must be True or False, not {getattr(state, flag)!r:.80}"
+    outcome: Any = state.outcome
+    if outcome is not None and not isinstance(outcome, Outcome):
+        outcomes = ", ".join(o.value for o in (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.ABORTED))
+        yield f"{where}: outcome {outcome!r:.80} is not one of {outcomes}"
+    if state.timeout is not None and not (
+        isinstance(state.timeout, float) and math.isfinite(state.timeout)
+    ):
+        yield f"{where}: timeout must be a finite number of seconds, not {state.timeout!r:.80}"
+    retry: Any = state.retry
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        yield f"{where}: retry {retry!r:.80} is not a RetryPolicy"
+    yield from _text_problems(f"{where}: description", state.description)
+    yield from _text_problems(f"{where}: advance_on", state.advance_on, kind="a str or a str enum")
+    for kind in state.allows or ():
+        yield from _text_problems(f"{where}: allows", kind)
+    if state.max_mutations is not None and (
+        not isinstance(state.max_mutations, int) or isinstance(state.max_mutations, bool)
+    ):
+        yield f"{where}: max_mutations must be an integer, not {state.max_mutations!r:.80}"
+
+
+def _transition_type_problems(transition: Transition) -> Iterator[str]:
+    for source in transition.source:
+        yield from _text_problems("source", source)
+    yield from _text_problems("event", transition.event, kind="a str or a str enum")
+    yield from _text_problems("destination", transition.dest)
+    for guard in transition.guards + transition.unless:
+        yield from _text_problems("guard", guard)
+    yield from _text_problems("reason", transition.reason)
 
 
 def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:
