@@ -735,6 +735,66 @@ class TestHandlerFailures:
         assert journal.load(run_id).context == {"keep": 1}
         assert_all_json(journal, run_id)
 
+    def test_an_exception_whose_str_raises_is_journaled_with_a_fallback_message(self, journal):
+        class Unprintable(ValueError):
+            def __str__(self):
+                raise RuntimeError("no text for you")
+
+        def phase(_ctx):
+            raise Unprintable
+
+        engine = two_phase_engine(journal, a=phase)
+        run = engine.run(engine.start())
+
+        assert (run.state, run.status) == ("failed", Outcome.FAILED)
+        error = journal.transitions(run.run_id)[-1].error
+        assert error["type"] == "Unprintable"
+        assert error["message"] == "<unprintable Unprintable: __str__ raised RuntimeError>"
+        assert "Traceback" in error["traceback"]
+        assert "in phase" in error["traceback"]
+        assert run.error == error
+
+    def test_an_exception_whose_str_is_not_a_str_is_journaled_too(self, journal):
+        class Numbered(Exception):
+            def __str__(self):
+                return 42  # noqa: PLE0307 - the misbehaviour under test
+
+        def phase(_ctx):
+            raise Numbered
+
+        engine = two_phase_engine(journal, a=phase)
+        run = engine.run(engine.start())
+
+        assert run.state == "failed"
+        error = journal.transitions(run.run_id)[-1].error
+        assert error["message"] == "<unprintable Numbered: __str__ raised TypeError>"
+
+    def test_a_lone_surrogate_in_an_exception_message_is_journaled_escaped(self, journal):
+        def phase(_ctx):
+            raise ValueError("bad byte \udcff in \ud800 file")
+
+        engine = two_phase_engine(journal, a=phase)
+        run = engine.run(engine.start())
+
+        assert run.state == "failed"
+        error = journal.transitions(run.run_id)[-1].error
+        assert error["type"] == "ValueError"
+        assert error["message"] == r"bad byte \udcff in \ud800 file"
+        assert r"ValueError: bad byte \udcff in \ud800 file" in error["traceback"]
+        assert_all_json(journal, run.run_id)
+
+    @pytest.mark.parametrize("event", [42, None, 1.5, b"NEXT"])
+    def test_a_non_string_event_returned_by_a_handler_is_a_handler_result_error(
+        self, journal, event
+    ):
+        engine = two_phase_engine(journal, a=lambda _ctx: event)
+        run = engine.run(engine.start())
+
+        assert run.state == "failed"
+        error = journal.transitions(run.run_id)[-1].error
+        assert error["type"] == "HandlerResultError"
+        assert type(event).__name__ in error["message"]
+
     def test_no_system_error_transition_raises_phase_error_and_changes_nothing(self, journal):
         def boom(_ctx):
             raise ValueError("boom")
@@ -1226,6 +1286,21 @@ class TestSend:
         with pytest.raises(InvalidTransitionError) as info:
             engine.send(run_id, NEXT)
         assert (info.value.state, info.value.event) == ("awaiting_approval", NEXT)
+        assert snapshot(journal, run_id) == before
+
+    @pytest.mark.parametrize("event", [42, None, 1.5, ["APPROVED"], RunStatus.OK])
+    def test_a_non_string_event_is_an_invalid_transition_that_changes_nothing(self, journal, event):
+        engine = self.engine(journal)
+        run_id = engine.start()
+        engine.run(run_id)
+        before = snapshot(journal, run_id)
+
+        with pytest.raises(InvalidTransitionError) as info:
+            engine.send(run_id, event)
+
+        assert (info.value.run_id, info.value.state) == (run_id, "awaiting_approval")
+        assert info.value.event == repr(event)
+        assert "not a str or a str enum" in str(info.value)
         assert snapshot(journal, run_id) == before
 
     def test_non_json_output_changes_nothing(self, journal):

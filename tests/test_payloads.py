@@ -1,11 +1,15 @@
-"""max_payload_bytes: oversized payloads are refused before anything is written."""
+"""Payloads: oversized ones, and ones that are not standard JSON, are refused before anything
+is written (a handler's: journaled as a payload problem, the run never left between states)."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
-from fsm_runner import Engine, MachineSpec, PhaseResult, State, Transition
-from fsm_runner.exceptions import PayloadError
+from fsm_runner import Engine, MachineSpec, Outcome, PhaseResult, State, Transition
+from fsm_runner._json import MAX_JSON_DEPTH
+from fsm_runner.exceptions import HandlerResultError, JournalError, PayloadError
+from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord, utc_now
 from tests.helpers import NEXT, linear_spec, snapshot
 
 SPEC = linear_spec("a", "b")
@@ -63,3 +67,231 @@ class TestMaxPayloadBytes:
         with pytest.raises(PayloadError, match="output is"):
             engine.send(run_id, "GO", output="w" * 2000)
         assert snapshot(journal, run_id) == before
+
+
+def nested(depth: int, kind: type = list):
+    """A value whose containers nest ``depth`` levels deep (built without recursion)."""
+    value: object = "leaf"
+    for _ in range(depth):
+        value = [value] if kind is list else {"k": value}
+    return value
+
+
+#: Values no journal stores: what each is refused for.
+NOT_STANDARD_JSON = {
+    "nan": (float("nan"), "NaN or Infinity"),
+    "infinity": ({"x": [1.0, float("inf")]}, "NaN or Infinity"),
+    "minus-infinity": ([-float("inf")], "NaN or Infinity"),
+    "nan-key": ({float("nan"): 1}, "NaN or Infinity"),
+    "deep-list": (nested(100_000), f"nested more than {MAX_JSON_DEPTH} levels deep"),
+    "deep-dict": (nested(100_000, dict), f"nested more than {MAX_JSON_DEPTH} levels deep"),
+    "just-too-deep": (nested(MAX_JSON_DEPTH + 1), f"nested more than {MAX_JSON_DEPTH} levels"),
+    "lone-surrogate": ({"name": "caf\udce9"}, r"lone surrogate ('\udce9')"),
+    "surrogate-key": ({"\ud800": 1}, r"lone surrogate ('\ud800')"),
+}
+BAD = pytest.mark.parametrize(
+    ("value", "reason"), list(NOT_STANDARD_JSON.values()), ids=list(NOT_STANDARD_JSON)
+)
+
+
+def failing_spec() -> MachineSpec:
+    """a -> done, with no SYSTEM_ERROR exit: a failed phase leaves the run where it is."""
+    return MachineSpec(
+        "bare",
+        [State("a", handler="a"), State("done", terminal=True)],
+        [Transition("a", NEXT, "done")],
+    )
+
+
+class TestStandardJson:
+    """NaN, Infinity, nesting past MAX_JSON_DEPTH and lone surrogates are payload problems."""
+
+    @BAD
+    @pytest.mark.parametrize("what", ["input", "context"])
+    def test_start_refuses_them_before_the_run_exists(self, journal, value, reason, what):
+        engine = engine_for(journal, lambda _ctx: NEXT)
+        payload = {"input": value} if what == "input" else {"context": {"c": value}}
+
+        with pytest.raises(PayloadError) as info:
+            engine.start(run_id="bad", **payload)
+
+        assert (info.value.run_id, info.value.what) == ("bad", what)
+        assert reason in str(info.value)
+        assert "nothing was written" in str(info.value)
+        assert journal.runs() == []
+
+    def test_a_run_id_holding_a_lone_surrogate_is_refused(self, journal):
+        engine = engine_for(journal, lambda _ctx: NEXT)
+
+        with pytest.raises(PayloadError, match="lone surrogate"):
+            engine.start(run_id="run-\ud800")
+        assert journal.runs() == []
+
+    def test_nesting_up_to_the_limit_is_journaled_and_reads_back(self, journal):
+        engine = Engine(
+            SPEC, handlers={"a": lambda _ctx: NEXT, "b": lambda _ctx: NEXT}, journal=journal
+        )
+        deepest = nested(MAX_JSON_DEPTH - 1)  # inside the run's {"input": ...}: at the limit
+
+        run_id = engine.start({"deep": deepest})
+
+        assert journal.load(run_id).input == {"deep": deepest}
+        assert engine.run(run_id).state == "done"
+
+    @BAD
+    @pytest.mark.parametrize("where", ["output", "context", "error", "iteration"])
+    def test_a_handler_returning_them_is_journaled_as_a_payload_problem(
+        self, journal, value, reason, where
+    ):
+        result = {
+            "output": PhaseResult(NEXT, output=value),
+            "context": PhaseResult(NEXT, context={"c": value}),
+            "error": PhaseResult(NEXT, error={"detail": value}),
+            "iteration": PhaseResult(NEXT, iteration={"extra": {"x": value}}),
+        }[where]
+        spec = MachineSpec(
+            "counted",
+            [State("a", handler="a", starts_iteration=True), *SPEC.states[1:]],
+            SPEC.transitions,
+        )
+        engine = Engine(
+            spec, handlers={"a": lambda _ctx: result, "b": lambda _ctx: NEXT}, journal=journal
+        )
+
+        run = engine.run(engine.start(context={"keep": 1}))
+
+        assert (run.state, run.status) == ("failed", Outcome.FAILED)
+        last = journal.transitions(run.run_id)[-1]
+        assert (last.from_state, last.event) == ("a", "SYSTEM_ERROR")
+        assert last.error["type"] == "HandlerResultError"
+        assert f"returned {where} that" in last.error["message"]
+        assert reason in last.error["message"]
+        assert set(last.result) == {"error"}  # the payload itself is never written
+        assert run.context == {"keep": 1}
+
+    @BAD
+    def test_without_a_system_error_exit_the_run_stays_put_and_resumes(
+        self, journal, value, reason
+    ):
+        outputs = iter([value, "fine"])
+        engine = Engine(
+            failing_spec(),
+            handlers={"a": lambda _ctx: PhaseResult(NEXT, output=next(outputs))},
+            journal=journal,
+        )
+        run_id = engine.start()
+        before = snapshot(journal, run_id)
+
+        with pytest.raises(HandlerResultError, match="output") as info:
+            engine.run(run_id)
+
+        assert reason in str(info.value)
+        assert snapshot(journal, run_id) == before  # not between states: still in 'a', seq 0
+        run = engine.resume(run_id)
+        assert (run.state, run.seq) == ("done", 1)
+        assert journal.transitions(run_id)[-1].output == "fine"
+
+    @BAD
+    def test_send_refuses_them_and_changes_nothing(self, journal, value, reason):
+        spec = MachineSpec(
+            "waits",
+            [State("waiting"), State("done", terminal=True)],
+            [Transition("waiting", "GO", "done")],
+        )
+        engine = Engine(spec, handlers={}, journal=journal)
+        run_id = engine.start()
+        before = snapshot(journal, run_id)
+
+        with pytest.raises(PayloadError, match="output") as info:
+            engine.send(run_id, "GO", output=value)
+
+        assert reason in str(info.value)
+        assert snapshot(journal, run_id) == before
+
+    @BAD
+    def test_an_effects_parameters_are_refused_before_it_runs(self, journal, value, reason):
+        calls = []
+
+        def phase(ctx):
+            ctx.effect("send", calls.append, value, kind="mutate")
+            return NEXT
+
+        engine = engine_for(journal, phase)
+        run = engine.run(engine.start())
+
+        assert calls == []
+        error = journal.transitions(run.run_id)[-1].error
+        assert (error["type"], run.state) == ("PayloadError", "failed")
+        assert "effect 'send' parameters" in error["message"]
+        assert reason in error["message"]
+
+    @BAD
+    def test_an_effects_result_is_recorded_as_failed(self, journal, value, reason):
+        def phase(ctx):
+            ctx.effect("fetch", lambda: value)
+            return NEXT
+
+        engine = engine_for(journal, phase)
+        run = engine.run(engine.start())
+
+        assert run.state == "failed"
+        (record,) = journal.effects(run.run_id)
+        assert record.status.value == "failed"
+        assert record.result is None
+        assert reason in record.error["message"]
+
+
+class TestJournalsAgree:
+    """Every journal refuses the same payloads with a JournalError, and writes nothing."""
+
+    @BAD
+    def test_create_run_refuses_them(self, journal, value, reason):
+        now = utc_now()
+        run = RunRecord(
+            run_id="r", machine=SPEC.name, spec_hash=SPEC.spec_hash, state="a", input=value,
+            created_at=now, updated_at=now,
+        )  # fmt: skip
+        first = TransitionRecord(
+            run_id="r", seq=0, from_state=None, event="STARTED", to_state="a", at=now
+        )
+
+        with pytest.raises(JournalError, match="nothing was written") as info:
+            journal.create_run(run, first, spec_json=SPEC.to_json())
+
+        assert reason in str(info.value)
+        assert journal.runs() == []
+
+    @BAD
+    def test_commit_refuses_them(self, journal, value, reason):
+        engine = engine_for(journal, lambda _ctx: NEXT)
+        run_id = engine.start()
+        run = journal.claim(run_id, "me", ttl=60)
+        before = list(journal.transitions(run_id))
+        transition = TransitionRecord(
+            run_id=run_id, seq=1, from_state="a", event=NEXT, to_state="b", at=utc_now(),
+            result={"output": value}, lease_token=run.lease_token,
+        )  # fmt: skip
+
+        with pytest.raises(JournalError, match="nothing was written") as info:
+            journal.commit(attrs.evolve(run, state="b", seq=1), transition)
+
+        assert reason in str(info.value)
+        assert journal.transitions(run_id) == before
+
+    @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+    def test_an_iteration_number_that_is_not_finite_is_refused(self, journal, value):
+        engine = engine_for(journal, lambda _ctx: NEXT)
+        run_id = engine.start()
+        run = journal.claim(run_id, "me", ttl=60)
+        transition = TransitionRecord(
+            run_id=run_id, seq=1, from_state="a", event=NEXT, to_state="b", at=utc_now(),
+            iteration=1, lease_token=run.lease_token,
+        )  # fmt: skip
+        record = IterationRecord(run_id, 1, state="b", cost_usd=value)
+
+        with pytest.raises(JournalError, match="nothing was written"):
+            journal.commit(
+                attrs.evolve(run, state="b", seq=1, iteration=1), transition, iterations=[record]
+            )
+
+        assert journal.iterations(run_id) == []

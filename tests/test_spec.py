@@ -8,7 +8,9 @@ import pytest
 
 from fsm_runner import (
     WILDCARD,
+    Engine,
     MachineSpec,
+    MemoryJournal,
     Outcome,
     RetryPolicy,
     RunEvent,
@@ -16,6 +18,7 @@ from fsm_runner import (
     State,
     Transition,
 )
+from fsm_runner.machine import compile_spec
 from tests.helpers import NEXT, linear_spec
 
 
@@ -224,6 +227,178 @@ class TestValidate:
         assert str(error).startswith("invalid machine spec 'broken': ")
         for problem in error.problems:
             assert problem in str(error)
+
+
+class TestWronglyTypedFields:
+    """A field of the wrong type is one more problem in the one SpecError, never a bare error."""
+
+    def test_a_non_string_event_is_listed_with_every_other_problem(self):
+        spec = MachineSpec(
+            "typed",
+            [State("a", handler="a"), State("done", terminal=True)],
+            [
+                Transition("a", 42, "done"),
+                Transition("a", None, "done"),
+                Transition("a", "GO", "nowhere"),
+            ],
+        )
+
+        with pytest.raises(SpecError) as info:
+            spec.validate(handlers={})
+
+        problems = info.value.problems
+        assert_reported(problems, "transition #0 (a -42->): event 42 is not a str or a str enum")
+        assert_reported(problems, "transition #1 (a -None->): event None is not a str")
+        assert_reported(problems, "unknown destination state 'nowhere'")
+        assert_reported(problems, "names handler 'a', not registered")
+        assert not any("has no event" in problem for problem in problems), problems
+
+    def test_an_engine_refuses_it_with_the_same_spec_error(self):
+        spec = MachineSpec(
+            "typed",
+            [State("a", handler="a"), State("done", terminal=True)],
+            [Transition("a", 42, "done"), Transition("a", "GO", "done")],
+        )
+
+        with pytest.raises(SpecError, match="event 42 is not a str or a str enum"):
+            Engine(spec, handlers={"a": lambda _ctx: "GO"}, journal=MemoryJournal())
+
+    @pytest.mark.parametrize(
+        ("state", "fragment"),
+        [
+            (lambda: State(42), "state name 42 is not a str"),
+            (lambda: State(["x"]), "state name ['x'] is not a str"),
+            (lambda: State("\ud800"), r"state name '\ud800' holds a lone surrogate"),
+            (lambda: State("x", handler=7), "state 'x': handler 7 is not a str"),
+            (
+                lambda: State("x", terminal="yes"),
+                "state 'x': terminal must be True or False, not 'yes'",
+            ),
+            (
+                lambda: State("x", outcome="bogus"),
+                "outcome 'bogus' is not one of succeeded, failed",
+            ),
+            (
+                lambda: State("x", timeout="soon"),
+                "timeout must be a finite number of seconds, not 'soon'",
+            ),
+            (
+                lambda: State("x", timeout=float("nan")),
+                "timeout must be a finite number of seconds, not nan",
+            ),
+            (
+                lambda: State("x", timeout=float("inf")),
+                "timeout must be a finite number of seconds, not inf",
+            ),
+            (lambda: State("x", retry=3), "state 'x': retry 3 is not a RetryPolicy"),
+            (
+                lambda: State("x", retry=RetryPolicy(max_attempts="x")),
+                "max_attempts must be an integer",
+            ),
+            (
+                lambda: State("x", retry=RetryPolicy(wait_max=float("inf"))),
+                "waits must be finite numbers",
+            ),
+            (lambda: State("x", description=None), "state 'x': description None is not a str"),
+            (
+                lambda: State("x", advance_on=3),
+                "state 'x': advance_on 3 is not a str or a str enum",
+            ),
+            (lambda: State("x", allows=[1]), "state 'x': allows 1 is not a str"),
+            (lambda: State("x", max_mutations="2"), "max_mutations must be an integer, not '2'"),
+            (lambda: "x", "states[1] is not a State: 'x'"),
+        ],
+    )
+    def test_wrongly_typed_state_fields(self, state, fragment):
+        spec = MachineSpec(
+            "typed",
+            [State("a"), state(), State("done", terminal=True)],
+            [Transition("a", "GO", "done"), Transition("a", 5, "done")],
+        )
+
+        problems = problems_of(spec)
+
+        assert_reported(problems, fragment)
+        assert_reported(problems, "event 5 is not a str")
+
+    @pytest.mark.parametrize(
+        ("transition", "fragment"),
+        [
+            (lambda: Transition(7, "GO", "done"), "transition #1 (7 -GO->): source 7 is not a str"),
+            (lambda: Transition(["a", None], "GO", "done"), "source None is not a str"),
+            (lambda: Transition("a", "GO", ["done"]), "destination ['done'] is not a str"),
+            (lambda: Transition("a", "GO", "done", guards=[1]), "guard 1 is not a str"),
+            (lambda: Transition("a", "GO", "done", unless=[None]), "guard None is not a str"),
+            (lambda: Transition("a", "GO", "done", reason=3), "reason 3 is not a str"),
+            (lambda: Transition("a", "\udcff", "done"), r"event '\udcff' holds a lone surrogate"),
+            (lambda: "a -> done", "transitions[1] is not a Transition: 'a -> done'"),
+        ],
+    )
+    def test_wrongly_typed_transition_fields(self, transition, fragment):
+        spec = MachineSpec(
+            "typed",
+            [State("a"), State("done", terminal=True), State(3)],
+            [Transition("a", "GO", "done"), transition()],
+        )
+
+        problems = problems_of(spec)
+
+        assert_reported(problems, fragment)
+        assert_reported(problems, "state name 3 is not a str")
+
+    def test_machine_level_fields(self):
+        problems = problems_of(
+            MachineSpec(
+                None,
+                [State("a"), State("done", terminal=True)],
+                [Transition("a", "GO", "done")],
+                initial=["a"],
+                status_events={"ERROR": 3},
+            )
+        )
+
+        assert_reported(problems, "the machine's name None is not a str")
+        assert_reported(problems, "initial state ['a'] is not a str")
+        assert_reported(problems, "status_events['ERROR'] 3 is not a str or a str enum")
+
+    def test_a_spec_of_wrong_types_is_refused_by_compile_spec_too(self):
+        spec = MachineSpec("typed", [State("a", outcome="bogus")], [])
+
+        with pytest.raises(SpecError, match="outcome 'bogus'"):
+            compile_spec(spec)
+
+    def test_allows_given_as_one_string_is_one_kind(self):
+        assert State("a", allows="read").allows == ("read",)
+
+
+class TestNoTerminalState:
+    """A machine without a terminal state is valid: a service loop (decided for issue 17)."""
+
+    def loop(self) -> MachineSpec:
+        return MachineSpec(
+            "service",
+            [State("polling", handler="poll"), State("handling", handler="handle")],
+            [
+                Transition("polling", "POLLED", "handling"),
+                Transition("handling", "DONE", "polling"),
+            ],
+        )
+
+    def test_it_validates(self):
+        self.loop().validate(handlers={"poll": None, "handle": None})
+
+    def test_its_runs_are_driven_by_a_step_budget_and_ended_by_abort(self, journal):
+        engine = Engine(
+            self.loop(),
+            handlers={"poll": lambda _ctx: "POLLED", "handle": lambda _ctx: "DONE"},
+            journal=journal,
+        )
+        run_id = engine.start()
+
+        run = engine.run(run_id, max_steps=5)
+        assert (run.state, run.seq, run.status) == ("handling", 5, Outcome.ACTIVE)
+        run = engine.abort(run_id, "shutting down")
+        assert (run.state, run.status) == ("handling", Outcome.ABORTED)
 
 
 class TestWildcard:
