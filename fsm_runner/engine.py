@@ -170,9 +170,11 @@ class Engine:
         max_recoveries: how often :meth:`recover` takes over a run whose worker was lost
             before parking it as ``dead_letter``.
         max_payload_bytes: the largest JSON payload (a run's input or context, a phase's
-            output, context update, iteration update or artifacts) the engine journals; a
-            larger one is refused before anything is written (a handler's: as a
-            :class:`HandlerResultError`, journaled as ``SYSTEM_ERROR``).
+            output, context update, iteration update, artifacts or error), in UTF-8 bytes of
+            its compact JSON, the engine journals; a larger one is refused before anything is
+            written (a handler's: as a :class:`HandlerResultError`, journaled as
+            ``SYSTEM_ERROR``), as is one that is not standard JSON (NaN or Infinity, nesting
+            deeper than 255 levels, a lone surrogate).
         group_commit: in async runs (:meth:`arun`), commit the transitions of all runs whose
             phases ended in the same turn of the event loop in one journal transaction; each
             run still waits for its own transition to be durable before its next phase.

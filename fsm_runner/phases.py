@@ -76,8 +76,9 @@ class PhaseResult:
             :class:`RunStatus` (reported as the event the spec maps it to); the spec decides
             where it leads.
         output: JSON-serialisable output of the phase, journaled with the transition (checked
-            at write time: anything else is refused with a clear error).
-        context: updates merged into the run's context (JSON-serialisable).
+            at write time: anything else — NaN or Infinity, nesting deeper than 255 levels, a
+            lone surrogate included — is refused with a clear error).
+        context: updates merged into the run's context (JSON-serialisable, likewise).
         error: a description of a failure the phase handled itself (a string or a JSON object).
         iteration: updates to the current iteration's record (fields of
             :class:`fsm_runner.records.IterationRecord`: tokens, cost, levels run …), written in

@@ -265,6 +265,13 @@ class MachineSpec:
             sub-phase).
         status_events: which event a handler's :class:`RunStatus` reports, by status name
             (``{"ERROR": "ANALYSIS_FAILED"}``); the standard mapping for the others.
+
+    Building a spec never raises for a field of the wrong type: :meth:`validate` lists it with
+    every other problem. A machine needs no terminal state: one without is a service loop whose
+    runs are driven by a step budget or :meth:`fsm_runner.Engine.work` and end only by
+    :meth:`fsm_runner.Engine.abort` (every run already can be aborted, and a spec that once
+    passed must still compile for runs journaled under it). A non-terminal state that no
+    transition leaves is still a problem (a dead end).
     """
 
     name: str
@@ -482,6 +489,11 @@ class MachineSpec:
         guards: Collection[str] | Mapping[str, object] | None = None,
     ) -> None:
         """Check the spec and raise one :class:`SpecError` listing every problem.
+
+        Problems: fields of the wrong type or holding text UTF-8 cannot store, unknown or
+        unreachable states, non-terminal dead ends, terminal states with exits or handlers,
+        ambiguous (state, event) pairs, timeouts and retry waits that are not finite numbers,
+        handlers and guards named but not registered.
 
         Args:
             handlers: the handler names registered with the engine; when given, a handler that
