@@ -19,7 +19,14 @@ import json
 import traceback
 from typing import Any
 
-__all__ = ["MAX_JSON_DEPTH", "dumps_json", "error_info", "exception_message", "storable_text"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "dumps_json",
+    "error_info",
+    "exception_message",
+    "printable",
+    "storable_text",
+]
 
 #: How many levels JSON payloads may nest (orjson's limit too, so what it encodes fits).
 MAX_JSON_DEPTH = 255
@@ -89,13 +96,18 @@ def storable_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def exception_message(exc: BaseException) -> str:
-    """``str(exc)``, storable; a fallback naming the failure if ``__str__`` raises or lies."""
+def printable(value: object) -> str:
+    """``str(value)``, storable; a fallback naming the failure if ``__str__`` raises or lies."""
     try:
-        message = str(exc)
+        message = str(value)
     except Exception as err:  # noqa: BLE001 - any failure of a foreign __str__ is reported
-        return f"<unprintable {type(exc).__name__}: __str__ raised {type(err).__name__}>"
+        return f"<unprintable {type(value).__name__}: __str__ raised {type(err).__name__}>"
     return storable_text(message)
+
+
+def exception_message(exc: BaseException) -> str:
+    """An exception's message as the journal keeps it (see :func:`printable`)."""
+    return printable(exc)
 
 
 def error_info(exc: BaseException) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from fsm_runner._group import GroupClaimer, GroupCommitter
-from fsm_runner._json import dumps_json, error_info, storable_text
+from fsm_runner._json import dumps_json, error_info, printable, storable_text
 from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -102,6 +102,16 @@ _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
 def _error_info(exc: BaseException) -> dict[str, Any]:
     # storable whatever the exception: its __str__ may raise, its text hold a lone surrogate
     return error_info(exc)
+
+
+def _handled_error(event: str, error: object) -> dict[str, Any]:
+    """What is journaled of a failure a phase handled itself (``PhaseResult.error``)."""
+    if isinstance(error, Mapping):
+        return dict(error)
+    # a str is the handler's own payload (checked like its output); anything else, such as the
+    # exception it caught, is described as printably as it can be
+    message = error if isinstance(error, str) else printable(error)
+    return {"type": event, "message": message}
 
 
 def _json_size(text: str) -> int:
@@ -1248,7 +1258,7 @@ class Engine:
             ("context", dict(result.context)),
             ("iteration", dict(result.iteration)),
             ("artifacts", [unstructure(artifact) for artifact in result.artifacts]),
-            ("error", result.error),
+            ("error", None if result.error is None else _handled_error(result.event, result.error)),
         ):
             try:  # the journals' own encoder: refused here, nothing half-written there
                 size = _json_size(dumps_json(payload))
@@ -1343,10 +1353,7 @@ class Engine:
             payload["context"] = dict(result.context)
         error_payload: Any = None
         if result.error is not None:
-            error_payload = (
-                dict(result.error) if isinstance(result.error, Mapping)
-                else {"type": result.event, "message": str(result.error)}
-            )  # fmt: skip
+            error_payload = _handled_error(result.event, result.error)
             payload["error"] = error_payload
         if reason:
             payload["reason"] = reason

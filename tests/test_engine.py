@@ -795,6 +795,28 @@ class TestHandlerFailures:
         assert error["type"] == "HandlerResultError"
         assert type(event).__name__ in error["message"]
 
+    def test_an_exception_a_handler_handled_itself_is_journaled_printably(self, journal):
+        class Unprintable(ValueError):
+            def __str__(self):
+                raise RuntimeError("no text for you")
+
+        errors = iter([ValueError("disk full \udcff"), Unprintable()])
+
+        def phase(_ctx):
+            return PhaseResult(NEXT, error=next(errors))
+
+        engine = two_phase_engine(journal, a=phase, b=phase)
+        run_id = engine.start()
+
+        assert engine.run(run_id).state == "done"
+
+        first, second = (t.error for t in journal.transitions(run_id)[1:])
+        assert first == {"type": NEXT, "message": r"disk full \udcff"}
+        assert second == {
+            "type": NEXT,
+            "message": "<unprintable Unprintable: __str__ raised RuntimeError>",
+        }
+
     def test_no_system_error_transition_raises_phase_error_and_changes_nothing(self, journal):
         def boom(_ctx):
             raise ValueError("boom")
