@@ -3,8 +3,12 @@ is written (a handler's: journaled as a payload problem, the run never left betw
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fsm_runner import Engine, MachineSpec, Outcome, PhaseResult, State, Transition
 from fsm_runner._json import MAX_JSON_DEPTH
@@ -295,3 +299,51 @@ class TestJournalsAgree:
             )
 
         assert journal.iterations(run_id) == []
+
+
+#: Any JSON-ish value: floats with NaN and ±Infinity, text with lone surrogates, some nesting.
+json_ish = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.sampled_from([float("nan"), float("inf"), -float("inf")])
+    # st.text() filters lone surrogates out of any alphabet: joined characters keep them
+    | st.lists(st.characters() | st.sampled_from("\ud800\udbff\udc00\udfff")).map("".join),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=3), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def standard_json(value) -> bool:
+    """The standard library's word on it: strict JSON whose text UTF-8 can hold."""
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        return False
+    return True
+
+
+class TestEveryValue:
+    """Whatever a payload is, the engine refuses it with a PayloadError or stores it readably."""
+
+    @settings(
+        max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(value=json_ish)
+    def test_start_stores_it_as_given_or_refuses_it_and_writes_nothing(self, sqlite_journal, value):
+        engine = engine_for(sqlite_journal, lambda _ctx: NEXT)
+        engine.max_payload_bytes = 16 * 1024 * 1024
+        before = len(sqlite_journal.runs())
+
+        if not standard_json(value):
+            with pytest.raises(PayloadError) as info:
+                engine.start(value)
+            assert info.value.what == "input"
+            assert len(sqlite_journal.runs()) == before
+            return
+
+        stored = sqlite_journal.load(engine.start(value)).input
+        assert json.dumps(stored, allow_nan=False) == json.dumps(value, allow_nan=False)
