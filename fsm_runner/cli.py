@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_CONFLICT",
     "EXIT_FAILURE",
+    "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_USAGE",
+    "ExitCodeCommand",
     "cli",
     "main",
+    "open_cli_journal",
+    "resolve_run_id",
 ]
 
 ENV_JOURNAL = "FSM_RUNNER_JOURNAL"
@@ -48,6 +52,8 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 #: The run is not in a state that allows it: ended, held by another worker, moved meanwhile.
 EXIT_CONFLICT = 4
+#: A run was interrupted (Ctrl-C, SIGTERM) by the preset CLIs; the run stays resumable.
+EXIT_INTERRUPTED = 130
 
 
 class CliError(click.ClickException):
@@ -92,8 +98,8 @@ def _exit_code(exc: Exception) -> int:
     return EXIT_FAILURE
 
 
-class _Group(click.Group):
-    """A group that turns library errors into one-line messages and their exit codes."""
+class _MapsErrors(click.Command):
+    """Turns library errors into one-line messages and their exit codes."""
 
     def invoke(self, ctx: click.Context) -> Any:
         from fsm_runner.exceptions import FsmRunnerError
@@ -102,6 +108,63 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except FsmRunnerError as exc:
             raise _ERRORS[_exit_code(exc)](str(exc)) from None
+
+
+class _Group(_MapsErrors, click.Group):
+    """A group that turns library errors into one-line messages and their exit codes."""
+
+
+class ExitCodeCommand(_MapsErrors):
+    """A click command with ``fsm-runner``'s error handling, for the presets' own CLIs.
+
+    An ``fsm_runner`` error raised by the command prints one ``Error: ...`` line on stderr and
+    exits with the code ``fsm-runner`` uses for it (see the ``EXIT_*`` constants).
+    """
+
+
+#: What a journal that cannot be opened says when there is no journal at that location
+#: (exit 3 like a missing file), as opposed to a journal that is there but damaged (exit 1).
+_NO_JOURNAL_DETAILS = (
+    "is a directory",
+    "is not a SQLite database",
+    "its directory does not exist",
+    "holds no fsm_runner journal",
+)
+
+
+def open_cli_journal(location: str, *, must_exist: bool = True) -> Journal:
+    """Open the journal at ``location`` for a command, as ``fsm-runner`` does.
+
+    Args:
+        location: a SQLite path, ``sqlite:///PATH``, ``:memory:`` or a PostgreSQL URL.
+        must_exist: refuse to create a journal that is not there (read commands, resume).
+
+    Returns:
+        The open journal; the caller closes it.
+
+    Raises:
+        click.ClickException: exit 3 when there is no journal at ``location`` (a missing file,
+            a directory, a file that is not SQLite, a database without a journal); exit 1
+            when the journal cannot be opened otherwise.
+    """
+    from fsm_runner.exceptions import JournalError
+    from fsm_runner.journal import open_journal
+
+    path = location.removeprefix("sqlite:///")
+    if location.startswith(("postgresql://", "postgres://")) or location == ":memory:":
+        path = ""
+    elif must_exist and not Path(path).exists():
+        _fail(
+            f"no journal at {Path(path).absolute()} (pass --journal PATH or set {ENV_JOURNAL})",
+            EXIT_NOT_FOUND,
+        )
+    try:
+        # A database is not a file: a missing journal there is the journal's own error.
+        return open_journal(location, create=not must_exist)
+    except JournalError as exc:
+        if exc.detail.startswith(_NO_JOURNAL_DETAILS):
+            raise _NotFoundError(str(exc)) from None
+        raise
 
 
 class _State:
@@ -113,21 +176,7 @@ class _State:
 
     def journal(self, *, must_exist: bool = True) -> Journal:
         if self._journal is None:
-            from fsm_runner.journal import open_journal
-
-            location = self.journal_path
-            if location.startswith(("postgresql://", "postgres://")):
-                # A database is not a file: a missing journal is the journal's own error.
-                self._journal = open_journal(location, create=not must_exist)
-                return self._journal
-            path = location.removeprefix("sqlite:///")
-            if must_exist and location != ":memory:" and not Path(path).exists():
-                _fail(
-                    f"no journal at {Path(path).absolute()} "
-                    f"(pass --journal PATH or set {ENV_JOURNAL})",
-                    EXIT_NOT_FOUND,
-                )
-            self._journal = open_journal(location)
+            self._journal = open_cli_journal(self.journal_path, must_exist=must_exist)
         return self._journal
 
     def close(self) -> None:
@@ -187,15 +236,34 @@ def cli(ctx: click.Context, journal_path: str) -> None:
     ctx.call_on_close(state.close)
 
 
-def _resolve_run_id(journal: Journal, run_id: str) -> str:
+#: How many of the runs an ambiguous prefix matches its error names.
+_AMBIGUOUS_SHOWN = 5
+
+
+def resolve_run_id(journal: Journal, run_id: str) -> str:
+    """The full id of the run ``run_id`` names: the id itself, or a unique prefix of one.
+
+    Raises:
+        RunNotFoundError: no run id starts with ``run_id`` (exit 3).
+        click.ClickException: the prefix matches several runs; the message names some of them
+            (exit 2).
+    """
     from fsm_runner.exceptions import RunNotFoundError
 
-    matches = journal.run_ids(run_id, limit=2)
+    matches = journal.run_ids(run_id, limit=_AMBIGUOUS_SHOWN + 1)
     if run_id in matches or len(matches) == 1:
         return run_id if run_id in matches else matches[0]
     if not matches:
         raise RunNotFoundError(run_id)
-    _fail(f"run id prefix {run_id!r} is ambiguous; give more characters", EXIT_USAGE)
+    shown = ", ".join(match[:12] for match in matches[:_AMBIGUOUS_SHOWN])
+    more = ", …" if len(matches) > _AMBIGUOUS_SHOWN else ""
+    _fail(
+        f"run id prefix {run_id!r} is ambiguous: it matches {shown}{more}; give more characters",
+        EXIT_USAGE,
+    )
+
+
+_resolve_run_id = resolve_run_id
 
 
 def _time(value: Any) -> str:
@@ -503,26 +571,98 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
 
 
 def _import_object(path: str, param_hint: str) -> Any:
-    """Import ``MODULE:ATTR`` (ATTR may be dotted); a bad path is a one-line error."""
-    module_name, _, attr = path.partition(":")
+    """Import ``MODULE:ATTR`` or ``FILE.py:ATTR`` (ATTR may be dotted); a bad path is one line.
+
+    A path the user got wrong (no colon, no such module or file, no such attribute) is a usage
+    error (exit 2); a module that fails while it is imported is a failure (exit 1).
+    """
+    module_name, _, attr = path.rpartition(":")
     if not module_name or not attr:
         _fail(
-            f"{param_hint}: expected MODULE:ATTR, e.g. myapp.jobs:engine, not {path!r}", EXIT_USAGE
+            f"{param_hint}: expected MODULE:ATTR or FILE.py:ATTR, e.g. myapp.jobs:engine, "
+            f"not {path!r}",
+            EXIT_USAGE,
         )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        _fail(f"cannot import {module_name!r}: {exc}")
-    except Exception as exc:  # noqa: BLE001 - the user's module failed at import; say so in one line
-        _fail(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        module = _import_file(module_name, param_hint)
+    else:
+        module = _import_module(module_name, param_hint)
     target = module
     for part in attr.split("."):
         if not hasattr(target, part):
-            _fail(f"{module_name!r} has no attribute {attr!r}")
+            _fail(f"{param_hint}: {module_name!r} has no attribute {attr!r}", EXIT_USAGE)
         target = getattr(target, part)
     return target
+
+
+def _import_module(module_name: str, param_hint: str) -> Any:
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # console scripts do not put the cwd on sys.path
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            _fail(
+                f"{param_hint}: cannot import {module_name!r}: no module named {missing!r} "
+                "(give an importable MODULE:ATTR, or a FILE.py:ATTR path)",
+                EXIT_USAGE,
+            )
+        _fail(f"importing {module_name!r} failed: ModuleNotFoundError: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the user's module failed at import; say so in one line
+        _fail(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}")
+
+
+def _import_file(file_name: str, param_hint: str) -> Any:
+    """Import a Python file by its path, as ``python FILE`` would find its sibling modules."""
+    import importlib.util
+
+    file = Path(file_name).expanduser().resolve()
+    if not file.is_file() or file.suffix != ".py":
+        what = "is not a .py file" if file.exists() else "does not exist"
+        _fail(
+            f"{param_hint}: {file_name} {what} (expected MODULE:ATTR or FILE.py:ATTR)", EXIT_USAGE
+        )
+    name = f"_fsm_runner_app_{re.sub(r'[^0-9A-Za-z_]', '_', str(file))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:  # pragma: no cover - a .py file always has a loader
+        _fail(f"{param_hint}: cannot import {file_name}", EXIT_USAGE)
+    module = importlib.util.module_from_spec(spec)
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))  # its own imports of modules beside it
+    sys.modules[name] = module  # dataclasses, attrs and pickle look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file failed at import; say so in one line
+        del sys.modules[name]
+        _fail(f"importing {file_name} failed: {type(exc).__name__}: {exc}")
+    return module
+
+
+def _refuse_non_factory(path: str, factory: Callable[..., Any], wanted: str) -> None:
+    """Refuse, before calling it, a callable that needs arguments or says it returns no app.
+
+    Calling, say, a CLI's ``main`` would run it; its signature tells it is not a factory.
+    """
+    import inspect
+
+    if isinstance(factory, click.Command):
+        _fail(f"{path} is a command line, not {wanted} or a factory of one", EXIT_USAGE)
+    try:
+        signature = inspect.signature(factory, eval_str=True)
+    except Exception:  # noqa: BLE001 - no usable signature (a builtin, a forward reference): try it
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        _fail(f"{path} takes arguments; expected {wanted} or a zero-argument factory", EXIT_USAGE)
+    returns = signature.return_annotation
+    if returns is None or returns is type(None):
+        _fail(f"{path} returns None, not {wanted}", EXIT_USAGE)
+    if isinstance(returns, type) and returns.__module__ == "builtins":
+        _fail(f"{path} returns {returns.__name__}, not {wanted}", EXIT_USAGE)
 
 
 def _call_factory(path: str, factory: Callable[[], Any]) -> Any:
@@ -530,6 +670,8 @@ def _call_factory(path: str, factory: Callable[[], Any]) -> Any:
         return factory()
     except Exception as exc:  # noqa: BLE001 - the user's factory failed; say so in one line
         _fail(f"{path} failed: {type(exc).__name__}: {exc}")
+    except SystemExit as exc:  # a CLI's main, say: it is no factory
+        _fail(f"{path} exited (code {exc.code}) instead of returning an app", EXIT_USAGE)
 
 
 def _load_app(path: str) -> Engine:
@@ -539,12 +681,18 @@ def _load_app(path: str) -> Engine:
     target = _import_object(path, "--app")
     if isinstance(target, Engine):
         return target
-    if callable(target):
+    if callable(target) and not isinstance(target, type):
+        _refuse_non_factory(path, target, "an Engine")
         produced = _call_factory(path, target)
         if isinstance(produced, Engine):
             return produced
-        _fail(f"{path} returned {type(produced).__name__}, not an fsm_runner Engine")
-    _fail(f"{path} is {type(target).__name__}, not an Engine or a factory returning one")
+        if hasattr(produced, "close"):
+            produced.close()  # a journal, say: not left open
+        _fail(f"{path} returned {type(produced).__name__}, not an Engine", EXIT_USAGE)
+    _fail(
+        f"{path} is {type(target).__name__}, not an Engine or a zero-argument factory of one",
+        EXIT_USAGE,
+    )
 
 
 def _load_spec(path: str, param_hint: str) -> MachineSpec:
@@ -553,7 +701,8 @@ def _load_spec(path: str, param_hint: str) -> MachineSpec:
     from fsm_runner.spec import MachineSpec
 
     target = _import_object(path, param_hint)
-    if callable(target) and not isinstance(target, MachineSpec | Engine):
+    if callable(target) and not isinstance(target, MachineSpec | Engine | type):
+        _refuse_non_factory(path, target, "a MachineSpec or an Engine")
         target = _call_factory(path, target)
         if isinstance(target, Engine):
             target.close()  # only its spec is wanted
@@ -562,7 +711,10 @@ def _load_spec(path: str, param_hint: str) -> MachineSpec:
         return target.spec
     if isinstance(target, MachineSpec):
         return target
-    _fail(f"{path} is {type(target).__name__}, not a MachineSpec, an Engine or a factory of one")
+    _fail(
+        f"{path} is {type(target).__name__}, not a MachineSpec, an Engine or a factory of one",
+        EXIT_USAGE,
+    )
 
 
 def _echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
@@ -607,12 +759,17 @@ def resume(
         if not isinstance(app, str):
             raise click.UsageError("this run's input names no app; pass --app MODULE:ATTR")
     from fsm_runner.engine import interrupt_on_sigterm
+    from fsm_runner.exceptions import InvalidTransitionError
 
     engine = _load_app(app).with_journal(journal)
     engine.listeners.append(_echo_transition)
     try:
         with interrupt_on_sigterm():
             run = engine.resume(run_id, max_steps=max_steps, from_state=from_state)
+    except InvalidTransitionError as exc:
+        if from_state is None or exc.event != "REWOUND":
+            raise
+        _fail(f"--from-state: {exc}", EXIT_USAGE)  # a state the run cannot go back to
     except KeyboardInterrupt:
         _fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
     finally:
@@ -1074,12 +1231,29 @@ def prune(state: _State, days: float, dry_run: bool, as_json: bool) -> None:
         )
         return
     verb = "would prune" if dry_run else "pruned"
-    click.echo(f"{verb} {len(report.run_ids)} runs ({report.transitions} transitions)")
+    click.echo(
+        f"{verb} {_count(len(report.run_ids), 'run')} ({_count(report.transitions, 'transition')})"
+    )
     if dry_run:
         for pruned_id in report.run_ids:
             click.echo(f"  {pruned_id}")
     elif report.bytes_before is not None and report.bytes_after is not None:
         click.echo(f"journal size {report.bytes_before:,} -> {report.bytes_after:,} bytes")
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 run``, ``2 runs``, ``0 runs``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _journal_option(state: _State) -> str:
+    """``--journal LOCATION `` for a suggested command, unless it would find the journal anyway."""
+    import shlex
+
+    location = state.journal_path
+    if location in (DEFAULT_JOURNAL, os.environ.get(ENV_JOURNAL)):
+        return ""
+    return f"--journal {shlex.quote(location)} "
 
 
 def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
@@ -1106,7 +1280,11 @@ def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
     click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
     if run.error and run.ended:
         click.echo(f"reason: {run.error.get('message')}")
-    click.echo(f"see it with: fsm-runner show {run_id[:12]}   export it with: fsm-runner export")
+    short, journal_option = run_id[:12], _journal_option(state)
+    click.echo(
+        f"see it with: fsm-runner {journal_option}show {short}   "
+        f"export it with: fsm-runner {journal_option}export {short} fsm-runner-export-{short}"
+    )
     if run.status.value in ("failed", "aborted", "dead_letter"):
         sys.exit(1)
 
