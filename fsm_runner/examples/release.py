@@ -1,22 +1,36 @@
 """A four-phase release job, journaled in ``./fsm-runner.db``: the README's first command.
 
-``fetching → building → testing → publishing → published``. Each phase does real work in a
-workspace directory: it writes the sources, builds an archive of them, checks the archive's
-contents against the sources, and publishes the archive with its checksum. Run it with::
+``fetching → building → testing → publishing → published``. Each phase does real work in the
+run's own directory of the workspace (``WORKSPACE/RUN_ID``): it fetches the sources (journaled
+with the phase's output), builds a reproducible archive of them, checks the archive against the
+sources, and publishes the archive with its checksum to ``WORKSPACE/dist``. Run it with::
 
     python -m fsm_runner.examples.release [--journal PATH] [--workspace DIR] [--stop-after N]
 
 ``--stop-after N`` stops the process after N phases, as a crash would; ``fsm-runner resume RUN
 --app fsm_runner.examples.release:make_engine`` then finishes the run without repeating them.
+
+A phase takes what an earlier phase made from the journal, not from files an earlier process
+left behind: the sources are the output of ``fetching``, and the archive is built again from
+them (byte for byte the same) when the run's directory does not hold it. So a fork
+(``fsm-runner fork RUN --at SEQ``), which runs the phases after ``SEQ`` again under its own run
+id, resumes like the original, and so does a run whose workspace was cleaned.
 """
 
 from __future__ import annotations
 
-import argparse
+import gzip
 import hashlib
+import io
 import os
+import shlex
+import shutil
+import sys
 import tarfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import click
 
 from fsm_runner import (
     Engine,
@@ -27,10 +41,21 @@ from fsm_runner import (
     SqliteJournal,
     State,
     Transition,
+    interrupt_on_sigterm,
+)
+from fsm_runner.cli import (
+    ENV_JOURNAL,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    ExitCodeCommand,
+    open_cli_journal,
 )
 from fsm_runner.records import RunRecord, TransitionRecord
 
 __all__ = ["SPEC", "main", "make_engine"]
+
+PROG = "python -m fsm_runner.examples.release"
+APP = "fsm_runner.examples.release:make_engine"
 
 SPEC = MachineSpec(
     "release",
@@ -55,48 +80,114 @@ SPEC = MachineSpec(
 )
 
 
-def _workspace(ctx: PhaseContext) -> Path:
+def _run_dir(ctx: PhaseContext) -> Path:
+    """This run's own directory: a fork works in its own, never in the original's."""
     return Path(ctx.input["workspace"]) / ctx.run_id
 
 
+def _archive_path(ctx: PhaseContext) -> Path:
+    return _run_dir(ctx) / f"release-{ctx.input['version']}.tar.gz"
+
+
+def _sources(ctx: PhaseContext) -> dict[str, str]:
+    """The fetched sources, read from the journal (``fetching``'s output; a fork has it too)."""
+    fetched = ctx.output_of("fetching")
+    if not isinstance(fetched, Mapping) or not isinstance(fetched.get("sources"), Mapping):
+        raise TypeError(f"run {ctx.run_id} has no journaled sources from 'fetching'")
+    return {str(name): str(text) for name, text in fetched["sources"].items()}
+
+
+def _write_archive(archive: Path, sources: Mapping[str, str]) -> str:
+    """Archive ``sources`` under ``src/``, reproducibly; return the archive's SHA-256.
+
+    Fixed times, owners, modes and order: the same sources give the same bytes, so an archive
+    made again (a fork, a cleaned workspace) is the one that was built and tested.
+    """
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    staging = archive.with_name(archive.name + ".partial")
+    with open(staging, "wb") as raw:
+        with (
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as compressed,
+            tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as tar,
+        ):
+            folder = tarfile.TarInfo("src")
+            folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(folder)
+            for name in sorted(sources):
+                data = sources[name].encode()
+                member = tarfile.TarInfo(f"src/{name}")
+                member.size, member.mode = len(data), 0o644
+                tar.addfile(member, io.BytesIO(data))
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(staging, archive)
+    return _sha256(archive)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _archive(ctx: PhaseContext) -> Path:
+    """This run's archive; made again from the journaled sources when it is not there."""
+    archive = _archive_path(ctx)
+    if not archive.exists():
+        _write_archive(archive, _sources(ctx))
+    return archive
+
+
 def fetch(ctx: PhaseContext) -> PhaseResult:
-    """Write the release's sources."""
-    src = _workspace(ctx) / "src"
-    src.mkdir(parents=True, exist_ok=True)
+    """Fetch the release's sources: write them into the run's directory and journal them."""
     version = ctx.input["version"]
-    (src / "VERSION").write_text(version + "\n")
-    (src / "hello.py").write_text(f'print("hello from {version}")\n')
-    return PhaseResult("FETCHED", output={"files": sorted(p.name for p in src.iterdir())})
+    sources = {"VERSION": version + "\n", "hello.py": f'print("hello from {version}")\n'}
+    src = _run_dir(ctx) / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        (src / name).write_text(text)
+    return PhaseResult("FETCHED", output={"files": sorted(sources), "sources": sources})
 
 
 def build(ctx: PhaseContext) -> PhaseResult:
-    """Archive the sources."""
-    root = _workspace(ctx)
-    archive = root / f"release-{ctx.input['version']}.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(root / "src", arcname="src")
-    return PhaseResult("BUILT", output={"archive": archive.name}, context={"archive": str(archive)})
+    """Archive the sources (from the journal) in the run's directory."""
+    archive = _archive_path(ctx)
+    digest = _write_archive(archive, _sources(ctx))
+    return PhaseResult("BUILT", output={"archive": archive.name, "sha256": digest})
 
 
 def test(ctx: PhaseContext) -> PhaseResult:
-    """Check that the archive holds exactly the sources."""
-    root = _workspace(ctx)
-    with tarfile.open(ctx.context["archive"]) as tar:
-        names = sorted(name for name in tar.getnames() if name.count("/") == 1)
-    expected = sorted(f"src/{p.name}" for p in (root / "src").iterdir())
-    if names != expected:
-        return PhaseResult("TESTS_FAILED", error=f"archive holds {names}, expected {expected}")
-    return PhaseResult("TESTS_PASSED", output={"checked": len(names)})
+    """Check that the archive is the one built and holds exactly the sources."""
+    sources = _sources(ctx)
+    archive = _archive(ctx)
+    built = ctx.output_of("building") or {}
+    digest = _sha256(archive)
+    if built.get("sha256") not in (None, digest):
+        return PhaseResult(
+            "TESTS_FAILED", error=f"{archive.name} is not the archive built ({digest[:12]})"
+        )
+    with tarfile.open(archive) as tar:
+        found = {}
+        for member in tar.getmembers():
+            extracted = tar.extractfile(member) if member.isfile() else None
+            if extracted is not None:
+                found[member.name] = extracted.read().decode()
+    expected = {f"src/{name}": text for name, text in sources.items()}
+    if found != expected:
+        return PhaseResult(
+            "TESTS_FAILED", error=f"archive holds {sorted(found)}, expected {sorted(expected)}"
+        )
+    return PhaseResult("TESTS_PASSED", output={"checked": len(found)})
 
 
 def publish(ctx: PhaseContext) -> PhaseResult:
-    """Publish the archive next to its SHA-256."""
-    archive = Path(ctx.context["archive"])
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    """Publish the archive next to its SHA-256 in the workspace's ``dist``."""
+    archive = _archive(ctx)
+    digest = _sha256(archive)
     dist = Path(ctx.input["workspace"]) / "dist"
     dist.mkdir(parents=True, exist_ok=True)
     target = dist / archive.name
-    os.replace(archive, target)
+    staging = dist / (archive.name + ".partial")
+    shutil.copyfile(archive, staging)
+    os.replace(staging, target)  # readers of dist never see half an archive
     (dist / (archive.name + ".sha256")).write_text(f"{digest}  {archive.name}\n")
     return PhaseResult("PUBLISHED", output={"published": str(target), "sha256": digest})
 
@@ -111,31 +202,79 @@ def make_engine(journal_path: str | os.PathLike[str] = "fsm-runner.db") -> Engin
 
 def _print(transition: TransitionRecord, run: RunRecord) -> None:
     source = transition.from_state or "-"
-    print(f"{transition.seq:>3}  {source:<11} --{transition.event}--> {run.state}")
+    click.echo(f"{transition.seq:>3}  {source:<11} --{transition.event}--> {run.state}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Start a release run and drive it (to the end, or for ``--stop-after`` phases)."""
-    parser = argparse.ArgumentParser(prog="python -m fsm_runner.examples.release")
-    parser.add_argument("--journal", default=os.environ.get("FSM_RUNNER_JOURNAL", "fsm-runner.db"))
-    parser.add_argument("--workspace", default="fsm-runner-release")
-    parser.add_argument("--version", default="1.0.0")
-    parser.add_argument("--stop-after", type=int, default=None, metavar="N")
-    args = parser.parse_args(argv)
-    engine = make_engine(args.journal)
-    engine.listeners.append(_print)
-    run_id = engine.start({"version": args.version, "workspace": os.path.abspath(args.workspace)})
-    run = engine.run(run_id, max_steps=args.stop_after)
-    print(f"run {run_id}: {run.status.value} in state {run.state!r}")
-    print(f"inspect it with: fsm-runner --journal {args.journal} show {run_id[:12]}")
+@click.command(
+    cls=ExitCodeCommand,
+    name=PROG,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+@click.option(
+    "--journal",
+    "journal_path",
+    envvar=ENV_JOURNAL,
+    default="fsm-runner.db",
+    show_default=True,
+    metavar="PATH",
+    help=f"The journal, as for fsm-runner: a SQLite file or a postgresql://USER@HOST/DB URL "
+    f"(also from ${ENV_JOURNAL}).",
+)
+@click.option(
+    "--workspace",
+    default="fsm-runner-release",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="DIR",
+    help="Where the phases work: a directory per run, and dist/ for what is published.",
+)
+@click.option("--version", default="1.0.0", show_default=True, help="The version to release.")
+@click.option(
+    "--stop-after",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Stop after N phases, as a crash would; finish the run with fsm-runner resume.",
+)
+def release(journal_path: str, workspace: Path, version: str, stop_after: int | None) -> None:
+    """Start a four-phase release run and drive it (to the end, or for --stop-after phases).
+
+    fetching -> building -> testing -> publishing -> published, journaled transition by
+    transition. Exits 0 when the run succeeded or was stopped by --stop-after, 1 when it
+    failed, 130 when it was interrupted (Ctrl-C, SIGTERM; it stays resumable), and like
+    fsm-runner on a journal it cannot use (3: none there).
+    """
+    journal = open_cli_journal(journal_path, must_exist=False)
+    engine = Engine(SPEC, handlers=HANDLERS, journal=journal)
+    try:
+        engine.listeners.append(_print)
+        run_id = engine.start({"version": version, "workspace": str(workspace.absolute())})
+        # Suggested commands name the journal unless fsm-runner finds it by itself.
+        option = f"--journal {shlex.quote(journal_path)} "
+        if journal_path in ("fsm-runner.db", os.environ.get(ENV_JOURNAL)):
+            option = ""
+        resume = f"fsm-runner {option}resume {run_id[:12]} --app {APP}"
+        try:
+            with interrupt_on_sigterm():
+                run = engine.run(run_id, max_steps=stop_after)
+        except KeyboardInterrupt as exc:
+            cause = str(exc).removeprefix("signal ") or "Ctrl-C"
+            click.echo(f"Error: run {run_id} interrupted by {cause}; resume it: {resume}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+    finally:
+        engine.close()
+        journal.close()
+    click.echo(f"run {run_id}: {run.status.value} in state {run.state!r}")
+    click.echo(f"inspect it with: fsm-runner {option}show {run_id[:12]}")
     if not run.ended:
-        print(
-            f"finish it with: fsm-runner --journal {args.journal} resume {run_id[:12]}"
-            " --app fsm_runner.examples.release:make_engine"
-        )
-    engine.journal.close()
-    return 0 if run.status.value in ("succeeded", "active") else 1
+        click.echo(f"finish it with: {resume}")
+    if run.status.value not in ("succeeded", "active"):
+        sys.exit(EXIT_FAILURE)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the example's command line (``--help`` lists its options); exits with its code."""
+    release.main(args=list(argv) if argv is not None else None, prog_name=PROG)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
