@@ -72,7 +72,7 @@ class TestRuns:
 
     def test_corrupt_journal_is_one_line(self, invoke, journal_path):
         journal_path.write_bytes(b"\x00garbage" * 1000)
-        line = one_line_error(invoke("runs"))
+        line = one_line_error(invoke("runs"), code=3)  # no journal there
         assert "not a SQLite database" in line
         assert journal_path.read_bytes() == b"\x00garbage" * 1000
 
@@ -99,7 +99,7 @@ class TestShow:
         data = json.loads(invoke("show", run_id, "--json").output)
         assert data["run"]["state"] == "testing"
         assert [t["seq"] for t in data["transitions"]] == [0, 1, 2]
-        assert data["transitions"][2]["result"]["output"] == {"archive": "release-9.9.9.tar.gz"}
+        assert data["transitions"][2]["result"]["output"]["archive"] == "release-9.9.9.tar.gz"
 
     def test_unknown_run(self, invoke, journal_path, tmp_path):
         start_release(journal_path, tmp_path, None)
@@ -149,15 +149,50 @@ class TestResume:
     @pytest.mark.parametrize(
         ("app", "message"),
         [
-            ("no_such_module_xyz:engine", "cannot import"),
+            ("no_such_module_xyz:engine", "cannot import 'no_such_module_xyz'"),
             ("fsm_runner.examples.release:nothing", "has no attribute"),
-            ("fsm_runner.examples.release:SPEC", "not an Engine"),
-            ("fsm_runner.examples.release:fetch", "failed: TypeError"),
+            ("fsm_runner.examples.release:SPEC", "is MachineSpec, not an Engine"),
+            ("fsm_runner.examples.release:fetch", "takes arguments"),
+            ("fsm_runner.examples.release:main", "returns None, not an Engine"),
+            ("fsm_runner.examples.release:release", "is a command line, not an Engine"),
+            ("./no/such/app.py:make_engine", "does not exist (expected MODULE:ATTR or FILE.py"),
         ],
     )
-    def test_bad_app(self, invoke, journal_path, tmp_path, app, message):
+    def test_bad_app_is_a_usage_error(self, invoke, journal_path, tmp_path, app, message):
         run_id = start_release(journal_path, tmp_path, 1)
-        assert message in one_line_error(invoke("resume", run_id, "--app", app))
+        assert message in one_line_error(invoke("resume", run_id, "--app", app), code=2)
+        with SqliteJournal(journal_path) as journal:
+            assert journal.load(run_id).seq == 1  # nothing ran
+
+    def test_a_factory_that_returns_no_engine(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        (tmp_path / "not_an_app.py").write_text(
+            "def main():\n    return 42\n\ndef broken():\n    raise RuntimeError('no db')\n"
+        )
+        line = one_line_error(invoke("resume", run_id, "--app", "not_an_app:main"), code=2)
+        assert line == "Error: not_an_app:main returned int, not an Engine"
+        line = one_line_error(invoke("resume", run_id, "--app", "not_an_app:broken"), code=1)
+        assert line == "Error: not_an_app:broken failed: RuntimeError: no db"
+
+    @pytest.mark.parametrize("form", ["relative", "absolute"])
+    def test_app_from_a_file_path(self, invoke, journal_path, tmp_path, form):
+        run_id = start_release(journal_path, tmp_path, 2)
+        app_dir = tmp_path / "myapp"
+        app_dir.mkdir()
+        (app_dir / "helpers_xyz.py").write_text(
+            "from fsm_runner.examples import release\nHANDLERS = release.HANDLERS\n"
+        )
+        (app_dir / "jobs.py").write_text(
+            "import helpers_xyz\n"  # a module beside it imports, as under `python jobs.py`
+            "from fsm_runner import Engine, MemoryJournal\n"
+            "from fsm_runner.examples.release import SPEC\n"
+            "def make_engine():\n"
+            "    return Engine(SPEC, handlers=helpers_xyz.HANDLERS, journal=MemoryJournal())\n"
+        )
+        path = "./myapp/jobs.py" if form == "relative" else str(app_dir / "jobs.py")
+        result = invoke("resume", run_id[:8], "--app", f"{path}:make_engine")
+        assert result.exit_code == 0, result.output
+        assert "succeeded in state 'published'" in result.output
 
     def test_app_without_colon_is_a_usage_error(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, 1)

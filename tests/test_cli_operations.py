@@ -61,7 +61,7 @@ class TestExitCodes:
     @pytest.mark.parametrize("command", [*RUN_COMMANDS, ("runs",), ("check",)], ids=lambda c: c[0])
     def test_corrupt_journal_is_one_line(self, invoke, journal_path, command):
         journal_path.write_bytes(b"\x00garbage" * 1000)
-        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_FAILURE)
+        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_NOT_FOUND)
         assert "not a SQLite database" in line
         assert journal_path.read_bytes() == b"\x00garbage" * 1000
 
@@ -78,15 +78,67 @@ class TestExitCodes:
         assert "already exists" in line
 
     def test_bad_import_paths_are_usage_or_failure(self, invoke, journal_path, tmp_path):
+        # The path given is wrong: a usage error (2), whatever is wrong with it.
         assert "MODULE:ATTR" in one_line_error(invoke("diagram", "no_colon"), EXIT_USAGE)
-        line = one_line_error(invoke("diagram", "no_such_module_xyz:SPEC"), EXIT_FAILURE)
+        line = one_line_error(invoke("diagram", "no_such_module_xyz:SPEC"), EXIT_USAGE)
         assert "cannot import 'no_such_module_xyz'" in line
-        line = one_line_error(invoke("diagram", "fsm_runner.examples.release:NOPE"), EXIT_FAILURE)
+        line = one_line_error(invoke("diagram", "fsm_runner.examples.release:NOPE"), EXIT_USAGE)
         assert "has no attribute 'NOPE'" in line
-        line = one_line_error(
-            invoke("diagram", "fsm_runner.examples.release:HANDLERS"), EXIT_FAILURE
-        )
+        line = one_line_error(invoke("diagram", "fsm_runner.examples.release:HANDLERS"), EXIT_USAGE)
         assert "not a MachineSpec" in line
+        # The module named is there but fails: a failure (1).
+        broken = tmp_path / "broken_app_xyz.py"
+        broken.write_text("import no_such_dependency_xyz\n")
+        line = one_line_error(invoke("diagram", f"{broken}:SPEC"), EXIT_FAILURE)
+        assert "importing" in line
+        assert "No module named 'no_such_dependency_xyz'" in line
+
+    @pytest.mark.parametrize("kind", ["directory", "text file"])
+    @pytest.mark.parametrize("command", [*RUN_COMMANDS, ("runs",), ("check",)], ids=lambda c: c[0])
+    def test_a_journal_that_is_no_journal_is_not_found(self, invoke, journal_path, command, kind):
+        if kind == "directory":
+            journal_path.mkdir()
+        else:
+            journal_path.write_text("these are my notes\n")
+        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_NOT_FOUND)
+        assert str(journal_path) in line
+        assert ("is a directory" if kind == "directory" else "not a SQLite database") in line
+        if kind == "text file":
+            assert journal_path.read_text() == "these are my notes\n"
+
+    @pytest.mark.parametrize("command", [*RUN_COMMANDS, ("runs",), ("check",)], ids=lambda c: c[0])
+    def test_a_postgres_database_without_a_journal_is_not_found(
+        self, postgres_server, postgres_schema, command
+    ):
+        from click.testing import CliRunner
+
+        from fsm_runner.cli import cli
+
+        url = f"{postgres_server.url}?schema={postgres_schema}"
+        for _ in range(2):  # no such schema; then a schema without tables
+            result = CliRunner().invoke(cli, ["--journal", url, *run_args(command, "r1")])
+            line = one_line_error(result, EXIT_NOT_FOUND)
+            assert "holds no fsm_runner journal" in line
+            postgres_server.admin.execute(f'CREATE SCHEMA IF NOT EXISTS "{postgres_schema}"')
+        tables = postgres_server.admin.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (postgres_schema,)
+        ).fetchone()
+        assert tables == (0,)  # a read command created nothing
+
+    def test_an_ambiguous_prefix_names_its_matches(self, invoke, journal_path):
+        engine = release.make_engine(journal_path)
+        for n in range(7):
+            engine.start({"version": "1", "workspace": "x"}, run_id=f"abc{n}")
+        engine.start({"version": "1", "workspace": "x"}, run_id="abd0")
+        engine.journal.close()
+        for command in RUN_COMMANDS:
+            line = one_line_error(invoke(*run_args(command, "abc")), EXIT_USAGE)
+            assert "ambiguous" in line
+            assert "abc0, abc1, abc2, abc3, abc4, …" in line
+            assert "abc5" not in line
+            assert "abd0" not in line
+        line = one_line_error(invoke("show", "ab"), EXIT_USAGE)
+        assert "it matches abc0, abc1, abc2, abc3, abc4, …;" in line
 
     def test_no_colour_when_piped(self, invoke, journal_path, tmp_path):
         start_release(journal_path, tmp_path, None)
@@ -164,9 +216,19 @@ class TestResumeFromState:
     def test_a_state_never_visited_is_refused(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, 1)
         line = one_line_error(
-            invoke("resume", run_id, "--app", APP, "--from-state", "publishing"), EXIT_FAILURE
+            invoke("resume", run_id, "--app", APP, "--from-state", "publishing"), EXIT_USAGE
         )
         assert "never been in 'publishing'" in line
+
+    def test_an_unknown_state_is_a_usage_error(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 1)
+        line = one_line_error(
+            invoke("resume", run_id, "--app", APP, "--from-state", "nosuch"), EXIT_USAGE
+        )
+        assert line.startswith("Error: --from-state: ")
+        assert "no state 'nosuch'" in line
+        with SqliteJournal(journal_path) as journal:
+            assert journal.load(run_id).seq == 1  # nothing written
 
 
 class TestWatch:
@@ -235,11 +297,11 @@ class TestPrune:
         active = start_release(journal_path, tmp_path, 1)
         result = invoke("prune", "--older-than", "0", "--dry-run")
         assert result.exit_code == 0, result.output
-        assert "would prune 1 runs (5 transitions)" in result.output
+        assert "would prune 1 run (5 transitions)" in result.output
         assert done in result.output
         assert invoke("show", done).exit_code == 0
         result = invoke("prune", "--older-than", "0")
-        assert "pruned 1 runs (5 transitions)" in result.output
+        assert "pruned 1 run (5 transitions)" in result.output
         assert "journal size" in result.output
         assert invoke("show", done).exit_code == EXIT_NOT_FOUND
         assert invoke("show", active).exit_code == 0
