@@ -809,8 +809,8 @@ class Engine:
             return None, run
         try:
             outcome = self._call_sync(step)
-        except KeyboardInterrupt:
-            self._journal_interruption(run, "KeyboardInterrupt")
+        except KeyboardInterrupt as exc:
+            self._journal_interruption(run, exc)
             raise
         finally:
             self._finished(run_id)
@@ -844,9 +844,9 @@ class Engine:
             self._finished(run_id)
             step = _Step(run, self._states[run.state], ctx, started)
             return self._settle(step, self._outcome(step, None, exc))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             self._finished(run_id)
-            self._journal_interruption(run, "KeyboardInterrupt")
+            self._journal_interruption(run, exc)
             raise
         except BaseException:
             self._finished(run_id)  # SystemExit and the like: not journaled, but the phase is over
@@ -867,12 +867,12 @@ class Engine:
             self._finished(run_id)
         return self._settle(step, outcome)
 
-    def _journal_interruption(self, run: RunRecord, cause: str) -> None:
+    def _journal_interruption(self, run: RunRecord, exc: BaseException) -> None:
         """Journal INTERRUPTED as a self transition; the run stays resumable.
 
         The phase that was interrupted runs again, as its next attempt, when the run resumes.
         """
-        message = f"interrupted ({cause}) in {run.state!r}"
+        message = f"interrupted {_interruption_cause(exc)} in {run.state!r}"
         try:
             self._write(self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1))
         except FsmRunnerError:
@@ -972,7 +972,7 @@ class Engine:
                             )
                         except (KeyboardInterrupt, asyncio.CancelledError) as exc:
                             self._finished(run_id)
-                            self._journal_interruption(run, type(exc).__name__)
+                            self._journal_interruption(run, exc)
                             raise
                         except BaseException:
                             self._finished(run_id)
@@ -1029,7 +1029,7 @@ class Engine:
         try:
             outcome = await self._call_async(step)
         except (KeyboardInterrupt, asyncio.CancelledError) as exc:
-            self._journal_interruption(run, type(exc).__name__)
+            self._journal_interruption(run, exc)
             raise
         finally:
             self._release(run.run_id)
@@ -1872,6 +1872,18 @@ def fork_run(
     return journal.load(fork.run_id)
 
 
+def _interruption_cause(exc: BaseException) -> str:
+    """``by SIGTERM`` for :func:`interrupt_on_sigterm`'s interruption, else ``(ExceptionType)``."""
+    text = str(exc) if isinstance(exc, KeyboardInterrupt) else ""
+    if text.startswith(_SIGNAL_PREFIX):
+        return f"by {text.removeprefix(_SIGNAL_PREFIX)}"
+    return f"({type(exc).__name__})"
+
+
+#: How :func:`interrupt_on_sigterm`'s ``KeyboardInterrupt`` names the signal: ``signal SIGTERM``.
+_SIGNAL_PREFIX = "signal "
+
+
 @contextlib.contextmanager
 def interrupt_on_sigterm() -> Iterator[None]:
     """Within the block, SIGTERM interrupts like Ctrl-C (``KeyboardInterrupt``).
@@ -1885,7 +1897,7 @@ def interrupt_on_sigterm() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        raise KeyboardInterrupt(f"{_SIGNAL_PREFIX}{signal.Signals(signum).name}")
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
