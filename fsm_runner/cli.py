@@ -33,6 +33,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "ExitCodeCommand",
+    "ExitCodeGroup",
     "cli",
     "main",
     "open_cli_journal",
@@ -120,6 +121,10 @@ class ExitCodeCommand(_MapsErrors):
     An ``fsm_runner`` error raised by the command prints one ``Error: ...`` line on stderr and
     exits with the code ``fsm-runner`` uses for it (see the ``EXIT_*`` constants).
     """
+
+
+class ExitCodeGroup(_MapsErrors, click.Group):
+    """A click group with ``fsm-runner``'s error handling (see :class:`ExitCodeCommand`)."""
 
 
 #: What a journal that cannot be opened says when there is no journal at that location

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 
 from fsm_runner import Outcome, RetryPolicy, RunRecord, SqliteJournal
@@ -26,7 +27,14 @@ from fsm_runner.presets.helper_server import (
     HelperServer,
     ServerUnreachableError,
 )
-from fsm_runner.presets.subphases import SUBPHASE_NAMES, SUBPHASES, Harness, SubPhase, plain_spec
+from fsm_runner.presets.subphases import (
+    SUBPHASE_NAMES,
+    SUBPHASES,
+    Harness,
+    SubPhase,
+    _delays,
+    plain_spec,
+)
 from fsm_runner.supervisor import Resource, Supervisor
 
 ROOT = Path(__file__).parents[1]
@@ -47,7 +55,7 @@ def log_counts(log: Path, kind: str) -> Counter[str]:
     counts: Counter[str] = Counter()
     if log.exists():
         for line in log.read_text(encoding="utf-8").splitlines():
-            what, name, _pid = line.split()
+            what, name, _pid = line.split()[:3]  # a fourth field: the run that asked
             if what == kind:
                 counts[name] += 1
     return counts
@@ -55,7 +63,7 @@ def log_counts(log: Path, kind: str) -> Counter[str]:
 
 def started_pid(log: Path, name: str) -> int:
     for line in log.read_text(encoding="utf-8").splitlines():
-        what, logged, pid = line.split()
+        what, logged, pid = line.split()[:3]
         if (what, logged) == ("start", name):
             return int(pid)
     raise AssertionError(f"no 'start {name}' in the log")
@@ -182,6 +190,18 @@ class TestHelperServer:
             client.work("x")
         assert isinstance(caught.value, ConnectionError)
         assert caught.value.url == f"{server.base_url}/work/x"
+
+    def test_a_delay_applies_to_each_keys_first_time(self, tmp_path):
+        from fsm_runner.presets.helper_server import _WorkLog
+
+        log = _WorkLog(tmp_path / "log")
+        assert log.start("1b", "run-1")
+        assert not log.start("1b", "run-1")  # its re-run is fast
+        assert log.start("1b", "run-2")  # another run in the same workdir is slow again
+        assert log.start("1a")
+        assert not log.start("1a")
+        assert not log.start("1b")  # without a key: any earlier start counts
+        assert log_counts(tmp_path / "log", "start") == {"1b": 4, "1a": 2}
 
     def test_refuse_if_exists(self, tmp_path):
         refuse = tmp_path / "refuse"
@@ -391,3 +411,85 @@ def test_phase_handlers_have_no_handle_on_the_server_lifecycle(tmp_path):
         assert type(h.engine.handlers["work"]) is SubPhase
         # The client works, and is all a phase would use.
         assert client.work("probe")["done"] == 1
+
+
+# -- the command line, as the README uses it ---------------------------------------------------
+
+
+class TestCommandLine:
+    """`python -m fsm_runner.presets.subphases`: delays, run-id prefixes, exit codes, signals."""
+
+    def test_delay_for_every_sub_phase_or_one(self):
+        assert _delays(["2"]) == dict.fromkeys(SUBPHASE_NAMES, 2.0)
+        assert _delays(["2", "1b=0.5"]) == {**dict.fromkeys(SUBPHASE_NAMES, 2.0), "1b": 0.5}
+        assert _delays([]) == {}
+        for bad in ("x=1", "1b=", "soon", "-1", "1b=nan"):
+            with pytest.raises(click.BadParameter, match="SUBPHASE=SECONDS"):
+                _delays([bad])
+
+    def test_sigterm_then_resume_by_prefix(self, tmp_path):
+        journal, work = tmp_path / "journal.db", tmp_path / "work"
+        log = work / "helper-server.log"
+        common = ["--journal", str(journal), "--workdir", str(work)]
+        # --delay LONG slows every sub-phase; 1b..1c are set back so the resume is quick.
+        fast = [arg for name in SUBPHASE_NAMES[1:] for arg in ("--delay", f"{name}=0")]
+        proc = spawn(*common, "start", "--delay", f"{LONG:g}", *fast)
+        try:
+            wait_for(lambda: log_counts(log, "start")["1a"] == 1, "'start 1a'", proc=proc)
+            os.kill(proc.pid, signal.SIGTERM)
+            stdout, stderr = reap(proc)
+        finally:
+            reap(proc)
+        assert proc.returncode == 130, stderr
+        run_id = stdout.split()[0]
+        assert stdout.split() == [run_id]
+        assert "KeyboardInterrupt" not in stderr
+        assert "Traceback" not in stderr
+        assert stderr.splitlines() == [
+            f"Error: run {run_id} interrupted by SIGTERM; it stays resumable: "
+            f"python -m fsm_runner.presets.subphases --journal {journal} --workdir {work} "
+            f"resume {run_id[:12]}"
+        ]
+        run, transitions = journaled(journal, run_id)
+        assert run.input == {"delays": {"1a": LONG, "1b": 0.0, "codeql": 0.0, "1c": 0.0}}
+        assert triples(transitions)[-1] == ("1a", "INTERRUPTED", "1a")
+        assert transitions[-1].error["message"] == "interrupted by SIGTERM in '1a'"
+
+        resumed = spawn(*common, "resume", run_id[:6])
+        stdout, stderr = reap(resumed)
+        assert resumed.returncode == 0, stderr
+        assert stdout.split() == [run_id, "done", "succeeded"]
+        assert log_counts(log, "start") == {"1a": 2, "1b": 1, "codeql": 1, "1c": 1}
+
+        # An ended run, an unknown one, an ambiguous prefix: fsm-runner's codes, one line.
+        for args, code, message in (
+            (["resume", run_id[:6]], 4, "has ended"),
+            (["resume", "zzz"], 3, "no run 'zzz'"),
+            (["resume", ""], 2, "ambiguous"),
+        ):
+            if code == 2:  # a second run makes the empty prefix ambiguous
+                quick = spawn(*common, "start")
+                assert reap(quick)[0].split()[1:] == ["done", "succeeded"]
+            proc = spawn(*common, *args)
+            _, stderr = reap(proc)
+            assert proc.returncode == code, stderr
+            lines = stderr.splitlines()
+            assert len(lines) == 1, stderr
+            assert lines[0].startswith("Error: ")
+            assert message in lines[0]
+
+    def test_a_journal_that_is_not_there_or_not_a_journal(self, tmp_path):
+        (tmp_path / "notes.txt").write_text("notes\n")
+        for journal, command, code in (
+            (tmp_path / "missing.db", "resume", 3),
+            (tmp_path / "notes.txt", "start", 3),
+            (tmp_path, "start", 3),
+        ):
+            proc = spawn("--journal", str(journal), "--workdir", str(tmp_path / "w"), command,
+                         *(["r1"] if command == "resume" else []))  # fmt: skip
+            stdout, stderr = reap(proc)
+            assert proc.returncode == code, stderr
+            assert len(stderr.splitlines()) == 1, stderr
+            assert stderr.startswith("Error: journal") or stderr.startswith("Error: no journal")
+            assert stdout == ""
+        assert (tmp_path / "notes.txt").read_text() == "notes\n"

@@ -10,13 +10,15 @@ It listens on 127.0.0.1 only and answers:
 
 ``GET /health``
     ``200 {"ok": true, "pid": ...}``.
-``POST /work/<name>?delay=S&fail=MESSAGE``
-    appends ``start <name> <pid>`` to the log (flushed and fsynced, so a kill right after still
-    leaves it), sleeps ``S`` seconds, appends ``done <name> <pid>`` and answers
-    ``{"name", "done", "pid"}`` where ``done`` counts the ``done <name>`` lines in the log.
-    The delay applies only to the first ``start`` of ``<name>`` the log has seen: a sub-phase
-    is slow the first time (so a test can kill something while it runs) and its re-run is
-    fast. With ``fail``, it answers ``500 {"error": MESSAGE}`` instead of doing the work.
+``POST /work/<name>?delay=S&key=KEY&fail=MESSAGE``
+    appends ``start <name> <pid>`` (``start <name> <pid> <KEY>`` with a key) to the log
+    (flushed and fsynced, so a kill right after still leaves it), sleeps ``S`` seconds, appends
+    ``done <name> <pid>`` and answers ``{"name", "done", "pid"}`` where ``done`` counts the
+    ``done <name>`` lines in the log. The delay applies only to the first ``start`` of
+    ``<name>`` (with that ``KEY``: the sub-phases pass their run's id) the log has seen: a
+    sub-phase is slow the first time (so a test can kill something while it runs) and its
+    re-run is fast. With ``fail``, it answers ``500 {"error": MESSAGE}`` instead of doing
+    the work.
 
 With ``--refuse-if-exists PATH``, the server exits with code 1 at once if ``PATH`` exists;
 tests create that file to make a killed server "never come back".
@@ -124,13 +126,16 @@ class HelperClient:
     def __repr__(self) -> str:
         return f"HelperClient({self.base_url!r})"
 
-    def work(self, name: str, *, delay: float = 0.0, fail: str | None = None) -> dict[str, Any]:
+    def work(
+        self, name: str, *, delay: float = 0.0, fail: str | None = None, key: str | None = None
+    ) -> dict[str, Any]:
         """Ask the server to do the work called ``name``.
 
         Args:
             name: the work's name (a sub-phase).
-            delay: seconds the server takes, the first time it does ``name``.
+            delay: seconds the server takes, the first time it does ``name`` (for ``key``).
             fail: make the server answer this error instead (to exercise failures).
+            key: whose work it is (a run id): the delay applies to each key's first time.
 
         Returns:
             The server's answer: ``{"name", "done", "pid"}``.
@@ -142,6 +147,8 @@ class HelperClient:
         query: dict[str, str] = {}
         if delay:
             query["delay"] = f"{delay:g}"
+        if key is not None:
+            query["key"] = key
         if fail is not None:
             query["fail"] = fail
         path = f"/work/{urllib.parse.quote(name, safe='')}"
@@ -281,11 +288,14 @@ class _WorkLog:
             log.flush()
             os.fsync(log.fileno())
 
-    def start(self, name: str) -> bool:
-        """Log the start of ``name``; return whether it is the first start the log has seen."""
+    def start(self, name: str, key: str | None = None) -> bool:
+        """Log the start of ``name``; return whether it is the first (for ``key``) in the log."""
         with self._lock:
-            first = not any(line.split()[:2] == ["start", name] for line in self._lines())
-            self._append(f"start {name} {os.getpid()}")
+            first = not any(
+                fields[:2] == ["start", name] and (key is None or fields[3:] == [key])
+                for fields in (line.split() for line in self._lines())
+            )
+            self._append(f"start {name} {os.getpid()}" + ("" if key is None else f" {key}"))
             return first
 
     def done(self, name: str) -> int:
@@ -333,8 +343,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except ValueError:
             self._answer(http.HTTPStatus.BAD_REQUEST, {"error": "delay must be a number"})
             return
+        key = query.get("key", [None])[0]
+        if key is not None and (not key or any(c.isspace() for c in key)):
+            self._answer(http.HTTPStatus.BAD_REQUEST, {"error": "key must be one word"})
+            return
         log = self.server.work_log
-        if log.start(name) and delay > 0:
+        if log.start(name, key) and delay > 0:
             time.sleep(delay)
         done = log.done(name)
         self._answer(http.HTTPStatus.OK, {"name": name, "done": done, "pid": os.getpid()})

@@ -18,19 +18,26 @@ A :class:`Harness` puts it together: it owns the server (through a
 :class:`fsm_runner.supervisor.Supervisor`), the engine, and turns SIGTERM into an interruption
 that is journaled (``INTERRUPTED``) and leaves the run resumable. From a shell::
 
-    python -m fsm_runner.presets.subphases --journal j.db --workdir w start --delay 1b=5
-    python -m fsm_runner.presets.subphases --journal j.db --workdir w resume RUN_ID
+    python -m fsm_runner.presets.subphases --journal j.db --workdir w start --delay 3
+    python -m fsm_runner.presets.subphases --journal j.db --workdir w resume RUN
+
+``--delay 3`` makes every sub-phase take 3 s the first time it runs (``--delay 1b=5`` only
+``1b``), so there is time to interrupt it (Ctrl-C, SIGTERM, ``kill -9``); ``RUN`` may be any
+unique prefix of the run's id. Exit codes are ``fsm-runner``'s, and 130 when interrupted.
 
 This module uses only fsm_runner's public API (and the supervisor), as a host app would.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
+import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import click
 
 from fsm_runner import (
     RETURN,
@@ -44,10 +51,19 @@ from fsm_runner import (
     RunEvent,
     RunRecord,
     RunStatus,
-    SqliteJournal,
     State,
     Transition,
     interrupt_on_sigterm,
+)
+from fsm_runner.cli import (
+    DEFAULT_JOURNAL,
+    ENV_JOURNAL,
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    ExitCodeCommand,
+    ExitCodeGroup,
+    open_cli_journal,
+    resolve_run_id,
 )
 from fsm_runner.exceptions import FsmRunnerError
 from fsm_runner.presets.helper_server import (
@@ -143,7 +159,7 @@ class SubPhase:
 
     The work is named after the state (``ctx.state``). The run's input may slow a sub-phase
     down or make it fail, for demos and tests: ``{"delays": {"1b": 5}, "fail": {"1c": "why"}}``
-    (the server applies a delay only the first time it does that work).
+    (the server applies a delay only the first time it does that work for this run).
 
     It reports the :class:`fsm_runner.RunStatus` events — ``OK``, ``SERVER_UNREACHABLE`` when
     the server does not answer, ``ERROR`` when it answers an error — as a
@@ -168,7 +184,9 @@ class SubPhase:
         delay = float((options.get("delays") or {}).get(ctx.state, 0.0))
         fail = (options.get("fail") or {}).get(ctx.state)
         try:
-            answer = ctx.services["server"].work(ctx.state, delay=delay, fail=fail)
+            answer = ctx.services["server"].work(
+                ctx.state, delay=delay, fail=fail, key=ctx.run_id if delay else None
+            )
         except ServerUnreachableError as exc:
             ctx.logger.warning("helper server unreachable: %s", exc.detail)
             return PhaseResult(RunStatus.SERVER_UNREACHABLE.event, error=_error(exc))
@@ -274,85 +292,175 @@ class Harness:
             return self.engine.resume(run_id, max_steps=max_steps)
 
 
-def _delay(text: str) -> tuple[str, float]:
-    name, sep, seconds = text.partition("=")
-    problem = argparse.ArgumentTypeError(
-        f"expected SUBPHASE=SECONDS with SUBPHASE one of {', '.join(SUBPHASE_NAMES)}"
-    )
-    if not sep or name not in SUBPHASE_NAMES:
-        raise problem
-    try:
-        return name, float(seconds)
-    except ValueError:
-        raise problem from None
+PROG = "python -m fsm_runner.presets.subphases"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fsm_runner.presets.subphases",
-        description="Run the sub-phases machine beside a supervised helper server.",
-    )
-    parser.add_argument("--journal", type=Path, required=True, help="the SQLite journal")
-    parser.add_argument("--workdir", type=Path, required=True, help="the server's work dir")
-    parser.add_argument("--max-restarts", type=int, default=3, help="server restart budget")
-    parser.add_argument("--window", type=float, help="budget window in seconds (default: all)")
-    parser.add_argument("--health-timeout", type=float, default=10.0, help="seconds to start")
-    parser.add_argument("--refuse-if-exists", type=Path, help="the server refuses while it exists")
-    commands = parser.add_subparsers(dest="command", required=True)
-    start = commands.add_parser("start", help="start a run and run it to the end")
-    start.add_argument(
-        "--delay",
-        type=_delay,
-        action="append",
-        default=[],
-        metavar="SUBPHASE=SECONDS",
-        help="slow a sub-phase down the first time it runs",
-    )
-    resume = commands.add_parser("resume", help="resume a run from its journaled state")
-    resume.add_argument("run_id", help="the run to resume")
-    return parser
+def _delays(values: Sequence[str]) -> dict[str, float]:
+    """``--delay SECONDS`` (every sub-phase) and ``--delay SUBPHASE=SECONDS`` (one)."""
+    delays: dict[str, float] = {}
+    for text in values:
+        name, sep, seconds = text.rpartition("=")
+        problem = click.BadParameter(
+            f"expected SECONDS or SUBPHASE=SECONDS with SUBPHASE one of "
+            f"{', '.join(SUBPHASE_NAMES)}, not {text!r}",
+            param_hint="--delay",
+        )
+        if sep and name not in SUBPHASE_NAMES:
+            raise problem
+        try:
+            value = float(seconds)
+        except ValueError:
+            raise problem from None
+        if not value >= 0 or value == float("inf"):
+            raise problem
+        delays.update({name: value} if sep else dict.fromkeys(SUBPHASE_NAMES, value))
+    return delays
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Start or resume a run; print its id (first line, at once), then its final state.
+class _Options:
+    """What the group hands its commands."""
 
-    Returns:
-        0 when the run succeeded, 1 when it failed or was canceled, 130 when interrupted
-        (Ctrl-C, SIGINT, SIGTERM): the interruption is journaled and the run resumable.
+    def __init__(self, **options: Any) -> None:
+        self.journal_path: str = options.pop("journal_path")
+        self.options = options
+
+    def resume_hint(self, run_id: str) -> str:
+        """The command that continues the run."""
+        argv = []
+        if self.journal_path not in (DEFAULT_JOURNAL, _env_journal()):
+            argv += ["--journal", self.journal_path]
+        argv += ["--workdir", str(self.options["workdir"]), "resume", run_id[:12]]
+        return f"{PROG} {shlex.join(argv)}"
+
+
+def _env_journal() -> str | None:
+    return os.environ.get(ENV_JOURNAL)
+
+
+@click.group(cls=ExitCodeGroup, name=PROG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--journal",
+    "journal_path",
+    envvar=ENV_JOURNAL,
+    default=DEFAULT_JOURNAL,
+    show_default=True,
+    metavar="PATH",
+    help=f"The journal, as for fsm-runner: a SQLite file or a postgresql:// URL "
+    f"(also from ${ENV_JOURNAL}).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default="fsm-runner-subphases",
+    show_default=True,
+    metavar="DIR",
+    help="Where the helper server keeps its work log (helper-server.log).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    metavar="N",
+    default=3,
+    show_default=True,
+    help="How often the harness may restart the helper server.",
+)
+@click.option(
+    "--window",
+    type=click.FloatRange(min=0, min_open=True),
+    metavar="S",
+    help="The restart budget's window in seconds (default: the whole run).",
+)
+@click.option(
+    "--health-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    metavar="S",
+    help="Seconds the helper server may take to become healthy after a start.",
+)
+@click.option(
+    "--refuse-if-exists",
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="The helper server refuses to start while PATH exists (to try a server that dies).",
+)
+@click.pass_context
+def cli(ctx: click.Context, /, **options: Any) -> None:
+    """Run the sub-phases machine (1a, 1b, codeql, 1c) beside a supervised helper server.
+
+    `start` prints the run's id, then its final state and status. Interrupt it (Ctrl-C,
+    SIGTERM) and `resume RUN` continues at the sub-phase it was in; RUN may be any unique
+    prefix of the id. Exit codes: 0 the run succeeded; 1 it failed (or a failure); 2 usage;
+    3 run or journal not found; 4 the run has ended or is held; 130 interrupted (the run
+    stays resumable).
     """
-    args = _parser().parse_args(argv)
+    ctx.obj = _Options(**options)
+
+
+@cli.command(cls=ExitCodeCommand)
+@click.option(
+    "--delay",
+    "delays",
+    multiple=True,
+    metavar="[SUBPHASE=]SECONDS",
+    help="Make every sub-phase (or SUBPHASE only) take SECONDS the first time it runs, so "
+    "there is time to interrupt the run; repeatable.",
+)
+@click.pass_obj
+def start(options: _Options, delays: tuple[str, ...]) -> None:
+    """Start a run and run it to the end."""
+    slow = _delays(delays)
+    _drive(options, lambda harness: harness.start({"delays": slow} if slow else None), False)
+
+
+@cli.command(cls=ExitCodeCommand)
+@click.argument("run_id", metavar="RUN")
+@click.pass_obj
+def resume(options: _Options, run_id: str) -> None:
+    """Resume a run from its journaled state (an interrupted sub-phase runs again)."""
+    _drive(options, lambda harness: resolve_run_id(harness.engine.journal, run_id), True)
+
+
+def _drive(options: _Options, pick: Callable[[Harness], str], must_exist: bool) -> None:
+    """Open the journal, start the harness, pick the run and run it; print as documented."""
+    run_id = None
+    journal = open_cli_journal(options.journal_path, must_exist=must_exist)
     try:
         # The whole body, not only the run: a SIGTERM during start-up must still stop the
         # server on the way out rather than orphan it.
-        with (
-            interrupt_on_sigterm(),
-            SqliteJournal(args.journal) as journal,
-            Harness(
-                journal,
-                workdir=args.workdir,
-                max_restarts=args.max_restarts,
-                window=args.window,
-                health_timeout=args.health_timeout,
-                refuse_if_exists=args.refuse_if_exists,
-            ) as harness,
-        ):
-            if args.command == "start":
-                run_id = harness.start({"delays": dict(args.delay)} if args.delay else None)
-            else:
-                run_id = args.run_id
-            print(run_id, flush=True)
+        with interrupt_on_sigterm(), Harness(journal, **options.options) as harness:
+            run_id = pick(harness)
+            click.echo(run_id)
+            sys.stdout.flush()
             run = harness.resume(run_id)
-    except KeyboardInterrupt:
-        print("interrupted; the run can be resumed", file=sys.stderr)
-        return 130
-    except FsmRunnerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(run.state, run.status.value, flush=True)
-    if run.error and run.status is not Outcome.SUCCEEDED:
-        print(f"error: {run.error.get('message')}", file=sys.stderr)
-    return 0 if run.status is Outcome.SUCCEEDED else 1
+    except KeyboardInterrupt as exc:
+        cause = str(exc).removeprefix("signal ") or "Ctrl-C"
+        if run_id is None:
+            message = f"interrupted by {cause} while the helper server started"
+        else:
+            hint = options.resume_hint(run_id)
+            message = f"run {run_id} interrupted by {cause}; it stays resumable: {hint}"
+        click.echo(f"Error: {message}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        journal.close()
+    click.echo(f"{run.state} {run.status.value}")
+    if run.status is not Outcome.SUCCEEDED:
+        reason = (run.error or {}).get("message") or run.status.value
+        click.echo(f"Error: run {run.run_id} {run.status.value}: {reason}", err=True)
+        sys.exit(EXIT_FAILURE)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Start or resume a run; print its id (first line, at once), then its final state.
+
+    Exits 0 when the run succeeded, 1 when it failed or was canceled, 130 when interrupted
+    (Ctrl-C, SIGINT, SIGTERM): the interruption is journaled and the run resumable. Errors
+    (an unknown or ambiguous run, an ended one, a journal that is not there) print one
+    ``Error:`` line and exit with ``fsm-runner``'s codes (2 usage, 3 not found, 4 conflict).
+    """
+    cli.main(args=list(argv) if argv is not None else None, prog_name=PROG)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
