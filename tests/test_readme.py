@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+from click.testing import CliRunner
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -32,3 +37,62 @@ def test_readme_quick_start_has_exactly_two_commands():
     assert "pytest" in commands[1]
     ci = (Path(__file__).parents[1] / ".ci" / "run").read_text()
     assert commands[1].strip() in ci
+
+
+def test_readme_quick_start_says_how_to_get_fsm_runner_on_path():
+    quick_start = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    first = re.findall(r"```bash\n(.*?)```", quick_start, flags=re.DOTALL)[0]
+    assert "source .venv/bin/activate" in first  # every later bare `fsm-runner` needs it
+    assert ".venv/bin/fsm-runner" in quick_start
+    assert "python -m fsm_runner" in quick_start
+
+
+def test_python_m_fsm_runner_is_the_cli(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "fsm_runner", "--journal", str(tmp_path / "none.db"), "runs"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 3
+    assert result.stderr.startswith("Error: no journal at ")
+    shown = subprocess.run(
+        [sys.executable, "-m", "fsm_runner", "--help"], capture_output=True, text=True, check=True
+    )
+    assert shown.stdout.startswith("Usage: fsm-runner ")
+
+
+def console_commands() -> list[list[str]]:
+    """Every `$ ...` command of the README's console examples, as arguments."""
+    commands = []
+    for block in re.findall(r"```console\n(.*?)```", README.read_text(), flags=re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.startswith("$ "):
+                command = line[2:].split(";")[0]
+                commands.append(shlex.split(command, comments=True))
+    return commands
+
+
+def test_readme_console_commands_parse():
+    """Each command's options and subcommand exist (checked with --help: nothing runs)."""
+    from fsm_runner.cli import cli
+    from fsm_runner.examples.release import release
+    from fsm_runner.presets.subphases import cli as subphases
+
+    programs = {
+        ("fsm-runner",): cli,
+        ("python", "-m", "fsm_runner.presets.subphases"): subphases,
+        ("python", "-m", "fsm_runner.examples.release"): release,
+    }
+    seen = set()
+    for argv in console_commands():
+        for prefix, command in programs.items():
+            if tuple(argv[: len(prefix)]) == prefix:
+                result = CliRunner().invoke(command, [*argv[len(prefix) :], "--help"])
+                assert result.exit_code == 0, (argv, result.output)
+                seen.add(prefix)
+                break
+        else:
+            raise AssertionError(f"a README command of no known program: {argv}")
+    assert seen == set(programs)
