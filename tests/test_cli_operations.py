@@ -467,3 +467,34 @@ class TestCheck:
         data = json.loads(invoke("check", "--json").output)
         assert len(data["problems"]) == 2
         assert data["runs"] == 3
+
+
+class TestDemo:
+    """`demo` ends with commands that work as printed."""
+
+    @pytest.mark.parametrize("journal_option", [[], ["--journal", "my journal.db"]])
+    def test_last_line_is_a_complete_export_command(self, tmp_path, monkeypatch, journal_option):
+        import shlex
+        import tempfile
+
+        from click.testing import CliRunner
+
+        from fsm_runner.cli import cli
+
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the demo project goes here
+        monkeypatch.setenv("GIT_TERMINAL_PROMPT", "0")
+        monkeypatch.delenv("FSM_RUNNER_JOURNAL", raising=False)
+        runner = CliRunner()
+        result = runner.invoke(cli, [*journal_option, "demo"], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        last = result.output.splitlines()[-1]
+        show, export = (part.strip() for part in last.split("export it with:"))
+        assert show.startswith("see it with: fsm-runner ")
+        for command in (show.removeprefix("see it with: "), export):
+            argv = shlex.split(command)
+            assert argv[0] == "fsm-runner"
+            done = runner.invoke(cli, argv[1:], catch_exceptions=False)
+            assert done.exit_code == 0, (command, done.output)
+        directory = tmp_path / shlex.split(export)[-1]
+        assert (directory / "run.json").exists()
+        assert (directory / "agent-2.json").exists()
