@@ -736,8 +736,9 @@ def _echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
 @click.option(
     "--app",
     metavar="MODULE:ATTR",
-    help="The host app: an Engine, or a zero-argument factory returning one. Optional for runs"
-    " whose input names their app (as `demo` and `agent-loop` runs do).",
+    help="The host app: an Engine, or a zero-argument factory returning one, as MODULE:ATTR or"
+    " FILE.py:ATTR. Optional for runs whose input names their app (as `demo` and `agent-loop`"
+    " runs do).",
 )
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many steps.")
 @click.option(
