@@ -686,18 +686,14 @@ def _load_app(path: str) -> Engine:
     target = _import_object(path, "--app")
     if isinstance(target, Engine):
         return target
-    if callable(target) and not isinstance(target, type):
+    if callable(target) and not (isinstance(target, type) and not issubclass(target, Engine)):
         _refuse_non_factory(path, target, "an Engine")
         produced = _call_factory(path, target)
         if isinstance(produced, Engine):
             return produced
-        if hasattr(produced, "close"):
-            produced.close()  # a journal, say: not left open
         _fail(f"{path} returned {type(produced).__name__}, not an Engine", EXIT_USAGE)
-    _fail(
-        f"{path} is {type(target).__name__}, not an Engine or a zero-argument factory of one",
-        EXIT_USAGE,
-    )
+    what = f"the class {target.__name__}" if isinstance(target, type) else type(target).__name__
+    _fail(f"{path} is {what}, not an Engine or a zero-argument factory of one", EXIT_USAGE)
 
 
 def _load_spec(path: str, param_hint: str) -> MachineSpec:

@@ -167,12 +167,23 @@ class TestResume:
     def test_a_factory_that_returns_no_engine(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, 1)
         (tmp_path / "not_an_app.py").write_text(
+            "from fsm_runner import Engine, MemoryJournal\n"
+            "from fsm_runner.examples import release\n"
             "def main():\n    return 42\n\ndef broken():\n    raise RuntimeError('no db')\n"
+            "class Thing:\n    pass\n"
+            "class ReleaseEngine(Engine):\n"
+            "    def __init__(self):\n"
+            "        super().__init__(release.SPEC, handlers=release.HANDLERS,"
+            " journal=MemoryJournal())\n"
         )
         line = one_line_error(invoke("resume", run_id, "--app", "not_an_app:main"), code=2)
         assert line == "Error: not_an_app:main returned int, not an Engine"
         line = one_line_error(invoke("resume", run_id, "--app", "not_an_app:broken"), code=1)
         assert line == "Error: not_an_app:broken failed: RuntimeError: no db"
+        line = one_line_error(invoke("resume", run_id, "--app", "not_an_app:Thing"), code=2)
+        assert "is the class Thing, not an Engine" in line
+        result = invoke("resume", run_id, "--app", "not_an_app:ReleaseEngine")  # a class factory
+        assert result.exit_code == 0, result.output
 
     @pytest.mark.parametrize("form", ["relative", "absolute"])
     def test_app_from_a_file_path(self, invoke, journal_path, tmp_path, form):
