@@ -131,10 +131,30 @@ class ExitCodeGroup(_MapsErrors, click.Group):
 #: (exit 3 like a missing file), as opposed to a journal that is there but damaged (exit 1).
 _NO_JOURNAL_DETAILS = (
     "is a directory",
-    "is not a SQLite database",
     "its directory does not exist",
     "holds no fsm_runner journal",
 )
+_NOT_SQLITE = "is not a SQLite database"
+
+
+def _holds_text(path: str) -> bool:
+    """Whether the file at ``path`` is text: a wrong ``--journal`` (a README), no damaged journal.
+
+    Only called once SQLite has refused the file, so no connection of this process holds
+    POSIX locks on it that closing a descriptor could drop.
+    """
+    try:
+        with open(path, "rb") as file:
+            head = file.read(4096)
+    except OSError:
+        return False
+    if not head or b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start >= len(head) - 3  # a character cut at the end of what was read
+    return True
 
 
 def open_cli_journal(location: str, *, must_exist: bool = True) -> Journal:
@@ -149,8 +169,8 @@ def open_cli_journal(location: str, *, must_exist: bool = True) -> Journal:
 
     Raises:
         click.ClickException: exit 3 when there is no journal at ``location`` (a missing file,
-            a directory, a file that is not SQLite, a database without a journal); exit 1
-            when the journal cannot be opened otherwise.
+            a directory, a text file, a database without a journal); exit 1 when the journal
+            cannot be opened otherwise (a damaged file, a foreign database, no server).
     """
     from fsm_runner.exceptions import JournalError
     from fsm_runner.journal import open_journal
@@ -169,6 +189,12 @@ def open_cli_journal(location: str, *, must_exist: bool = True) -> Journal:
     except JournalError as exc:
         if exc.detail.startswith(_NO_JOURNAL_DETAILS):
             raise _NotFoundError(str(exc)) from None
+        if exc.detail.startswith(_NOT_SQLITE) and path and _holds_text(path):
+            _fail(
+                f"journal {exc.path}: is a text file, not a SQLite database (is --journal the "
+                f"right path?); nothing was changed",
+                EXIT_NOT_FOUND,
+            )
         raise
 
 

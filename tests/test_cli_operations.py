@@ -61,7 +61,7 @@ class TestExitCodes:
     @pytest.mark.parametrize("command", [*RUN_COMMANDS, ("runs",), ("check",)], ids=lambda c: c[0])
     def test_corrupt_journal_is_one_line(self, invoke, journal_path, command):
         journal_path.write_bytes(b"\x00garbage" * 1000)
-        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_NOT_FOUND)
+        line = one_line_error(invoke(*run_args(command, "r1")), EXIT_FAILURE)
         assert "not a SQLite database" in line
         assert journal_path.read_bytes() == b"\x00garbage" * 1000
 
@@ -102,7 +102,7 @@ class TestExitCodes:
             journal_path.write_text("these are my notes\n")
         line = one_line_error(invoke(*run_args(command, "r1")), EXIT_NOT_FOUND)
         assert str(journal_path) in line
-        assert ("is a directory" if kind == "directory" else "not a SQLite database") in line
+        assert ("is a directory" if kind == "directory" else "is a text file") in line
         if kind == "text file":
             assert journal_path.read_text() == "these are my notes\n"
 
