@@ -79,6 +79,9 @@ _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("unable to open",), "cannot be opened (check the path and its permissions)"),
 )
 
+#: How much of a ``sqlite3`` error's own text a message quotes, at most.
+_DETAIL_CHARS = 160
+
 T = TypeVar("T")
 _JSON_COLUMNS = ("input", "context", "error")
 
@@ -376,15 +379,29 @@ class SqliteJournal:
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
-        """Map ``sqlite3`` errors to :class:`JournalError`; they never leave this module."""
+        """Map ``sqlite3`` errors to :class:`JournalError`; they never leave this module.
+
+        So does a ``UnicodeDecodeError``: SQLite hands back text (a value, a column name, a
+        schema object's SQL) as the bytes the file holds, and bytes that are not UTF-8 are a
+        damaged file, not a bug of the caller's.
+        """
         try:
             yield
         except sqlite3.Error as exc:
             raise JournalError(self._describe(exc), path=self.path) from exc
+        except UnicodeDecodeError as exc:
+            raise JournalError(
+                f"is corrupt (it holds text that is not UTF-8: {exc}); nothing was changed",
+                path=self.path,
+            ) from exc
 
     @staticmethod
     def _describe(exc: sqlite3.Error) -> str:
-        text = str(exc)
+        # One line, cut: a schema that SQLite cannot parse comes back with the rest of the
+        # object's SQL in the message (a corrupt view: 20 lines and more).
+        text = " ".join(str(exc).split())
+        if len(text) > _DETAIL_CHARS:
+            text = text[: _DETAIL_CHARS - 1] + "…"
         lowered = text.lower()
         for needles, message in _SQLITE_ERRORS:
             if any(needle in lowered for needle in needles):
@@ -1052,7 +1069,7 @@ class SqliteJournal:
             ).fetchone()
         if row is None:
             raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.path)
-        return str(row[0])
+        return _rows.checked_spec_json(spec_hash, str(row[0]), path=self.path)
 
     # -- leases --------------------------------------------------------------------------------
 
