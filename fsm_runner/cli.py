@@ -48,12 +48,24 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 #: The run is not in a state that allows it: ended, held by another worker, moved meanwhile.
 EXIT_CONFLICT = 4
+#: How long an ``Error:`` line may be (a terminal or two of text).
+_MESSAGE_CHARS = 300
 
 
 class CliError(click.ClickException):
-    """A one-line error; its subclasses carry the other exit codes."""
+    """A one-line error; its subclasses carry the other exit codes.
+
+    The message is made one line (a corrupt schema's SQLite message, say, quotes the rest of
+    the object's SQL: twenty lines and more) and its detail cut, keeping the first part.
+    """
 
     exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str) -> None:
+        text = " ".join(message.split())
+        if len(text) > _MESSAGE_CHARS:
+            text = text[: _MESSAGE_CHARS - 1] + "…"
+        super().__init__(text)
 
 
 class _UsageError(CliError):
@@ -127,12 +139,29 @@ class _State:
                     f"(pass --journal PATH or set {ENV_JOURNAL})",
                     EXIT_NOT_FOUND,
                 )
-            self._journal = open_journal(location)
+            if must_exist and location != ":memory:" and _empty(path):
+                _fail(
+                    f"journal {Path(path).absolute()}: is not an fsm_runner journal "
+                    "(an empty file); nothing was changed",
+                    EXIT_NOT_FOUND,
+                )
+            # Only a command that makes a journal (demo) turns an empty file into one.
+            self._journal = open_journal(location, create=not must_exist)
         return self._journal
 
     def close(self) -> None:
         if self._journal is not None:
             self._journal.close()
+
+
+def _empty(path: str) -> bool:
+    """A 0-byte file (with no WAL that holds its pages): no journal, like a missing one."""
+    try:
+        return os.stat(path).st_size == 0 and (
+            not os.path.exists(path + "-wal") or os.stat(path + "-wal").st_size == 0
+        )
+    except OSError:
+        return False  # the journal's own error says more
 
 
 def _fail(message: str, exit_code: int = EXIT_FAILURE) -> NoReturn:
