@@ -505,9 +505,9 @@ class SqliteJournal:
         if not damaged:
             return
         what = (
-            f"its schema is damaged ({', '.join(damaged)} not as schema version"
-            f" {SCHEMA_VERSION} has {'it' if len(damaged) == 1 else 'them'}; fsm-runner check"
-            " lists the problems)"
+            f"its schema is damaged ({', '.join(damaged)}: not as schema version"
+            f" {SCHEMA_VERSION} has {'it' if len(damaged) == 1 else 'them'};"
+            " fsm-runner check lists what differs)"
         )
         self._unwritable = f"{what}; nothing was written"
         if any(key[0] == "view" for key in found.keys() ^ _CODE_V7.keys()) or (
