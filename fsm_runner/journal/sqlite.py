@@ -510,9 +510,7 @@ class SqliteJournal:
             " fsm-runner check lists what differs)"
         )
         self._unwritable = f"{what}; nothing was written"
-        if any(key[0] == "view" for key in found.keys() ^ _CODE_V7.keys()) or (
-            found.get(("view", "runs")) != _CODE_V7[("view", "runs")]
-        ):
+        if found.get(("view", "runs")) != _CODE_V7["view", "runs"]:
             self._unreadable = f"{what}; nothing was read"
 
     def schema_problems(self) -> list[str]:
