@@ -29,7 +29,7 @@ from fsm_runner import (
 from fsm_runner.exceptions import RunConflictError, RunExistsError, SchemaVersionError
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.journal.base import Commit
-from fsm_runner.journal.sqlite import _CODE_V7, APPLICATION_ID, _code_objects
+from fsm_runner.journal.sqlite import _CODE_V7, _TABLES_V7, APPLICATION_ID, _code_objects
 from tests.helpers import NEXT, linear_spec, loop_spec, undo_v4, undo_v6, undo_v7
 
 SPEC = linear_spec("building", "verifying")
@@ -908,6 +908,13 @@ class TestSqliteSchemaObjects:
         """What every open compares with is what the migrations write (keep them in step)."""
         with SqliteJournal(":memory:") as journal:
             assert _code_objects(journal._conn) == _CODE_V7
+            assert {
+                name
+                for (name,) in journal._conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+                    " AND name NOT LIKE 'sqlite%'"
+                )
+            } == _TABLES_V7
             assert journal.schema_problems() == []
             assert journal.integrity_problems() == []
 
@@ -929,8 +936,10 @@ class TestSqliteSchemaObjects:
                 "schema: table artifacts differs from schema version 7 (columns sha1, sha256)",
             ),
             ("DROP INDEX idx_artifacts_run_id_name", "schema: index idx_artifacts_run_id_name is"),
-            ("CREATE TABLE notes (x)", "schema: table notes is not part of schema version 7"),
-            ("CREATE VIEW recent AS SELECT 1", "schema: view recent is not part of"),
+            (
+                "CREATE UNIQUE INDEX one_per_state ON transitions (to_state)",
+                "schema: index one_per_state is not part of schema version 7",
+            ),
         ],
     )
     def test_what_differs_is_named(self, tmp_path, damage, problem):
@@ -946,6 +955,22 @@ class TestSqliteSchemaObjects:
 
         assert len(problems) == 1, problems
         assert problems[0].startswith(problem)
+
+    def test_what_the_user_adds_beside_the_journal_is_theirs(self, tmp_path):
+        """A table of their own (with its index, view and trigger) in the file: no problem."""
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+        with raw(path) as conn:
+            conn.execute("CREATE TABLE notes (run_id TEXT, note TEXT)")
+            conn.execute("CREATE INDEX notes_by_run ON notes (run_id)")
+            conn.execute("CREATE VIEW noted AS SELECT * FROM runs JOIN notes USING (run_id)")
+            conn.execute("CREATE TRIGGER stamp AFTER INSERT ON notes BEGIN SELECT 1; END")
+
+        with SqliteJournal(path) as journal:
+            assert journal.integrity_problems() == []
+            run = journal.load("r1")
+            journal.commit(*next_step(run, "verifying"))
 
     def test_a_damaged_fence_refuses_every_write_before_it_happens(self, tmp_path):
         """Fencing lost silently (the lease check gone) would let two workers advance a run."""

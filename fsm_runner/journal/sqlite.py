@@ -185,6 +185,11 @@ _CODE_V7: dict[tuple[str, str], tuple[str, str]] = {
     ("trigger", "transitions_fence"): ("transitions", "52b1663cbef088093d6ce7e5e0ca3cb9"),
     ("view", "runs"): ("runs", "cc0c951c1f3d4f7ac3e42ba6c83e85fe"),
 }
+#: The journal's tables and its view: a trigger on one of them takes part in its writes.
+_TABLES_V7 = frozenset(
+    {"_sqlite_migrations", "artifacts", "effects", "iterations", "meta", "run_rows", "runs",
+     "specs", "transitions"}
+)  # fmt: skip
 #: A column's type affinity (SQLite's rules, section 3.1 of its datatype page), by substring.
 _AFFINITIES = (("INT", "INTEGER"), ("CHAR", "TEXT"), ("CLOB", "TEXT"), ("TEXT", "TEXT"),
                ("BLOB", "BLOB"), ("REAL", "REAL"), ("FLOA", "REAL"), ("DOUB", "REAL"))  # fmt: skip
@@ -496,7 +501,11 @@ class SqliteJournal:
         refused, and reads too when the view is not the expected one; ``check`` lists what
         differs (:meth:`schema_problems`). Costs one read of ``sqlite_master`` (~25 µs).
         """
-        found = _code_objects(self._conn)
+        found = {  # triggers on tables of the user's own (in the same file) are theirs
+            key: value
+            for key, value in _code_objects(self._conn).items()
+            if key in _CODE_V7 or value[0] in _TABLES_V7
+        }
         damaged = sorted(
             f"{kind} {name}"
             for kind, name in found.keys() ^ _CODE_V7.keys()
@@ -518,18 +527,31 @@ class SqliteJournal:
 
         Every table, index, view and trigger is compared with a new journal's (tables by their
         columns, keys and unique constraints; indexes by their columns; views and triggers by
-        their SQL, whitespace aside): one line per object missing, altered, or not part of the
-        schema. Empty for a journal as fsm_runner made (or migrated) it.
+        their SQL, whitespace aside): one line per object missing, altered, or added to one of
+        the journal's tables (an index or a trigger: it takes part in every write). Tables,
+        views and the like of the user's own in the same file are not the journal's business.
+        Empty for a journal as fsm_runner made (or migrated) it.
         """
         expected = _expected_shapes()
         with self._read(damaged=True) as conn:
             found = _schema_shapes(conn)
+            owners = {
+                (_name(kind), _name(name)): _name(table)
+                for kind, name, table in conn.execute(
+                    "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB)"
+                    " FROM main.sqlite_master"
+                )
+            }
+        ours = {name for kind, name in expected if kind in ("table", "view")}
         problems = []
         for key in sorted(expected.keys() | found.keys()):
             kind, name = key
             if key not in found:
                 problems.append(f"schema: {kind} {name} is missing")
             elif key not in expected:
+                if kind not in ("index", "trigger") or owners.get(key) not in ours:
+                    continue  # the user's own, beside the journal
+
                 problems.append(
                     f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}"
                 )
