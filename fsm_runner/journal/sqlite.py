@@ -644,8 +644,6 @@ class SqliteJournal:
     def _check_open(self) -> None:
         if self._closed:
             raise JournalError("is closed", path=self.path)
-        if self._unwritable is not None:  # only commit_many asks, before it writes
-            raise JournalError(self._unwritable, path=self.path)
 
     @contextlib.contextmanager
     def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
@@ -757,6 +755,8 @@ class SqliteJournal:
         with self._lock:
             try:
                 self._check_open()
+                if self._unwritable is not None:
+                    raise JournalError(self._unwritable, path=self.path)
                 with self._errors():
                     self._write_group(commits, planned, results, stored)
             except JournalError as failure:
