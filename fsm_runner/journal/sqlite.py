@@ -645,6 +645,10 @@ class SqliteJournal:
         if self._closed:
             raise JournalError("is closed", path=self.path)
 
+    def _check_writable(self) -> None:
+        if self._unwritable is not None:  # a damaged fence (or more): see _verify_code
+            raise JournalError(self._unwritable, path=self.path)
+
     @contextlib.contextmanager
     def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
         """The connection, for reads; ``damaged``: also when the schema is (tables only)."""
@@ -755,8 +759,7 @@ class SqliteJournal:
         with self._lock:
             try:
                 self._check_open()
-                if self._unwritable is not None:
-                    raise JournalError(self._unwritable, path=self.path)
+                self._check_writable()
                 with self._errors():
                     self._write_group(commits, planned, results, stored)
             except JournalError as failure:
