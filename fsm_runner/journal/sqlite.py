@@ -551,7 +551,6 @@ class SqliteJournal:
             elif key not in expected:
                 if kind not in ("index", "trigger") or owners.get(key) not in ours:
                     continue  # the user's own, beside the journal
-
                 problems.append(
                     f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}"
                 )
@@ -651,7 +650,11 @@ class SqliteJournal:
 
     @contextlib.contextmanager
     def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
-        """The connection, for reads; ``damaged``: also when the schema is (tables only)."""
+        """The connection, for reads.
+
+        ``damaged``: even when the ``runs`` view is not the expected one (for reads of tables
+        alone, and of the schema itself).
+        """
         with self._lock, self._errors():
             if self._closed:
                 raise JournalError("is closed", path=self.path)
