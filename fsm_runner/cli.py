@@ -55,12 +55,24 @@ EXIT_NOT_FOUND = 3
 EXIT_CONFLICT = 4
 #: A run was interrupted (Ctrl-C, SIGTERM) by the preset CLIs; the run stays resumable.
 EXIT_INTERRUPTED = 130
+#: How long an ``Error:`` line may be (a terminal or two of text).
+_MESSAGE_CHARS = 300
 
 
 class CliError(click.ClickException):
-    """A one-line error; its subclasses carry the other exit codes."""
+    """A one-line error; its subclasses carry the other exit codes.
+
+    The message is made one line (a corrupt schema's SQLite message, say, quotes the rest of
+    the object's SQL: twenty lines and more) and its detail cut, keeping the first part.
+    """
 
     exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str) -> None:
+        text = " ".join(message.split())
+        if len(text) > _MESSAGE_CHARS:
+            text = text[: _MESSAGE_CHARS - 1] + "…"
+        super().__init__(text)
 
 
 class _UsageError(CliError):
@@ -183,7 +195,14 @@ def open_cli_journal(location: str, *, must_exist: bool = True) -> Journal:
             f"no journal at {Path(path).absolute()} (pass --journal PATH or set {ENV_JOURNAL})",
             EXIT_NOT_FOUND,
         )
+    elif must_exist and _empty(path):
+        _fail(
+            f"journal {Path(path).absolute()}: is not an fsm_runner journal "
+            "(an empty file); nothing was changed",
+            EXIT_NOT_FOUND,
+        )
     try:
+        # Only a command that makes a journal (demo) turns an empty file into one.
         # A database is not a file: a missing journal there is the journal's own error.
         return open_journal(location, create=not must_exist)
     except JournalError as exc:
@@ -213,6 +232,16 @@ class _State:
     def close(self) -> None:
         if self._journal is not None:
             self._journal.close()
+
+
+def _empty(path: str) -> bool:
+    """A 0-byte file (with no WAL that holds its pages): no journal, like a missing one."""
+    try:
+        return os.stat(path).st_size == 0 and (
+            not os.path.exists(path + "-wal") or os.stat(path + "-wal").st_size == 0
+        )
+    except OSError:
+        return False  # the journal's own error says more
 
 
 def _fail(message: str, exit_code: int = EXIT_FAILURE) -> NoReturn:

@@ -49,8 +49,10 @@ from fsm_runner._convert import format_utc
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     FsmRunnerError,
+    JournalError,
     ReplayMismatchError,
     RunNotFoundError,
+    SpecError,
 )
 from fsm_runner.journal import Journal
 from fsm_runner.records import RunRecord, TransitionRecord
@@ -106,6 +108,7 @@ _DERIVED = (
 )  # fmt: skip
 _SHOWN_CHARS = 160
 _SHOWN_KEYS = 4
+_SHOWN_RUNS = 3  # run ids named in a line about several runs
 _ABSENT = object()
 
 _Report = Callable[[ReplayMismatchError], None]
@@ -297,8 +300,8 @@ def replay_run(journal: Journal, run_id: str, *, to_seq: int | None = None) -> R
 
     Raises:
         RunNotFoundError: no such run.
-        JournalError: the journal does not hold the run's spec.
-        SpecError: the spec the journal holds cannot be read.
+        JournalError: the journal does not hold the run's spec, or holds one that does not
+            match its hash or is not a valid machine spec (damaged or edited by hand).
         ReplayMismatchError: the run's journal does not replay through its spec.
         ValueError: ``to_seq`` is negative or beyond the run's last transition.
     """
@@ -323,36 +326,63 @@ def check_journal(journal: Journal) -> list[str]:
 
     Returns:
         One readable line per problem (``run ID at seq N: replay expected ..., the journal
-        has ...``); empty when every run replays exactly.
+        has ...``); empty when every run replays exactly. Runs that cannot be read for the
+        same reason (a damaged spec they share, a damaged schema) are one line together.
     """
-    problems: list[str] = []
+    problems: list[str | tuple[str, str]] = []
     integrity = getattr(journal, "integrity_problems", None)
     if callable(integrity):
-        problems.extend(str(problem) for problem in integrity())
+        problems.extend(_one_line(str(problem)) for problem in integrity())
     specs: dict[str, MachineSpec | str] = {}
+    unreadable: dict[tuple[str, str], list[str]] = {}  # (what, why) -> the runs, in order
     for run_id in journal.run_ids("", limit=sys.maxsize):
         problem = _check_run(journal, run_id, specs)
-        if problem is not None:
-            problems.append(problem)
-    return problems
+        if isinstance(problem, tuple):
+            if problem not in unreadable:
+                unreadable[problem] = []
+                problems.append(problem)
+            unreadable[problem].append(run_id)
+        elif problem is not None:
+            problems.append(_one_line(problem))
+    return [
+        problem if isinstance(problem, str) else _runs_line(unreadable[problem], *problem)
+        for problem in problems
+    ]
 
 
-def _check_run(journal: Journal, run_id: str, specs: dict[str, MachineSpec | str]) -> str | None:
+def _runs_line(run_ids: Sequence[str], what: str, why: str) -> str:
+    """One line for runs that cannot be checked for the same reason."""
+    if len(run_ids) == 1:
+        return _one_line(f"run {run_ids[0]}: {what}: {why}")
+    shown = ", ".join(run_ids[:_SHOWN_RUNS])
+    more = f" and {len(run_ids) - _SHOWN_RUNS} more" if len(run_ids) > _SHOWN_RUNS else ""
+    return _one_line(f"runs {shown}{more}: {what}: {why}")
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line: a problem printed with newlines in it would read as several."""
+    return " ".join(text.split())
+
+
+def _check_run(
+    journal: Journal, run_id: str, specs: dict[str, MachineSpec | str]
+) -> str | tuple[str, str] | None:
+    """The run's problem: a line, or (what, why) when it cannot be read; ``None`` if none."""
     try:
         timeline, run = _read_run(journal, run_id, to_seq=None)
     except RunNotFoundError:
         return None  # pruned since the ids were listed
     except FsmRunnerError as exc:  # an unreadable row: this run's problem, not the check's
-        return f"run {run_id}: cannot be read: {exc}"
+        return "cannot be read", str(exc)
     spec = specs.get(run.spec_hash)
     if spec is None:
         try:
-            spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+            spec = _stored_spec(journal, run.spec_hash)
         except FsmRunnerError as exc:
-            spec = f"its spec {run.spec_hash[:12]} cannot be read: {exc}"
+            spec = str(exc)
         specs[run.spec_hash] = spec
     if isinstance(spec, str):
-        return f"run {run_id}: {spec}"
+        return f"its spec {run.spec_hash[:12]} cannot be read", spec
     try:
         replay(spec, run, timeline, specs=journal_specs(journal))
     except ReplayMismatchError as exc:
@@ -360,6 +390,28 @@ def _check_run(journal: Journal, run_id: str, specs: dict[str, MachineSpec | str
     except FsmRunnerError as exc:  # a spec it changed to cannot be read
         return f"run {run_id}: {exc}"
     return None
+
+
+def _stored_spec(journal: Journal, spec_hash: str) -> MachineSpec:
+    """The spec the journal holds under ``spec_hash``, once it is known to be a valid one.
+
+    The journal checks the JSON against its hash; a spec that still does not validate (a
+    state renamed and the hashes rewritten by hand) would fail the replay deep inside, on the
+    first name it lacks, so it is refused here, with every problem named.
+
+    Raises:
+        JournalError: no such spec, or its JSON is damaged or not a valid machine spec.
+    """
+    try:
+        spec = MachineSpec.from_json(journal.spec_json(spec_hash))
+        spec.validate()
+    except SpecError as exc:
+        raise JournalError(
+            f"holds spec {spec_hash[:12]}, which is not a valid machine spec"
+            f" ({'; '.join(exc.problems)}); nothing was changed",
+            path=journal.location,
+        ) from None
+    return spec
 
 
 def _read_run(
@@ -391,7 +443,7 @@ def journal_specs(journal: Journal) -> SpecSource:
 
     def find(spec_hash: str) -> MachineSpec:
         if spec_hash not in cache:
-            cache[spec_hash] = MachineSpec.from_json(journal.spec_json(spec_hash))
+            cache[spec_hash] = _stored_spec(journal, spec_hash)
         return cache[spec_hash]
 
     return find

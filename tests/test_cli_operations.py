@@ -367,8 +367,12 @@ class TestExport:
 
 def tamper(journal_path, sql: str, *params) -> None:
     conn = sqlite3.connect(journal_path)
-    conn.execute("DROP TRIGGER IF EXISTS transitions_fence")  # write what the test likes
+    (fence,) = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'transitions_fence'"
+    ).fetchone()
+    conn.execute("DROP TRIGGER transitions_fence")  # write what the test likes
     conn.execute(sql, params)
+    conn.execute(fence)  # and put it back: check reports a schema that differs
     conn.commit()
     conn.close()
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime as dt
+import hashlib
 import os
 import random
 import sqlite3
@@ -50,13 +51,14 @@ from fsm_runner import (
     State,
     Transition,
 )
-from fsm_runner.cli import cli
+from fsm_runner.cli import EXIT_NOT_FOUND, cli
 from fsm_runner.exceptions import (
     HandlerResultError,
     PayloadError,
     SchemaVersionError,
     SpecMismatchError,
 )
+from fsm_runner.replay import replay_run
 from tests.helpers import NEXT, snapshot
 
 RUN = "run-1"
@@ -227,6 +229,128 @@ def newer_schema(tmp_path: Path) -> Scene:
     return scene
 
 
+@contextlib.contextmanager
+def _schema_edit(path: Path) -> Iterator[sqlite3.Connection]:
+    """A raw connection that may rewrite ``sqlite_master`` (what a flipped byte does too)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA writable_schema = ON")
+        yield conn
+    finally:
+        conn.close()
+
+
+def _object_sql(conn: sqlite3.Connection, name: str) -> bytes:
+    (sql,) = conn.execute(
+        "SELECT CAST(sql AS BLOB) FROM sqlite_master WHERE name = ?", (name,)
+    ).fetchone()
+    return bytes(sql)
+
+
+def _set_object_sql(conn: sqlite3.Connection, name: str, sql: bytes) -> None:
+    conn.execute("UPDATE sqlite_master SET sql = CAST(? AS TEXT) WHERE name = ?", (sql, name))
+
+
+def view_not_utf8(tmp_path: Path) -> Scene:
+    """One flipped bit in the ``runs`` view's SQL: a column alias that is not UTF-8 any more."""
+    scene = journal_with_runs(tmp_path)
+    with _schema_edit(scene.path) as conn:
+        sql = _object_sql(conn, "runs")
+        at = sql.index(b"END AS state") + len(b"END AS st")
+        _set_object_sql(conn, "runs", sql[:at] + bytes([sql[at] ^ 0x80]) + sql[at + 1 :])
+    return scene
+
+
+def view_unparseable(tmp_path: Path) -> Scene:
+    """One flipped byte in the ``runs`` view's SQL opens a quote SQLite never sees closed."""
+    scene = journal_with_runs(tmp_path)
+    with _schema_edit(scene.path) as conn:
+        sql = _object_sql(conn, "runs")
+        at = sql.index(b"r.run_id, r.machine")
+        _set_object_sql(conn, "runs", sql[:at] + b"'" + sql[at + 1 :])
+    return scene
+
+
+def text_not_utf8(tmp_path: Path) -> Scene:
+    """A run row whose machine name is bytes that are not UTF-8."""
+    scene = journal_with_runs(tmp_path)
+    conn = sqlite3.connect(scene.path, isolation_level=None)
+    try:
+        conn.execute(
+            "UPDATE run_rows SET machine = CAST(x'666175ff6c7473' AS TEXT) WHERE run_id = ?",
+            (RUN,),
+        )
+    finally:
+        conn.close()
+    return scene
+
+
+def fence_damaged(tmp_path: Path) -> Scene:
+    """The fence trigger names a column that is not there: ``run_key`` became ``pun_key``."""
+    scene = journal_with_runs(tmp_path)
+    with _schema_edit(scene.path) as conn:
+        sql = _object_sql(conn, "transitions_fence")
+        assert b"WHERE run_key = NEW.run_key" in sql
+        damaged = sql.replace(b"WHERE run_key = NEW.run_key", b"WHERE pun_key = NEW.run_key")
+        _set_object_sql(conn, "transitions_fence", damaged)
+    return scene
+
+
+def _edit_spec(path: Path, edit: Callable[[str], str], *, rehash: bool) -> None:
+    """Edit the stored spec's JSON; ``rehash``: and its hash everywhere, as a careful hand would."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        ((old, text),) = conn.execute("SELECT spec_hash, json FROM specs").fetchall()
+        new_text = edit(text)
+        assert new_text != text
+        conn.execute("UPDATE specs SET json = ?", (new_text,))
+        if rehash:
+            new = hashlib.sha256(new_text.encode()).hexdigest()
+            conn.execute("UPDATE specs SET spec_hash = ?", (new,))
+            conn.execute("UPDATE run_rows SET spec_hash = ? WHERE spec_hash = ?", (new, old))
+    finally:
+        conn.close()
+
+
+def _rename_initial_state(text: str) -> str:
+    return text.replace('"name":"drafting"', '"name":"drafted"')
+
+
+def spec_edited(tmp_path: Path) -> Scene:
+    """The stored spec's initial state renamed in its JSON: the JSON no longer has its hash."""
+    scene = journal_with_runs(tmp_path)
+    _edit_spec(scene.path, _rename_initial_state, rehash=False)
+    return scene
+
+
+def spec_edited_and_rehashed(tmp_path: Path) -> Scene:
+    """The same rename, with the spec's hash rewritten to match: a spec that is not valid."""
+    scene = journal_with_runs(tmp_path)
+    _edit_spec(scene.path, _rename_initial_state, rehash=True)
+    return scene
+
+
+def empty_file(tmp_path: Path) -> Scene:
+    scene = Scene(tmp_path / "journals" / "journal.db")
+    scene.path.parent.mkdir()
+    scene.path.touch()
+    return scene
+
+
+def tableless_database(tmp_path: Path) -> Scene:
+    """A SQLite database with a header (a user_version) but no tables."""
+    scene = Scene(tmp_path / "journals" / "journal.db")
+    scene.path.parent.mkdir()
+    conn = sqlite3.connect(scene.path)
+    try:
+        conn.execute("PRAGMA user_version = 3")
+        conn.commit()
+    finally:
+        conn.close()
+    assert scene.path.stat().st_size > 0
+    return scene
+
+
 # -- conditions: the fault, while it lasts ---------------------------------------------------
 
 _CAP_DAC_OVERRIDE = 1
@@ -332,6 +456,17 @@ def open_and_read(scene: Scene) -> None:
         journal.transitions(scene.run_id)
 
 
+def open_to_read(scene: Scene) -> None:
+    """What the CLI's read commands do: open an existing journal (never make one), read."""
+    with SqliteJournal(scene.path, create=False) as journal:
+        journal.load(scene.run_id)
+
+
+def replay_from_journal(scene: Scene) -> None:
+    with SqliteJournal(scene.path) as journal:
+        replay_run(journal, scene.run_id)
+
+
 def step_with(factory: Callable[[], Engine]) -> Callable[[Scene], Any]:
     def step(scene: Scene) -> Any:
         with engine_on(scene.path, factory) as engine:
@@ -390,6 +525,7 @@ class Fault:
         working: CLI commands that must still work (exit 0).
         kept: what "nothing lost" means: ``file`` (the same bytes, no side files),
             ``bytes`` (the same bytes) and/or ``run`` (the run row and transitions as before).
+        code: the exit code of the ``failing`` commands.
     """
 
     id: str
@@ -402,9 +538,13 @@ class Fault:
     failing: tuple[tuple[str, ...], ...] = ()
     working: tuple[tuple[str, ...], ...] = ()
     kept: frozenset[str] = frozenset({"file"})
+    code: int = 1
 
 
 FILE_COMMANDS = (RUNS, SHOW, resume())
+CHECK = ("check",)
+REPLAY = ("replay", RUN)
+READ_COMMANDS = (RUNS, SHOW, CHECK, REPLAY, ("export", RUN, "exported"))
 FAULTS = [
     Fault(
         "truncated",
@@ -572,6 +712,85 @@ FAULTS = [
         failing=(resume(make_state_gone_app),),
         kept=frozenset({"file", "run"}),
     ),
+    Fault(
+        "view-not-utf8",
+        "a damaged schema object",
+        view_not_utf8,
+        open_and_read,
+        JournalError,
+        "file",
+        failing=(*FILE_COMMANDS, REPLAY),
+    ),
+    Fault(
+        "view-unparseable",
+        "a damaged schema object",
+        view_unparseable,
+        open_and_read,
+        JournalError,
+        "file",
+        failing=(*FILE_COMMANDS, CHECK, REPLAY),
+    ),
+    Fault(
+        "fence-damaged",
+        "a damaged schema object",
+        fence_damaged,
+        step_with(make_app),
+        JournalError,
+        "file",
+        failing=(resume(),),
+        working=(RUNS, SHOW),
+    ),
+    Fault(
+        "text-not-utf8",
+        "text that is not UTF-8",
+        text_not_utf8,
+        open_and_read,
+        JournalError,
+        "file",
+        failing=(RUNS, SHOW, REPLAY),
+        # the statement that met the bytes stays open while its traceback lives (pytest's):
+        # the connection closes after it, and its -wal and -shm may be left for a while
+        kept=frozenset({"bytes"}),
+    ),
+    Fault(
+        "spec-json-not-its-hash",
+        "a damaged stored spec",
+        spec_edited,
+        replay_from_journal,
+        JournalError,
+        "file",
+        failing=(REPLAY, SHOW),
+        working=(RUNS,),
+    ),
+    Fault(
+        "spec-not-valid",
+        "a damaged stored spec",
+        spec_edited_and_rehashed,
+        replay_from_journal,
+        JournalError,
+        "file",
+        failing=(REPLAY,),
+        working=(RUNS, SHOW),
+    ),
+    Fault(
+        "empty-file",
+        "an empty or table-less file opened to read",
+        empty_file,
+        open_to_read,
+        JournalError,
+        "file",
+        failing=READ_COMMANDS,
+        code=EXIT_NOT_FOUND,
+    ),
+    Fault(
+        "tableless-file",
+        "an empty or table-less file opened to read",
+        tableless_database,
+        open_to_read,
+        JournalError,
+        "file",
+        failing=READ_COMMANDS,
+    ),
 ]
 
 ACCEPTANCE = (
@@ -584,6 +803,11 @@ ACCEPTANCE = (
     "a handler output that is not JSON-serialisable",
     "an oversized payload",
     "a spec changed under a running run",
+    # issue 17, points 4 and 5
+    "a damaged schema object",
+    "text that is not UTF-8",
+    "a damaged stored spec",
+    "an empty or table-less file opened to read",
 )
 
 
@@ -682,7 +906,7 @@ def invoke(scene: Scene, command: tuple[str, ...]) -> Any:
 def test_cli_fails_with_one_line(fault, command, tmp_path):
     def meet(scene: Scene) -> None:
         result = invoke(scene, command)
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == fault.code, result.output
         assert "Traceback" not in result.output
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1, result.output
@@ -710,3 +934,132 @@ def test_writable_again_once_the_file_is(tmp_path):
     assert os.access(scene.path, os.W_OK)
     with file_modes_enforced(), engine_on(scene.path) as engine:
         assert engine.run(RUN).state == "done"
+
+
+# -- check names what is damaged (issue 17, point 5) ----------------------------------------
+
+
+def fence_dropped(tmp_path: Path) -> Scene:
+    scene = journal_with_runs(tmp_path)
+    with _schema_edit(scene.path) as conn:
+        conn.execute("DROP TRIGGER transitions_fence")
+    return scene
+
+
+def extra_trigger(tmp_path: Path) -> Scene:
+    """A trigger fsm_runner did not write: it would run inside every commit."""
+    scene = journal_with_runs(tmp_path)
+    with _schema_edit(scene.path) as conn:
+        conn.execute(
+            "CREATE TRIGGER forget AFTER INSERT ON transitions"
+            " BEGIN DELETE FROM transitions WHERE seq = 0; END"
+        )
+    return scene
+
+
+def index_dropped(tmp_path: Path) -> Scene:
+    scene = journal_with_runs(tmp_path)
+    with _schema_edit(scene.path) as conn:
+        conn.execute("DROP INDEX idx_runs_status_machine_created_at")
+    return scene
+
+
+@pytest.mark.parametrize(
+    ("prepare", "expected", "writable"),
+    [
+        (fence_damaged, ["schema: trigger transitions_fence differs from schema version 7"], False),
+        (fence_dropped, ["schema: trigger transitions_fence is missing"], False),
+        (extra_trigger, ["schema: trigger forget is not part of schema version 7"], False),
+        (index_dropped, ["schema: index idx_runs_status_machine_created_at is missing"], True),
+        (
+            view_not_utf8,
+            [
+                "schema: view runs differs from schema version 7",
+                f"runs {DONE_RUN}, {RUN}: cannot be read: journal ",
+            ],
+            False,
+        ),
+        (spec_edited, [f"runs {DONE_RUN}, {RUN}: its spec "], True),
+        (spec_edited_and_rehashed, [f"runs {DONE_RUN}, {RUN}: its spec "], True),
+    ],
+    ids=lambda value: getattr(value, "__name__", None),
+)
+def test_check_names_what_is_damaged(tmp_path, prepare, expected, writable):
+    """Each damage is a line of `check` (exit 1), and a write is refused before it happens."""
+    scene = prepare(tmp_path)
+    before = scene.path.read_bytes()
+    result = invoke(scene, CHECK)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"journal {scene.path}: {len(expected)} problems in 2 runs"
+    assert len(lines) == 1 + len(expected)
+    for line, start in zip(lines[1:], expected, strict=True):
+        assert line.startswith(f"  {start}"), result.output
+    assert scene.path.read_bytes() == before
+    if not writable:  # the fence (or more) is not what it should be: nothing is written
+        with pytest.raises(JournalError, match="its schema is damaged") as info:
+            step_with(make_app)(scene)
+        assert "nothing was" in str(info.value)  # read (the view) or written (the triggers)
+        assert scene.path.read_bytes() == before
+
+
+def test_a_damaged_spec_is_named_with_its_problems(tmp_path):
+    """A renamed state, hashes rewritten: replay and check name the spec's problems, no KeyError."""
+    scene = spec_edited_and_rehashed(tmp_path)
+    with SqliteJournal(scene.path) as journal, pytest.raises(JournalError) as info:
+        replay_run(journal, RUN)
+    assert "which is not a valid machine spec (initial state 'drafting' is not a state" in str(
+        info.value
+    )
+    result = invoke(scene, CHECK)
+    assert "initial state 'drafting' is not a state" in result.output
+    result = invoke(scene, REPLAY)
+    assert "initial state 'drafting' is not a state" in result.output
+
+
+def test_a_read_command_leaves_an_empty_file_as_it_was(tmp_path):
+    """Not a journal made of it, not even WAL mode: the same 0 bytes, no side files."""
+    for prepare in (empty_file, tableless_database):
+        (tmp_path / prepare.__name__).mkdir()
+        scene = prepare(tmp_path / prepare.__name__)
+        before = {p.name: p.read_bytes() for p in scene.path.parent.iterdir()}
+        for command in READ_COMMANDS:
+            assert invoke(scene, command).exit_code != 0
+        with pytest.raises(JournalError, match="not an fsm_runner journal"):
+            SqliteJournal(scene.path, create=False)
+        assert {p.name: p.read_bytes() for p in scene.path.parent.iterdir()} == before
+        with SqliteJournal(scene.path) as journal:  # a write (the library's default) may
+            assert journal.run_ids("") == []
+
+
+# -- one line, however long the message (issue 17, point 6) ---------------------------------
+
+TWENTY_THREE_LINES = "\n".join(f"line {n}: {'detail ' * 8}" for n in range(1, 24))
+
+
+def make_exploding_app() -> Engine:
+    """``--app`` whose factory fails with a 23-line message."""
+    raise RuntimeError(TWENTY_THREE_LINES)
+
+
+def test_a_23_line_message_is_one_cut_line(tmp_path):
+    scene = journal_with_runs(tmp_path)
+    result = invoke(scene, resume(make_exploding_app))
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("Error: tests.test_faults:make_exploding_app failed: RuntimeError:")
+    assert "line 1: detail" in lines[0]  # the first part is kept
+    assert "line 23" not in lines[0]
+    assert lines[0].endswith("…")
+    assert len(lines[0]) <= len("Error: ") + 300
+
+
+def test_a_corrupt_schema_message_is_one_line_in_the_library_too(tmp_path):
+    """SQLite quotes the rest of the view's SQL (16 lines): the JournalError keeps one, cut."""
+    scene = view_unparseable(tmp_path)
+    with pytest.raises(JournalError, match="malformed database schema") as info:
+        open_and_read(scene)
+    assert "\n" not in str(info.value)
+    assert str(info.value).endswith("…); nothing was changed")

@@ -28,8 +28,9 @@ from fsm_runner import (
 )
 from fsm_runner.exceptions import RunConflictError, RunExistsError, SchemaVersionError
 from fsm_runner.journal import SCHEMA_VERSION
-from fsm_runner.journal.sqlite import APPLICATION_ID
-from tests.helpers import NEXT, linear_spec, loop_spec, undo_v6, undo_v7
+from fsm_runner.journal.base import Commit
+from fsm_runner.journal.sqlite import _CODE_V7, _TABLES_V7, APPLICATION_ID, _code_objects
+from tests.helpers import NEXT, linear_spec, loop_spec, undo_v4, undo_v6, undo_v7
 
 SPEC = linear_spec("building", "verifying")
 T0 = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.timezone.utc)
@@ -155,6 +156,24 @@ class TestCreateAndLoad:
         start(journal)
 
         assert journal.spec_json(SPEC.spec_hash) == SPEC.to_json()
+
+    def test_spec_json_that_is_not_its_hash_is_refused(self, journal):
+        """A stored spec edited (a state renamed): refused, not handed on to be misread."""
+        start(journal)
+        edited = SPEC.to_json().replace('"building"', '"built"')
+        if isinstance(journal, MemoryJournal):
+            journal._specs[SPEC.spec_hash] = edited
+        elif isinstance(journal, SqliteJournal):
+            with raw(Path(journal.location)) as conn:
+                conn.execute("UPDATE specs SET json = ?", (edited,))
+        else:
+            journal._call(lambda conn: conn.execute("UPDATE specs SET json = %s", (edited,)))
+
+        with pytest.raises(JournalError, match="does not match its hash") as info:
+            journal.spec_json(SPEC.spec_hash)
+
+        assert SPEC.spec_hash[:12] in str(info.value)
+        assert info.value.path == journal.location
 
     def test_unknown_spec_hash(self, journal):
         with pytest.raises(JournalError, match="holds no spec"):
@@ -841,6 +860,149 @@ class TestSqliteOpen:
     def test_missing_directory(self, tmp_path):
         with pytest.raises(JournalError, match="directory does not exist"):
             SqliteJournal(tmp_path / "nope" / "j.db")
+
+    def test_a_tableless_database_becomes_a_journal_when_asked_to(self, tmp_path):
+        path = tmp_path / "j.db"
+        with raw(path) as conn:
+            conn.execute("PRAGMA user_version = 3")
+
+        with SqliteJournal(path) as journal:
+            start(journal)
+            assert journal.load("r1").state == "building"
+
+    @pytest.mark.parametrize("content", ["missing", "empty", "tableless"])
+    def test_not_created_when_not_asked_to(self, tmp_path, content):
+        path = tmp_path / "j.db"
+        if content == "empty":
+            path.touch()
+        elif content == "tableless":
+            with raw(path) as conn:
+                conn.execute("PRAGMA user_version = 3")
+        before = path.read_bytes() if path.exists() else None
+
+        with pytest.raises(JournalError) as info:
+            SqliteJournal(path, create=False)
+
+        shown = {
+            "missing": "does not exist; nothing was created",
+            "empty": "is not an fsm_runner journal (an empty file); nothing was changed",
+            "tableless": "(a SQLite database without tables); nothing was changed",
+        }[content]
+        assert shown in str(info.value)
+        assert info.value.path == str(path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ([] if before is None else ["j.db"])
+        assert (path.read_bytes() if path.exists() else None) == before
+
+    def test_a_journal_opens_when_not_created(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+        with SqliteJournal(path, create=False) as journal:
+            assert journal.load("r1").state == "building"
+
+
+class TestSqliteSchemaObjects:
+    """The journal's tables, indexes, view and triggers are those of its schema version."""
+
+    def test_the_code_digests_are_a_new_journals(self):
+        """What every open compares with is what the migrations write (keep them in step)."""
+        with SqliteJournal(":memory:") as journal:
+            assert _code_objects(journal._conn) == _CODE_V7
+            assert {
+                name
+                for (name,) in journal._conn.execute(
+                    "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
+                    " AND name NOT LIKE 'sqlite%'"
+                )
+            } == _TABLES_V7
+            assert journal.schema_problems() == []
+            assert journal.integrity_problems() == []
+
+    def test_a_migrated_journal_has_the_schema_of_a_new_one(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            Engine(loop_spec(), handlers={"noop": lambda _ctx: NEXT}, journal=journal).start()
+        with raw(path) as conn:
+            undo_v4(conn)
+        with SqliteJournal(path) as journal:
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION)
+            assert journal.schema_problems() == []
+
+    @pytest.mark.parametrize(
+        ("damage", "problem"),
+        [
+            (
+                "ALTER TABLE artifacts RENAME COLUMN sha256 TO sha1",
+                "schema: table artifacts differs from schema version 7 (columns sha1, sha256)",
+            ),
+            ("DROP INDEX idx_artifacts_run_id_name", "schema: index idx_artifacts_run_id_name is"),
+            (
+                "CREATE UNIQUE INDEX one_per_state ON transitions (to_state)",
+                "schema: index one_per_state is not part of schema version 7",
+            ),
+        ],
+    )
+    def test_what_differs_is_named(self, tmp_path, damage, problem):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+        with raw(path) as conn:
+            conn.execute(damage)
+
+        with SqliteJournal(path) as journal:
+            problems = journal.schema_problems()
+            assert journal.load("r1").state == "building"  # tables and indexes: reads go on
+
+        assert len(problems) == 1, problems
+        assert problems[0].startswith(problem)
+
+    def test_what_the_user_adds_beside_the_journal_is_theirs(self, tmp_path):
+        """A table of their own (with its index, view and trigger) in the file: no problem."""
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            start(journal)
+        with raw(path) as conn:
+            conn.execute("CREATE TABLE notes (run_id TEXT, note TEXT)")
+            conn.execute("CREATE INDEX notes_by_run ON notes (run_id)")
+            conn.execute("CREATE VIEW noted AS SELECT * FROM runs JOIN notes USING (run_id)")
+            conn.execute("CREATE TRIGGER stamp AFTER INSERT ON notes BEGIN SELECT 1; END")
+
+        with SqliteJournal(path) as journal:
+            assert journal.integrity_problems() == []
+            run = journal.load("r1")
+            journal.commit(*next_step(run, "verifying"))
+
+    def test_a_damaged_fence_refuses_every_write_before_it_happens(self, tmp_path):
+        """Fencing lost silently (the lease check gone) would let two workers advance a run."""
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            run = start(journal)
+        with raw(path) as conn:
+            (sql,) = conn.execute(
+                "SELECT sql FROM sqlite_master WHERE name = 'transitions_fence'"
+            ).fetchone()
+            conn.execute("DROP TRIGGER transitions_fence")
+            conn.execute(sql.replace("AND lease_token = NEW.lease_token", ""))
+        before = path.read_bytes()
+
+        with SqliteJournal(path) as journal:
+            assert journal.load("r1") == run  # reads go on
+            for write in (
+                lambda: journal.commit(*next_step(run, "verifying")),
+                lambda: journal.claim("r1", "w1", ttl=60),
+                lambda: start(journal, run_id="r2"),
+            ):
+                with pytest.raises(JournalError, match="trigger transitions_fence") as info:
+                    write()
+                assert "nothing was written" in str(info.value)
+            (refused,) = journal.commit_many([Commit(*next_step(run, "verifying"))])
+            assert isinstance(refused, JournalError)
+            assert "trigger transitions_fence" in str(refused)
+            assert journal.schema_problems() == [
+                "schema: trigger transitions_fence differs from schema version 7"
+                " (damaged or edited by hand)"
+            ]
+        assert path.read_bytes() == before
 
 
 class TestSqliteFailures:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import sqlite3
 from collections import deque
@@ -28,7 +29,7 @@ from fsm_runner import (
     State,
     Transition,
 )
-from fsm_runner.exceptions import ReplayMismatchError, SpecError
+from fsm_runner.exceptions import JournalError, ReplayMismatchError, SpecError
 from fsm_runner.presets.agent_loop import agent_loop_engine
 from fsm_runner.presets.subphases import SUBPHASE_NAMES, SUBPHASES
 from fsm_runner.replay import (
@@ -1092,6 +1093,33 @@ class TestCheckJournal:
             problems = check_journal(journal)
         assert f"run {run_id}: its spec {spec_hash[:12]} cannot be read" in problems[-1]
         assert "holds no spec" in problems[-1]
+
+    @pytest.mark.parametrize("rehash", [False, True], ids=["json-edited", "json-and-hash-edited"])
+    def test_a_spec_with_a_renamed_state(self, tmp_path, rehash):
+        """Once a KeyError from deep inside the replay; now one problem for the spec's runs."""
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            runs = [agent_run(journal)[0] for _ in range(5)]
+            old = journal.load(runs[0]).spec_hash
+            text = journal.spec_json(old)
+        edited = text.replace('"name":"queued"', '"name":"waiting"')
+        assert edited != text
+        new = hashlib.sha256(edited.encode()).hexdigest() if rehash else old
+        tamper(
+            path,
+            f"UPDATE specs SET json = '{edited}', spec_hash = '{new}'",
+            f"UPDATE run_rows SET spec_hash = '{new}'",
+        )
+        with SqliteJournal(path) as journal:
+            problems = check_journal(journal)
+            with pytest.raises(JournalError) as info:
+                replay_run(journal, runs[0])
+        why = "is not a valid machine spec (" if rehash else "does not match its hash"
+        assert why in str(info.value)
+        assert problems == [
+            f"runs {', '.join(sorted(runs)[:3])} and 2 more: its spec {new[:12]} cannot be read:"
+            f" {info.value}"
+        ]
 
     def test_an_unreadable_run_row_is_one_problem_among_others(self, tmp_path):
         path = tmp_path / "journal.db"

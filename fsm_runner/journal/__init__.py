@@ -65,7 +65,8 @@ def open_journal(
         location: where the journal is.
         durability: see :data:`Durability`.
         create: make the journal when it does not exist yet; when ``False`` a missing journal
-            (a PostgreSQL schema without one, a SQLite file that is not there) is an error.
+            (a PostgreSQL schema without one, a SQLite file that is not there, or that is
+            empty: 0 bytes, or a SQLite database without tables) is an error.
 
     Raises:
         JournalError: the journal cannot be opened (see :class:`SqliteJournal` and
@@ -80,4 +81,4 @@ def open_journal(
         text = text[len("sqlite:///") :]
     if not create and not os.path.exists(text):
         raise JournalError("does not exist", path=os.path.abspath(text))
-    return SqliteJournal(text, durability=durability)
+    return SqliteJournal(text, durability=durability, create=create)

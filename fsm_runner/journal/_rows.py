@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "RUN_TIMES",
     "Stamp",
     "artifact_params",
+    "checked_spec_json",
     "decode_effect",
     "decode_iteration",
     "dumps",
@@ -90,6 +92,25 @@ def _check_column(value: Any, column: str) -> None:
             dumps_json(value)
         except ValueError as exc:
             raise JournalError(f"{column} {exc}; nothing was written") from None
+
+
+def checked_spec_json(spec_hash: str, text: str, *, path: str | None) -> str:
+    """``text``, the stored JSON of spec ``spec_hash``, once it is known to be that spec's.
+
+    A spec's hash is the SHA-256 of its canonical JSON, and the journal stores exactly that
+    text: JSON that no longer hashes to its key was damaged or edited by hand, and replaying,
+    drawing or resuming a run through it would misread the run.
+
+    Raises:
+        JournalError: the text does not hash to ``spec_hash``.
+    """
+    if hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest() != spec_hash:
+        raise JournalError(
+            f"holds spec {spec_hash[:12]} whose JSON does not match its hash"
+            " (damaged or edited by hand); nothing was changed",
+            path=path,
+        )
+    return text
 
 
 def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[Any, ...]:

@@ -210,7 +210,8 @@ class Journal(Protocol):
         """Return the canonical JSON of the spec with that hash.
 
         Raises:
-            JournalError: the journal does not hold that spec.
+            JournalError: the journal does not hold that spec, or holds JSON for it that does
+                not hash to it (damaged or edited by hand).
         """
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:

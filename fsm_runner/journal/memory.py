@@ -24,6 +24,7 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
     RunTerminalError,
 )
+from fsm_runner.journal import _rows
 from fsm_runner.journal.base import Commit, PruneReport, claim_each
 from fsm_runner.records import (
     ArtifactRecord,
@@ -318,9 +319,10 @@ class MemoryJournal:
         with self._lock:
             self._check_open()
             try:
-                return self._specs[spec_hash]
+                text = self._specs[spec_hash]
             except KeyError:
                 raise JournalError(f"holds no spec {spec_hash[:12]}", path=":memory:") from None
+        return _rows.checked_spec_json(spec_hash, text, path=":memory:")
 
     def claim(
         self, run_id: str, owner: str, *, ttl: float, take_over: str | None = None

@@ -1370,4 +1370,4 @@ class PostgresJournal:
         rows = self._select("SELECT json FROM specs WHERE spec_hash = %s", (spec_hash,))
         if not rows:
             raise JournalError(f"holds no spec {spec_hash[:12]}", path=self._location)
-        return str(rows[0][0])
+        return _rows.checked_spec_json(spec_hash, str(rows[0][0]), path=self._location)

@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import enum
 import functools
+import hashlib
 import itertools
 import json
 import operator
@@ -78,6 +79,9 @@ _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("malformed", "corrupt"), "is corrupt ({text}); nothing was changed"),
     (("unable to open",), "cannot be opened (check the path and its permissions)"),
 )
+
+#: How much of a ``sqlite3`` error's own text a message quotes, at most.
+_DETAIL_CHARS = 160
 
 T = TypeVar("T")
 _JSON_COLUMNS = ("input", "context", "error")
@@ -173,18 +177,145 @@ def _json_or_none(text: str | None) -> Any:
         raise JournalError(f"holds unreadable JSON ({exc}): {text[:60]!r}") from exc
 
 
+#: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
+#: by (type, name): their table, and a digest of their SQL with whitespace normalised, as
+#: schema version 7 has them. Checked at every open; a test keeps it equal to a new journal's
+#: (a change of them is a new migration and a new schema version).
+_CODE_V7: dict[tuple[str, str], tuple[str, str]] = {
+    ("trigger", "transitions_fence"): ("transitions", "52b1663cbef088093d6ce7e5e0ca3cb9"),
+    ("view", "runs"): ("runs", "cc0c951c1f3d4f7ac3e42ba6c83e85fe"),
+}
+#: The journal's tables and its view: a trigger on one of them takes part in its writes.
+_TABLES_V7 = frozenset(
+    {"_sqlite_migrations", "artifacts", "effects", "iterations", "meta", "run_rows", "runs",
+     "specs", "transitions"}
+)  # fmt: skip
+#: A column's type affinity (SQLite's rules, section 3.1 of its datatype page), by substring.
+_AFFINITIES = (("INT", "INTEGER"), ("CHAR", "TEXT"), ("CLOB", "TEXT"), ("TEXT", "TEXT"),
+               ("BLOB", "BLOB"), ("REAL", "REAL"), ("FLOA", "REAL"), ("DOUB", "REAL"))  # fmt: skip
+
+
+def _code_digest(sql: bytes | None) -> str:
+    """A digest of a schema object's SQL, whitespace aside (read as bytes: it may be damaged)."""
+    return hashlib.sha256(b" ".join((sql or b"").split())).hexdigest()[:32]
+
+
+def _code_objects(conn: sqlite3.Connection) -> dict[tuple[str, str], tuple[str, str]]:
+    """The views and triggers of the main schema: (type, name) -> (table, SQL digest)."""
+    rows = conn.execute(
+        "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB),"
+        " CAST(sql AS BLOB) FROM main.sqlite_master WHERE type IN ('view', 'trigger')"
+    ).fetchall()
+    return {
+        (_name(kind), _name(name)): (_name(table), _code_digest(sql))
+        for kind, name, table, sql in rows
+    }
+
+
+def _name(raw: bytes | None) -> str:
+    """A schema object's name as text (a damaged one shown with its bad bytes escaped)."""
+    return (raw or b"").decode("utf-8", "backslashreplace")
+
+
+def _affinity(declared: str) -> str:
+    upper = declared.upper()
+    for needle, affinity in _AFFINITIES:
+        if needle in upper:
+            return affinity
+    return "BLOB" if not upper else "NUMERIC"
+
+
+def _schema_shapes(conn: sqlite3.Connection) -> dict[tuple[str, str], Any]:
+    """Every schema object by (type, name), as much of it as tells a damaged one.
+
+    Tables by their columns (name, type affinity, NOT NULL, default, key), foreign keys and
+    unique constraints: the text sqlite-utils writes for them differs between its versions and
+    after ``ALTER TABLE``, so their SQL is not compared. Indexes by table, uniqueness and
+    columns; views and triggers by table and SQL (:func:`_code_objects`). SQLite's own objects
+    (``sqlite_*``) are not the journal's; sqlite-utils' ``_sqlite_migrations`` by name only.
+    """
+    shapes: dict[tuple[str, str], Any] = dict(_code_objects(conn))
+    rows = conn.execute(
+        "SELECT type, name, tbl_name FROM main.sqlite_master"
+        " WHERE type IN ('table', 'index') AND name NOT LIKE 'sqlite^_%' ESCAPE '^'"
+    ).fetchall()
+    for kind, name, table in rows:
+        if kind == "index":
+            shapes[kind, name] = (
+                table,
+                conn.execute(
+                    'SELECT "unique", partial FROM pragma_index_list(?) WHERE name = ?',
+                    (table, name),
+                ).fetchone(),
+                tuple(
+                    row[0] for row in conn.execute("SELECT name FROM pragma_index_info(?)", (name,))
+                ),
+            )
+        elif name == "_sqlite_migrations":
+            shapes[kind, name] = ()
+        else:
+            shapes[kind, name] = _table_shape(conn, name)
+    return shapes
+
+
+def _table_shape(conn: sqlite3.Connection, table: str) -> tuple[Any, ...]:
+    columns = tuple(
+        (name, _affinity(declared), bool(notnull), default, pk)
+        for name, declared, notnull, default, pk in conn.execute(
+            'SELECT name, type, "notnull", dflt_value, pk FROM pragma_table_xinfo(?)', (table,)
+        )
+    )
+    keys = tuple(
+        sorted(
+            conn.execute(
+                'SELECT "table", "from", "to" FROM pragma_foreign_key_list(?)', (table,)
+            ).fetchall()
+        )
+    )
+    unique = tuple(
+        sorted(
+            tuple(row[0] for row in conn.execute("SELECT name FROM pragma_index_info(?)", (index,)))
+            for (index,) in conn.execute(
+                "SELECT name FROM pragma_index_list(?) WHERE origin = 'u'", (table,)
+            )
+        )
+    )
+    return columns, keys, unique
+
+
+def _difference(kind: str, found: Any, expected: Any) -> str:
+    """Which columns of a table differ (for a table); nothing for other objects."""
+    if kind != "table" or not found or not expected:
+        return ""
+    names = sorted({column[0] for column in set(found[0]) ^ set(expected[0])})
+    return f" (columns {', '.join(names)})" if names else ""
+
+
+@functools.cache
+def _expected_shapes() -> dict[tuple[str, str], Any]:
+    """The schema objects of a new journal, as :func:`_schema_shapes` sees them."""
+    with SqliteJournal(":memory:") as journal:
+        return _schema_shapes(journal._conn)
+
+
 class SqliteJournal:
     """A journal in one SQLite file (WAL mode).
 
     Args:
         path: the database file; created with the schema if it does not exist.
+        create: make a journal of a missing file, or of an empty one (0 bytes, or a SQLite
+            database without tables); when ``False`` such a file is refused, left as it was.
+            Commands that only read a journal open it so.
         durability: ``process`` (default, synchronous=NORMAL: survives a killed process) or
             ``power`` (synchronous=FULL: survives power loss).
         busy_timeout: seconds a writer waits for another one before giving up.
 
     Raises:
         JournalError: the file is not a SQLite database, not an fsm_runner journal, corrupt,
-            read-only where a write is needed, or cannot be opened.
+            read-only where a write is needed, or cannot be opened; or (``create=False``) it
+            is missing or empty. A journal whose schema objects (the ``runs`` view, the
+            triggers) differ from its schema version's opens, but refuses what they would
+            make it misread or miswrite (see :meth:`schema_problems`).
         SchemaVersionError: the journal was written by a newer fsm_runner.
     """
 
@@ -194,6 +325,7 @@ class SqliteJournal:
         *,
         durability: Durability = "process",
         busy_timeout: float = 30.0,
+        create: bool = True,
     ) -> None:
         if durability not in ("process", "power"):
             raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
@@ -204,7 +336,13 @@ class SqliteJournal:
         self._written: dict[str, RunRecord] = {}  # run rows as last written or read here
         self._keys: dict[str, int] = {}  # run id -> run_rows.run_key, as read or written here
         self._update_sql: dict[tuple[str, ...], str] = {}
+        self._create = create
+        #: Why reads, and why writes, are refused: a schema object they depend on is damaged.
+        self._unreadable: str | None = None
+        self._unwritable: str | None = None
         self._check_header()
+        if not create and self.path != ":memory:" and not os.path.exists(self.path):
+            raise JournalError("does not exist; nothing was created", path=self.path)
         self._heal_side_files()
         with self._errors():
             self._conn = sqlite3.connect(
@@ -227,6 +365,7 @@ class SqliteJournal:
                 variables = getlimit(_LIMIT_VARIABLE_NUMBER) if getlimit else 999
                 self._bulk_rows = max(1, min(_BULK_ROWS, variables // _TRANSITION_PARAMS))
                 self._open_schema()
+                self._verify_code()
                 self._conn.execute(
                     "PRAGMA synchronous = " + ("FULL" if durability == "power" else "NORMAL")
                 )
@@ -317,6 +456,14 @@ class SqliteJournal:
             str(row[0])
             for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
         }
+        if app_id == 0 and not tables and not self._create:
+            empty = self.path != ":memory:" and os.stat(self.path).st_size == 0
+            raise JournalError(
+                "is not an fsm_runner journal ("
+                + ("an empty file" if empty else "a SQLite database without tables")
+                + "); nothing was changed",
+                path=self.path,
+            )
         if app_id == 0 and tables - {"_sqlite_migrations"}:
             raise JournalError(
                 "is a SQLite database but not an fsm_runner journal (it has tables "
@@ -343,6 +490,76 @@ class SqliteJournal:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+    def _verify_code(self) -> None:
+        """Compare the journal's view and triggers with its schema version's; note what differs.
+
+        Their SQL is fsm_runner's own text, stored as written, so a digest of it (whitespace
+        aside) tells a damaged or hand-edited one: ``transitions_fence`` altered or dropped
+        loses the fencing of every write (invariants 2 and 4), an extra trigger runs inside
+        every commit, and an altered ``runs`` view misreads every run's head. Writes are then
+        refused, and reads too when the view is not the expected one; ``check`` lists what
+        differs (:meth:`schema_problems`). Costs one read of ``sqlite_master`` (~25 µs).
+        """
+        found = {  # triggers on tables of the user's own (in the same file) are theirs
+            key: value
+            for key, value in _code_objects(self._conn).items()
+            if key in _CODE_V7 or value[0] in _TABLES_V7
+        }
+        damaged = sorted(
+            f"{kind} {name}"
+            for kind, name in found.keys() ^ _CODE_V7.keys()
+            | {key for key in found.keys() & _CODE_V7.keys() if found[key] != _CODE_V7[key]}
+        )
+        if not damaged:
+            return
+        what = (
+            f"its schema is damaged ({', '.join(damaged)}: not as schema version"
+            f" {SCHEMA_VERSION} has {'it' if len(damaged) == 1 else 'them'};"
+            " fsm-runner check lists what differs)"
+        )
+        self._unwritable = f"{what}; nothing was written"
+        if found.get(("view", "runs")) != _CODE_V7["view", "runs"]:
+            self._unreadable = f"{what}; nothing was read"
+
+    def schema_problems(self) -> list[str]:
+        """How the journal's schema objects differ from those of its schema version.
+
+        Every table, index, view and trigger is compared with a new journal's (tables by their
+        columns, keys and unique constraints; indexes by their columns; views and triggers by
+        their SQL, whitespace aside): one line per object missing, altered, or added to one of
+        the journal's tables (an index or a trigger: it takes part in every write). Tables,
+        views and the like of the user's own in the same file are not the journal's business.
+        Empty for a journal as fsm_runner made (or migrated) it.
+        """
+        expected = _expected_shapes()
+        with self._read(damaged=True) as conn:
+            found = _schema_shapes(conn)
+            owners = {
+                (_name(kind), _name(name)): _name(table)
+                for kind, name, table in conn.execute(
+                    "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB)"
+                    " FROM main.sqlite_master"
+                )
+            }
+        ours = {name for kind, name in expected if kind in ("table", "view")}
+        problems = []
+        for key in sorted(expected.keys() | found.keys()):
+            kind, name = key
+            if key not in found:
+                problems.append(f"schema: {kind} {name} is missing")
+            elif key not in expected:
+                if kind not in ("index", "trigger") or owners.get(key) not in ours:
+                    continue  # the user's own, beside the journal
+                problems.append(
+                    f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}"
+                )
+            elif found[key] != expected[key]:
+                problems.append(
+                    f"schema: {kind} {name} differs from schema version {SCHEMA_VERSION}"
+                    f"{_difference(kind, found[key], expected[key])} (damaged or edited by hand)"
+                )
+        return problems
 
     def _refuse_newer_schema(self, unknown: set[str]) -> None:
         found = self._stored_version()
@@ -376,15 +593,29 @@ class SqliteJournal:
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
-        """Map ``sqlite3`` errors to :class:`JournalError`; they never leave this module."""
+        """Map ``sqlite3`` errors to :class:`JournalError`; they never leave this module.
+
+        So does a ``UnicodeDecodeError``: SQLite hands back text (a value, a column name, a
+        schema object's SQL) as the bytes the file holds, and bytes that are not UTF-8 are a
+        damaged file, not a bug of the caller's.
+        """
         try:
             yield
         except sqlite3.Error as exc:
             raise JournalError(self._describe(exc), path=self.path) from exc
+        except UnicodeDecodeError as exc:
+            raise JournalError(
+                f"is corrupt (it holds text that is not UTF-8: {exc}); nothing was changed",
+                path=self.path,
+            ) from exc
 
     @staticmethod
     def _describe(exc: sqlite3.Error) -> str:
-        text = str(exc)
+        # One line, cut: a schema that SQLite cannot parse comes back with the rest of the
+        # object's SQL in the message (a corrupt view: 20 lines and more).
+        text = " ".join(str(exc).split())
+        if len(text) > _DETAIL_CHARS:
+            text = text[: _DETAIL_CHARS - 1] + "…"
         lowered = text.lower()
         for needles, message in _SQLITE_ERRORS:
             if any(needle in lowered for needle in needles):
@@ -397,6 +628,8 @@ class SqliteJournal:
         with self._lock, self._errors():
             if self._closed:
                 raise JournalError("is closed", path=self.path)
+            if self._unwritable is not None:
+                raise JournalError(self._unwritable, path=self.path)
             conn = self._conn
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -411,11 +644,22 @@ class SqliteJournal:
         if self._closed:
             raise JournalError("is closed", path=self.path)
 
+    def _check_writable(self) -> None:
+        if self._unwritable is not None:  # a damaged fence (or more): see _verify_code
+            raise JournalError(self._unwritable, path=self.path)
+
     @contextlib.contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
+    def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
+        """The connection, for reads.
+
+        ``damaged``: even when the ``runs`` view is not the expected one (for reads of tables
+        alone, and of the schema itself).
+        """
         with self._lock, self._errors():
             if self._closed:
                 raise JournalError("is closed", path=self.path)
+            if self._unreadable is not None and not damaged:
+                raise JournalError(self._unreadable, path=self.path)
             yield self._conn
 
     # -- writes --------------------------------------------------------------------------------
@@ -474,6 +718,8 @@ class SqliteJournal:
         with self._lock:
             if self._closed:
                 raise JournalError("is closed", path=self.path)
+            if self._unwritable is not None:
+                raise JournalError(self._unwritable, path=self.path)
             cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
             try:
                 if rows is None:
@@ -516,6 +762,7 @@ class SqliteJournal:
         with self._lock:
             try:
                 self._check_open()
+                self._check_writable()
                 with self._errors():
                     self._write_group(commits, planned, results, stored)
             except JournalError as failure:
@@ -1036,7 +1283,7 @@ class SqliteJournal:
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""
-        with self._read() as conn:
+        with self._read(damaged=True) as conn:  # the run_rows table alone: no view, no trigger
             rows = conn.execute(
                 "SELECT run_id FROM run_rows WHERE run_id >= ? AND run_id < ?"
                 " ORDER BY run_id LIMIT ?",
@@ -1052,7 +1299,7 @@ class SqliteJournal:
             ).fetchone()
         if row is None:
             raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.path)
-        return str(row[0])
+        return _rows.checked_spec_json(spec_hash, str(row[0]), path=self.path)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -1315,11 +1562,13 @@ class SqliteJournal:
     def integrity_problems(self) -> list[str]:
         """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem.
 
-        Also transitions whose ``run_key`` is not the key of the run their ``run_id`` names
-        (only a hand edit makes one: the fence trigger refuses such an insert): reads go by
-        ``run_key``, so such a row would show in another run's history.
+        Then the schema objects that differ from the schema version's
+        (:meth:`schema_problems`). Also transitions whose ``run_key`` is not the key of the run
+        their ``run_id`` names (only a hand edit makes one: the fence trigger refuses such an
+        insert): reads go by ``run_key``, so such a row would show in another run's history.
         """
-        with self._read() as conn:
+        schema = self.schema_problems()
+        with self._read(damaged=True) as conn:
             problems = [
                 f"SQLite integrity check: {row[0]}"
                 for row in conn.execute("PRAGMA integrity_check(20)")
@@ -1333,6 +1582,7 @@ class SqliteJournal:
                 "SELECT count(*), min(t.rowid) FROM transitions AS t"
                 " JOIN run_rows AS r ON r.run_id = t.run_id WHERE t.run_key IS NOT r.run_key"
             ).fetchone()
+        problems += schema
         problems += [
             f"{count} row(s) of table {table} refer to missing rows (first rowid {first})"
             for table, count, first in dangling
@@ -1346,5 +1596,5 @@ class SqliteJournal:
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
-        with self._read() as conn:
+        with self._read(damaged=True) as conn:
             return dict(conn.execute("SELECT key, value FROM meta").fetchall())
