@@ -14,7 +14,12 @@ service                               protocol                        medium
 ====================================  ==============================  ===========================
 
 Agent and verification commands run in a process group of their own, so a timeout kills
-everything they started, not just the shell (POSIX only). Their output goes to temporary files
+everything they started, not just the shell (POSIX only). They never outlive their runner for
+long, and never run two at once in one workspace (:mod:`fsm_runner.presets._children`): on
+Linux the kernel kills a command when its runner dies, and while it runs its runner holds a lock
+in ``<workspace>/.fsm-runner/`` with a record of its process group, so the next command started
+in that workspace (after ``resume``, say) first kills whatever a dead runner left running there,
+and waits for a live runner's command to end. Their output goes to temporary files
 rather than pipes: a background process that a command leaves behind cannot block the wait,
 and only the tail of a long output is read back into memory.
 
@@ -43,6 +48,7 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from fsm_runner.exceptions import FsmRunnerError
+from fsm_runner.presets._children import WorkspaceBusyError, WorkspaceClaim, die_with_runner
 from fsm_runner.presets.agent_loop import (
     AgentRequest,
     AgentResult,
@@ -134,6 +140,11 @@ def _read_tail(file: IO[bytes], chars: int) -> str:
 
 def _min_timeout(*timeouts: float | None) -> float | None:
     return min((t for t in timeouts if t is not None), default=None)
+
+
+def _left(timeout: float | None, started: float) -> float | None:
+    """What is left of ``timeout`` counted from ``started`` (waiting for the workspace counts)."""
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
 
 
 def _check_timeout(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -438,7 +449,18 @@ class CommandVerifier:
                 output_tail="not run: the verification's time budget was spent",
             )
         started = time.monotonic()
-        with tempfile.TemporaryFile() as output:
+        limit = _min_timeout(self.timeout, remaining)
+        try:
+            claim = WorkspaceClaim.acquire(workspace, command=command, wait=limit)
+        except WorkspaceBusyError as exc:
+            return CheckResult(
+                command,
+                passed=False,
+                timed_out=True,
+                output_tail=f"not run: {exc}",
+                duration_ms=_ms_since(started),
+            )
+        with claim, tempfile.TemporaryFile() as output:
             try:
                 process = subprocess.Popen(  # noqa: S602 - verification levels are shell commands by design
                     command,
@@ -449,6 +471,7 @@ class CommandVerifier:
                     stdout=output,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=die_with_runner(),  # noqa: PLW1509 - only prctl and getppid run in it
                 )
             except OSError as exc:
                 return CheckResult(
@@ -458,8 +481,9 @@ class CommandVerifier:
                     output_tail=f"could not start the command: {type(exc).__name__}: {exc}",
                     duration_ms=_ms_since(started),
                 )
+            claim.started(process.pid)
             with process:
-                timed_out = _wait_or_kill(process, _min_timeout(self.timeout, remaining))
+                timed_out = _wait_or_kill(process, _left(limit, started))
             return CheckResult(
                 command,
                 passed=not timed_out and process.returncode == 0,
@@ -606,8 +630,18 @@ class CommandAgentDriver:
         }
         timeout = _min_timeout(self.timeout, request.timeout)
         started = time.monotonic()
+        try:
+            claim = WorkspaceClaim.acquire(request.workspace, command=command, wait=timeout)
+        except WorkspaceBusyError as exc:
+            return AgentResult(
+                success=False,
+                stderr=f"the agent was not started: {exc}",
+                duration_ms=_ms_since(started),
+                timed_out=True,
+            )
         # Files, not pipes: a large request cannot block on a command that never reads stdin.
         with (
+            claim,
             tempfile.TemporaryFile() as stdin,
             tempfile.TemporaryFile() as stdout,
             tempfile.TemporaryFile() as stderr,
@@ -624,6 +658,7 @@ class CommandAgentDriver:
                     stdout=stdout,
                     stderr=stderr,
                     start_new_session=True,
+                    preexec_fn=die_with_runner(),  # noqa: PLW1509 - only prctl and getppid run in it
                 )
             except OSError as exc:
                 return AgentResult(
@@ -633,8 +668,9 @@ class CommandAgentDriver:
                     f"{type(exc).__name__}: {exc}",
                     duration_ms=_ms_since(started),
                 )
+            claim.started(process.pid)
             with process:
-                timed_out = _wait_or_kill(process, timeout)
+                timed_out = _wait_or_kill(process, _left(timeout, started))
             duration_ms = _ms_since(started)
             scanned = _read_tail(stdout, _RESULT_SCAN_CHARS)
             errors = _read_tail(stderr, _AGENT_OUTPUT_TAIL)
