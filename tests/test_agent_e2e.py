@@ -210,6 +210,100 @@ class TestCrashDuringVerification:
         assert events.count("SNAPSHOT_TAKEN") == 1
 
 
+# A slow first agent (it runs until released, a minute at most); the next one records whether
+# the first one still ran when it started, then fixes calc.py.
+SLOW_AGENT = textwrap.dedent(
+    """
+    import os, pathlib, sys, time
+    state = pathlib.Path({state!r})
+    calls = state / "calls"
+    earlier = calls.read_text().split() if calls.exists() else []
+    with calls.open("a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    if not earlier:
+        (state / "first-running").write_text(str(os.getpid()))
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not (state / "release").exists():
+            time.sleep(0.05)
+        sys.exit(1)
+    try:
+        stat = pathlib.Path(f"/proc/{{earlier[0]}}/stat").read_text()
+        alive = stat[stat.rindex(")") + 2] != "Z"
+    except OSError:
+        alive = False
+    (state / "first-alive-when-next-started").write_text(str(alive))
+    pathlib.Path("calc.py").write_text({fixed!r})
+    """
+)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class TestKilledRunner:
+    """SIGKILL of the runner's process group while the agent runs, then resume."""
+
+    def test_the_old_agent_is_gone_before_the_new_one_starts(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        state = tmp_path / "agent-state"
+        state.mkdir()
+        script = tmp_path / "slow_agent.py"
+        script.write_text(SLOW_AGENT.format(state=str(state), fixed=FIXED))
+        # `; true`: the shell forks the agent rather than exec it, so the agent is the runner's
+        # grandchild, which dies with neither the runner's group nor the shell.
+        command = f"{PY} {script}; true"
+        journal_path = tmp_path / "journal.db"
+        runner = subprocess.Popen(
+            [PY, "-m", "fsm_runner.cli", "--journal", str(journal_path), "agent-loop",
+             "--workspace", str(repo), "--agent", command, "--task", "fix add",
+             "--verify", f"L1={PY} -m pytest -q -p no:cacheprovider test_calc.py"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        first = None
+        try:
+            deadline = time.monotonic() + 60
+            while not (state / "first-running").exists():
+                assert runner.poll() is None, runner.stdout.read().decode()
+                assert time.monotonic() < deadline, "the agent never started"
+                time.sleep(0.02)
+            first = int((state / "first-running").read_text())
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait(timeout=10)
+
+            with SqliteJournal(journal_path) as journal:
+                (run,) = journal.runs()
+                assert run.state == "building"
+            resumed = subprocess.run(
+                [PY, "-m", "fsm_runner.cli", "--journal", str(journal_path), "resume",
+                 run.run_id],
+                cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+            assert (state / "first-alive-when-next-started").read_text() == "False"
+            assert "left running" in resumed.stderr  # the kill is logged
+            assert len((state / "calls").read_text().split()) == 2
+            with SqliteJournal(journal_path) as journal:
+                assert journal.load(run.run_id).state == "succeeded"
+            # The lock and the record are git-ignored: no snapshot committed them.
+            tracked = subprocess.run(
+                [*GIT, "ls-files"], cwd=repo, capture_output=True, text=True, check=True
+            ).stdout
+            assert ".fsm-runner" not in tracked
+            assert not (repo / ".fsm-runner" / "child.json").exists()
+        finally:
+            (state / "release").touch()
+            if runner.poll() is None:
+                runner.kill()
+            runner.stdout.close()
+            if first is not None and _running(first):
+                os.kill(first, signal.SIGKILL)
+
+
 class TestCommands:
     """`fsm-runner demo` and `fsm-runner agent-loop`."""
 
