@@ -81,7 +81,7 @@ class WorkspaceBusyError(FsmRunnerError):
 
 
 def _load_prctl() -> Callable[..., int] | None:
-    """libc's ``prctl``, looked up once here in the parent, or ``None`` off Linux."""
+    """The C library's ``prctl``, looked up once in the parent, or ``None`` off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -90,7 +90,7 @@ def _load_prctl() -> Callable[..., int] | None:
         return None
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl.restype = ctypes.c_int
-    return prctl  # type: ignore[no-any-return]
+    return prctl
 
 
 _PRCTL = _load_prctl()
@@ -214,7 +214,9 @@ class WorkspaceClaim:
     context manager) when the command has ended.
     """
 
-    def __init__(self, workspace: str, *, command: str, directory: Path | None, fd: int | None):
+    def __init__(
+        self, workspace: str, *, command: str, directory: Path | None, fd: int | None
+    ) -> None:
         """Hold ``fd`` locked; :meth:`acquire` builds a claim."""
         self.workspace = workspace
         self.command = command
@@ -263,23 +265,23 @@ class WorkspaceClaim:
             return cls(workspace, command=shown, directory=None, fd=None)
         claim = cls(workspace, command=shown, directory=directory, fd=fd)
         try:
-            claim._lock(wait)
-            claim._end_stale()
+            claim._lock(fd, directory, wait)
+            claim._end_stale(directory)
         except BaseException:
             claim.close()
             raise
         return claim
 
-    def _lock(self, wait: float | None) -> None:
-        assert self._fd is not None and self._directory is not None
+    def _lock(self, fd: int, directory: Path, wait: float | None) -> None:
         deadline = None if wait is None else time.monotonic() + wait
         told = False
         while True:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(_read_record(self._directory / _RECORD))
+                holder = _holder(_read_record(directory / _RECORD))
+            else:
+                return
             if deadline is not None and time.monotonic() >= deadline:
                 raise WorkspaceBusyError(holder, workspace=self.workspace)
             if not told:
@@ -287,10 +289,9 @@ class WorkspaceClaim:
                 told = True
             time.sleep(_POLL)
 
-    def _end_stale(self) -> None:
+    def _end_stale(self, directory: Path) -> None:
         """Kill the process group a dead runner recorded, wait until it is gone, drop the record."""
-        assert self._directory is not None
-        path = self._directory / _RECORD
+        path = directory / _RECORD
         record = _read_record(path)
         if record is None:
             return
@@ -345,15 +346,15 @@ class WorkspaceClaim:
 
     def close(self) -> None:
         """Drop the record and release the lock (the command has ended)."""
-        if self._fd is None:
+        fd, self._fd = self._fd, None
+        if fd is None:
             return
-        assert self._directory is not None
         try:
-            with contextlib.suppress(OSError):
-                (self._directory / _RECORD).unlink(missing_ok=True)
+            if self._directory is not None:
+                with contextlib.suppress(OSError):
+                    (self._directory / _RECORD).unlink(missing_ok=True)
         finally:
-            os.close(self._fd)  # releases the flock
-            self._fd = None
+            os.close(fd)  # releases the flock
 
     def __enter__(self) -> WorkspaceClaim:
         """The claim itself."""
