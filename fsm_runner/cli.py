@@ -1085,11 +1085,16 @@ def prune(state: _State, days: float, dry_run: bool, as_json: bool) -> None:
 def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
     """Start an agent-loop run with ``run_input``, print it as it goes, then its iterations."""
     from fsm_runner.presets.agent_commands import make_engine
+    from fsm_runner.presets.agent_services import GitSnapshotter
 
+    # Refused before anything starts: a workspace that cannot be snapshotted (not in a git
+    # repository) would otherwise be found only after the agent had worked in it.
+    snapshots = GitSnapshotter().check_workspace(run_input["workspace"])
     journal = state.journal(must_exist=False)
     engine = make_engine(journal)
     engine.listeners.append(_echo_transition)
     click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")
+    click.echo(f"snapshots: {snapshots} (each build's changes are committed there)")
     run_id = engine.start(run_input)
     from fsm_runner.engine import interrupt_on_sigterm
 

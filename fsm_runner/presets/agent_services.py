@@ -57,7 +57,7 @@ from fsm_runner.presets.agent_loop import (
     Snapshot,
     VerificationReport,
 )
-from fsm_runner.presets.gitcli import run_git
+from fsm_runner.presets.gitcli import run_git, text_tail
 from fsm_runner.records import ArtifactRecord
 
 if TYPE_CHECKING:
@@ -194,6 +194,11 @@ class GitSnapshotter:
     verifier's job) and is never signed. A repository without commits gets an initial
     (possibly empty) commit, so every snapshot has an id.
 
+    Snapshots are commits on the branch checked out in the workspace: each one moves that
+    branch forward (on a detached ``HEAD``, only ``HEAD``), and no other ref is touched. Run
+    the agent on a branch of its own to keep yours as it is. :meth:`check_workspace` says which
+    branch, before the agent starts.
+
     The snapshot compares the workspace's ``HEAD`` before the capture with the one after it:
     commits the agent made itself are already in ``HEAD`` before, so they do not show up in
     ``changed_files``.
@@ -230,11 +235,7 @@ class GitSnapshotter:
                 installed, or a git command failed or took longer than ``timeout``.
         """
         workspace = os.fspath(workspace)
-        if not os.path.isdir(workspace):
-            raise SnapshotError("the workspace is not a directory", workspace=workspace)
-        inside = self._git(workspace, "rev-parse", "--is-inside-work-tree")
-        if inside.stdout.strip() != b"true":
-            raise SnapshotError("the workspace is not inside a git work tree", workspace=workspace)
+        self._check(workspace)
         before = self._head(workspace)
         if (
             since
@@ -277,6 +278,44 @@ class GitSnapshotter:
             insertions=insertions,
             deletions=deletions,
         )
+
+    def check_workspace(self, workspace: str) -> str:
+        """Make sure ``workspace`` can be captured, before an agent works in it.
+
+        Args:
+            workspace: the directory the agent is to work in.
+
+        Returns:
+            Where the snapshots will go, for people to read: ``"commits on branch main"``, or
+            ``"commits on a detached HEAD"``.
+
+        Raises:
+            SnapshotError: the workspace is not a directory in a git work tree, or git is not
+                installed or failed.
+        """
+        workspace = os.fspath(workspace)
+        self._check(workspace)
+        branch = self._git(workspace, "symbolic-ref", "--quiet", "--short", "HEAD", ok=(0, 1))
+        name = branch.stdout.decode("utf-8", errors="replace").strip()
+        return (
+            f"commits on branch {name}" if branch.returncode == 0 else "commits on a detached HEAD"
+        )
+
+    def _check(self, workspace: str) -> None:
+        """Raise a SnapshotError unless ``workspace`` is a directory in a git work tree."""
+        if not os.path.isdir(workspace):
+            raise SnapshotError("the workspace is not a directory", workspace=workspace)
+        inside = self._git(workspace, "rev-parse", "--is-inside-work-tree", ok=(0, 128))
+        if inside.returncode != 0 or inside.stdout.strip() != b"true":
+            stderr = inside.stderr.decode("utf-8", errors="replace")
+            raise SnapshotError(
+                "the workspace is not inside a git work tree (snapshots are git commits: "
+                f"`git init` it first): {text_tail(stderr) or '(no output)'}",
+                workspace=workspace,
+                command=("git", "rev-parse", "--is-inside-work-tree"),
+                returncode=inside.returncode,
+                stderr=stderr,
+            )
 
     def _head(self, workspace: str) -> str | None:
         """The commit ``HEAD`` names, or ``None`` in a repository without commits."""
