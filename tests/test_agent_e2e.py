@@ -145,6 +145,48 @@ class TestRealServices:
         shown = CliRunner().invoke(cli, ["--journal", str(journal_path), "show", run_id])
         assert "ITER" in shown.output
         assert "verification_failed" in shown.output
+        check_show_output(shown.output, journal_path, run_id)
+
+
+def value_lines(output: str, key: str) -> list[str]:
+    """The lines of ``key``'s value in `show`'s summary (continuations are indented)."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{key:<9}"))
+    found = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" " * 9):
+            break
+        found.append(line)
+    return [line[9:] for line in found]
+
+
+def check_show_output(output: str, journal_path: Path, run_id: str) -> None:
+    """`show` of a run whose first two iterations failed L1: every word whole, lines wrapped."""
+    with SqliteJournal(journal_path) as journal:
+        run = journal.load(run_id)
+        records = journal.iterations(run_id)
+    summary, rest = output.split("\nSEQ ", 1)
+    # Long values wrap between words: no line is longer than 100 characters unless it is a
+    # single word, and the lines hold the value's words, each one whole.
+    for line in summary.splitlines():
+        assert len(line) <= 100 or len(line[9:].split()) == 1, line
+    for key, value in (("context", run.context), ("input", run.input)):
+        shown = " ".join(value_lines(output, key)).split()
+        assert shown == json.dumps(value, ensure_ascii=False).split()
+    # The iterations table names each iteration's model and session, and each failed check's
+    # command whole, wrapped onto continuation lines rather than cut.
+    table = rest[rest.index("\nITER ") :].split("\n\n")[0]
+    header, *rows = table.strip().splitlines()
+    assert header.split()[-3:] == ["MODEL", "SESSION", "ERROR"]
+    words = table.split()
+    for record in records:
+        assert record.model in words
+        assert record.agent_session_id in words
+    assert words.count("test_calc.py") == 2  # the command of L1, failed in iterations 1 and 2
+    assert len(rows) > len(records)  # the errors took continuation lines
+    # So does the timeline's ERROR column.
+    timeline = rest.split("\n\n")[0]
+    assert timeline.split().count("test_calc.py") == 2
 
 
 class TestCrashDuringVerification:
@@ -355,6 +397,62 @@ class TestCommands:
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 1
         assert "reason: iteration limit spent" in result.output
+
+    def test_a_missing_agent_command_fails_the_run_at_once(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        journal_path = tmp_path / "journal.db"
+        args = ["--journal", str(journal_path), "agent-loop", "--workspace", str(repo)]
+        args += ["--agent", "no-such-agent-xyz --json", "--task", "fix add"]
+        args += ["--max-iterations", "3", "--verify", f"L1={levels()['L1']}"]
+
+        result = CliRunner().invoke(cli, args)
+
+        assert result.exit_code == 1, result.output
+        assert "reason: the agent command 'no-such-agent-xyz --json' was not found" in (
+            result.output
+        )
+        assert "iteration limit spent" not in result.output
+        with SqliteJournal(journal_path) as journal:
+            (run,) = journal.runs()
+            events = [t.event for t in journal.transitions(run.run_id)]
+        assert run.iteration == 1
+        assert events == ["STARTED", "RUN_ACCEPTED", "SYSTEM_ERROR"]
+
+    def test_a_workspace_outside_git_is_refused_before_anything_starts(self, tmp_path):
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        marker = tmp_path / "agent-ran"
+        journal_path = tmp_path / "journal.db"
+
+        result = CliRunner().invoke(
+            cli,
+            ["--journal", str(journal_path), "agent-loop", "--workspace", str(plain),
+             "--agent", f"touch {marker}", "--task", "t", "--verify", "L0=true"],
+        )  # fmt: skip
+
+        assert result.exit_code == 1
+        (line,) = result.output.splitlines()
+        assert line.startswith(f"Error: git snapshot of {plain} failed: the workspace is not")
+        assert "git init" in line
+        assert not marker.exists()
+        assert not journal_path.exists()
+        assert list(plain.iterdir()) == []
+
+    def test_agent_loop_says_where_snapshots_go(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        subprocess.run([*GIT, "checkout", "-q", "-b", "agent-work"], cwd=repo, check=True)
+        command, _ = agent_command(tmp_path, FIXED)
+        args = ["--journal", str(tmp_path / "j.db"), "agent-loop", "--workspace", str(repo)]
+        args += ["--agent", command, "--task", "fix add", "--verify", f"L1={levels()['L1']}"]
+
+        result = CliRunner().invoke(cli, args)
+
+        assert result.exit_code == 0, result.output
+        assert "snapshots: commits on branch agent-work" in result.output
+        log = subprocess.run(
+            [*GIT, "log", "--format=%s", "agent-work"], cwd=repo, capture_output=True, text=True
+        ).stdout.split("\n")
+        assert log[0] == "fsm-runner snapshot"
 
     def test_bad_verify_option(self, tmp_path):
         repo = make_repo(tmp_path / "repo")

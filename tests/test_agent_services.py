@@ -231,6 +231,25 @@ class TestGitSnapshotter:
         with pytest.raises(SnapshotError, match="not a directory"):
             GitSnapshotter().capture(str(tmp_path / "nowhere"))
 
+    def test_check_workspace_names_the_branch_snapshots_go_to(self, repo):
+        assert GitSnapshotter().check_workspace(str(repo)) == "commits on branch main"
+        (repo / "a.txt").write_text("a\n")
+        first = commit_all(repo)
+        git(repo, "checkout", "-q", "--detach", first)
+        assert GitSnapshotter().check_workspace(str(repo)) == "commits on a detached HEAD"
+
+    def test_check_workspace_refuses_a_directory_outside_git(self, tmp_path):
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        with pytest.raises(SnapshotError, match="not inside a git work tree") as caught:
+            GitSnapshotter().check_workspace(str(plain))
+        assert "git init" in str(caught.value)
+        assert "not a git repository" in str(caught.value)  # git's own words
+        assert caught.value.returncode == 128
+        with pytest.raises(SnapshotError, match="not a directory"):
+            GitSnapshotter().check_workspace(str(tmp_path / "nowhere"))
+        assert list(plain.iterdir()) == []
+
     def test_git_not_installed(self, repo, monkeypatch, tmp_path):
         empty = tmp_path / "empty-bin"
         empty.mkdir()
