@@ -222,6 +222,39 @@ def _table(
         click.echo(_styled_status(line, styles[index]) if styles else line)
 
 
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken between words, never inside one.
+
+    A word longer than ``width`` gets a line of its own; line breaks in ``text`` are kept.
+    """
+    import textwrap
+
+    lines: list[str] = []
+    for paragraph in text.splitlines() or [""]:
+        lines += textwrap.wrap(
+            paragraph, width, break_long_words=False, break_on_hyphens=False
+        ) or [""]
+    return lines
+
+
+def _wrap_column(rows: Sequence[Sequence[str]], column: int, width: int) -> list[tuple[str, ...]]:
+    """Rows whose cell in ``column`` is wrapped (:func:`_wrap`) onto continuation rows."""
+    wrapped: list[tuple[str, ...]] = []
+    for row in rows:
+        lines = _wrap(row[column], width)
+        wrapped.append((*row[:column], lines[0], *row[column + 1 :]))
+        blank = [""] * len(row)
+        wrapped += [(*blank[:column], line, *blank[column + 1 :]) for line in lines[1:]]
+    return wrapped
+
+
+def _text_width() -> int:
+    """Columns to fill: the terminal's, or 100 when stdout is not a terminal."""
+    import shutil
+
+    return max(60, shutil.get_terminal_size().columns) if sys.stdout.isatty() else 100
+
+
 @cli.command()
 @click.option("--machine", help="Only runs of this machine.")
 @click.option(
@@ -440,7 +473,7 @@ def _print_iterations(iterations: Sequence[IterationRecord]) -> None:
         ok = {True: "yes", False: "no", None: "-"}
         error = "" if record.error_type.value == "none" else record.error_type.value
         if record.error_message:
-            error = f"{error}: {record.error_message}"[:60]
+            error = f"{error}: {record.error_message}"
         rows.append(
             (
                 str(record.iteration),
@@ -452,13 +485,15 @@ def _print_iterations(iterations: Sequence[IterationRecord]) -> None:
                 cost,
                 "-" if record.duration_ms is None else f"{record.duration_ms / 1000:.1f}s",
                 "yes" if record.feedback else "-",
+                record.model or "-",
+                record.agent_session_id or "-",
                 error,
             )
         )
     _table(
-        rows,
+        _wrap_column(rows, 11, 50),
         ("ITER", "STATE", "AGENT OK", "PASSED", "LEVELS", "TOKENS", "COST $", "TIME", "FEEDBACK",
-         "ERROR"),
+         "MODEL", "SESSION", "ERROR"),
     )  # fmt: skip
 
 
@@ -480,8 +515,13 @@ def _print_summary(run: RunRecord) -> None:
         pairs.append(("abort", f"requested: {run.abort_reason}"))
     if run.error:
         pairs.append(("error", f"{run.error.get('type')}: {run.error.get('message')}"))
+    width = _text_width() - 9
     for key, value in pairs:
-        click.echo(f"{key:<9}{value}")
+        # Long values (the input, the context) wrap between words under their value.
+        lines = _wrap(value, width)
+        click.echo(f"{key:<9}{lines[0]}")
+        for line in lines[1:]:
+            click.echo(f"{'':<9}{line}")
 
 
 def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
@@ -496,10 +536,10 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
                 t.event,
                 t.to_state,
                 f"{t.duration_ms:.1f}",
-                f"{error.get('type')}: {error.get('message')}"[:80] if error else "",
+                f"{error.get('type')}: {error.get('message')}" if error else "",
             )
         )
-    _table(rows, ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
+    _table(_wrap_column(rows, 6, 80), ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
 
 
 def _import_object(path: str, param_hint: str) -> Any:
