@@ -450,8 +450,9 @@ class TestCommands:
         assert result.exit_code == 0, result.output
         assert "snapshots: commits on branch agent-work" in result.output
         log = subprocess.run(
-            [*GIT, "log", "--format=%s", "agent-work"], cwd=repo, capture_output=True, text=True
-        ).stdout.split("\n")
+            [*GIT, "log", "--format=%s", "agent-work"],
+            cwd=repo, capture_output=True, text=True, check=True,
+        ).stdout.split("\n")  # fmt: skip
         assert log[0] == "fsm-runner snapshot"
 
     def test_bad_verify_option(self, tmp_path):

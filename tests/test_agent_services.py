@@ -905,6 +905,15 @@ class TestCommandsEndWithTheirRunner:
         assert runner.returncode == 0
         assert CommandVerifier({"L0": "true"}).verify(str(tmp_path)).passed
 
+    def test_a_workspace_where_no_record_can_be_kept_still_runs_commands(self, tmp_path, caplog):
+        (tmp_path / ".fsm-runner").write_text("a file where the directory would go")
+
+        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_services"):
+            result = CommandAgentDriver("echo ran").run(request(tmp_path))
+
+        assert (result.success, result.stdout) == (True, "ran\n")
+        assert "cannot keep a record of the commands run in" in caplog.text
+
     def test_the_guard_directory_is_ignored_by_git(self, repo):
         CommandAgentDriver("echo hi > a.txt").run(request(repo))
 

@@ -249,13 +249,19 @@ class WorkspaceClaim:
         if not os.path.isdir(workspace):
             return cls(workspace, command=shown, directory=None, fd=None)
         directory = Path(workspace) / GUARD_DIRECTORY
+        fd = None
         try:
             directory.mkdir(exist_ok=True)
             ignore = directory / ".gitignore"
             if not ignore.exists():
                 ignore.write_text(_GITIGNORE, encoding="utf-8")
             fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            cls._lock(fd, directory, workspace, wait)
         except OSError as exc:
+            # A read-only workspace, or a file system without locks: the command still dies
+            # with its runner, which is the most that can be done there.
+            if fd is not None:
+                os.close(fd)
             _log.warning(
                 "cannot keep a record of the commands run in %s (%s): a command left behind by "
                 "a killed runner will not be ended there",
@@ -263,16 +269,21 @@ class WorkspaceClaim:
                 exc,
             )
             return cls(workspace, command=shown, directory=None, fd=None)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
         claim = cls(workspace, command=shown, directory=directory, fd=fd)
         try:
-            claim._lock(fd, directory, wait)
             claim._end_stale(directory)
         except BaseException:
             claim.close()
             raise
         return claim
 
-    def _lock(self, fd: int, directory: Path, wait: float | None) -> None:
+    @staticmethod
+    def _lock(fd: int, directory: Path, workspace: str, wait: float | None) -> None:
+        """Lock ``fd``, waiting up to ``wait`` seconds for the runner that holds it."""
         deadline = None if wait is None else time.monotonic() + wait
         told = False
         while True:
@@ -283,9 +294,9 @@ class WorkspaceClaim:
             else:
                 return
             if deadline is not None and time.monotonic() >= deadline:
-                raise WorkspaceBusyError(holder, workspace=self.workspace)
+                raise WorkspaceBusyError(holder, workspace=workspace)
             if not told:
-                _log.warning("waiting for the workspace %s: %s", self.workspace, holder)
+                _log.warning("waiting for the workspace %s: %s", workspace, holder)
                 told = True
             time.sleep(_POLL)
 
