@@ -390,7 +390,9 @@ class CommandVerifier:
 
     Each command runs in a process group of its own and may take ``timeout`` seconds, or what is
     left of the ``timeout`` given to :meth:`verify` if that is less; past it, the whole group is
-    killed. A command that would start after that budget is spent is not run and counts as
+    killed. It dies with its runner, and what a killed runner left running in the workspace is
+    killed before it starts (see the module's docs; waiting for another live runner's command
+    counts against its time). A command that would start after that budget is spent is not run and counts as
     timed out. Python bytecode is cached apart for each verification (``PYTHONPYCACHEPREFIX``),
     so a stale ``.pyc`` in the workspace is never run in place of the source.
 
@@ -611,10 +613,14 @@ class CommandAgentDriver:
     ``success`` (a bool; by default, whether the command exited with 0). Keys that are missing
     or of another type are ignored, as are all other keys.
 
-    A command that runs past its timeout (the driver's or the request's, whichever is less) is
-    killed with its whole process group and reported as timed out with exit code 137; one that
-    cannot be started is reported with exit code 127 and the reason in ``stderr``. Either way
-    the run is an unsuccessful :class:`AgentResult`, never an exception.
+    The command dies with its runner, and what a killed runner left running in the workspace
+    (an earlier agent, say, before a ``resume``) is killed before it starts; see the module's
+    docs. A command that runs past its timeout (the driver's or the request's, whichever is
+    less; waiting for another live runner's command in the workspace counts) is killed with its
+    whole process group and reported as timed out with exit code 137; one that never started
+    because the workspace stayed busy, as timed out without an exit code; one that cannot be
+    started, with exit code 127 and the reason in ``stderr``. Either way the run is an
+    unsuccessful :class:`AgentResult`, never an exception.
 
     Attributes:
         command: the agent command, or ``None`` to take it from each request's options.
