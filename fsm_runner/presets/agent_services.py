@@ -392,9 +392,10 @@ class CommandVerifier:
     left of the ``timeout`` given to :meth:`verify` if that is less; past it, the whole group is
     killed. It dies with its runner, and what a killed runner left running in the workspace is
     killed before it starts (see the module's docs; waiting for another live runner's command
-    counts against its time). A command that would start after that budget is spent is not run and counts as
-    timed out. Python bytecode is cached apart for each verification (``PYTHONPYCACHEPREFIX``),
-    so a stale ``.pyc`` in the workspace is never run in place of the source.
+    counts against its time). A command that would start after that budget is spent is not run
+    and counts as timed out. Python bytecode is cached apart for each verification
+    (``PYTHONPYCACHEPREFIX``), so a stale ``.pyc`` in the workspace is never run in place of the
+    source.
 
     Attributes:
         levels: the default levels, ``{name: command or [commands]}``; :meth:`verify` may
