@@ -350,6 +350,39 @@ def _table(
         click.echo(_styled_status(line, styles[index]) if styles else line)
 
 
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken between words, never inside one.
+
+    A word longer than ``width`` gets a line of its own; line breaks in ``text`` are kept.
+    """
+    import textwrap
+
+    lines: list[str] = []
+    for paragraph in text.splitlines() or [""]:
+        lines += textwrap.wrap(
+            paragraph, width, break_long_words=False, break_on_hyphens=False
+        ) or [""]
+    return lines
+
+
+def _wrap_column(rows: Sequence[Sequence[str]], column: int, width: int) -> list[tuple[str, ...]]:
+    """Rows whose cell in ``column`` is wrapped (:func:`_wrap`) onto continuation rows."""
+    wrapped: list[tuple[str, ...]] = []
+    for row in rows:
+        lines = _wrap(row[column], width)
+        wrapped.append((*row[:column], lines[0], *row[column + 1 :]))
+        blank = [""] * len(row)
+        wrapped += [(*blank[:column], line, *blank[column + 1 :]) for line in lines[1:]]
+    return wrapped
+
+
+def _text_width() -> int:
+    """Columns to fill: the terminal's, or 100 when stdout is not a terminal."""
+    import shutil
+
+    return max(60, shutil.get_terminal_size().columns) if sys.stdout.isatty() else 100
+
+
 @cli.command()
 @click.option("--machine", help="Only runs of this machine.")
 @click.option(
@@ -568,7 +601,7 @@ def _print_iterations(iterations: Sequence[IterationRecord]) -> None:
         ok = {True: "yes", False: "no", None: "-"}
         error = "" if record.error_type.value == "none" else record.error_type.value
         if record.error_message:
-            error = f"{error}: {record.error_message}"[:60]
+            error = f"{error}: {record.error_message}"
         rows.append(
             (
                 str(record.iteration),
@@ -580,13 +613,15 @@ def _print_iterations(iterations: Sequence[IterationRecord]) -> None:
                 cost,
                 "-" if record.duration_ms is None else f"{record.duration_ms / 1000:.1f}s",
                 "yes" if record.feedback else "-",
+                record.model or "-",
+                record.agent_session_id or "-",
                 error,
             )
         )
     _table(
-        rows,
+        _wrap_column(rows, 11, 50),
         ("ITER", "STATE", "AGENT OK", "PASSED", "LEVELS", "TOKENS", "COST $", "TIME", "FEEDBACK",
-         "ERROR"),
+         "MODEL", "SESSION", "ERROR"),
     )  # fmt: skip
 
 
@@ -608,8 +643,13 @@ def _print_summary(run: RunRecord) -> None:
         pairs.append(("abort", f"requested: {run.abort_reason}"))
     if run.error:
         pairs.append(("error", f"{run.error.get('type')}: {run.error.get('message')}"))
+    width = _text_width() - 9
     for key, value in pairs:
-        click.echo(f"{key:<9}{value}")
+        # Long values (the input, the context) wrap between words under their value.
+        lines = _wrap(value, width)
+        click.echo(f"{key:<9}{lines[0]}")
+        for line in lines[1:]:
+            click.echo(f"{'':<9}{line}")
 
 
 def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
@@ -624,10 +664,10 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
                 t.event,
                 t.to_state,
                 f"{t.duration_ms:.1f}",
-                f"{error.get('type')}: {error.get('message')}"[:80] if error else "",
+                f"{error.get('type')}: {error.get('message')}" if error else "",
             )
         )
-    _table(rows, ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
+    _table(_wrap_column(rows, 6, 80), ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
 
 
 def _import_object(path: str, param_hint: str) -> Any:
@@ -1316,11 +1356,16 @@ def _journal_option(state: _State) -> str:
 def _run_agent_loop(state: _State, run_input: dict[str, Any]) -> None:
     """Start an agent-loop run with ``run_input``, print it as it goes, then its iterations."""
     from fsm_runner.presets.agent_commands import make_engine
+    from fsm_runner.presets.agent_services import GitSnapshotter
 
+    # Refused before anything starts: a workspace that cannot be snapshotted (not in a git
+    # repository) would otherwise be found only after the agent had worked in it.
+    snapshots = GitSnapshotter().check_workspace(run_input["workspace"])
     journal = state.journal(must_exist=False)
     engine = make_engine(journal)
     engine.listeners.append(_echo_transition)
     click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")
+    click.echo(f"snapshots: {snapshots} (each build's changes are committed there)")
     run_id = engine.start(run_input)
     from fsm_runner.engine import interrupt_on_sigterm
 

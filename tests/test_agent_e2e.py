@@ -145,6 +145,48 @@ class TestRealServices:
         shown = CliRunner().invoke(cli, ["--journal", str(journal_path), "show", run_id])
         assert "ITER" in shown.output
         assert "verification_failed" in shown.output
+        check_show_output(shown.output, journal_path, run_id)
+
+
+def value_lines(output: str, key: str) -> list[str]:
+    """The lines of ``key``'s value in `show`'s summary (continuations are indented)."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{key:<9}"))
+    found = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(" " * 9):
+            break
+        found.append(line)
+    return [line[9:] for line in found]
+
+
+def check_show_output(output: str, journal_path: Path, run_id: str) -> None:
+    """`show` of a run whose first two iterations failed L1: every word whole, lines wrapped."""
+    with SqliteJournal(journal_path) as journal:
+        run = journal.load(run_id)
+        records = journal.iterations(run_id)
+    summary, rest = output.split("\nSEQ ", 1)
+    # Long values wrap between words: no line is longer than 100 characters unless it is a
+    # single word, and the lines hold the value's words, each one whole.
+    for line in summary.splitlines():
+        assert len(line) <= 100 or len(line[9:].split()) == 1, line
+    for key, value in (("context", run.context), ("input", run.input)):
+        shown = " ".join(value_lines(output, key)).split()
+        assert shown == json.dumps(value, ensure_ascii=False).split()
+    # The iterations table names each iteration's model and session, and each failed check's
+    # command whole, wrapped onto continuation lines rather than cut.
+    table = rest[rest.index("\nITER ") :].split("\n\n")[0]
+    header, *rows = table.strip().splitlines()
+    assert header.split()[-3:] == ["MODEL", "SESSION", "ERROR"]
+    words = table.split()
+    for record in records:
+        assert record.model in words
+        assert record.agent_session_id in words
+    assert words.count("test_calc.py") == 2  # the command of L1, failed in iterations 1 and 2
+    assert len(rows) > len(records)  # the errors took continuation lines
+    # So does the timeline's ERROR column.
+    timeline = rest.split("\n\n")[0]
+    assert timeline.split().count("test_calc.py") == 2
 
 
 class TestCrashDuringVerification:
@@ -210,6 +252,99 @@ class TestCrashDuringVerification:
         assert events.count("SNAPSHOT_TAKEN") == 1
 
 
+# A slow first agent (it runs until released, a minute at most); the next one records whether
+# the first one still ran when it started, then fixes calc.py.
+SLOW_AGENT = textwrap.dedent(
+    """
+    import os, pathlib, sys, time
+    state = pathlib.Path({state!r})
+    calls = state / "calls"
+    earlier = calls.read_text().split() if calls.exists() else []
+    with calls.open("a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+    if not earlier:
+        (state / "first-running").write_text(str(os.getpid()))
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not (state / "release").exists():
+            time.sleep(0.05)
+        sys.exit(1)
+    try:
+        stat = pathlib.Path(f"/proc/{{earlier[0]}}/stat").read_text()
+        alive = stat[stat.rindex(")") + 2] != "Z"
+    except OSError:
+        alive = False
+    (state / "first-alive-when-next-started").write_text(str(alive))
+    pathlib.Path("calc.py").write_text({fixed!r})
+    """
+)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class TestKilledRunner:
+    """SIGKILL of the runner's process group while the agent runs, then resume."""
+
+    def test_the_old_agent_is_gone_before_the_new_one_starts(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        state = tmp_path / "agent-state"
+        state.mkdir()
+        script = tmp_path / "slow_agent.py"
+        script.write_text(SLOW_AGENT.format(state=str(state), fixed=FIXED))
+        # `; true`: the shell forks the agent rather than exec it, so the agent is the runner's
+        # grandchild, which dies with neither the runner's group nor the shell.
+        command = f"{PY} {script}; true"
+        journal_path = tmp_path / "journal.db"
+        runner = subprocess.Popen(
+            [PY, "-m", "fsm_runner.cli", "--journal", str(journal_path), "agent-loop",
+             "--workspace", str(repo), "--agent", command, "--task", "fix add",
+             "--verify", f"L1={PY} -m pytest -q -p no:cacheprovider test_calc.py"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        first = None
+        try:
+            deadline = time.monotonic() + 60
+            while not (state / "first-running").exists():
+                assert runner.poll() is None, runner.stdout.read().decode()
+                assert time.monotonic() < deadline, "the agent never started"
+                time.sleep(0.02)
+            first = int((state / "first-running").read_text())
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait(timeout=10)
+
+            with SqliteJournal(journal_path) as journal:
+                (run,) = journal.runs()
+                assert run.state == "building"
+            resumed = subprocess.run(
+                [PY, "-m", "fsm_runner.cli", "--journal", str(journal_path), "resume",
+                 run.run_id],
+                cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+            assert (state / "first-alive-when-next-started").read_text() == "False"
+            assert len((state / "calls").read_text().split()) == 2
+            with SqliteJournal(journal_path) as journal:
+                assert journal.load(run.run_id).state == "succeeded"
+            # The lock and the record are git-ignored: no snapshot committed them.
+            tracked = subprocess.run(
+                [*GIT, "ls-files"], cwd=repo, capture_output=True, text=True, check=True
+            ).stdout
+            assert ".fsm-runner" not in tracked
+            assert not (repo / ".fsm-runner" / "child.json").exists()
+        finally:
+            (state / "release").touch()
+            if runner.poll() is None:
+                runner.kill()
+            runner.stdout.close()
+            if first is not None and _running(first):
+                os.kill(first, signal.SIGKILL)
+
+
 class TestCommands:
     """`fsm-runner demo` and `fsm-runner agent-loop`."""
 
@@ -261,6 +396,63 @@ class TestCommands:
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 1
         assert "reason: iteration limit spent" in result.output
+
+    def test_a_missing_agent_command_fails_the_run_at_once(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        journal_path = tmp_path / "journal.db"
+        args = ["--journal", str(journal_path), "agent-loop", "--workspace", str(repo)]
+        args += ["--agent", "no-such-agent-xyz --json", "--task", "fix add"]
+        args += ["--max-iterations", "3", "--verify", f"L1={levels()['L1']}"]
+
+        result = CliRunner().invoke(cli, args)
+
+        assert result.exit_code == 1, result.output
+        assert "reason: the agent command 'no-such-agent-xyz --json' was not found" in (
+            result.output
+        )
+        assert "iteration limit spent" not in result.output
+        with SqliteJournal(journal_path) as journal:
+            (run,) = journal.runs()
+            events = [t.event for t in journal.transitions(run.run_id)]
+        assert run.iteration == 1
+        assert events == ["STARTED", "RUN_ACCEPTED", "SYSTEM_ERROR"]
+
+    def test_a_workspace_outside_git_is_refused_before_anything_starts(self, tmp_path):
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        marker = tmp_path / "agent-ran"
+        journal_path = tmp_path / "journal.db"
+
+        result = CliRunner().invoke(
+            cli,
+            ["--journal", str(journal_path), "agent-loop", "--workspace", str(plain),
+             "--agent", f"touch {marker}", "--task", "t", "--verify", "L0=true"],
+        )  # fmt: skip
+
+        assert result.exit_code == 1
+        (line,) = result.output.splitlines()
+        assert line.startswith(f"Error: git snapshot of {plain} failed: the workspace is not")
+        assert "git init" in line
+        assert not marker.exists()
+        assert not journal_path.exists()
+        assert list(plain.iterdir()) == []
+
+    def test_agent_loop_says_where_snapshots_go(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        subprocess.run([*GIT, "checkout", "-q", "-b", "agent-work"], cwd=repo, check=True)
+        command, _ = agent_command(tmp_path, FIXED)
+        args = ["--journal", str(tmp_path / "j.db"), "agent-loop", "--workspace", str(repo)]
+        args += ["--agent", command, "--task", "fix add", "--verify", f"L1={levels()['L1']}"]
+
+        result = CliRunner().invoke(cli, args)
+
+        assert result.exit_code == 0, result.output
+        assert "snapshots: commits on branch agent-work" in result.output
+        log = subprocess.run(
+            [*GIT, "log", "--format=%s", "agent-work"],
+            cwd=repo, capture_output=True, text=True, check=True,
+        ).stdout.split("\n")  # fmt: skip
+        assert log[0] == "fsm-runner snapshot"
 
     def test_bad_verify_option(self, tmp_path):
         repo = make_repo(tmp_path / "repo")

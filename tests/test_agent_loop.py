@@ -808,3 +808,105 @@ def test_whole_run_results_are_json_data(journal):
     assert reloaded.context["feedback"] == fallback_feedback(failing_report())
     assert reloaded.context["verification"] == unstructure(passing_report())
     assert isinstance(AgentResult(**journal.artifacts(run.run_id)[0].content), AgentResult)
+
+
+class TestAgentThatCannotRun:
+    """An agent command that was not found or cannot be executed fails the run at once."""
+
+    @pytest.mark.parametrize(
+        ("exit_code", "reason"), [(127, "was not found"), (126, "cannot be executed")]
+    )
+    def test_build_reports_a_system_error_naming_the_command(self, exit_code, reason):
+        agent = FakeAgent(
+            agent_result(success=False, exit_code=exit_code, stderr="sh: 1: my-agent: not found")
+        )
+        ctx = make_ctx(
+            "building", input={**INPUT, "agent": {"command": "my-agent --json"}}, agent=agent
+        )
+
+        result = BuildPhase().run(ctx)
+
+        assert result.event == RunEvent.SYSTEM_ERROR.value
+        message = f"the agent command 'my-agent --json' {reason} (exit code {exit_code})"
+        assert result.error == {
+            "type": "agent_not_runnable",
+            "message": f"{message}: sh: 1: my-agent: not found",
+        }
+        assert result.iteration["error_type"] is ErrorType.SYSTEM_ERROR
+        assert result.iteration["success"] is False
+
+    def test_the_run_fails_without_spending_its_iterations(self, journal):
+        agent = FakeAgent(agent_result(success=False, exit_code=127, stderr="not found"))
+        verifier = FakeVerifier()
+        engine = engine_with(journal, agent=agent, verifier=verifier)
+
+        run = engine.run(engine.start({**INPUT, "max_iterations": 3}))
+
+        assert (run.state, run.iteration) == ("failed", 1)
+        assert run.error["message"] == "the agent command was not found (exit code 127): not found"
+        assert len(agent.requests) == 1
+        assert verifier.calls == []
+        (record,) = journal.iterations(run.run_id)
+        assert record.error_type is ErrorType.SYSTEM_ERROR
+
+    def test_a_failing_agent_still_gets_its_iterations(self, journal):
+        agent = FakeAgent(agent_result(success=False, exit_code=1))
+        engine = engine_with(journal, agent=agent)
+
+        run = engine.run(engine.start({**INPUT, "max_iterations": 2}))
+
+        assert run.error["message"] == "iteration limit spent"
+        assert len(agent.requests) == 2
+
+
+class CheckingSnapshotter(FakeSnapshotter):
+    """A snapshotter that checks the workspace before the first build (and refuses it)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        super().__init__()
+        self.checked: list[str] = []
+        self.refusal = error
+
+    def check_workspace(self, workspace: str) -> str:
+        self.checked.append(workspace)
+        if self.refusal is not None:
+            raise self.refusal
+        return "commits on branch main"
+
+
+class TestWorkspaceCheckedBeforeTheAgent:
+    """``queued`` has the snapshotter check the workspace, so a bad one never meets the agent."""
+
+    def test_a_workspace_the_snapshotter_refuses_fails_the_run_in_queued(self, journal):
+        agent = FakeAgent()
+        snapshotter = CheckingSnapshotter(ValueError("not a git repository"))
+        engine = engine_with(journal, agent=agent, snapshotter=snapshotter)
+
+        run = engine.run(engine.start(INPUT))
+
+        assert run.state == "failed"
+        assert "not a git repository" in run.error["message"]
+        assert events(journal, run.run_id) == ["STARTED", "SYSTEM_ERROR"]
+        assert snapshotter.checked == [WORKSPACE]
+        assert agent.requests == []
+
+    def test_a_real_workspace_outside_git(self, journal, tmp_path):
+        from fsm_runner.presets.agent_services import GitSnapshotter
+
+        agent = FakeAgent()
+        engine = agent_loop_engine(
+            journal=journal, agent=agent, snapshotter=GitSnapshotter(), verifier=FakeVerifier()
+        )
+
+        run = engine.run(engine.start({**INPUT, "workspace": str(tmp_path)}))
+
+        assert run.state == "failed"
+        assert "not inside a git work tree" in run.error["message"]
+        assert agent.requests == []
+
+    def test_an_accepted_workspace(self, journal):
+        snapshotter = CheckingSnapshotter()
+        engine = engine_with(journal, snapshotter=snapshotter)
+
+        assert engine.run(engine.start(INPUT)).state == "succeeded"
+        assert snapshotter.checked == [WORKSPACE]

@@ -9,15 +9,17 @@ import os
 import re
 import select
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets import agent_services
+from fsm_runner.presets import _children, agent_services
 from fsm_runner.presets.agent_loop import (
     AgentDriver,
     AgentRequest,
@@ -228,6 +230,25 @@ class TestGitSnapshotter:
     def test_missing_workspace(self, tmp_path):
         with pytest.raises(SnapshotError, match="not a directory"):
             GitSnapshotter().capture(str(tmp_path / "nowhere"))
+
+    def test_check_workspace_names_the_branch_snapshots_go_to(self, repo):
+        assert GitSnapshotter().check_workspace(str(repo)) == "commits on branch main"
+        (repo / "a.txt").write_text("a\n")
+        first = commit_all(repo)
+        git(repo, "checkout", "-q", "--detach", first)
+        assert GitSnapshotter().check_workspace(str(repo)) == "commits on a detached HEAD"
+
+    def test_check_workspace_refuses_a_directory_outside_git(self, tmp_path):
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        with pytest.raises(SnapshotError, match="not inside a git work tree") as caught:
+            GitSnapshotter().check_workspace(str(plain))
+        assert "git init" in str(caught.value)
+        assert "not a git repository" in str(caught.value)  # git's own words
+        assert caught.value.returncode == 128
+        with pytest.raises(SnapshotError, match="not a directory"):
+            GitSnapshotter().check_workspace(str(tmp_path / "nowhere"))
+        assert list(plain.iterdir()) == []
 
     def test_git_not_installed(self, repo, monkeypatch, tmp_path):
         empty = tmp_path / "empty-bin"
@@ -726,3 +747,178 @@ class TestSnapshotSince:
         assert second.changed_files == ("b.txt",)
         bogus = GitSnapshotter().capture(str(repo), since="0" * 40)
         assert bogus.before == bogus.after
+
+
+# -- commands that outlive their runner ----------------------------------------------------------
+
+# A runner in a process of its own: runs one agent or verification command in a workspace.
+RUNNER = """
+import sys
+from fsm_runner.presets.agent_loop import AgentRequest
+from fsm_runner.presets.agent_services import CommandAgentDriver, CommandVerifier
+kind, workspace, command = sys.argv[1:]
+if kind == "agent":
+    CommandAgentDriver(command).run(AgentRequest(task="t", workspace=workspace, iteration=1))
+else:
+    CommandVerifier({"L0": command}).verify(workspace)
+"""
+
+# A command that writes its pid to the file it is given, then runs until released (60 s at most).
+SLEEPER = """
+import os, pathlib, sys, time
+pid_file = pathlib.Path(sys.argv[1])
+pid_file.write_text(str(os.getpid()))
+end = time.monotonic() + 60
+while time.monotonic() < end and not pid_file.with_suffix(".release").exists():
+    time.sleep(0.05)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process that still runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_for(path: Path, process: subprocess.Popen[bytes] | None = None) -> int:
+    """The pid written to ``path``, once it is there."""
+    deadline = time.monotonic() + 60
+    while not path.exists() or not path.read_text():
+        assert process is None or process.poll() is None, "the runner ended early"
+        assert time.monotonic() < deadline, f"{path} was never written"
+        time.sleep(0.02)
+    return int(path.read_text())
+
+
+@pytest.fixture
+def sleeper(tmp_path):
+    """``(command for a pid file, cleanup list)``: every pid written is killed at the end."""
+    script = write_script(tmp_path, SLEEPER, name="sleeper.py")
+    pids: list[int] = []
+    yield (lambda pid_file: f"{QPY} {shlex.quote(str(script))} {shlex.quote(str(pid_file))}"), pids
+    for pid in pids:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_runner(kind: str, workspace: Path, command: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([PY, "-c", RUNNER, kind, str(workspace), command])
+
+
+class TestCommandsEndWithTheirRunner:
+    """A killed runner's commands never keep running in the workspace."""
+
+    def test_the_command_dies_with_its_runner(self, tmp_path, sleeper):
+        command, pids = sleeper
+        # `exec`: the command is the runner's own child, which the kernel kills with it.
+        runner = start_runner("agent", tmp_path, "exec " + command(tmp_path / "agent.pid"))
+        pids.append(child := wait_for(tmp_path / "agent.pid", runner))
+
+        runner.kill()
+        runner.wait()
+
+        assert exited(child)
+
+    def test_what_a_dead_runner_left_is_killed_before_the_next_command(
+        self, tmp_path, sleeper, caplog
+    ):
+        command, pids = sleeper
+        # `; true`: the shell forks the check, so it is the runner's grandchild, which outlives
+        # both the runner and the shell unless something ends it.
+        runner = start_runner("verify", tmp_path, command(tmp_path / "check.pid") + "; true")
+        pids.append(left := wait_for(tmp_path / "check.pid", runner))
+        runner.kill()
+        runner.wait()
+        assert running(left)  # the kernel ended the shell, not its child
+        # The check fails while the left-behind process still runs (a zombie no longer does).
+        probe = write_script(
+            tmp_path,
+            f"""
+            import pathlib, sys
+            try:
+                stat = pathlib.Path("/proc/{left}/stat").read_text()
+            except OSError:
+                sys.exit(0)
+            sys.exit(stat[stat.rindex(")") + 2] != "Z")
+            """,
+            name="probe.py",
+        )
+
+        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_services"):
+            report = CommandVerifier({"L0": f"{QPY} {probe}"}).verify(str(tmp_path))
+
+        assert report.passed, report
+        assert "left running" in caplog.text
+        assert not (tmp_path / ".fsm-runner" / "child.json").exists()
+
+    @pytest.mark.parametrize(
+        ("change", "killed"),
+        [({}, True), ({"start_time": 1}, False), ({"boot_id": "another-boot"}, False)],
+        ids=["recorded", "recycled-pid", "another-boot"],
+    )
+    def test_only_the_recorded_process_group_is_killed(self, tmp_path, change, killed):
+        group = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        try:
+            guard = tmp_path / ".fsm-runner"
+            guard.mkdir()
+            record = {
+                "pgid": group.pid,
+                "start_time": _children._process(group.pid).start_time,
+                "boot_id": _children._boot_id(),
+                "command": "sleep 60",
+                "runner_pid": 1,
+            }
+            (guard / "child.json").write_text(json.dumps(record | change))
+
+            report = CommandVerifier({"L0": "true"}).verify(str(tmp_path))
+
+            assert report.passed
+            assert running(group.pid) is not killed
+            assert not (guard / "child.json").exists()
+        finally:
+            group.kill()
+            group.wait()
+
+    def test_a_live_runners_command_is_waited_for_never_killed(self, tmp_path, sleeper):
+        command, pids = sleeper
+        pid_file = tmp_path / "agent.pid"
+        runner = start_runner("agent", tmp_path, command(pid_file))
+        try:
+            pids.append(live := wait_for(pid_file, runner))
+
+            busy = CommandVerifier({"L0": "true"}, timeout=0.2).verify(str(tmp_path))
+
+            (check,) = busy.levels[0].checks
+            assert (check.passed, check.timed_out) == (False, True)
+            assert "is busy" in check.output_tail
+            assert f"runs `{command(pid_file)}`" in check.output_tail
+            assert running(live)
+            agent = CommandAgentDriver("true", timeout=0.2).run(request(tmp_path))
+            assert (agent.success, agent.timed_out) == (False, True)
+            assert "is busy" in agent.stderr
+        finally:
+            pid_file.with_suffix(".release").touch()
+            runner.wait()
+        assert runner.returncode == 0
+        assert CommandVerifier({"L0": "true"}).verify(str(tmp_path)).passed
+
+    def test_a_workspace_where_no_record_can_be_kept_still_runs_commands(self, tmp_path, caplog):
+        (tmp_path / ".fsm-runner").write_text("a file where the directory would go")
+
+        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_services"):
+            result = CommandAgentDriver("echo ran").run(request(tmp_path))
+
+        assert (result.success, result.stdout) == (True, "ran\n")
+        assert "cannot keep a record of the commands run in" in caplog.text
+
+    def test_the_guard_directory_is_ignored_by_git(self, repo):
+        CommandAgentDriver("echo hi > a.txt").run(request(repo))
+
+        snapshot = GitSnapshotter().capture(str(repo))
+
+        assert snapshot.changed_files == ("a.txt",)
+        assert (repo / ".fsm-runner" / "lock").exists()
+        assert git(repo, "status", "--porcelain") == ""

@@ -259,7 +259,12 @@ class AgentDriver(Protocol):
 
 @runtime_checkable
 class Snapshotter(Protocol):
-    """Captures the workspace's state."""
+    """Captures the workspace's state.
+
+    A snapshotter may also have a ``check_workspace(workspace)`` method (as
+    :class:`~fsm_runner.presets.agent_services.GitSnapshotter` has): ``queued`` calls it, so a
+    workspace that could never be captured fails the run before the agent works in it.
+    """
 
     def capture(self, workspace: str, *, since: str | None = None) -> Snapshot:
         """Capture the workspace now, against the snapshot ``since`` (the last one) if given."""
@@ -360,11 +365,37 @@ class QueuePhase:
         limit = _input(ctx, "max_iterations", DEFAULT_MAX_ITERATIONS)
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"max_iterations must be a whole number >= 1, not {limit!r}")
+        # Before any agent edits the workspace: one the snapshotter cannot capture (not a git
+        # repository, say) would only be found after the first build.
+        check = getattr(ctx.services.get("snapshotter"), "check_workspace", None)
+        if callable(check):
+            check(str(_input(ctx, "workspace")))
         return PhaseResult(RUN_ACCEPTED)
 
 
+# Exit codes with which a shell reports that a command could not be run at all. Running it again
+# cannot help, so the run fails at once instead of spending its iterations on it.
+_NOT_RUNNABLE = {126: "cannot be executed", 127: "was not found"}
+
+
+def _not_runnable(result: AgentResult, options: Mapping[str, Any]) -> str | None:
+    """Why the agent command could not be run at all, or ``None`` if it ran."""
+    reason = None if result.success else _NOT_RUNNABLE.get(result.exit_code or 0)
+    if reason is None:
+        return None
+    command = options.get("command")
+    named = f"the agent command {command!r}" if command else "the agent command"
+    tail = (result.stderr or result.stdout)[-500:].strip()
+    return f"{named} {reason} (exit code {result.exit_code})" + (f": {tail}" if tail else "")
+
+
 class BuildPhase:
-    """``building``: run the agent on the task, the last feedback and the last session."""
+    """``building``: run the agent on the task, the last feedback and the last session.
+
+    An agent command that could not be run at all (exit code 127: not found; 126: not
+    executable) fails the run at once with ``SYSTEM_ERROR`` naming the command: another
+    iteration would only fail the same way.
+    """
 
     def run(self, ctx: PhaseContext) -> PhaseResult:
         """Run the agent once and report BUILD_SUCCEEDED or BUILD_FAILED (classified)."""
@@ -406,6 +437,17 @@ class BuildPhase:
             "cost_usd": result.cost_usd,
         }
         context = {"session_id": result.session_id or ctx.context.get("session_id")}
+        not_runnable = _not_runnable(result, request.options)
+        if not_runnable is not None:
+            return PhaseResult(
+                RunEvent.SYSTEM_ERROR,
+                output={"exit_code": result.exit_code},
+                error={"type": "agent_not_runnable", "message": not_runnable},
+                context={**context, "build_failure": not_runnable},
+                iteration=updates
+                | {"error_type": ErrorType.SYSTEM_ERROR, "error_message": not_runnable},
+                artifacts=[artifact],
+            )
         if result.success:
             return PhaseResult(
                 BUILD_SUCCEEDED,

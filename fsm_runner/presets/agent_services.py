@@ -14,7 +14,12 @@ service                               protocol                        medium
 ====================================  ==============================  ===========================
 
 Agent and verification commands run in a process group of their own, so a timeout kills
-everything they started, not just the shell (POSIX only). Their output goes to temporary files
+everything they started, not just the shell (POSIX only). They never outlive their runner for
+long, and never run two at once in one workspace (:mod:`fsm_runner.presets._children`): on
+Linux the kernel kills a command when its runner dies, and while it runs its runner holds a lock
+in ``<workspace>/.fsm-runner/`` with a record of its process group, so the next command started
+in that workspace (after ``resume``, say) first kills whatever a dead runner left running there,
+and waits for a live runner's command to end. Their output goes to temporary files
 rather than pipes: a background process that a command leaves behind cannot block the wait,
 and only the tail of a long output is read back into memory.
 
@@ -43,6 +48,7 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from fsm_runner.exceptions import FsmRunnerError
+from fsm_runner.presets._children import WorkspaceBusyError, WorkspaceClaim, die_with_runner
 from fsm_runner.presets.agent_loop import (
     AgentRequest,
     AgentResult,
@@ -51,7 +57,7 @@ from fsm_runner.presets.agent_loop import (
     Snapshot,
     VerificationReport,
 )
-from fsm_runner.presets.gitcli import run_git
+from fsm_runner.presets.gitcli import run_git, text_tail
 from fsm_runner.records import ArtifactRecord
 
 if TYPE_CHECKING:
@@ -136,6 +142,11 @@ def _min_timeout(*timeouts: float | None) -> float | None:
     return min((t for t in timeouts if t is not None), default=None)
 
 
+def _left(timeout: float | None, started: float) -> float | None:
+    """What is left of ``timeout`` counted from ``started`` (waiting for the workspace counts)."""
+    return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+
+
 def _check_timeout(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{attribute.name} must be a positive number of seconds or None")
@@ -183,6 +194,11 @@ class GitSnapshotter:
     verifier's job) and is never signed. A repository without commits gets an initial
     (possibly empty) commit, so every snapshot has an id.
 
+    Snapshots are commits on the branch checked out in the workspace: each one moves that
+    branch forward (on a detached ``HEAD``, only ``HEAD``), and no other ref is touched. Run
+    the agent on a branch of its own to keep yours as it is. :meth:`check_workspace` says which
+    branch, before the agent starts.
+
     The snapshot compares the workspace's ``HEAD`` before the capture with the one after it:
     commits the agent made itself are already in ``HEAD`` before, so they do not show up in
     ``changed_files``.
@@ -219,11 +235,7 @@ class GitSnapshotter:
                 installed, or a git command failed or took longer than ``timeout``.
         """
         workspace = os.fspath(workspace)
-        if not os.path.isdir(workspace):
-            raise SnapshotError("the workspace is not a directory", workspace=workspace)
-        inside = self._git(workspace, "rev-parse", "--is-inside-work-tree")
-        if inside.stdout.strip() != b"true":
-            raise SnapshotError("the workspace is not inside a git work tree", workspace=workspace)
+        self._check(workspace)
         before = self._head(workspace)
         if (
             since
@@ -266,6 +278,44 @@ class GitSnapshotter:
             insertions=insertions,
             deletions=deletions,
         )
+
+    def check_workspace(self, workspace: str) -> str:
+        """Make sure ``workspace`` can be captured, before an agent works in it.
+
+        Args:
+            workspace: the directory the agent is to work in.
+
+        Returns:
+            Where the snapshots will go, for people to read: ``"commits on branch main"``, or
+            ``"commits on a detached HEAD"``.
+
+        Raises:
+            SnapshotError: the workspace is not a directory in a git work tree, or git is not
+                installed or failed.
+        """
+        workspace = os.fspath(workspace)
+        self._check(workspace)
+        branch = self._git(workspace, "symbolic-ref", "--quiet", "--short", "HEAD", ok=(0, 1))
+        name = branch.stdout.decode("utf-8", errors="replace").strip()
+        return (
+            f"commits on branch {name}" if branch.returncode == 0 else "commits on a detached HEAD"
+        )
+
+    def _check(self, workspace: str) -> None:
+        """Raise a SnapshotError unless ``workspace`` is a directory in a git work tree."""
+        if not os.path.isdir(workspace):
+            raise SnapshotError("the workspace is not a directory", workspace=workspace)
+        inside = self._git(workspace, "rev-parse", "--is-inside-work-tree", ok=(0, 128))
+        if inside.returncode != 0 or inside.stdout.strip() != b"true":
+            stderr = inside.stderr.decode("utf-8", errors="replace")
+            raise SnapshotError(
+                "the workspace is not inside a git work tree (snapshots are git commits: "
+                f"`git init` it first): {text_tail(stderr) or '(no output)'}",
+                workspace=workspace,
+                command=("git", "rev-parse", "--is-inside-work-tree"),
+                returncode=inside.returncode,
+                stderr=stderr,
+            )
 
     def _head(self, workspace: str) -> str | None:
         """The commit ``HEAD`` names, or ``None`` in a repository without commits."""
@@ -340,9 +390,12 @@ class CommandVerifier:
 
     Each command runs in a process group of its own and may take ``timeout`` seconds, or what is
     left of the ``timeout`` given to :meth:`verify` if that is less; past it, the whole group is
-    killed. A command that would start after that budget is spent is not run and counts as
-    timed out. Python bytecode is cached apart for each verification (``PYTHONPYCACHEPREFIX``),
-    so a stale ``.pyc`` in the workspace is never run in place of the source.
+    killed. It dies with its runner, and what a killed runner left running in the workspace is
+    killed before it starts (see the module's docs; waiting for another live runner's command
+    counts against its time). A command that would start after that budget is spent is not run
+    and counts as timed out. Python bytecode is cached apart for each verification
+    (``PYTHONPYCACHEPREFIX``), so a stale ``.pyc`` in the workspace is never run in place of the
+    source.
 
     Attributes:
         levels: the default levels, ``{name: command or [commands]}``; :meth:`verify` may
@@ -438,7 +491,18 @@ class CommandVerifier:
                 output_tail="not run: the verification's time budget was spent",
             )
         started = time.monotonic()
-        with tempfile.TemporaryFile() as output:
+        limit = _min_timeout(self.timeout, remaining)
+        try:
+            claim = WorkspaceClaim.acquire(workspace, command=command, wait=limit)
+        except WorkspaceBusyError as exc:
+            return CheckResult(
+                command,
+                passed=False,
+                timed_out=True,
+                output_tail=f"not run: {exc}",
+                duration_ms=_ms_since(started),
+            )
+        with claim, tempfile.TemporaryFile() as output:
             try:
                 process = subprocess.Popen(  # noqa: S602 - verification levels are shell commands by design
                     command,
@@ -449,6 +513,7 @@ class CommandVerifier:
                     stdout=output,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=die_with_runner(),  # noqa: PLW1509 - only prctl and getppid run in it
                 )
             except OSError as exc:
                 return CheckResult(
@@ -458,8 +523,9 @@ class CommandVerifier:
                     output_tail=f"could not start the command: {type(exc).__name__}: {exc}",
                     duration_ms=_ms_since(started),
                 )
+            claim.started(process.pid)
             with process:
-                timed_out = _wait_or_kill(process, _min_timeout(self.timeout, remaining))
+                timed_out = _wait_or_kill(process, _left(limit, started))
             return CheckResult(
                 command,
                 passed=not timed_out and process.returncode == 0,
@@ -548,10 +614,14 @@ class CommandAgentDriver:
     ``success`` (a bool; by default, whether the command exited with 0). Keys that are missing
     or of another type are ignored, as are all other keys.
 
-    A command that runs past its timeout (the driver's or the request's, whichever is less) is
-    killed with its whole process group and reported as timed out with exit code 137; one that
-    cannot be started is reported with exit code 127 and the reason in ``stderr``. Either way
-    the run is an unsuccessful :class:`AgentResult`, never an exception.
+    The command dies with its runner, and what a killed runner left running in the workspace
+    (an earlier agent, say, before a ``resume``) is killed before it starts; see the module's
+    docs. A command that runs past its timeout (the driver's or the request's, whichever is
+    less; waiting for another live runner's command in the workspace counts) is killed with its
+    whole process group and reported as timed out with exit code 137; one that never started
+    because the workspace stayed busy, as timed out without an exit code; one that cannot be
+    started, with exit code 127 and the reason in ``stderr``. Either way the run is an
+    unsuccessful :class:`AgentResult`, never an exception.
 
     Attributes:
         command: the agent command, or ``None`` to take it from each request's options.
@@ -606,8 +676,18 @@ class CommandAgentDriver:
         }
         timeout = _min_timeout(self.timeout, request.timeout)
         started = time.monotonic()
+        try:
+            claim = WorkspaceClaim.acquire(request.workspace, command=command, wait=timeout)
+        except WorkspaceBusyError as exc:
+            return AgentResult(
+                success=False,
+                stderr=f"the agent was not started: {exc}",
+                duration_ms=_ms_since(started),
+                timed_out=True,
+            )
         # Files, not pipes: a large request cannot block on a command that never reads stdin.
         with (
+            claim,
             tempfile.TemporaryFile() as stdin,
             tempfile.TemporaryFile() as stdout,
             tempfile.TemporaryFile() as stderr,
@@ -624,6 +704,7 @@ class CommandAgentDriver:
                     stdout=stdout,
                     stderr=stderr,
                     start_new_session=True,
+                    preexec_fn=die_with_runner(),  # noqa: PLW1509 - only prctl and getppid run in it
                 )
             except OSError as exc:
                 return AgentResult(
@@ -633,8 +714,9 @@ class CommandAgentDriver:
                     f"{type(exc).__name__}: {exc}",
                     duration_ms=_ms_since(started),
                 )
+            claim.started(process.pid)
             with process:
-                timed_out = _wait_or_kill(process, timeout)
+                timed_out = _wait_or_kill(process, _left(timeout, started))
             duration_ms = _ms_since(started)
             scanned = _read_tail(stdout, _RESULT_SCAN_CHARS)
             errors = _read_tail(stderr, _AGENT_OUTPUT_TAIL)
