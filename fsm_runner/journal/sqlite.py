@@ -54,7 +54,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "Sqlite
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -85,7 +85,8 @@ _JSON_COLUMNS = ("input", "context", "error")
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _UTC = dt.timezone.utc
 #: What the ``transitions_fence`` trigger raises when a transition does not follow the
-#: run's last one (a stale seq) or its writer's lease token is not the run's (fencing).
+#: run's last one (a stale seq), its writer's lease token is not the run's (fencing), or it is
+#: not the USER_ABORTED that carries out the abort requested of the run.
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
 #: What it raises for a transition written without its run's ``run_key`` (by hand, say).
 _NO_RUN_KEY = (
@@ -757,8 +758,8 @@ class SqliteJournal:
             columns += ["return_to", "return_attempt", "return_visit"]
             params += [run.return_to, run.return_attempt, run.return_visit]
         if transition.event == _USER_ABORTED:
-            columns.append("abort_reason")  # the abort carried out clears the request
-            params.append(None)
+            columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
+            params += [None, None]
         key = tuple(columns)
         sql = self._update_sql.get(key)
         if sql is None:
@@ -800,21 +801,33 @@ class SqliteJournal:
             return JournalError(self._describe(exc), path=self.path)
         self._keys.pop(run_id, None)  # read again next time, in case it was not the run's
         found = self._conn.execute(
-            "SELECT seq, lease_token FROM runs WHERE run_id = ?", (run_id,)
+            "SELECT v.seq, v.lease_token, v.abort_reason, r.abort_token FROM runs AS v"
+            " JOIN run_rows AS r ON r.run_key = v.run_key WHERE v.run_id = ?",
+            (run_id,),
         ).fetchone()
         if found is None:
             return RunNotFoundError(run_id)
-        if token is not None and found[1] != token:  # taken over: the more telling refusal
+        seq, stored_token, abort_reason, abort_token = found
+        if token is not None and stored_token != token:  # taken over: the more telling refusal
             return LeaseLostError(run_id, token=token)
-        return RunConflictError(run_id=run_id, expected_seq=expected_seq, path=self.path)
+        fenced = seq == expected_seq and abort_token is not None and stored_token <= abort_token
+        return RunConflictError(
+            run_id=run_id,
+            expected_seq=expected_seq,
+            path=self.path,
+            abort_reason=abort_reason if fenced else None,
+        )
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
-        """Mark an active run as to be aborted."""
+        """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
         with self._write() as conn:
             run = self._load(conn, run_id)
             if run.ended:
                 raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-            conn.execute("UPDATE run_rows SET abort_reason = ? WHERE run_id = ?", (reason, run_id))
+            conn.execute(
+                "UPDATE run_rows SET abort_reason = ?, abort_token = lease_token WHERE run_id = ?",
+                (reason, run_id),
+            )
         return self.load(run_id)
 
     @staticmethod
