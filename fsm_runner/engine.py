@@ -385,8 +385,8 @@ class Engine:
         A ``SPEC_CHANGED`` self transition of the same visit records the switch, and the run
         row names the new spec from then on, so replay follows the run through both.
         """
-        if run.spec_hash == self.spec.spec_hash or run.abort_reason is not None:
-            return run  # (an abort requested: carried out under the run's own spec, nothing else)
+        if run.spec_hash == self.spec.spec_hash:
+            return run
         transition, after = _advance(
             self.spec,
             run,
@@ -1185,10 +1185,7 @@ class Engine:
         return self._write(self._plan_abort(run, reason))
 
     def _plan_abort(self, run: RunRecord, reason: str) -> _Planned:
-        spec = self.spec
-        if run.spec_hash != spec.spec_hash:  # a run not (yet) moved to this engine's spec
-            spec = MachineSpec.from_json(self.journal.spec_json(run.spec_hash))
-        transition, after = _abort_records(spec, run, reason, self.guards)
+        transition, after = _abort_records(self.spec, run, reason, self.guards)
         return transition, after, (), ()
 
     # -- shared step machinery -----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Acceptance: an abort acknowledged as requested ends the run aborted, whoever holds it.
 
-A real process holds the run inside a slow phase — an ``fsm-runner worker``, a sync
+Across processes: a real process holds the run inside a slow phase — an ``fsm-runner worker``, a sync
 ``Engine.run``, an async ``Engine.arun``, or ``fsm-runner agent-loop`` with an agent that waits —
 while ``fsm-runner abort RUN --reason ...`` runs in another process, on a SQLite file and on
 PostgreSQL. The abort command says the abort is requested, ``show`` shows the request while the
@@ -8,10 +8,15 @@ phase still runs, and once the phase returns (ignoring the abort: its handler ne
 ``ctx.cancelled``, and the holder's heartbeat is far off) the run ends aborted where it was: the
 journal refuses the phase's outcome, so the holder carries out the abort instead of finishing
 the run, and no later phase runs.
+
+In one process, every route a step can take meets the same refusal: the sync hot path and the
+general one (a timeout, a ``validate()``, a result with output), ``step``, ``arun`` with and
+without group commit, ``astep``, ``work``, an interruption, and a run due to be parked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
@@ -25,7 +30,18 @@ from typing import Any, TypeVar
 
 import pytest
 
-from fsm_runner import Engine, Outcome, open_journal
+from fsm_runner import (
+    Engine,
+    MachineSpec,
+    Outcome,
+    PhaseContext,
+    PhaseResult,
+    RunRecord,
+    State,
+    Transition,
+    open_journal,
+)
+from fsm_runner.engine import abort_run
 from fsm_runner.events import RunEvent
 from tests.abort_app import SPEC
 
@@ -35,10 +51,9 @@ TIMEOUT = 60.0  # seconds any one wait may take before the test gives up (never 
 USER_ABORTED = RunEvent.USER_ABORTED.value
 T = TypeVar("T")
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX processes and pipes"),
-]
+pytestmark = pytest.mark.skipif(
+    not hasattr(signal, "SIGKILL"), reason="needs POSIX processes and pipes"
+)
 
 
 def fsm_runner() -> list[str]:
@@ -203,6 +218,7 @@ HOLDERS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(HOLDERS))
 def test_an_acknowledged_abort_ends_the_held_run_aborted(kind, location, holders):
     run_id = start_run(location)
@@ -232,6 +248,7 @@ def git_workspace(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_an_acknowledged_abort_ends_an_agent_loop_run_aborted(location, tmp_path):
     workspace = git_workspace(tmp_path / "work")
     entered, hold = tmp_path / "entered", tmp_path / "hold.fifo"
@@ -268,3 +285,164 @@ def test_an_acknowledged_abort_ends_an_agent_loop_run_aborted(location, tmp_path
     assert f"run {run.run_id} is aborted in state 'canceled'" in out
     found = assert_aborted_in(location, run.run_id, "building", "stop the agent loop")
     assert found["events"] == ["STARTED", "RUN_ACCEPTED", USER_ABORTED]
+
+
+# -- every route of a step, in one process ------------------------------------------------------
+
+
+def route_spec(*, timeout: float | None = None) -> MachineSpec:
+    return MachineSpec(
+        "abort-routes",
+        [
+            State("working", handler="working", timeout=timeout),
+            State("finishing", handler="finishing"),
+            State("done", terminal=True),
+            State("canceled", terminal=True, outcome="aborted"),
+        ],
+        [
+            Transition("working", "DONE", "finishing"),
+            Transition("finishing", "DONE", "done"),
+            Transition("*", USER_ABORTED, "canceled"),
+        ],
+    )
+
+
+class Validated:
+    """A handler with validate(): it takes the general path."""
+
+    def __init__(self, run: Callable[[PhaseContext], Any]) -> None:
+        self.run = run
+
+    def validate(self, ctx: PhaseContext) -> None:
+        return None
+
+
+def route_engine(journal, route: str, calls: list[str]) -> Engine:
+    """An engine whose ``working`` phase requests an abort "from elsewhere" and ignores it."""
+
+    def requested(ctx: PhaseContext) -> None:
+        calls.append(ctx.state)
+        journal.request_abort(ctx.run_id, "stop it")  # behind the engine's back, as another process
+
+    def bare(ctx: PhaseContext) -> str:
+        requested(ctx)
+        return "DONE"
+
+    def with_output(ctx: PhaseContext) -> PhaseResult:
+        requested(ctx)
+        return PhaseResult("DONE", output={"made": 1}, context={"k": 1})
+
+    async def coroutine(ctx: PhaseContext) -> str:
+        requested(ctx)
+        return "DONE"
+
+    def interrupted(ctx: PhaseContext) -> str:
+        requested(ctx)
+        raise KeyboardInterrupt
+
+    working: Any = {
+        "bare": bare,
+        "output": with_output,
+        "timeout": bare,
+        "validate": Validated(bare),
+        "async": coroutine,
+        "interrupt": interrupted,
+    }[route]
+    return Engine(
+        route_spec(timeout=600.0 if route == "timeout" else None),
+        handlers={"working": working, "finishing": lambda ctx: calls.append(ctx.state) or "DONE"},
+        journal=journal,
+        heartbeat_interval=600.0,  # the request must not come through the heartbeat
+    )
+
+
+def assert_aborted_while_working(journal, run_id: str, calls: list[str]) -> None:
+    run = journal.load(run_id)
+    assert (run.state, run.status, run.abort_reason) == ("canceled", Outcome.ABORTED, None)
+    assert [(t.from_state, t.event, t.to_state) for t in journal.transitions(run_id)] == [
+        (None, "STARTED", "working"),
+        ("working", USER_ABORTED, "canceled"),
+    ]
+    assert run.error == {"type": USER_ABORTED, "message": "stop it"}
+    assert calls == ["working"]  # the phase after it never ran
+
+
+DRIVERS: dict[str, Callable[[Engine, str], Any]] = {
+    "run": lambda engine, run_id: engine.run(run_id),
+    "step": lambda engine, run_id: engine.step(run_id),
+    "work": lambda engine, run_id: engine.work(max_runs=1, exit_when_idle=True),
+    "arun": lambda engine, run_id: asyncio.run(engine.arun(run_id)),
+    "astep": lambda engine, run_id: asyncio.run(engine.astep(run_id)),
+}
+
+
+@pytest.mark.parametrize(
+    ("driver", "route"),
+    [
+        *[(driver, route) for driver in ("run", "step", "work") for route in ("bare", "output")],
+        ("run", "timeout"),
+        ("run", "validate"),
+        *[
+            (driver, route)
+            for driver in ("arun", "arun-one-commit-a-step", "astep")
+            for route in ("bare", "output", "async", "timeout")
+        ],
+    ],
+)
+def test_every_route_of_a_step_ends_aborted_where_the_abort_found_it(journal, driver, route):
+    calls: list[str] = []
+    engine = route_engine(journal, route, calls)
+    if driver == "arun-one-commit-a-step":
+        engine.group_commit = False
+    run_id = engine.start()
+    try:
+        DRIVERS["arun" if driver == "arun-one-commit-a-step" else driver](engine, run_id)
+    finally:
+        engine.close()
+    assert_aborted_while_working(journal, run_id, calls)
+
+
+@pytest.mark.parametrize("driver", ["run", "arun"])
+def test_an_interrupted_phase_carries_out_the_abort_requested_meanwhile(journal, driver):
+    calls: list[str] = []
+    engine = route_engine(journal, "interrupt", calls)
+    run_id = engine.start()
+    with pytest.raises(KeyboardInterrupt):
+        DRIVERS[driver](engine, run_id)
+    engine.close()
+    assert_aborted_while_working(journal, run_id, calls)
+
+
+def test_a_run_due_to_be_parked_is_aborted_as_requested(journal):
+    calls: list[str] = []
+    engine = route_engine(journal, "bare", calls)
+    engine.max_recoveries = 0
+    run_id = engine.start()
+    journal.claim(run_id, "gone:1:x", ttl=-1)  # its worker was lost: the next claim parks it
+    journal.request_abort(run_id, "stop it")
+    assert engine.work(max_runs=1, exit_when_idle=True) == 1
+    engine.close()
+    run = journal.load(run_id)
+    assert (run.state, run.status, run.recoveries) == ("canceled", Outcome.ABORTED, 1)
+    assert calls == []
+
+
+def test_abort_moves_the_run_itself_when_its_holder_lets_go_meanwhile(journal):
+    """The holder releases between the abort's refused claim and its request: nobody would
+    carry the request out, so the abort does it at once instead of saying it is requested."""
+    engine = route_engine(journal, "bare", [])
+    run_id = engine.start()
+    held = journal.claim(run_id, "holder", ttl=600)
+    request = journal.request_abort
+
+    def request_as_the_holder_lets_go(run_id: str, reason: str) -> RunRecord:
+        journal.release(run_id, "holder", held.lease_token)
+        return request(run_id, reason)
+
+    journal.request_abort = request_as_the_holder_lets_go  # the interleaving, on the real journal
+    try:
+        run = abort_run(journal, run_id, "stop it")
+    finally:
+        del journal.request_abort
+    assert (run.state, run.status, run.lease_owner) == ("canceled", Outcome.ABORTED, None)
+    assert journal.load(run_id) == run

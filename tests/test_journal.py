@@ -369,7 +369,8 @@ class TestAbort:
         claimed = journal.claim("r1", "operator", ttl=60)
         assert claimed.abort_reason == "operator asked"
 
-        advance(journal, claimed, "feedback", attempt=2)
+        after, transition = next_step(claimed, "feedback", attempt=2)
+        journal.commit(after, attrs.evolve(transition, lease_token=claimed.lease_token))
 
         loaded = journal.load("r1")
         assert (loaded.state, loaded.abort_reason) == ("feedback", "operator asked")
