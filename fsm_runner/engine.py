@@ -885,7 +885,9 @@ class Engine:
         message = f"interrupted ({cause}) in {run.state!r}"
         try:
             try:
-                self._write(self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1))
+                self._write(
+                    self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1)
+                )
             except RunConflictError as refused:
                 if refused.abort_reason is None:
                     raise

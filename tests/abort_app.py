@@ -100,10 +100,7 @@ def main(argv: list[str]) -> int:
     journal = open_journal(location)
     engine = make_engine().with_journal(journal)
     try:
-        if how == "run":
-            run = engine.run(run_id)
-        else:
-            run = asyncio.run(engine.arun(run_id))
+        run = engine.run(run_id) if how == "run" else asyncio.run(engine.arun(run_id))
     finally:
         engine.close()
         journal.close()
