@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -317,12 +317,19 @@ class Validated:
         return None
 
 
-def route_engine(journal, route: str, calls: list[str]) -> Engine:
-    """An engine whose ``working`` phase requests an abort "from elsewhere" and ignores it."""
+def route_engine(
+    journal, route: str, calls: list[str], *, aborting: Container[str] | None = None
+) -> Engine:
+    """An engine whose ``working`` phase requests an abort "from elsewhere" and ignores it.
+
+    Only in the runs ``aborting`` holds, when given.
+    """
 
     def requested(ctx: PhaseContext) -> None:
         calls.append(ctx.state)
-        journal.request_abort(ctx.run_id, "stop it")  # behind the engine's back, as another process
+        if aborting is None or ctx.run_id in aborting:
+            # behind the engine's back, as another process would
+            journal.request_abort(ctx.run_id, "stop it")
 
     def bare(ctx: PhaseContext) -> str:
         requested(ctx)
@@ -334,6 +341,7 @@ def route_engine(journal, route: str, calls: list[str]) -> Engine:
 
     async def coroutine(ctx: PhaseContext) -> str:
         requested(ctx)
+        await asyncio.sleep(0)  # the phases of runs driven together end in one turn
         return "DONE"
 
     def interrupted(ctx: PhaseContext) -> str:
@@ -446,3 +454,24 @@ def test_abort_moves_the_run_itself_when_its_holder_lets_go_meanwhile(journal):
         del journal.request_abort
     assert (run.state, run.status, run.lease_owner) == ("canceled", Outcome.ABORTED, None)
     assert journal.load(run_id) == run
+
+
+def test_group_commit_refuses_only_the_run_whose_abort_was_requested(journal):
+    """Runs whose phases end in one turn share a transaction; the aborted one alone is refused."""
+    calls: list[str] = []
+    aborting: set[str] = set()
+    engine = route_engine(journal, "async", calls, aborting=aborting)
+    aborted = engine.start()
+    aborting.add(aborted)
+    others = [engine.start() for _ in range(3)]
+
+    async def drive() -> list[RunRecord]:
+        return await asyncio.gather(*(engine.arun(run_id) for run_id in [aborted, *others]))
+
+    ended = asyncio.run(drive())
+    engine.close()
+    assert [(run.state, run.status) for run in ended] == [
+        ("canceled", Outcome.ABORTED),
+        *[("done", Outcome.SUCCEEDED)] * 3,
+    ]
+    assert [t.event for t in journal.transitions(aborted)] == ["STARTED", USER_ABORTED]
