@@ -379,6 +379,10 @@ DRIVERS: dict[str, Callable[[Engine, str], Any]] = {
     "run": lambda engine, run_id: engine.run(run_id),
     "step": lambda engine, run_id: engine.step(run_id),
     "work": lambda engine, run_id: engine.work(max_runs=1, exit_when_idle=True),
+    "recover": lambda engine, run_id: (
+        engine.journal.claim(run_id, "gone:1:x", ttl=-1),  # its worker was lost
+        engine.recover(),
+    ),
     "arun": lambda engine, run_id: asyncio.run(engine.arun(run_id)),
     "astep": lambda engine, run_id: asyncio.run(engine.astep(run_id)),
 }
@@ -387,7 +391,11 @@ DRIVERS: dict[str, Callable[[Engine, str], Any]] = {
 @pytest.mark.parametrize(
     ("driver", "route"),
     [
-        *[(driver, route) for driver in ("run", "step", "work") for route in ("bare", "output")],
+        *[
+            (driver, route)
+            for driver in ("run", "step", "work", "recover")
+            for route in ("bare", "output")
+        ],
         ("run", "timeout"),
         ("run", "validate"),
         *[
