@@ -1,17 +1,18 @@
 """Acceptance: an abort acknowledged as requested ends the run aborted, whoever holds it.
 
-Across processes: a real process holds the run inside a slow phase — an ``fsm-runner worker``, a sync
-``Engine.run``, an async ``Engine.arun``, or ``fsm-runner agent-loop`` with an agent that waits —
-while ``fsm-runner abort RUN --reason ...`` runs in another process, on a SQLite file and on
-PostgreSQL. The abort command says the abort is requested, ``show`` shows the request while the
+Across processes: a real process holds the run inside a slow phase — an ``fsm-runner
+worker``, a sync ``Engine.run``, an async ``Engine.arun``, or ``fsm-runner agent-loop`` with an
+agent that waits — while ``fsm-runner abort RUN --reason ...`` runs in another process, on a
+SQLite file and on PostgreSQL. The abort command says the abort is requested, ``show`` shows the request while the
 phase still runs, and once the phase returns (ignoring the abort: its handler never looks at
 ``ctx.cancelled``, and the holder's heartbeat is far off) the run ends aborted where it was: the
 journal refuses the phase's outcome, so the holder carries out the abort instead of finishing
 the run, and no later phase runs.
 
 In one process, every route a step can take meets the same refusal: the sync hot path and the
-general one (a timeout, a ``validate()``, a result with output), ``step``, ``arun`` with and
-without group commit, ``astep``, ``work``, an interruption, and a run due to be parked.
+general one (a timeout, a ``validate()``, a result with output), ``step``, ``work``,
+``recover``, ``arun`` with and without group commit (and a group of runs committed together),
+``astep``, an interruption, and a run due to be parked.
 """
 
 from __future__ import annotations
@@ -274,8 +275,13 @@ def test_an_acknowledged_abort_ends_an_agent_loop_run_aborted(location, tmp_path
 
         request_abort(location, run.run_id, "stop the agent loop")
 
-        with hold.open("w"):  # the agent's cat reads to end-of-file
-            pass
+        def open_hold() -> int | None:  # once the agent's cat reads it (never blocks)
+            try:
+                return os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                return None
+
+        os.close(wait_for(open_hold, "the agent to wait"))  # its cat reads to end-of-file
         out, err = loop.communicate(timeout=TIMEOUT)
     finally:
         if loop.poll() is None:
