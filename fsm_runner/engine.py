@@ -508,7 +508,7 @@ class Engine:
             keep_lease = False
             try:
                 claimed = self._adopt_spec(claimed)
-                if claimed.recoveries > self.max_recoveries:
+                if claimed.recoveries > self.max_recoveries and claimed.abort_reason is None:
                     self._park(claimed)
                 else:
                     self._drive(claimed, None)
@@ -548,7 +548,7 @@ class Engine:
                 _log.info("run %s not recovered here: %s", stale.run_id, exc)
                 continue
             try:
-                if claimed.recoveries > self.max_recoveries:
+                if claimed.recoveries > self.max_recoveries and claimed.abort_reason is None:
                     ended = self._park(claimed)
                 else:
                     ended = self._drive(claimed, None)
@@ -653,7 +653,15 @@ class Engine:
         """
         run = self._claim(run_id)
         try:
-            return self._step(run)[0]
+            try:
+                return self._step(run)[0]
+            except RunConflictError:
+                run = self.journal.load(run_id)
+                if run.ended or run.abort_reason is None:
+                    raise
+                # An abort was requested while the phase ran: the journal refused the phase's
+                # outcome, and this step carries the abort out instead.
+                return self._commit_abort(run, run.abort_reason)[0]
         finally:
             self._let_go(run_id)
 
@@ -693,7 +701,9 @@ class Engine:
                 run = self.journal.load(run.run_id)
                 if run.ended:
                     return run
-                raise
+                if run.abort_reason is None:
+                    raise
+                continue  # refused for an abort requested meanwhile: the next step carries it out
             if transition is None:
                 break
             run = after
@@ -874,7 +884,15 @@ class Engine:
         """
         message = f"interrupted {_interruption_cause(exc)} in {run.state!r}"
         try:
-            self._write(self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1))
+            try:
+                self._write(
+                    self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1)
+                )
+            except RunConflictError as refused:
+                if refused.abort_reason is None:
+                    raise
+                # An abort was requested while the phase ran: it is carried out instead.
+                self._commit_abort(self.journal.load(run.run_id), refused.abort_reason)
         except FsmRunnerError:
             # Journaling is best effort here: the run is still at its last committed state,
             # and resuming runs the phase again either way.
@@ -916,7 +934,13 @@ class Engine:
         """Async :meth:`step`: async handlers are awaited (and cancelled at their deadline)."""
         run = self._claim(run_id)
         try:
-            return (await self._astep(run))[0]
+            try:
+                return (await self._astep(run))[0]
+            except RunConflictError:
+                run = self.journal.load(run_id)
+                if run.ended or run.abort_reason is None:
+                    raise
+                return (await self._awrite(self._plan_abort(run, run.abort_reason)))[0]
         finally:
             self._let_go(run_id)
 
@@ -1002,7 +1026,9 @@ class Engine:
                     run = self.journal.load(run_id)
                     if run.ended:
                         return run
-                    raise
+                    if run.abort_reason is None:
+                        raise
+                    continue  # refused for an abort requested meanwhile: carried out next
                 if transition is None:
                     break
                 run = after
@@ -1126,9 +1152,11 @@ class Engine:
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.
 
-        A run this engine is advancing is told through ``ctx.cancelled`` and stops between
-        phases; a run another worker holds (a live lease) gets the request journaled, and that
-        worker carries it out (its heartbeat picks it up); a run nobody holds is moved at once.
+        A run this engine is advancing is told through ``ctx.cancelled`` and ends aborted in the
+        state whose phase was running; a run another worker holds (a live lease) gets the
+        request journaled, and that worker carries it out at its next step (the journal refuses
+        any other transition of the run from then on; its heartbeat tells the phase in
+        progress); a run nobody holds is moved at once.
 
         Returns:
             The run after the abort (or with the abort requested, if a worker holds it).
@@ -1779,12 +1807,14 @@ def abort_run(
     When no worker holds the run, it is moved at once under a short lease of ``owner``'s: it
     follows its spec's ``USER_ABORTED`` transition or, where its state has none, stops where it
     is with status ``aborted``. When a worker holds a live lease on it, the request is
-    journaled and that worker carries it out between phases (``abort_reason`` shows it
-    meanwhile). The spec is read from the journal unless ``spec`` is the one the run started
-    with. Nothing journaled is removed.
+    journaled (``abort_reason`` shows it meanwhile) and that worker carries it out at its next
+    step: from then on the journal refuses every other transition of the run, so the phase in
+    progress is told through ``ctx.cancelled`` (by the holder's heartbeat) and whatever it
+    returns, the run ends aborted in the state that phase ran in. The spec is read from the
+    journal unless ``spec`` is the one the run started with. Nothing journaled is removed.
 
     Returns:
-        The run after the abort, or with the abort requested.
+        The run after the abort, or with the abort requested (and a holder, ``lease_owner``).
 
     Raises:
         RunNotFoundError: no such run.
@@ -1799,7 +1829,10 @@ def abort_run(
         try:
             run = journal.claim(run_id, owner, ttl=_ABORT_LEASE_TTL)
         except LeaseHeldError:
-            return journal.request_abort(run_id, reason)  # its holder carries it out
+            requested = journal.request_abort(run_id, reason)  # its holder carries it out
+            if requested.lease_owner is not None:
+                return requested
+            continue  # its holder let go meanwhile: nobody would carry it out, so move it here
         try:
             run_spec = spec
             if run_spec is None or run_spec.spec_hash != run.spec_hash:

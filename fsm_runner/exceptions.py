@@ -15,7 +15,7 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── JournalError                                     .path .detail
     │   ├── SchemaVersionError                           .found .supported
     │   ├── SpecMismatchError                            .run_id .expected .found
-    │   ├── RunConflictError                             .run_id .expected_seq
+    │   ├── RunConflictError                             .run_id .expected_seq .abort_reason
     │   └── ReplayMismatchError                          .run_id .seq .expected .found
     ├── RunNotFoundError              (also KeyError)    .run_id
     ├── RunExistsError                                   .run_id
@@ -229,16 +229,35 @@ class SpecMismatchError(JournalError):
 
 
 class RunConflictError(JournalError):
-    """Another writer advanced the run first (its last seq is not the one this writer read)."""
+    """The run is not as this writer read it; nothing was written.
 
-    def __init__(self, *, run_id: str, expected_seq: int, path: str | None = None) -> None:
+    Another writer advanced it first (its last seq is not the one this writer read), or an
+    abort of it was requested under this writer's lease (``abort_reason``): then the journal
+    takes only the ``USER_ABORTED`` transition that carries the abort out.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        expected_seq: int,
+        path: str | None = None,
+        abort_reason: str | None = None,
+    ) -> None:
         self.run_id = run_id
         self.expected_seq = expected_seq
-        super().__init__(
-            f"run {run_id} was advanced by another writer (expected last seq {expected_seq}); "
-            "nothing was written",
-            path=path,
-        )
+        self.abort_reason = abort_reason
+        if abort_reason is not None:
+            detail = (
+                f"run {run_id} has an abort requested ({abort_reason}); only the USER_ABORTED"
+                " transition that carries it out is journaled, nothing else was written"
+            )
+        else:
+            detail = (
+                f"run {run_id} was advanced by another writer (expected last seq {expected_seq});"
+                " nothing was written"
+            )
+        super().__init__(detail, path=path)
 
 
 class ReplayMismatchError(JournalError):

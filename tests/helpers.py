@@ -158,8 +158,31 @@ TRANSITION_COLUMNS_V6 = (
 )
 
 
+TRIGGER_V7 = """CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
+BEGIN
+    SELECT RAISE(ABORT, 'fsm_runner: a transition needs the run_key of its run (SELECT run_key FROM run_rows WHERE run_id = ...)')
+     WHERE NEW.run_key IS NULL;
+    SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
+     WHERE NOT EXISTS (SELECT 1 FROM run_rows
+                        WHERE run_key = NEW.run_key AND run_id = NEW.run_id
+                          AND lease_token = NEW.lease_token)
+        OR NOT EXISTS (SELECT 1 FROM transitions
+                        WHERE run_key = NEW.run_key AND seq = NEW.seq - 1);
+END"""
+
+
+def undo_v8(conn) -> None:
+    """Turn a journal's schema back from version 8 to 7: a fence that ignores abort requests."""
+    conn.execute("DROP TRIGGER transitions_fence")
+    conn.execute("ALTER TABLE run_rows DROP COLUMN abort_token")
+    conn.execute(TRIGGER_V7)
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0008_abort_fence'")
+    conn.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
+
+
 def undo_v7(conn) -> None:
-    """Turn a journal's schema back from version 7 (integer run keys) to 6: both tables rebuilt."""
+    """Turn a journal's schema back from version 8 to 6 (no integer run keys): tables rebuilt."""
+    undo_v8(conn)
     conn.execute("DROP VIEW runs")
     conn.execute("DROP TRIGGER transitions_fence")
     indexes = [
@@ -192,7 +215,7 @@ def undo_v7(conn) -> None:
 
 
 def undo_v6(conn) -> None:
-    """Turn a journal's schema back from version 7 to 5 (run heads kept in the run rows)."""
+    """Turn a journal's schema back from version 8 to 5 (run heads kept in the run rows)."""
     undo_v7(conn)
     heads = conn.execute(
         "SELECT run_id, state, seq, iteration, updated_at, visit_seq FROM runs"
@@ -211,7 +234,7 @@ def undo_v6(conn) -> None:
 
 
 def undo_v5(conn) -> None:
-    """Turn a journal's schema back from version 7 to version 4 (no lease tokens, recoveries)."""
+    """Turn a journal's schema back from version 8 to version 4 (no lease tokens, recoveries)."""
     undo_v6(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
@@ -224,7 +247,7 @@ def undo_v5(conn) -> None:
 
 
 def undo_v4(conn) -> None:
-    """Turn a journal's schema back from version 7 to version 3 (no effects, no visits)."""
+    """Turn a journal's schema back from version 8 to version 3 (no effects, no visits)."""
     undo_v5(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     for column in ("visit_seq", "return_visit"):

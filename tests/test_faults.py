@@ -967,14 +967,14 @@ def index_dropped(tmp_path: Path) -> Scene:
 @pytest.mark.parametrize(
     ("prepare", "expected", "writable"),
     [
-        (fence_damaged, ["schema: trigger transitions_fence differs from schema version 7"], False),
+        (fence_damaged, ["schema: trigger transitions_fence differs from schema version 8"], False),
         (fence_dropped, ["schema: trigger transitions_fence is missing"], False),
-        (extra_trigger, ["schema: trigger forget is not part of schema version 7"], False),
+        (extra_trigger, ["schema: trigger forget is not part of schema version 8"], False),
         (index_dropped, ["schema: index idx_runs_status_machine_created_at is missing"], True),
         (
             view_not_utf8,
             [
-                "schema: view runs differs from schema version 7",
+                "schema: view runs differs from schema version 8",
                 f"runs {DONE_RUN}, {RUN}: cannot be read: journal ",
             ],
             False,

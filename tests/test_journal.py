@@ -26,11 +26,16 @@ from fsm_runner import (
     TransitionRecord,
     open_journal,
 )
-from fsm_runner.exceptions import RunConflictError, RunExistsError, SchemaVersionError
+from fsm_runner.exceptions import (
+    LeaseLostError,
+    RunConflictError,
+    RunExistsError,
+    SchemaVersionError,
+)
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.journal.base import Commit
-from fsm_runner.journal.sqlite import _CODE_V7, _TABLES_V7, APPLICATION_ID, _code_objects
-from tests.helpers import NEXT, linear_spec, loop_spec, undo_v4, undo_v6, undo_v7
+from fsm_runner.journal.sqlite import _CODE, _TABLES, APPLICATION_ID, _code_objects
+from tests.helpers import NEXT, linear_spec, loop_spec, undo_v4, undo_v6, undo_v7, undo_v8
 
 SPEC = linear_spec("building", "verifying")
 T0 = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.timezone.utc)
@@ -338,15 +343,67 @@ class TestAbort:
         assert journal.load("r1").state == "building"
         assert len(journal.transitions("r1")) == 1
 
-    def test_reason_survives_ordinary_commits(self, journal):
+    @pytest.mark.parametrize("changes", ROW_CHANGES)
+    def test_ordinary_commits_are_refused_while_an_abort_is_requested(self, journal, changes):
+        """A writer that has not seen the request (it read the run before) learns of it."""
         run = start(journal)
+        run = advance(journal, run, "verifying")
+        journal.request_abort("r1", "operator asked")
+        before = snapshot(journal)
+
+        for commit in (
+            lambda: advance(journal, run, "done", status=Outcome.SUCCEEDED, **changes),
+            lambda: journal.commit_many([Commit(*next_step(run, "feedback", **changes))])[0],
+        ):
+            refused = None
+            try:
+                refused = commit()
+            except RunConflictError as exc:
+                refused = exc
+            assert isinstance(refused, RunConflictError)
+            assert (refused.run_id, refused.expected_seq) == ("r1", 1)
+            assert refused.abort_reason == "operator asked"
+            assert "has an abort requested (operator asked)" in str(refused)
+            assert snapshot(journal) == before  # nothing written, the request kept
+
+        advance(  # the abort itself is taken, and carries the request out
+            journal,
+            journal.load("r1"),
+            "canceled",
+            event=RunEvent.USER_ABORTED.value,
+            status=Outcome.ABORTED,
+        )
+        loaded = journal.load("r1")
+        assert (loaded.state, loaded.status, loaded.abort_reason) == (
+            "canceled",
+            Outcome.ABORTED,
+            None,
+        )
+
+    def test_a_writer_that_claims_after_the_request_is_not_fenced(self, journal):
+        """It has read the request (an operator's send, say); the request itself stays."""
+        run = advance(journal, start(journal), "verifying")
+        journal.request_abort("r1", "operator asked")
+        claimed = journal.claim("r1", "operator", ttl=60)
+        assert claimed.abort_reason == "operator asked"
+
+        after, transition = next_step(claimed, "feedback", attempt=2)
+        journal.commit(after, attrs.evolve(transition, lease_token=claimed.lease_token))
+
+        loaded = journal.load("r1")
+        assert (loaded.state, loaded.abort_reason) == ("feedback", "operator asked")
+        with pytest.raises(LeaseLostError):  # the old holder's token is fenced for good
+            advance(journal, run, "done", status=Outcome.SUCCEEDED)
+
+    def test_a_stale_seq_is_a_plain_conflict_even_with_an_abort_requested(self, journal):
+        run = start(journal)
+        advance(journal, run, "verifying")
         journal.request_abort("r1", "operator asked")
 
-        run = advance(journal, run, "verifying")  # the writer's row knows nothing of the abort
-        run = advance(journal, run, "verifying", attempt=2, context={"k": 1})
+        with pytest.raises(RunConflictError) as info:
+            advance(journal, run, "verifying")  # from seq 0: stale
 
-        assert run.abort_reason is None
-        assert journal.load("r1").abort_reason == "operator asked"
+        assert (info.value.expected_seq, info.value.abort_reason) == (0, None)
 
     def test_user_aborted_commit_clears_the_reason(self, journal):
         run = start(journal)
@@ -628,7 +685,7 @@ class TestSqliteFile:
             ]  # fmt: skip
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "7"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "8"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             engine = Engine(loop_spec(), handlers=handlers, journal=journal)
             assert engine.run(run_ids[2], max_steps=3).seq == 13
@@ -664,7 +721,7 @@ class TestSqliteFile:
             assert "run_key" not in {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "7"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "8"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             assert {run_id: journal.transitions(run_id) for run_id in run_ids} == histories
             assert [run.run_id for run in journal.runs()] == listed
@@ -688,6 +745,22 @@ class TestSqliteFile:
         )  # fmt: skip
         for run_id in run_ids:
             assert_consistent(path, run_id)
+
+    def test_a_version_7_journal_gets_the_abort_fence(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            run = advance(journal, start(journal), "verifying")
+        with raw(path) as conn:
+            undo_v8(conn)
+            # requested as version 7 did: a holder's commit would still have been taken
+            conn.execute("UPDATE run_rows SET abort_reason = 'operator asked'")
+
+        with SqliteJournal(path) as journal:  # migrated: the request now fences the holder
+            assert journal.meta()["schema_version"] == "8"
+            with pytest.raises(RunConflictError) as info:
+                advance(journal, run, "done", status=Outcome.SUCCEEDED)
+            assert info.value.abort_reason == "operator asked"
+            assert journal.load("r1").state == "verifying"
 
     def test_run_keys_are_never_reused(self, tmp_path):
         path = tmp_path / "j.db"
@@ -749,7 +822,15 @@ class TestSqliteFile:
         with SqliteJournal(path) as journal:
             assert snapshot(journal) == before
             assert journal.spec_json(SPEC.spec_hash) == SPEC.to_json()
-            advance(journal, run, "done", status=Outcome.SUCCEEDED)
+            with pytest.raises(RunConflictError):  # the abort request survived the reopen
+                advance(journal, run, "done", status=Outcome.SUCCEEDED)
+            advance(
+                journal,
+                run,
+                "canceled",
+                event=RunEvent.USER_ABORTED.value,
+                status=Outcome.ABORTED,
+            )
             assert journal.load("r1").seq == 2
 
     def test_two_journals_on_one_file_are_fenced_by_seq(self, tmp_path):
@@ -907,14 +988,14 @@ class TestSqliteSchemaObjects:
     def test_the_code_digests_are_a_new_journals(self):
         """What every open compares with is what the migrations write (keep them in step)."""
         with SqliteJournal(":memory:") as journal:
-            assert _code_objects(journal._conn) == _CODE_V7
+            assert _code_objects(journal._conn) == _CODE
             assert {
                 name
                 for (name,) in journal._conn.execute(
                     "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
                     " AND name NOT LIKE 'sqlite%'"
                 )
-            } == _TABLES_V7
+            } == _TABLES
             assert journal.schema_problems() == []
             assert journal.integrity_problems() == []
 
@@ -933,12 +1014,12 @@ class TestSqliteSchemaObjects:
         [
             (
                 "ALTER TABLE artifacts RENAME COLUMN sha256 TO sha1",
-                "schema: table artifacts differs from schema version 7 (columns sha1, sha256)",
+                "schema: table artifacts differs from schema version 8 (columns sha1, sha256)",
             ),
             ("DROP INDEX idx_artifacts_run_id_name", "schema: index idx_artifacts_run_id_name is"),
             (
                 "CREATE UNIQUE INDEX one_per_state ON transitions (to_state)",
-                "schema: index one_per_state is not part of schema version 7",
+                "schema: index one_per_state is not part of schema version 8",
             ),
         ],
     )
@@ -999,7 +1080,7 @@ class TestSqliteSchemaObjects:
             assert isinstance(refused, JournalError)
             assert "trigger transitions_fence" in str(refused)
             assert journal.schema_problems() == [
-                "schema: trigger transitions_fence differs from schema version 7"
+                "schema: trigger transitions_fence differs from schema version 8"
                 " (damaged or edited by hand)"
             ]
         assert path.read_bytes() == before

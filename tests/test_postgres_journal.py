@@ -253,6 +253,40 @@ class TestSchema:
             journal.commit(*next_step(run, "done", status=Outcome.SUCCEEDED))
             assert journal.load("old").state == "done"
 
+    def test_a_version_5_journal_gets_the_abort_fence(
+        self, postgres_server, postgres_schema, admin
+    ):
+        # A version-5 journal whose run has an abort requested: its holder's commit was taken.
+        with admin.transaction():
+            admin.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(postgres_schema)))
+            admin.execute(
+                sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(postgres_schema))
+            )
+            admin.execute("".join(text for version, _, text in MIGRATIONS if version <= 5))
+            admin.execute(
+                "INSERT INTO specs VALUES (%s, %s, %s, %s)",
+                (SPEC.spec_hash, SPEC.name, SPEC.to_json(), T0),
+            )
+            admin.execute(
+                "INSERT INTO runs (run_id, machine, spec_hash, state, status, seq, created_at,"
+                " updated_at, context, abort_reason, lease_owner, lease_token)"
+                " VALUES ('old', %s, %s, 'building', 'active', 0, %s, %s, '{}', 'stop', 'w', 3)",
+                (SPEC.name, SPEC.spec_hash, T0, T0),
+            )
+            admin.execute(
+                "INSERT INTO transitions (run_id, seq, from_state, event, to_state, at,"
+                " lease_token) VALUES ('old', 0, NULL, 'STARTED', 'building', %s, 0)",
+                (T0,),
+            )
+        with PostgresJournal(postgres_server.url, schema=postgres_schema) as journal:
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "6"
+            run = journal.load("old")
+            after, transition = next_step(run, "done", status=Outcome.SUCCEEDED)
+            with pytest.raises(RunConflictError) as info:
+                journal.commit(after, attrs.evolve(transition, lease_token=3))
+            assert info.value.abort_reason == "stop"
+            assert journal.load("old").state == "building"
+
     def test_a_newer_journal_is_refused(self, postgres_server, postgres_journal, admin):
         start(postgres_journal)
         schema = postgres_journal.schema

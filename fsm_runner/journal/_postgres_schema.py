@@ -19,7 +19,7 @@ from __future__ import annotations
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION"]
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _M0001_INITIAL = """
 CREATE TABLE meta (key text PRIMARY KEY, value text);
@@ -158,6 +158,15 @@ CREATE INDEX runs_status_machine_created_at ON runs (status, machine, created_at
 UPDATE meta SET value = '5' WHERE key = 'schema_version';
 """
 
+# The lease token that was the run's when its abort was requested: a commit under it (or an older
+# one) that is not the USER_ABORTED carrying the abort out is refused (see the SQLite journal's
+# m0008_abort_fence).
+_M0006_ABORT_FENCE = """
+ALTER TABLE runs ADD COLUMN abort_token bigint;
+UPDATE runs SET abort_token = lease_token WHERE abort_reason IS NOT NULL AND status = 'active';
+UPDATE meta SET value = '6' WHERE key = 'schema_version';
+"""
+
 #: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "m0001_initial", _M0001_INITIAL),
@@ -165,5 +174,6 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (3, "m0003_return_targets", _M0003_RETURN_TARGETS),
     (4, "m0004_effects", _M0004_EFFECTS),
     (5, "m0005_leases", _M0005_LEASES),
+    (6, "m0006_abort_fence", _M0006_ABORT_FENCE),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION

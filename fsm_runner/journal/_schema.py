@@ -12,7 +12,7 @@ import sqlite3
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from fsm_runner.journal.sqlite import _NO_RUN_KEY, _STALE_SEQ
+from fsm_runner.journal.sqlite import _NO_RUN_KEY, _STALE_SEQ, _USER_ABORTED
 
 __all__ = ["database", "migrate", "unknown_migrations"]
 
@@ -445,6 +445,44 @@ def m0007_run_keys(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '7' WHERE key = 'schema_version'")
 
 
+@_migrations()
+def m0008_abort_fence(db: sqlite_utils.Database) -> None:
+    """Version 8: a holder that has not seen an abort request can journal only the abort.
+
+    Until version 7 a holder that had not yet seen a request (it landed while the holder's
+    phase ran) committed the phase's outcome over it, and could finish the run ``succeeded``
+    after the operator was told the abort was requested. ``run_rows.abort_token`` now keeps the
+    lease token that was the run's when the abort was requested, and the fence refuses every
+    transition but ``USER_ABORTED`` written under that token or an older one — in the statement
+    that checks the seq and the token already, on the run row it reads anyway — so the holder
+    learns of the request at its next commit. A writer that claims the run afterwards has read
+    the request (the engine then carries it out first; an operator may still ``send``).
+    """
+    db.execute("ALTER TABLE run_rows ADD COLUMN abort_token INTEGER")
+    db.execute(
+        "UPDATE run_rows SET abort_token = lease_token"
+        " WHERE abort_reason IS NOT NULL AND status = 'active'"
+    )
+    db.execute("DROP TRIGGER IF EXISTS transitions_fence")
+    db.execute(
+        f"""
+        CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
+        BEGIN
+            SELECT RAISE(ABORT, '{_NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
+            SELECT RAISE(ABORT, '{_STALE_SEQ}')
+             WHERE NOT EXISTS (SELECT 1 FROM run_rows
+                                WHERE run_key = NEW.run_key AND run_id = NEW.run_id
+                                  AND lease_token = NEW.lease_token
+                                  AND (abort_token IS NULL OR abort_token < NEW.lease_token
+                                       OR NEW.event = '{_USER_ABORTED}'))
+                OR NOT EXISTS (SELECT 1 FROM transitions
+                                WHERE run_key = NEW.run_key AND seq = NEW.seq - 1);
+        END
+        """
+    )
+    db.execute("UPDATE meta SET value = '8' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
@@ -453,4 +491,5 @@ _MIGRATION_VERSIONS = {
     "m0005_leases": 5,
     "m0006_derived_heads": 6,
     "m0007_run_keys": 7,
+    "m0008_abort_fence": 8,
 }

@@ -117,13 +117,18 @@ class Journal(Protocol):
         ``run.state`` must equal the transition's ``seq`` and ``to_state``. ``iterations`` are
         stored (inserted or replaced by run and iteration) and ``artifacts`` stored (replaced by
         run and name) in the same transaction. An abort request on the run stays until the
-        ``USER_ABORTED`` transition that carries it out. With ``spec_json``, the run moves to
-        that spec (``run.spec_hash``), which is stored like the one a run starts with.
+        ``USER_ABORTED`` transition that carries it out; meanwhile every other transition
+        written under the lease token the run had when the abort was requested (or an older
+        one) is refused: a holder that has not seen the request learns of it at its next
+        commit, so the run it holds can only end aborted. (A writer that claims the run after
+        the request has read it.) With ``spec_json``, the run moves to that spec
+        (``run.spec_hash``), which is stored like the one a run starts with.
 
         Raises:
             RunNotFoundError: no such run.
             RunConflictError: the stored run is not at ``transition.seq - 1`` (another writer
-                advanced it); nothing was written.
+                advanced it), or an abort was requested under the transition's lease token
+                (``abort_reason``) and it is not ``USER_ABORTED``; nothing was written.
             JournalError: the medium failed; nothing was written.
         """
 
@@ -215,7 +220,10 @@ class Journal(Protocol):
         """
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
-        """Mark an active run as to be aborted (a worker carries it out between phases).
+        """Mark an active run as to be aborted; its holder carries it out at its next step.
+
+        From then on the journal refuses every transition its current lease holder writes but
+        the ``USER_ABORTED`` that carries the abort out (see :meth:`commit`).
 
         Raises:
             RunNotFoundError: no such run.

@@ -67,6 +67,9 @@ class MemoryJournal:
         self._iterations: dict[str, dict[int, IterationRecord]] = {}
         self._artifacts: dict[str, dict[str, ArtifactRecord]] = {}
         self._effects: dict[str, dict[tuple[int, str], EffectRecord]] = {}
+        # run id -> the lease token the run had when its abort was requested (the SQLite
+        # journal's run_rows.abort_token): commits under it may only carry the abort out
+        self._abort_tokens: dict[str, int] = {}
         self._closed = False
 
     @property
@@ -134,6 +137,17 @@ class MemoryJournal:
                 raise RunConflictError(
                     run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
                 )
+            aborting = transition.event == RunEvent.USER_ABORTED.value
+            fence = self._abort_tokens.get(run.run_id)
+            if fence is not None and transition.lease_token <= fence and not aborting:
+                raise RunConflictError(  # its writer has not seen the abort requested since
+                    run_id=run.run_id,
+                    expected_seq=transition.seq - 1,
+                    path=":memory:",
+                    abort_reason=stored.abort_reason,
+                )
+            if aborting:
+                self._abort_tokens.pop(run.run_id, None)
             # Only the columns a commit owns change, as in the SQLite UPDATE.
             if spec_json is not None:
                 self._specs.setdefault(run.spec_hash, spec_json)
@@ -153,9 +167,7 @@ class MemoryJournal:
                 visit_seq=run.visit_seq,
                 return_visit=run.return_visit,
                 # an abort request stays until the USER_ABORTED commit that carries it out
-                abort_reason=(
-                    None if transition.event == RunEvent.USER_ABORTED.value else stored.abort_reason
-                ),
+                abort_reason=None if aborting else stored.abort_reason,
             )
             self._transitions[run.run_id].append(transition)
             for record in iterations:
@@ -185,12 +197,13 @@ class MemoryJournal:
         return results
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
-        """Mark an active run as to be aborted."""
+        """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
         with self._lock:
             run = self.load(run_id)
             if run.ended:
                 raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
             run = self._runs[run_id] = attrs.evolve(run, abort_reason=reason)
+            self._abort_tokens[run_id] = run.lease_token
             return run
 
     def load(self, run_id: str) -> RunRecord:
@@ -471,6 +484,7 @@ class MemoryJournal:
                         self._iterations,
                         self._artifacts,
                         self._effects,
+                        self._abort_tokens,
                     ):
                         table.pop(run_id, None)
                 used = {run.spec_hash for run in self._runs.values()}

@@ -121,14 +121,17 @@ _INSERT_TRANSITION = (
     f" VALUES ({', '.join(['%s'] * len(_TRANSITION_COLUMNS))})"
 )
 #: The hot path, one statement: move the run row from seq N-1 to N — only if it is at N-1 and
-#: the writer holds its current lease token (fencing) — and insert transition N from it.
+#: the writer holds its current lease token (fencing), and, when an abort was requested under
+#: that token, only for the USER_ABORTED that carries it out — and insert transition N from it.
 _COMMIT_TEMPLATE = """
 WITH moved AS (
     UPDATE runs SET state = %s, seq = %s, iteration = %s, updated_at = %s, status = %s,
                     attempt = %s, context = %s, error = %s, return_to = %s, return_attempt = %s,
                     return_visit = %s, visit_seq = %s,
-                    abort_reason = CASE WHEN %s THEN NULL ELSE abort_reason END{spec}
+                    abort_reason = CASE WHEN %s THEN NULL ELSE abort_reason END,
+                    abort_token = CASE WHEN %s THEN NULL ELSE abort_token END{spec}
      WHERE run_id = %s AND seq = %s AND lease_token = %s
+       AND (abort_token IS NULL OR abort_token < lease_token OR %s)
     RETURNING run_id
 )
 INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,
@@ -323,16 +326,20 @@ class _CommitPlan:
         """Why the commit was refused (asked once its statements are rolled back)."""
         transition = self.transition
         found = conn.execute(
-            "SELECT seq, lease_token FROM runs WHERE run_id = %s", (transition.run_id,)
+            "SELECT seq, lease_token, abort_reason, abort_token FROM runs WHERE run_id = %s",
+            (transition.run_id,),
         ).fetchone()
         if found is None:
             return RunNotFoundError(transition.run_id)
-        if found[1] != transition.lease_token:  # taken over: the more telling refusal
+        seq, token, abort_reason, abort_token = found
+        if token != transition.lease_token:  # taken over: the more telling refusal
             return LeaseLostError(transition.run_id, token=transition.lease_token)
+        fenced = seq == transition.seq - 1 and abort_token is not None and token <= abort_token
         return RunConflictError(
             run_id=transition.run_id,
             expected_seq=transition.seq - 1,
             path=self.journal.location,
+            abort_reason=abort_reason if fenced else None,
         )
 
     def resolve(self, conn: _Connection) -> _Unresolved | None:
@@ -780,6 +787,7 @@ class PostgresJournal:
         seq = transition.seq
         if run.seq != seq or run.state != transition.to_state or seq < 1:
             self._refuse_malformed(run, transition)
+        aborting = transition.event == _USER_ABORTED
         params: list[Any] = [
             transition.to_state,
             seq,
@@ -793,13 +801,15 @@ class PostgresJournal:
             run.return_attempt,
             run.return_visit,
             run.visit_seq,
-            transition.event == _USER_ABORTED,  # the abort carried out clears the request
+            aborting,  # the abort carried out clears the request ...
+            aborting,
         ]
         before: list[tuple[str, Sequence[Any]]] = []
         if spec_json is not None:
             params.append(run.spec_hash)
             before.append((_INSERT_SPEC, (run.spec_hash, run.machine, spec_json, utc_now())))
-        params += [run.run_id, seq - 1, transition.lease_token]
+        # ... and is the one transition taken under the token its abort was requested under
+        params += [run.run_id, seq - 1, transition.lease_token, aborting]
         params += self._transition_params(transition)[1:]
         after = [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
         after += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
@@ -822,7 +832,7 @@ class PostgresJournal:
             )
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
-        """Mark an active run as to be aborted."""
+        """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
 
         def work(conn: _Connection) -> RunRecord:
             with conn.transaction():
@@ -830,7 +840,8 @@ class PostgresJournal:
                 if run.ended:
                     raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
                 cursor = conn.execute(
-                    f"UPDATE runs SET abort_reason = %s WHERE run_id = %s RETURNING {_RUN_SELECT}",
+                    "UPDATE runs SET abort_reason = %s, abort_token = lease_token"
+                    f" WHERE run_id = %s RETURNING {_RUN_SELECT}",
                     (reason, run_id),
                 )
                 return self._run_from_row(cursor.fetchone())

@@ -55,7 +55,7 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "Sqlite
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -89,7 +89,8 @@ _JSON_COLUMNS = ("input", "context", "error")
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _UTC = dt.timezone.utc
 #: What the ``transitions_fence`` trigger raises when a transition does not follow the
-#: run's last one (a stale seq) or its writer's lease token is not the run's (fencing).
+#: run's last one (a stale seq), its writer's lease token is not the run's (fencing), or it is
+#: not the USER_ABORTED that carries out the abort requested of the run.
 _STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
 #: What it raises for a transition written without its run's ``run_key`` (by hand, say).
 _NO_RUN_KEY = (
@@ -178,15 +179,15 @@ def _json_or_none(text: str | None) -> Any:
 
 
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
-#: by (type, name): their table, and a digest of their SQL with whitespace normalised, as
-#: schema version 7 has them. Checked at every open; a test keeps it equal to a new journal's
-#: (a change of them is a new migration and a new schema version).
-_CODE_V7: dict[tuple[str, str], tuple[str, str]] = {
-    ("trigger", "transitions_fence"): ("transitions", "52b1663cbef088093d6ce7e5e0ca3cb9"),
+#: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
+#: current schema version has them. Checked at every open; a test keeps it equal to a new
+#: journal's (a change of them is a new migration and a new schema version).
+_CODE: dict[tuple[str, str], tuple[str, str]] = {
+    ("trigger", "transitions_fence"): ("transitions", "8fda0ea5177c86748a4c3748361f9e62"),
     ("view", "runs"): ("runs", "cc0c951c1f3d4f7ac3e42ba6c83e85fe"),
 }
 #: The journal's tables and its view: a trigger on one of them takes part in its writes.
-_TABLES_V7 = frozenset(
+_TABLES = frozenset(
     {"_sqlite_migrations", "artifacts", "effects", "iterations", "meta", "run_rows", "runs",
      "specs", "transitions"}
 )  # fmt: skip
@@ -504,12 +505,12 @@ class SqliteJournal:
         found = {  # triggers on tables of the user's own (in the same file) are theirs
             key: value
             for key, value in _code_objects(self._conn).items()
-            if key in _CODE_V7 or value[0] in _TABLES_V7
+            if key in _CODE or value[0] in _TABLES
         }
         damaged = sorted(
             f"{kind} {name}"
-            for kind, name in found.keys() ^ _CODE_V7.keys()
-            | {key for key in found.keys() & _CODE_V7.keys() if found[key] != _CODE_V7[key]}
+            for kind, name in found.keys() ^ _CODE.keys()
+            | {key for key in found.keys() & _CODE.keys() if found[key] != _CODE[key]}
         )
         if not damaged:
             return
@@ -519,7 +520,7 @@ class SqliteJournal:
             " fsm-runner check lists what differs)"
         )
         self._unwritable = f"{what}; nothing was written"
-        if found.get(("view", "runs")) != _CODE_V7["view", "runs"]:
+        if found.get(("view", "runs")) != _CODE["view", "runs"]:
             self._unreadable = f"{what}; nothing was read"
 
     def schema_problems(self) -> list[str]:
@@ -1004,8 +1005,8 @@ class SqliteJournal:
             columns += ["return_to", "return_attempt", "return_visit"]
             params += [run.return_to, run.return_attempt, run.return_visit]
         if transition.event == _USER_ABORTED:
-            columns.append("abort_reason")  # the abort carried out clears the request
-            params.append(None)
+            columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
+            params += [None, None]
         key = tuple(columns)
         sql = self._update_sql.get(key)
         if sql is None:
@@ -1047,21 +1048,33 @@ class SqliteJournal:
             return JournalError(self._describe(exc), path=self.path)
         self._keys.pop(run_id, None)  # read again next time, in case it was not the run's
         found = self._conn.execute(
-            "SELECT seq, lease_token FROM runs WHERE run_id = ?", (run_id,)
+            "SELECT v.seq, v.lease_token, v.abort_reason, r.abort_token FROM runs AS v"
+            " JOIN run_rows AS r ON r.run_key = v.run_key WHERE v.run_id = ?",
+            (run_id,),
         ).fetchone()
         if found is None:
             return RunNotFoundError(run_id)
-        if token is not None and found[1] != token:  # taken over: the more telling refusal
+        seq, stored_token, abort_reason, abort_token = found
+        if token is not None and stored_token != token:  # taken over: the more telling refusal
             return LeaseLostError(run_id, token=token)
-        return RunConflictError(run_id=run_id, expected_seq=expected_seq, path=self.path)
+        fenced = seq == expected_seq and abort_token is not None and stored_token <= abort_token
+        return RunConflictError(
+            run_id=run_id,
+            expected_seq=expected_seq,
+            path=self.path,
+            abort_reason=abort_reason if fenced else None,
+        )
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
-        """Mark an active run as to be aborted."""
+        """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
         with self._write() as conn:
             run = self._load(conn, run_id)
             if run.ended:
                 raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-            conn.execute("UPDATE run_rows SET abort_reason = ? WHERE run_id = ?", (reason, run_id))
+            conn.execute(
+                "UPDATE run_rows SET abort_reason = ?, abort_token = lease_token WHERE run_id = ?",
+                (reason, run_id),
+            )
         return self.load(run_id)
 
     @staticmethod
