@@ -1164,6 +1164,7 @@ class Engine:
         Raises:
             RunTerminalError: the run has already ended.
         """
+        reason = storable_text(reason)  # a lone surrogate (an argv byte that is not UTF-8)
         with self._lock:
             held = run_id in self._held
             if held:
@@ -1822,6 +1823,7 @@ def abort_run(
         RunConflictError: other writers kept advancing the run; try again.
     """
     owner = owner or f"abort:{socket.gethostname()}:{os.getpid()}"
+    reason = storable_text(reason)  # a lone surrogate (an argv byte that is not UTF-8)
     for _ in range(_MAX_ABORT_TRIES):
         run = journal.load(run_id)
         if run.ended:

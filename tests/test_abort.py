@@ -489,3 +489,43 @@ def test_group_commit_refuses_only_the_run_whose_abort_was_requested(journal):
         *[("done", Outcome.SUCCEEDED)] * 3,
     ]
     assert [t.event for t in journal.transitions(aborted)] == ["STARTED", USER_ABORTED]
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "not-held"])
+def test_a_reason_with_a_lone_surrogate_is_stored_escaped(journal, held):
+    """A reason from an argv byte that is not UTF-8 (a lone surrogate) is kept, escaped."""
+    engine = route_engine(journal, "bare", [])
+    run_id = engine.start()
+    if held:
+        journal.claim(run_id, "holder", ttl=600)
+    run = abort_run(journal, run_id, "stop \udcff now")
+    expected = "stop \\udcff now"
+    if held:
+        assert (run.status, run.abort_reason) == (Outcome.ACTIVE, expected)
+    else:
+        assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+        assert journal.transitions(run_id)[-1].result["error"]["message"] == expected
+    engine.close()
+
+
+@pytest.mark.slow
+def test_the_cli_takes_a_reason_that_is_not_utf8(tmp_path):
+    location = str(tmp_path / "journal.db")
+    run_id = start_run(location)
+    aborted = subprocess.run(
+        [*fsm_runner(), "--journal", location, "abort", run_id, "--reason", b"bad \xff byte"],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert aborted.returncode == 0, aborted.stderr
+    assert b"Traceback" not in aborted.stderr
+    journal = open_journal(location)
+    try:
+        run = journal.load(run_id)
+        assert run.status is Outcome.ABORTED
+        assert journal.transitions(run_id)[-1].result["error"]["message"] == "bad \\udcff byte"
+    finally:
+        journal.close()
