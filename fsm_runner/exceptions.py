@@ -68,7 +68,12 @@ __all__ = [
 
 
 class FsmRunnerError(Exception):
-    """Base of every error fsm_runner raises on purpose."""
+    """Base of every error fsm_runner raises on purpose.
+
+    Every error pickles and copies as itself, with the same message and attributes: errors cross
+    process boundaries (a worker's error read back by its parent, ``multiprocessing`` and
+    ``concurrent.futures`` pools), and a subclass gets this for free.
+    """
 
     def __str__(self) -> str:
         return self.message
@@ -77,6 +82,35 @@ class FsmRunnerError(Exception):
     def message(self) -> str:
         """The human-readable, one-line description of the error."""
         return str(self.args[0]) if self.args else type(self).__name__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuild the error from its ``args`` and attributes, without calling ``__init__``.
+
+        ``BaseException`` pickles as ``cls(*self.args)``, which a constructor with keyword-only
+        arguments refuses. Calling no constructor at all is what works for every subclass at once:
+        the attributes an error carries are already its normalized state (a ``SpecError``'s
+        ``problems`` is a tuple even when it was built from a generator, which could not be
+        pickled or read twice), so they are restored as they are.
+
+        Returns:
+            What :mod:`pickle` and :mod:`copy` need: :func:`_rebuild` with the error's class and
+            ``args``, and its ``__dict__`` as the state, which ``BaseException.__setstate__`` puts
+            back (``__notes__`` included). As with any exception, the traceback, ``__cause__``
+            and ``__context__`` are not carried.
+        """
+        return _rebuild, (type(self), self.args), self.__dict__ or None
+
+
+def _rebuild(cls: type[FsmRunnerError], args: tuple[Any, ...]) -> FsmRunnerError:
+    """Make an error of ``cls`` holding ``args`` without calling its ``__init__``.
+
+    ``args`` is set again after ``__new__``: ``OSError.__new__`` (under ``PhaseTimeoutError``, a
+    ``TimeoutError``) leaves them empty for a subclass with its own ``__init__``. See
+    :meth:`FsmRunnerError.__reduce__`.
+    """
+    error = cls.__new__(cls, *args)
+    error.args = args
+    return error
 
 
 class SpecError(FsmRunnerError, ValueError):
