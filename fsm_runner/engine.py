@@ -161,8 +161,10 @@ class Engine:
     Args:
         spec: the machine every run of this engine follows.
         handlers: phase handlers by the names the spec's states give.
-        journal: where runs are journaled; a :class:`SqliteJournal` at ``./fsm-runner.db``
-            when not given.
+        journal: where runs are journaled, and the caller's to close. When not given, the
+            engine opens its own :class:`SqliteJournal` at ``fsm-runner.db`` in the current
+            directory (creating it; ``repr(engine)`` shows its absolute path) and closes it in
+            :meth:`close`.
         guards: guard functions by name; each reads the run and returns a bool.
         services: the host's services, handed to every handler through ``ctx.services``.
         listeners: called with each transition after it is committed (errors are logged).
@@ -225,6 +227,8 @@ class Engine:
         except TypeError as exc:
             raise SpecError([str(exc)], machine=spec.name) from None
         self._machine = compile_spec(spec)
+        # No journal given: the engine's own, at ./fsm-runner.db, which close() closes.
+        self._owns_journal = journal is None
         self.journal: Journal = journal if journal is not None else SqliteJournal()
         self.services: Mapping[str, Any] = types.MappingProxyType(dict(services or {}))
         self.listeners = list(listeners)
@@ -266,6 +270,11 @@ class Engine:
         self._stop_heartbeat = threading.Event()
 
     def __repr__(self) -> str:
+        """``Engine('spec-name', journal=SqliteJournal('/abs/fsm-runner.db', ...))``.
+
+        The journal is shown whether it was passed or is the engine's own default, so where
+        runs go is never a guess.
+        """
         return f"Engine({self.spec.name!r}, journal={self.journal!r})"
 
     def with_journal(self, journal: Journal) -> Engine:
@@ -292,7 +301,8 @@ class Engine:
     def close(self) -> None:
         """Stop the heartbeat and close the event loop of async handlers in sync runs.
 
-        The journal is the host's to close.
+        A journal passed to the engine is the host's to close; the default one the engine
+        opened itself (no ``journal`` given) is closed here, after everything else.
         """
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
@@ -304,6 +314,8 @@ class Engine:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+        if self._owns_journal:
+            self.journal.close()
 
     # -- leases --------------------------------------------------------------------------------
 
