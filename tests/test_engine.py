@@ -28,6 +28,7 @@ from fsm_runner import (
 )
 from fsm_runner.exceptions import (
     HandlerResultError,
+    JournalError,
     PayloadError,
     PhaseError,
     RunExistsError,
@@ -1444,3 +1445,46 @@ class TestConstruction:
             assert second.load(run_id).state == "done"
             assert list(first.runs()) == []
             assert seen == [0, 1, 2]
+
+
+class TestDefaultJournal:
+    """Without a journal, the engine opens ./fsm-runner.db, shows it, and closes it itself."""
+
+    def test_the_default_journal_is_fsm_runner_db_in_the_current_directory(
+        self, tmp_path, monkeypatch
+    ):
+        monkeypatch.chdir(tmp_path)
+        engine = Engine(linear_spec("a"), handlers=handlers_for("a"))
+        try:
+            assert isinstance(engine.journal, SqliteJournal)
+            assert engine.journal.path == str(tmp_path / "fsm-runner.db")
+            assert repr(engine) == (
+                f"Engine('linear', journal=SqliteJournal({str(tmp_path / 'fsm-runner.db')!r},"
+                " durability='process'))"
+            )
+            assert engine.run(engine.start()).state == "done"
+        finally:
+            engine.close()
+
+        with SqliteJournal(tmp_path / "fsm-runner.db") as journal:
+            assert [run.state for run in journal.runs()] == ["done"]
+
+    def test_close_closes_the_journal_the_engine_opened(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        engine = Engine(linear_spec("a"), handlers=handlers_for("a"))
+        run_id = engine.start()
+
+        engine.close()
+        engine.close()  # twice is harmless
+
+        with pytest.raises(JournalError, match="closed"):
+            engine.journal.load(run_id)
+
+    def test_close_leaves_a_journal_passed_in_open(self, journal):
+        engine = two_phase_engine(journal)
+        run_id = engine.start()
+
+        engine.close()
+
+        assert journal.load(run_id).state == "a"
+        assert repr(engine) == f"Engine('linear', journal={journal!r})"
