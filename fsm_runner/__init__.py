@@ -24,6 +24,7 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
     from fsm_runner.journal import (
         Journal,
         MemoryJournal,
+        PruneReport,
         SqliteJournal,
         open_journal,
     )
@@ -31,7 +32,13 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
         PostgresJournal as PostgresJournal,  # optional: not in __all__ (see _OPTIONAL)
     )
     from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult
-    from fsm_runner.records import RunRecord, TransitionRecord
+    from fsm_runner.records import (
+        ArtifactRecord,
+        EffectRecord,
+        IterationRecord,
+        RunRecord,
+        TransitionRecord,
+    )
     from fsm_runner.spec import (
         RETURN,
         WILDCARD,
@@ -45,9 +52,12 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
 __all__ = [
     "RETURN",
     "WILDCARD",
+    "ArtifactRecord",
+    "EffectRecord",
     "Engine",
     "FsmRunnerError",
     "InvalidTransitionError",
+    "IterationRecord",
     "Journal",
     "JournalError",
     "Listener",
@@ -57,6 +67,7 @@ __all__ = [
     "PhaseContext",
     "PhaseHandler",
     "PhaseResult",
+    "PruneReport",
     "RetryPolicy",
     "RunEvent",
     "RunNotFoundError",
@@ -82,9 +93,12 @@ _OPTIONAL = frozenset({"PostgresJournal"})
 #: Where each public name lives: importing ``fsm_runner`` (as the CLI does) stays cheap, and a
 #: name's module is imported the first time the name is used.
 _EXPORTS: dict[str, str] = {
+    "ArtifactRecord": "fsm_runner.records",
+    "EffectRecord": "fsm_runner.records",
     "Engine": "fsm_runner.engine",
     "FsmRunnerError": "fsm_runner.exceptions",
     "InvalidTransitionError": "fsm_runner.exceptions",
+    "IterationRecord": "fsm_runner.records",
     "Journal": "fsm_runner.journal",
     "JournalError": "fsm_runner.exceptions",
     "Listener": "fsm_runner.engine",
@@ -95,6 +109,7 @@ _EXPORTS: dict[str, str] = {
     "PhaseHandler": "fsm_runner.phases",
     "PhaseResult": "fsm_runner.phases",
     "PostgresJournal": "fsm_runner.journal",
+    "PruneReport": "fsm_runner.journal",
     "RETURN": "fsm_runner.spec",
     "RetryPolicy": "fsm_runner.spec",
     "RunEvent": "fsm_runner.events",

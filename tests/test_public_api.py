@@ -244,6 +244,31 @@ class TestAll:
     def test_design_names_are_exported(self, name):
         assert name in fsm_runner.__all__
 
+    @pytest.mark.parametrize("owner", ["Engine", "Journal"])
+    def test_what_public_methods_return_is_exported(self, owner):
+        # a host app can name (and type) everything the engine and a journal hand back
+        cls = getattr(fsm_runner, owner)
+        returned = set()
+        for name, member in vars(cls).items():
+            annotation = getattr(member, "__annotations__", {}).get("return")
+            if not name.startswith("_") and isinstance(annotation, str):
+                returned |= set(re.findall(r"\b[A-Z]\w*", annotation))
+        returned -= {"Exception", "Mapping", "None", "Sequence"}  # builtins and typing
+        assert returned, "no annotations found: the test would prove nothing"
+        assert returned <= set(fsm_runner.__all__)
+
+    @pytest.mark.parametrize(
+        ("name", "module"),
+        [
+            ("ArtifactRecord", "fsm_runner.records"),
+            ("EffectRecord", "fsm_runner.records"),
+            ("IterationRecord", "fsm_runner.records"),
+            ("PruneReport", "fsm_runner.journal"),
+        ],
+    )
+    def test_returned_types_are_the_journals_own(self, name, module):
+        assert getattr(fsm_runner, name) is getattr(importlib.import_module(module), name)
+
     def test_py_typed(self):
         assert importlib.resources.files("fsm_runner").joinpath("py.typed").is_file()
 
