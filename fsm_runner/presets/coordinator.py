@@ -74,21 +74,19 @@ agents for tests and examples::
         run = coordinator.run_until_done(session)   # run.state == "complete"
 
 This module uses only fsm_runner's public API, as a host app would. It holds the
-:class:`Coordinator` and what its operations report; the rest lives beside it, and every name
-is re-exported here: the task graph and the service protocols in
-:mod:`~fsm_runner.presets.coordinator_tasks`, the machines and the task phases in
-:mod:`~fsm_runner.presets.coordinator_machines`, and finalizing, status and summaries in
+:class:`Coordinator`, whose operations are the session's rules; the rest of the preset lives
+beside it, and every name is re-exported here: the errors, the task graph and the service
+protocols in :mod:`~fsm_runner.presets.coordinator_tasks`, the machines and the task phases
+in :mod:`~fsm_runner.presets.coordinator_machines`, and what the journal says about a session
+(finalizing, summaries, what the coordinator reports) in
 :mod:`~fsm_runner.presets.coordinator_summary`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-
-import attrs
 
 from fsm_runner import (
     Engine,
@@ -97,6 +95,7 @@ from fsm_runner import (
     Listener,
     RunRecord,
     RunTerminalError,
+    TransitionRecord,
 )
 from fsm_runner.exceptions import RunConflictError
 from fsm_runner.presets.agent_loop import Verifier
@@ -123,34 +122,40 @@ from fsm_runner.presets.coordinator_machines import (
 from fsm_runner.presets.coordinator_summary import (
     FinalizePhase,
     JournalSummarizer,
+    NextStatus,
+    NextTask,
     SessionStatus,
     TaskStatus,
-    _attempts,
     _children,
     _History,
     _history,
+    _progress,
     _round_children,
     _round_of,
+    _session_status,
     _task_id_of,
     _task_reason,
+    _unsettled,
     fallback_summary,
 )
 from fsm_runner.presets.coordinator_tasks import (
+    DEFAULT_MAX_ATTEMPTS,
     DEFAULT_ROLES,
     AgentRole,
     Gate,
     GateVerdict,
     PatchResult,
     Proposal,
+    SessionStateError,
     Summarizer,
     Task,
     TaskGraph,
     TaskGraphError,
     Workspace,
-    _str_tuple,
 )
 
 __all__ = [
+    "DEFAULT_MAX_ATTEMPTS",
     "DEFAULT_ROLES",
     "SESSION",
     "TASK",
@@ -188,74 +193,87 @@ _log = logging.getLogger("fsm_runner.presets.coordinator")
 _E = SessionEvent
 _T = TaskEvent
 
-# -- errors ------------------------------------------------------------------------------------
+# -- the rules the coordinator checks ----------------------------------------------------------
 
 
-class SessionStateError(InvalidTransitionError):
-    """A coordinator operation that the session's phase (or its tasks) does not allow.
+def _ended(session: RunRecord) -> RunTerminalError:
+    """The error for an operation on a session that has ended."""
+    return RunTerminalError(run_id=session.run_id, state=session.state, status=session.status.value)
 
-    Nothing was changed. A subclass of :class:`fsm_runner.InvalidTransitionError`, whose
-    ``event`` here names the operation.
 
-    Attributes:
-        run_id: the session.
-        state: the phase the session is in.
-        operation: what was asked (``execute_next_task``, ``finalize_session`` …).
-        reason: why it is not allowed.
-    """
+def _load_session(journal: Journal, session_id: str) -> RunRecord:
+    session = journal.load(session_id)
+    if session.machine != SESSION.name:
+        raise SessionStateError(
+            run_id=session_id,
+            state=session.state,
+            operation="a coordinator operation",
+            reason=f"the run is a {session.machine!r} run, not a coordinator session",
+        )
+    return session
 
-    def __init__(self, *, run_id: str, state: str, operation: str, reason: str) -> None:
-        self.operation = operation
-        super().__init__(run_id=run_id, state=state, event=operation, reason=reason)
 
-    @property
-    def message(self) -> str:
-        """Name the session, its phase, the operation and why it was refused."""
-        return (
-            f"session {self.run_id} (in phase {self.state!r}): {self.operation} is not "
-            f"allowed: {self.reason}"
+def _require_phase(session: RunRecord, phase: str, operation: str) -> None:
+    if session.ended:
+        raise _ended(session)
+    if session.state != phase:
+        raise SessionStateError(
+            run_id=session.run_id,
+            state=session.state,
+            operation=operation,
+            reason=f"only allowed in phase {phase!r}",
         )
 
 
-# -- what the coordinator reports --------------------------------------------------------------
+def _deps_done(graph: TaskGraph, task_id: str, children: Mapping[str, RunRecord]) -> bool:
+    return all(
+        dep in children and children[dep].state == "done" for dep in graph.task(task_id).depends_on
+    )
 
 
-class NextStatus(str, enum.Enum):
-    """What :meth:`Coordinator.execute_next_task` came to."""
+def _idle(graph: TaskGraph, children: Mapping[str, RunRecord]) -> NextTask:
+    """What :meth:`Coordinator.execute_next_task` reports when no task could run."""
+    states = {
+        task_id: (children[task_id].state if task_id in children else "pending")
+        for task_id in graph.order
+    }
+    if all(state == "done" for state in states.values()):
+        return NextTask(NextStatus.ALL_DONE)
+    running = [task_id for task_id, state in states.items() if state not in _TASK_ENDS]
+    if running:
+        return NextTask(
+            NextStatus.WAITING,
+            task_id=running[0],
+            reason=f"tasks in progress: {', '.join(running)}",
+        )
+    not_done = [f"{task_id} {state}" for task_id, state in states.items() if state != "done"]
+    return NextTask(NextStatus.BLOCKED, reason=f"tasks did not get done: {', '.join(not_done)}")
 
-    RAN = "ran"  # a task ran to its end (see NextTask.outcome)
-    ALL_DONE = "all_done"  # every task is done: finalize next
-    BLOCKED = "blocked"  # every task has ended, and some did not get done
-    WAITING = "waiting"  # a task is being advanced elsewhere; try again later
-    ABORTED = "aborted"  # an abort requested earlier was carried out instead
 
-    def __str__(self) -> str:
-        return self.value
+def _take_out_diff(workspace: Workspace, child: RunRecord, last: TransitionRecord | None) -> bool:
+    """Take an ended task's diff out of the workspace if it may be in; say if it was taken out.
 
-
-@attrs.frozen
-class NextTask:
-    """What one call of :meth:`Coordinator.execute_next_task` did.
-
-    Attributes:
-        status: see :class:`NextStatus`.
-        task_id: the task that ran (or is in progress elsewhere), if any.
-        outcome: the state the task ended in (``done``, ``failed``, ``blocked``, ``aborted``).
-        run_id: the task's child run.
-        attempts: attempts the task took.
-        roles: the role of each attempt, in order.
-        reason: why the task did not get done, or why the session is blocked.
-        skipped: tasks marked skipped because this one did not get done.
+    Only a task cut short in a state where its diff may be applied (every other way out of
+    those states has settled where the diff is) leaves it there.
     """
-
-    status: NextStatus
-    task_id: str | None = None
-    outcome: str | None = None
-    run_id: str | None = None
-    attempts: int = 0
-    roles: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
-    reason: str | None = None
-    skipped: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    if not (
+        last is not None
+        and last.event in _CUT_SHORT
+        and last.from_state in _DIFF_STATES
+        and child.context.get("diff")
+    ):
+        return False
+    # The diff may be in the workspace (git apply is all or nothing, so it is in whole or not at
+    # all): take it out, so the workspace holds only tasks that are done.
+    result = workspace.revert(str(child.context["diff"]), key=f"{child.run_id}@cleanup")
+    if not result.done:
+        _log.warning(
+            "task run %s ended in %s; its diff could not be taken out: %s",
+            child.run_id,
+            child.state,
+            result.detail,
+        )
+    return result.done and not result.already
 
 
 # -- the coordinator ---------------------------------------------------------------------------
@@ -395,7 +413,7 @@ class Coordinator:
             InvalidTransitionError: the session is not in ``plan_review``.
             RunTerminalError: the session has ended.
         """
-        session = self._load(session_id)
+        session = _load_session(self.journal, session_id)
         round_number = _history(self.journal, session).round + 1
         return self.session_engine.send(
             session_id, _E.PLAN_APPROVED, output={"round": round_number, "note": note}
@@ -418,11 +436,11 @@ class Coordinator:
             SessionStateError: the session is not in ``execution``.
             RunTerminalError: the session has ended.
         """
-        session = self._load(session_id)
+        session = _load_session(self.journal, session_id)
         if session.abort_reason is not None:
             self.abort_session(session_id, session.abort_reason)
             return NextTask(NextStatus.ABORTED, reason=session.abort_reason)
-        self._require(session, "execution", "execute_next_task")
+        _require_phase(session, "execution", "execute_next_task")
         history = _history(self.journal, session)
         self._tidy(session_id, history)
         graph = history.graph
@@ -430,15 +448,15 @@ class Coordinator:
         # First a task a crash left in progress (its dependencies were done when it started).
         for task_id in graph.order:
             child = children.get(task_id)
-            if child is not None and not child.ended and self._deps_done(graph, task_id, children):
+            if child is not None and not child.ended and _deps_done(graph, task_id, children):
                 return self._run(session_id, history, task_id, child.run_id)
         self._skip_downstream(session_id, history)
         children = _round_children(self.journal, session_id, history.round)
         for task_id in graph.order:
-            if task_id not in children and self._deps_done(graph, task_id, children):
+            if task_id not in children and _deps_done(graph, task_id, children):
                 run_id = self._start_task(session, history, task_id)
                 return self._run(session_id, history, task_id, run_id)
-        return self._idle(graph, children)
+        return _idle(graph, children)
 
     def run_until_done(
         self, session_id: str, *, finalize: bool = True, fail_when_blocked: bool = True
@@ -485,13 +503,13 @@ class Coordinator:
                 running.
             RunTerminalError: the session has ended.
         """
-        session = self._load(session_id)
+        session = _load_session(self.journal, session_id)
         if session.abort_reason is not None:
             return self.abort_session(session_id, session.abort_reason)
-        self._require(session, "execution", "finalize_session")
+        _require_phase(session, "execution", "finalize_session")
         history = _history(self.journal, session)
         self._tidy(session_id, history)  # every ended task recorded before the summary
-        unsettled = self._unsettled(session_id, history)
+        unsettled = _unsettled(self.journal, session_id, history)
         if unsettled:
             raise SessionStateError(
                 run_id=session_id,
@@ -509,7 +527,7 @@ class Coordinator:
             SessionStateError: the session is not in ``execution``.
             RunTerminalError: the session has ended.
         """
-        self._require(self._load(session_id), "execution", "fail_session")
+        _require_phase(_load_session(self.journal, session_id), "execution", "fail_session")
         return self.session_engine.send(session_id, _E.SESSION_FAILED, output={"reason": reason})
 
     # -- abort, reset, resume ------------------------------------------------------------------
@@ -531,11 +549,9 @@ class Coordinator:
         Raises:
             RunTerminalError: the session has ended.
         """
-        session = self._load(session_id)
+        session = _load_session(self.journal, session_id)
         if session.ended:
-            raise RunTerminalError(
-                run_id=session_id, state=session.state, status=session.status.value
-            )
+            raise _ended(session)
         if session.abort_reason is None:
             session = self.journal.request_abort(session_id, reason)
         reason = session.abort_reason or reason
@@ -556,7 +572,7 @@ class Coordinator:
             InvalidTransitionError: the session's phase cannot be reset to ``target``.
             RunTerminalError: the session has ended.
         """
-        session = self._load(session_id)
+        session = _load_session(self.journal, session_id)
         event = _RESET_EVENTS.get(target)
         if event is None or not SESSION.has_state(target):
             raise SessionStateError(
@@ -566,9 +582,7 @@ class Coordinator:
                 reason="a session can only be reset to 'idea' or 'plan_review'",
             )
         if session.ended:
-            raise RunTerminalError(
-                run_id=session_id, state=session.state, status=session.status.value
-            )
+            raise _ended(session)
         if (session.state, event.value) not in SESSION.edges:
             raise InvalidTransitionError(run_id=session_id, state=session.state, event=event.value)
         history = _history(self.journal, session)
@@ -592,11 +606,9 @@ class Coordinator:
         Raises:
             RunTerminalError: the session has ended.
         """
-        session = self._load(session_id)
+        session = _load_session(self.journal, session_id)
         if session.ended:
-            raise RunTerminalError(
-                run_id=session_id, state=session.state, status=session.status.value
-            )
+            raise _ended(session)
         if session.abort_reason is not None:
             return self.abort_session(session_id, session.abort_reason)
         if session.state == "finalizing":
@@ -613,28 +625,7 @@ class Coordinator:
         Raises:
             RunNotFoundError: no such session.
         """
-        session = self._load(session_id)
-        history = _history(self.journal, session)
-        children = _round_children(self.journal, session_id, history.round)
-        tasks: list[TaskStatus] = []
-        for task_id in history.graph.order:
-            child = children.get(task_id)
-            if child is None or history.round == 0:
-                tasks.append(TaskStatus(task_id, "pending"))
-                continue
-            transitions = self.journal.transitions(child.run_id)
-            roles = [str(routing.get("role")) for routing in _attempts(transitions)]
-            tasks.append(
-                TaskStatus(
-                    task_id,
-                    child.state,
-                    child.run_id,
-                    attempts=len(roles),
-                    roles=roles,
-                    reason=_task_reason(child, transitions[-1] if transitions else None),
-                )
-            )
-        return SessionStatus(session, history.round, tuple(tasks))
+        return _session_status(self.journal, _load_session(self.journal, session_id))
 
     def summary(self, session_id: str) -> Mapping[str, Any] | None:
         """The run summary a finalized session keeps, or ``None`` before it has one."""
@@ -646,49 +637,9 @@ class Coordinator:
 
     # -- the parts -----------------------------------------------------------------------------
 
-    def _load(self, session_id: str) -> RunRecord:
-        session = self.journal.load(session_id)
-        if session.machine != SESSION.name:
-            raise SessionStateError(
-                run_id=session_id,
-                state=session.state,
-                operation="a coordinator operation",
-                reason=f"the run is a {session.machine!r} run, not a coordinator session",
-            )
-        return session
-
-    @staticmethod
-    def _require(session: RunRecord, phase: str, operation: str) -> None:
-        if session.ended:
-            raise RunTerminalError(
-                run_id=session.run_id, state=session.state, status=session.status.value
-            )
-        if session.state != phase:
-            raise SessionStateError(
-                run_id=session.run_id,
-                state=session.state,
-                operation=operation,
-                reason=f"only allowed in phase {phase!r}",
-            )
-
-    @staticmethod
-    def _deps_done(graph: TaskGraph, task_id: str, children: Mapping[str, RunRecord]) -> bool:
-        return all(
-            dep in children and children[dep].state == "done"
-            for dep in graph.task(task_id).depends_on
-        )
-
-    def _unsettled(self, session_id: str, history: _History) -> list[str]:
-        children = _round_children(self.journal, session_id, history.round)
-        return [
-            task_id
-            for task_id in history.graph.order
-            if task_id not in children or not children[task_id].ended
-        ]
-
     def _tasks_settled(self, session: RunRecord) -> bool:
         """Guard ``tasks_settled``: no task of the session's round is pending or running."""
-        return not self._unsettled(session.run_id, _history(self.journal, session))
+        return not _unsettled(self.journal, session.run_id, _history(self.journal, session))
 
     def _run(self, session_id: str, history: _History, task_id: str, run_id: str) -> NextTask:
         try:
@@ -706,8 +657,7 @@ class Coordinator:
         skipped: tuple[str, ...] = ()
         if child.state != "done" and not self.journal.load(session_id).ended:
             skipped = self._skip_downstream(session_id, history)
-        transitions = self.journal.transitions(run_id)
-        roles = [str(routing.get("role")) for routing in _attempts(transitions)]
+        roles, reason = _progress(self.journal, child)
         return NextTask(
             NextStatus.RAN,
             task_id=task_id,
@@ -715,7 +665,7 @@ class Coordinator:
             run_id=run_id,
             attempts=len(roles),
             roles=roles,
-            reason=_task_reason(child, transitions[-1] if transitions else None),
+            reason=reason,
             skipped=skipped,
         )
 
@@ -771,23 +721,6 @@ class Coordinator:
             skipped.append(task_id)
         return tuple(skipped)
 
-    def _idle(self, graph: TaskGraph, children: Mapping[str, RunRecord]) -> NextTask:
-        states = {
-            task_id: (children[task_id].state if task_id in children else "pending")
-            for task_id in graph.order
-        }
-        if all(state == "done" for state in states.values()):
-            return NextTask(NextStatus.ALL_DONE)
-        running = [task_id for task_id, state in states.items() if state not in _TASK_ENDS]
-        if running:
-            return NextTask(
-                NextStatus.WAITING,
-                task_id=running[0],
-                reason=f"tasks in progress: {', '.join(running)}",
-            )
-        not_done = [f"{task_id} {state}" for task_id, state in states.items() if state != "done"]
-        return NextTask(NextStatus.BLOCKED, reason=f"tasks did not get done: {', '.join(not_done)}")
-
     def _tidy(self, session_id: str, history: _History, *, abort_reason: str | None = None) -> None:
         """Bring the journal and workspace in line with the session's child runs.
 
@@ -813,26 +746,7 @@ class Coordinator:
         """After a task ended: take its diff out if it did not get done, and record its end."""
         last = self.journal.transitions(child.run_id, from_seq=child.seq)
         last_transition = last[0] if last else None
-        reverted = False
-        if (
-            last_transition is not None
-            and last_transition.event in _CUT_SHORT
-            and last_transition.from_state in _DIFF_STATES
-            and child.context.get("diff")
-        ):
-            # The diff may be in the workspace (git apply is all or nothing, so it is in whole
-            # or not at all): take it out, so the workspace holds only tasks that are done.
-            result = self.workspace.revert(
-                str(child.context["diff"]), key=f"{child.run_id}@cleanup"
-            )
-            reverted = result.done and not result.already
-            if not result.done:
-                _log.warning(
-                    "task run %s ended in %s; its diff could not be taken out: %s",
-                    child.run_id,
-                    child.state,
-                    result.detail,
-                )
+        reverted = _take_out_diff(self.workspace, child, last_transition)
         event = _RECORD_EVENTS.get(child.state)
         session = self.journal.load(session_id)
         if event is None or session.ended or (session.state, event.value) not in SESSION.edges:

@@ -2,7 +2,8 @@
 
 A session's progress is never kept only in memory: its own transitions say which graph and
 round it is on and which task ends it has recorded (:func:`_history`), and its child runs say
-where each task stands (:class:`TaskStatus`, :class:`SessionStatus`). ``finalizing``'s handler,
+where each task stands (:class:`TaskStatus`, :class:`SessionStatus`; what one step of the
+coordinator did is a :class:`NextTask`). ``finalizing``'s handler,
 :class:`FinalizePhase`, runs the global verification and keeps the run summary that a
 :class:`JournalSummarizer` writes from the journal (or :func:`fallback_summary`, if the
 summarizer fails). Every public name here is re-exported by
@@ -12,6 +13,7 @@ summarizer fails). Every public name here is re-exported by
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -45,6 +47,8 @@ from fsm_runner.presets.coordinator_tasks import Summarizer, TaskGraph, Workspac
 __all__ = [
     "FinalizePhase",
     "JournalSummarizer",
+    "NextStatus",
+    "NextTask",
     "SessionStatus",
     "TaskStatus",
     "fallback_summary",
@@ -139,6 +143,23 @@ def _task_reason(child: RunRecord, last: TransitionRecord | None) -> str | None:
     ]
     unique = list(dict.fromkeys(str(part) for part in parts if part))
     return ": ".join(unique) or None
+
+
+def _progress(journal: Journal, child: RunRecord) -> tuple[list[str], str | None]:
+    """A task's attempts so far (the role of each, in order) and why it did not get done."""
+    transitions = journal.transitions(child.run_id)
+    roles = [str(routing.get("role")) for routing in _attempts(transitions)]
+    return roles, _task_reason(child, transitions[-1] if transitions else None)
+
+
+def _unsettled(journal: Journal, session_id: str, history: _History) -> list[str]:
+    """The tasks of the session's round that are pending or running, in run order."""
+    children = _round_children(journal, session_id, history.round)
+    return [
+        task_id
+        for task_id in history.graph.order
+        if task_id not in children or not children[task_id].ended
+    ]
 
 
 def _duration_ms(run: RunRecord) -> float:
@@ -292,6 +313,47 @@ class FinalizePhase:
         )
 
 
+# -- what the coordinator reports --------------------------------------------------------------
+
+
+class NextStatus(str, enum.Enum):
+    """What :meth:`Coordinator.execute_next_task` came to."""
+
+    RAN = "ran"  # a task ran to its end (see NextTask.outcome)
+    ALL_DONE = "all_done"  # every task is done: finalize next
+    BLOCKED = "blocked"  # every task has ended, and some did not get done
+    WAITING = "waiting"  # a task is being advanced elsewhere; try again later
+    ABORTED = "aborted"  # an abort requested earlier was carried out instead
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@attrs.frozen
+class NextTask:
+    """What one call of :meth:`Coordinator.execute_next_task` did.
+
+    Attributes:
+        status: see :class:`NextStatus`.
+        task_id: the task that ran (or is in progress elsewhere), if any.
+        outcome: the state the task ended in (``done``, ``failed``, ``blocked``, ``aborted``).
+        run_id: the task's child run.
+        attempts: attempts the task took.
+        roles: the role of each attempt, in order.
+        reason: why the task did not get done, or why the session is blocked.
+        skipped: tasks marked skipped because this one did not get done.
+    """
+
+    status: NextStatus
+    task_id: str | None = None
+    outcome: str | None = None
+    run_id: str | None = None
+    attempts: int = 0
+    roles: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    reason: str | None = None
+    skipped: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+
+
 @attrs.frozen
 class TaskStatus:
     """Where one task of a session's current round stands.
@@ -342,3 +404,22 @@ class SessionStatus:
             if task.task_id == task_id:
                 return task
         raise KeyError(task_id)
+
+
+def _session_status(journal: Journal, session: RunRecord) -> SessionStatus:
+    """Where ``session`` and each task of its current round stand, read off ``journal``."""
+    history = _history(journal, session)
+    children = _round_children(journal, session.run_id, history.round)
+    tasks: list[TaskStatus] = []
+    for task_id in history.graph.order:
+        child = children.get(task_id)
+        if child is None or history.round == 0:
+            tasks.append(TaskStatus(task_id, "pending"))
+            continue
+        roles, reason = _progress(journal, child)
+        tasks.append(
+            TaskStatus(
+                task_id, child.state, child.run_id, attempts=len(roles), roles=roles, reason=reason
+            )
+        )
+    return SessionStatus(session, history.round, tuple(tasks))

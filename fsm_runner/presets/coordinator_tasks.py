@@ -1,10 +1,11 @@
-"""The coordinator's vocabulary: the task graph, what the services exchange, and their protocols.
+"""The coordinator's vocabulary: its errors, the task graph, and the services and their protocols.
 
-A :class:`TaskGraph` of :class:`Task` s is what a session executes; an :class:`AgentRole`
-turns a task into a :class:`Proposal`, each :class:`Gate` gives a :class:`GateVerdict` on it,
-the :class:`Workspace` applies it (a :class:`PatchResult`) and a :class:`Summarizer` writes the
-run summary. :mod:`fsm_runner.presets.coordinator` drives them; every name here is re-exported
-there, which is where hosts import them from.
+A :class:`TaskGraph` of :class:`Task` s is what a session executes (an invalid one raises
+:class:`TaskGraphError`; an operation a session does not allow, :class:`SessionStateError`).
+An :class:`AgentRole` turns a task into a :class:`Proposal`, each :class:`Gate` gives a
+:class:`GateVerdict` on it, the :class:`Workspace` applies it (a :class:`PatchResult`) and a
+:class:`Summarizer` writes the run summary. :mod:`fsm_runner.presets.coordinator` drives them;
+every name here is re-exported there, which is where hosts import them from.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from fsm_runner import FsmRunnerError, Journal, RunRecord
+from fsm_runner import FsmRunnerError, InvalidTransitionError, Journal, RunRecord
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -26,6 +27,7 @@ __all__ = [
     "GateVerdict",
     "PatchResult",
     "Proposal",
+    "SessionStateError",
     "Summarizer",
     "Task",
     "TaskGraph",
@@ -52,6 +54,32 @@ class TaskGraphError(FsmRunnerError, ValueError):
     def message(self) -> str:
         """Every problem, in one message."""
         return "invalid task graph: " + "; ".join(self.problems)
+
+
+class SessionStateError(InvalidTransitionError):
+    """A coordinator operation that the session's phase (or its tasks) does not allow.
+
+    Nothing was changed. A subclass of :class:`fsm_runner.InvalidTransitionError`, whose
+    ``event`` here names the operation.
+
+    Attributes:
+        run_id: the session.
+        state: the phase the session is in.
+        operation: what was asked (``execute_next_task``, ``finalize_session`` …).
+        reason: why it is not allowed.
+    """
+
+    def __init__(self, *, run_id: str, state: str, operation: str, reason: str) -> None:
+        self.operation = operation
+        super().__init__(run_id=run_id, state=state, event=operation, reason=reason)
+
+    @property
+    def message(self) -> str:
+        """Name the session, its phase, the operation and why it was refused."""
+        return (
+            f"session {self.run_id} (in phase {self.state!r}): {self.operation} is not "
+            f"allowed: {self.reason}"
+        )
 
 
 # -- the task graph ----------------------------------------------------------------------------
