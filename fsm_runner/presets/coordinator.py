@@ -253,8 +253,9 @@ def _idle(graph: TaskGraph, children: Mapping[str, RunRecord]) -> NextTask:
 def _take_out_diff(workspace: Workspace, child: RunRecord, last: TransitionRecord | None) -> bool:
     """Take an ended task's diff out of the workspace if it may be in; say if it was taken out.
 
-    Only a task cut short in a state where its diff may be applied (every other way out of
-    those states has settled where the diff is) leaves it there.
+    A diff can be left in the workspace only by a task cut short (``SYSTEM_ERROR``,
+    ``USER_ABORTED``) in a state where its diff may be applied: every other way out of those
+    states has settled where the diff is.
     """
     if not (
         last is not None
