@@ -317,7 +317,7 @@ class FinalizePhase:
 
 
 class NextStatus(str, enum.Enum):
-    """What :meth:`Coordinator.execute_next_task` came to."""
+    """What :meth:`~fsm_runner.presets.coordinator.Coordinator.execute_next_task` came to."""
 
     RAN = "ran"  # a task ran to its end (see NextTask.outcome)
     ALL_DONE = "all_done"  # every task is done: finalize next
@@ -331,7 +331,7 @@ class NextStatus(str, enum.Enum):
 
 @attrs.frozen
 class NextTask:
-    """What one call of :meth:`Coordinator.execute_next_task` did.
+    """What one call of :meth:`~fsm_runner.presets.coordinator.Coordinator.execute_next_task` did.
 
     Attributes:
         status: see :class:`NextStatus`.
