@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import ast
 import importlib.resources
 import inspect
 import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -271,6 +273,36 @@ class TestAll:
 
     def test_py_typed(self):
         assert importlib.resources.files("fsm_runner").joinpath("py.typed").is_file()
+
+
+#: What a preset may import from fsm_runner: the public contract and other presets, as a host
+#: app would (DESIGN: "Presets use the public API only").
+PUBLIC_MODULES = ("fsm_runner", "fsm_runner.exceptions", "fsm_runner.testing")
+
+
+def fsm_runner_imports(path: Path) -> set[str]:
+    """The fsm_runner modules a source file imports from."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.split(".")[0] == "fsm_runner"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(Path(fsm_runner.__file__).parent.joinpath("presets").glob("coordinator*.py")),
+    ids=lambda path: path.name,
+)
+def test_the_coordinator_preset_uses_only_the_public_api(path):
+    private = {
+        name
+        for name in fsm_runner_imports(path)
+        if name not in PUBLIC_MODULES and not name.startswith("fsm_runner.presets.")
+    }
+    assert not private
 
 
 class TestExceptionModule:
