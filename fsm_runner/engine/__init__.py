@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import enum
 import inspect
 import logging
@@ -28,6 +27,15 @@ import attrs
 
 from fsm_runner._group import GroupClaimer, GroupCommitter
 from fsm_runner._json import dumps_json, error_info, printable, storable_text
+from fsm_runner.engine.reducer import (
+    StepKind,
+    abort_records,
+    advance_plain,
+    artifact_rows,
+    iteration_rows,
+    take,
+    writes_iterations,
+)
 from fsm_runner.events import RunEvent, RunStatus, event_name
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -58,7 +66,6 @@ from fsm_runner.phases import (
 from fsm_runner.records import (
     ITERATION_FIELDS,
     ArtifactRecord,
-    ErrorType,
     IterationRecord,
     RunRecord,
     TransitionRecord,
@@ -66,7 +73,6 @@ from fsm_runner.records import (
     unstructure,
     utc_now,
 )
-from fsm_runner.replay import journal_specs, state_at
 from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
@@ -83,17 +89,10 @@ _INTERRUPTED = RunEvent.INTERRUPTED.value
 _REWOUND = RunEvent.REWOUND.value
 _DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
 _SPEC_CHANGED = RunEvent.SPEC_CHANGED.value
-_SAME_VISIT = frozenset({_RETRIED, _INTERRUPTED})
-#: Statuses a run may end with where it stands (no transition of the spec): same visit.
-_IN_PLACE = frozenset({Outcome.ABORTED, Outcome.DEAD_LETTER})
-#: Self transitions that continue the visit: a retry, an interruption, a change of spec.
-_KEEPS_VISIT = frozenset({_RETRIED, _INTERRUPTED, RunEvent.SPEC_CHANGED.value})
 _MAX_ABORT_TRIES = 20
 #: Seconds the short lease of an abort from outside any engine lasts.
 _ABORT_LEASE_TTL = 30.0
 # The hot path's record constructors: every field, positionally (see positional_builder).
-_new_run = positional_builder(RunRecord)
-_new_transition = positional_builder(TransitionRecord)
 _new_commit = positional_builder(Commit)
 # What handlers return most; checked before the much slower inspect.isawaitable.
 _PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
@@ -406,9 +405,8 @@ class Engine:
             run.state,
             result={"output": {"from_spec": run.spec_hash, "to_spec": self.spec.spec_hash}},
             duration_ms=0.0,
-            attempt=run.attempt,
+            kind="spec_change",  # the row names the new spec from here on
         )
-        after = attrs.evolve(after, spec_hash=self.spec.spec_hash)
         self.journal.commit(after, transition, spec_json=self._spec_json)
         self._notify(transition, after)
         return after
@@ -574,9 +572,7 @@ class Engine:
             f"its worker was lost {run.recoveries} times (more than max_recoveries="
             f"{self.max_recoveries}); fork it to try again"
         )
-        return self._write(
-            self._plan_in_place(run, _DEAD_LETTERED, message, status=Outcome.DEAD_LETTER)
-        )[1]
+        return self._write(self._plan_in_place(run, _DEAD_LETTERED, message, kind="park"))[1]
 
     # -- starting ------------------------------------------------------------------------------
 
@@ -764,6 +760,7 @@ class Engine:
         return self._commit_held(
             run_id,
             _REWOUND,
+            "rewind",
             lambda run: self._rewind_target(run, state),
             lambda run: {"output": {"rewound_from": run.state}},
         )
@@ -772,13 +769,16 @@ class Engine:
         self,
         run_id: str,
         event: str,
+        kind: StepKind,
         dest: Callable[[RunRecord], str],
         result: Callable[[RunRecord], Mapping[str, Any] | None],
     ) -> RunRecord:
         """Claim the run, commit one transition decided on the claimed row, and release it."""
         run = self._claim(run_id)
         try:
-            planned = self._plan(run, event, dest(run), result=result(run), duration_ms=0.0)
+            planned = self._plan(
+                run, event, dest(run), result=result(run), duration_ms=0.0, kind=kind
+            )
             run = self._write(planned)[1]
         finally:
             self._let_go(run_id)
@@ -897,9 +897,7 @@ class Engine:
         message = f"interrupted {_interruption_cause(exc)} in {run.state!r}"
         try:
             try:
-                self._write(
-                    self._plan_in_place(run, _INTERRUPTED, message, attempt=run.attempt + 1)
-                )
+                self._write(self._plan_in_place(run, _INTERRUPTED, message, kind="interruption"))
             except RunConflictError as refused:
                 if refused.abort_reason is None:
                     raise
@@ -1157,6 +1155,7 @@ class Engine:
         return self._commit_held(
             run_id,
             name,
+            "transition",
             lambda run: self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
             lambda _run: {"output": output} if output is not None else None,
         )
@@ -1200,7 +1199,7 @@ class Engine:
         return self._write(self._plan_abort(run, reason))
 
     def _plan_abort(self, run: RunRecord, reason: str) -> _Planned:
-        transition, after = _abort_records(self.spec, run, reason, self.guards)
+        transition, after = abort_records(self.spec, run, reason, self.guards, at=utc_now())
         return transition, after, (), ()
 
     # -- shared step machinery -----------------------------------------------------------------
@@ -1342,8 +1341,7 @@ class Engine:
             step.state.name,
             result={"error": error},
             duration_ms=outcome.duration_ms,
-            error=error,
-            attempt=step.run.attempt + 1,
+            kind="retry",
         )
 
     def _finish(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
@@ -1365,9 +1363,8 @@ class Engine:
                 raise PhaseError(run_id=run.run_id, state=run.state, event=event, error=error)
             dest = self._machine.resolve(run.state, event, run, self.guards, run_id=run.run_id)
             return self._plan(
-                run, event, dest, result={"error": error}, duration_ms=outcome.duration_ms,
-                error=error,
-            )  # fmt: skip
+                run, event, dest, result={"error": error}, duration_ms=outcome.duration_ms
+            )
         result = outcome.result
         assert result is not None
         guarded = run
@@ -1392,21 +1389,16 @@ class Engine:
             payload["output"] = result.output
         if result.context:
             payload["context"] = dict(result.context)
-        error_payload: Any = None
         if result.error is not None:
-            error_payload = _handled_error(result.event, result.error)
-            payload["error"] = error_payload
-        if reason:
+            payload["error"] = _handled_error(result.event, result.error)
+        if reason:  # the run's error too, where the phase gave none (the reducer's rule)
             payload["reason"] = reason
-            if error_payload is None:
-                error_payload = {"type": result.event, "message": reason}
         return self._plan(
-            guarded,
+            run,
             result.event,
             dest,
             result=payload or None,
             duration_ms=outcome.duration_ms,
-            error=error_payload,
             iteration_updates=result.iteration,
             artifacts=result.artifacts,
         )
@@ -1453,25 +1445,12 @@ class Engine:
         return transition, after
 
     def _plan_in_place(
-        self,
-        run: RunRecord,
-        event: str,
-        message: str,
-        *,
-        attempt: int | None = None,
-        status: Outcome | None = None,
+        self, run: RunRecord, event: str, message: str, *, kind: StepKind
     ) -> _Planned:
         """A self transition that records why (``event`` as the error's type) and no phase."""
         error = {"type": event, "message": message}
         return self._plan(
-            run,
-            event,
-            run.state,
-            result={"error": error},
-            duration_ms=0.0,
-            error=error,
-            attempt=attempt,
-            status=status,
+            run, event, run.state, result={"error": error}, duration_ms=0.0, kind=kind
         )
 
     def _plan(
@@ -1482,43 +1461,22 @@ class Engine:
         *,
         result: Mapping[str, Any] | None,
         duration_ms: float,
-        error: Mapping[str, Any] | None = None,
-        attempt: int | None = None,
-        status: Outcome | None = None,
+        kind: StepKind = "transition",
         iteration_updates: Mapping[str, Any] | None = None,
         artifacts: Sequence[ArtifactRecord] = (),
     ) -> _Planned:
         """Build the transition, the run row it leads to and the rows written with it."""
         transition, after = _advance(
-            self.spec,
-            run,
-            event,
-            dest,
-            result=result,
-            duration_ms=duration_ms,
-            error=error,
-            attempt=attempt,
-            status=status,
+            self.spec, run, event, dest, result=result, duration_ms=duration_ms, kind=kind
         )
         iterations: Sequence[IterationRecord] = ()
-        if (after.iteration > 0 or run.iteration > 0) and (
-            iteration_updates
-            or after.iteration != run.iteration
-            or after.ended
-            or event in (_SYSTEM_ERROR, _TIMEOUT)
-        ):
-            iterations = self._iteration_rows(run, after, transition, iteration_updates or {})
+        if writes_iterations(run, after, event, iteration_updates):
+            current = (
+                self.journal.iteration(run.run_id, run.iteration) if run.iteration > 0 else None
+            )
+            iterations = iteration_rows(run, after, transition, iteration_updates or {}, current)
         if artifacts:
-            artifacts = [
-                attrs.evolve(
-                    artifact,
-                    run_id=run.run_id,
-                    seq=transition.seq,
-                    iteration=after.iteration,
-                    created_at=transition.at,
-                )
-                for artifact in artifacts
-            ]
+            artifacts = artifact_rows(artifacts, transition, after)
         return transition, after, iterations, artifacts
 
     def _commit_plain(
@@ -1537,82 +1495,22 @@ class Engine:
         return transition, after
 
     def _plan_plain(self, run: RunRecord, event: str, dest: str, duration_ms: float) -> _Planned:
-        """Plan a bare event outside iterations: :func:`_advance` and :meth:`_plan` inlined.
+        """Plan a bare event outside iterations: the reducer's plain step where it applies.
 
         Positional calls only; keyword arguments cost on every step.
         """
         dest_state = self._states[dest]
-        iteration = run.iteration + dest_state.starts_iteration
-        if iteration or run.return_to is not None or dest in self._returning:
+        if (
+            run.iteration
+            or dest_state.starts_iteration
+            or run.return_to is not None
+            or dest in self._returning
+        ):
             return self._plan(run, event, dest, result=None, duration_ms=duration_ms)
-        now = utc_now()
-        seq = run.seq + 1
-        run_id = run.run_id
-        transition = _new_transition(
-            run_id, seq, run.state, event, dest, 0, run.attempt, now, duration_ms, None,
-            run.lease_token,
-        )  # fmt: skip
-        after = _new_run(
-            run_id,
-            run.machine,
-            run.spec_hash,
-            dest,
-            dest_state.final_outcome,
-            seq,
-            0,
-            1,
-            run.input,
-            run.context,
-            None,
-            run.created_at,
-            now,
-            run.parent_run_id,
-            run.forked_from,
-            run.abort_reason,
-            run.lease_owner,
-            run.lease_expires_at,
-            run.lease_token,
-            None,
-            0,
-            seq,  # a new visit: the plain path never carries RETRIED or INTERRUPTED
-            0,
-            run.recoveries,
+        transition, after = advance_plain(
+            run, event, dest, dest_state.final_outcome, duration_ms, utc_now()
         )
         return transition, after, (), ()
-
-    def _iteration_rows(
-        self,
-        run: RunRecord,
-        after: RunRecord,
-        transition: TransitionRecord,
-        updates: Mapping[str, Any],
-    ) -> list[IterationRecord]:
-        """The iteration records a transition writes.
-
-        A phase's updates go to the iteration it ran in; a transition into a
-        ``starts_iteration`` state also opens the next iteration's record.
-        """
-        now = transition.at
-        rows: list[IterationRecord] = []
-        starts_next = after.iteration != run.iteration
-        if run.iteration > 0:
-            current = self.journal.iteration(run.run_id, run.iteration) or IterationRecord(
-                run.run_id, run.iteration, started_at=run.updated_at
-            )
-            changes = dict(updates)
-            if transition.event in (_SYSTEM_ERROR, _TIMEOUT) and "error_type" not in changes:
-                error = transition.error or {}
-                changes["error_type"] = (
-                    ErrorType.TIMEOUT if transition.event == _TIMEOUT else ErrorType.SYSTEM_ERROR
-                )
-                changes["error_message"] = f"{error.get('type')}: {error.get('message')}"
-            if changes:
-                current = attrs.evolve(current, **changes)
-            rows.append(_touch(current, run.state if starts_next else after.state, now))
-        if starts_next:
-            opened = IterationRecord(after.run_id, after.iteration, started_at=now)
-            rows.append(_touch(opened, after.state, now))
-        return rows
 
     def _notify(self, transition: TransitionRecord, run: RunRecord) -> None:
         for listener in self.listeners:
@@ -1669,17 +1567,6 @@ def _unleased(run: RunRecord) -> RunRecord:
     return attrs.evolve(run, lease_owner=None, lease_expires_at=None)
 
 
-def _touch(record: IterationRecord, state: str, now: dt.datetime) -> IterationRecord:
-    started = record.started_at or now
-    return attrs.evolve(
-        record,
-        state=state,
-        started_at=started,
-        completed_at=now,
-        duration_ms=(now - started).total_seconds() * 1000.0,
-    )
-
-
 def _advance(
     spec: MachineSpec,
     run: RunRecord,
@@ -1688,120 +1575,11 @@ def _advance(
     *,
     result: Mapping[str, Any] | None,
     duration_ms: float,
-    error: Mapping[str, Any] | None = None,
-    attempt: int | None = None,
-    status: Outcome | None = None,
+    kind: StepKind = "transition",
 ) -> tuple[TransitionRecord, RunRecord]:
-    """Build the transition ``run`` takes on ``event`` to ``dest``, and the run row it leads to.
-
-    ``dest`` may be :data:`RETURN`: the state the run came from into the one it is in, entered
-    again as the next attempt of that visit.
-
-    Raises:
-        InvalidTransitionError: ``dest`` is RETURN but the run came from nowhere to return to.
-    """
-    return_to, return_attempt = run.return_to, run.return_attempt
-    return_visit, visit_seq = run.return_visit, run.visit_seq
-    seq = run.seq + 1
-    returning = dest == RETURN
-    if returning:
-        if return_to is None:
-            raise InvalidTransitionError(
-                run_id=run.run_id,
-                state=run.state,
-                event=event,
-                reason="a RETURN transition, but the run came from nowhere to return to,",
-            )
-        dest, attempt, visit_seq = return_to, return_attempt + 1, return_visit
-        return_to, return_attempt, return_visit = None, 0, 0
-        # The journal says it was a return: a spec may also lead to the same state directly
-        # on the same event (behind a guard), and replay must tell the two apart.
-        result = {**(result or {}), "returned": True}
-    elif dest != run.state or not (event in _KEEPS_VISIT or status in _IN_PLACE):
-        visit_seq = seq  # a new visit begins (a spec's own self transition too)
-        if dest == run.state:
-            pass  # a self transition keeps where to return to
-        elif dest in spec.returning_states:  # remember where to come back to
-            return_to, return_attempt, return_visit = run.state, run.attempt, run.visit_seq
-        else:
-            return_to, return_attempt, return_visit = None, 0, 0
-    dest_state = spec.state(dest)
-    # Entering a starts_iteration state starts an iteration; a retry, an interruption, an
-    # in-place stop or a return is the same visit.
-    same_visit = returning or (dest == run.state and (event in _KEEPS_VISIT or status in _IN_PLACE))
-    iteration = run.iteration + (dest_state.starts_iteration and not same_visit)
-    now = utc_now()
-    transition = TransitionRecord(
-        run.run_id,
-        seq,
-        run.state,
-        event,
-        dest,
-        iteration,
-        run.attempt,
-        now,
-        duration_ms,
-        result,
-        run.lease_token,
-    )
-    # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
-    after = RunRecord(
-        run.run_id,
-        run.machine,
-        run.spec_hash,
-        dest,
-        status or dest_state.final_outcome,
-        seq,
-        iteration,
-        attempt or 1,
-        run.input,
-        run.context,
-        error,
-        run.created_at,
-        now,
-        run.parent_run_id,
-        run.forked_from,
-        None if event == _USER_ABORTED else run.abort_reason,
-        run.lease_owner,
-        run.lease_expires_at,
-        run.lease_token,
-        return_to,
-        return_attempt,
-        visit_seq,
-        return_visit,
-        run.recoveries,
-    )
-    return transition, after
-
-
-def _abort_records(
-    spec: MachineSpec, run: RunRecord, reason: str, guards: Mapping[str, Guard] | None
-) -> tuple[TransitionRecord, RunRecord]:
-    machine = compile_spec(spec)
-    error = {"type": _USER_ABORTED, "message": reason}
-    if machine.allows(run.state, _USER_ABORTED):
-        try:
-            dest = machine.resolve(run.state, _USER_ABORTED, run, guards or {}, run_id=run.run_id)
-        except KeyError as exc:
-            raise SpecError(
-                [
-                    f"the USER_ABORTED transition from {run.state!r} needs guard {exc.args[0]!r}; "
-                    "abort through an engine (or `fsm-runner abort --app`) that has it"
-                ],
-                machine=spec.name,
-            ) from None
-        status = None
-    else:
-        dest, status = run.state, Outcome.ABORTED  # no abort exit: the run stops where it is
-    return _advance(
-        spec,
-        run,
-        _USER_ABORTED,
-        dest,
-        result={"error": error},
-        duration_ms=0.0,
-        error=error,
-        status=status,
+    """The reducer's :func:`~fsm_runner.engine.reducer.take`, at the time it is now."""
+    return take(
+        spec, run, event, dest, result=result, duration_ms=duration_ms, at=utc_now(), kind=kind
     )
 
 
@@ -1851,7 +1629,7 @@ def abort_run(
             run_spec = spec
             if run_spec is None or run_spec.spec_hash != run.spec_hash:
                 run_spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
-            transition, after = _abort_records(run_spec, run, reason, guards)
+            transition, after = abort_records(run_spec, run, reason, guards, at=utc_now())
             try:
                 journal.commit(after, transition)
             except RunConflictError:
@@ -1891,6 +1669,8 @@ def fork_run(
         ValueError: there is no ``at_seq`` in the run, or the run had ended by then.
         ReplayMismatchError: the run's journal does not replay through its spec.
     """
+    from fsm_runner.replay import journal_specs, state_at  # noqa: PLC0415
+
     source = journal.load(run_id)
     seq = source.seq if at_seq is None else at_seq
     if not 0 <= seq <= source.seq:

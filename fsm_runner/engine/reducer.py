@@ -1,0 +1,447 @@
+"""The reducer: the run row a transition leads to, derived in one place (invariant 8).
+
+A run's row is a projection of its transitions. The engine builds each row here from the
+transition it is about to commit, and :mod:`fsm_runner.replay` rebuilds each row here from the
+transition the journal holds, so the two agree by construction. Everything is pure: no journal,
+no clock (the caller passes the time), no I/O; what a step needs is passed in.
+
+How a transition is read (its :data:`StepKind`) decides the derivation: a ``retry`` or an
+``interruption`` continues the visit as its next attempt; a ``stop`` (``USER_ABORTED`` where the
+state has no exit for it) and a ``park`` (``DEAD_LETTERED``) end the run where it stands; a
+``spec_change`` continues the visit under another spec; a ``return`` goes back to the state the
+run came from, as the next attempt of that visit; a ``transition`` or a ``rewind`` begins a new
+visit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from fsm_runner.events import RunEvent
+from fsm_runner.exceptions import InvalidTransitionError, SpecError
+from fsm_runner.machine import Guard, compile_spec
+from fsm_runner.records import (
+    ArtifactRecord,
+    ErrorType,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    positional_builder,
+)
+from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
+
+__all__ = [
+    "StepKind",
+    "abort_records",
+    "advance",
+    "advance_plain",
+    "artifact_rows",
+    "begin",
+    "iteration_rows",
+    "take",
+    "writes_iterations",
+]
+
+#: How a transition is read: the ``start`` (seq 0); a spec ``transition``; a ``return`` (a
+#: RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
+#: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
+#: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
+#: recovery gave up on the run where it stood); a ``spec_change`` (``SPEC_CHANGED``: the run
+#: goes on under another spec).
+StepKind = Literal[
+    "start",
+    "transition",
+    "return",
+    "retry",
+    "interruption",
+    "stop",
+    "rewind",
+    "park",
+    "spec_change",
+]
+
+_SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
+_TIMEOUT = RunEvent.TIMEOUT.value
+_USER_ABORTED = RunEvent.USER_ABORTED.value
+#: Kinds that continue the visit the run is on (no new visit, no new iteration).
+_SAME_VISIT: frozenset[str] = frozenset({"retry", "interruption", "stop", "park", "spec_change"})
+#: Kinds that are the next attempt of the visit.
+_NEXT_ATTEMPT: frozenset[str] = frozenset({"retry", "interruption"})
+#: Kinds whose transition is the spec's: a guard's reason becomes the run's error.
+_SPEC_KINDS: frozenset[str] = frozenset({"transition", "return"})
+_EMPTY: Mapping[str, Any] = {}
+# The plain step's record constructors: every field, positionally (see positional_builder).
+_new_run = positional_builder(RunRecord)
+_new_transition = positional_builder(TransitionRecord)
+
+
+def _leaf(spec: MachineSpec, name: str) -> State | None:
+    """The leaf state called ``name``, or ``None`` (a journal may name what a spec lacks)."""
+    if not spec.has_state(name):
+        return None
+    state = spec.state(name)
+    return None if state.composite else state
+
+
+def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> RunRecord:
+    """The run row right after its seq-0 transition (``STARTED`` into the initial leaf).
+
+    Args:
+        spec: the spec the run started under.
+        run: a row giving what the transitions do not say (id, machine, spec hash, input,
+            ``created_at``, parent, fork origin, lease, recoveries).
+        transition: the run's transition seq 0; its ``result["context"]`` is the initial context.
+
+    Returns:
+        The derived row.
+    """
+    leaf = _leaf(spec, transition.to_state)
+    result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
+    context = result.get("context")
+    return attrs.evolve(
+        run,
+        state=transition.to_state,
+        status=Outcome.ACTIVE if leaf is None else leaf.final_outcome,
+        seq=transition.seq,
+        iteration=1 if leaf is not None and leaf.starts_iteration else 0,
+        attempt=1,
+        context=dict(context) if isinstance(context, Mapping) else {},
+        error=None,
+        updated_at=transition.at,
+        return_to=None,
+        return_attempt=0,
+        visit_seq=transition.seq,
+        return_visit=0,
+    )
+
+
+def _iteration(run: RunRecord, leaf: State | None, kind: StepKind) -> int:
+    """The iteration after entering ``leaf``: a new one where a new visit of a starter begins."""
+    starts = leaf is not None and leaf.starts_iteration and kind != "return"
+    return run.iteration + (starts and kind not in _SAME_VISIT)
+
+
+def advance(  # noqa: PLR0912 - one flat derivation, field by field, reads best
+    spec: MachineSpec, run: RunRecord, transition: TransitionRecord, kind: StepKind
+) -> RunRecord:
+    """The run row ``transition`` leads ``run`` to, read as ``kind``.
+
+    Derived: state, status, seq, iteration, attempt, visit and return target, context (a
+    phase's ``result["context"]`` merged in), error (the phase's ``result["error"]``, or the
+    spec transition's ``reason``), ``updated_at``, the spec hash after a ``spec_change`` and the
+    abort request (cleared by ``USER_ABORTED``). Everything else is carried over from ``run``.
+
+    Args:
+        spec: the spec the run is under.
+        run: the row before the transition.
+        transition: the transition (its ``to_state`` already resolved: never RETURN).
+        kind: how the transition is read (see :data:`StepKind`).
+
+    Returns:
+        The row after the transition.
+    """
+    dest, seq, event = transition.to_state, transition.seq, transition.event
+    leaf = _leaf(spec, dest)
+    return_to, return_attempt = run.return_to, run.return_attempt
+    return_visit, visit_seq = run.return_visit, run.visit_seq
+    attempt = 1
+    if kind == "return":
+        attempt, visit_seq = return_attempt + 1, return_visit
+        return_to, return_attempt, return_visit = None, 0, 0
+    elif kind not in _SAME_VISIT:
+        visit_seq = seq  # a new visit begins (a spec's own self transition too)
+        if dest == run.state:
+            pass  # a self transition keeps where to return to
+        elif dest in spec.returning_states:  # remember where to come back to
+            return_to, return_attempt, return_visit = run.state, run.attempt, run.visit_seq
+        else:
+            return_to, return_attempt, return_visit = None, 0, 0
+    if kind in _NEXT_ATTEMPT:
+        attempt = run.attempt + 1
+    elif kind == "spec_change":
+        attempt = run.attempt
+    if kind == "stop":
+        status = Outcome.ABORTED
+    elif kind == "park":
+        status = Outcome.DEAD_LETTER
+    else:
+        status = Outcome.ACTIVE if leaf is None else leaf.final_outcome
+    result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
+    context = run.context
+    update = result.get("context")
+    if isinstance(update, Mapping) and update:
+        context = {**context, **update}
+    error: Any = result.get("error")
+    if error is None and kind in _SPEC_KINDS:
+        reason = result.get("reason")
+        if reason:
+            error = {"type": event, "message": reason}
+    spec_hash = run.spec_hash
+    if kind == "spec_change":
+        output = result.get("output")
+        new = output.get("to_spec") if isinstance(output, Mapping) else None
+        if isinstance(new, str):
+            spec_hash = new
+    # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
+    return RunRecord(
+        run.run_id,
+        run.machine,
+        spec_hash,
+        dest,
+        status,
+        seq,
+        _iteration(run, leaf, kind),
+        attempt,
+        run.input,
+        context,
+        error,
+        run.created_at,
+        transition.at,
+        run.parent_run_id,
+        run.forked_from,
+        None if event == _USER_ABORTED else run.abort_reason,
+        run.lease_owner,
+        run.lease_expires_at,
+        transition.lease_token,
+        return_to,
+        return_attempt,
+        visit_seq,
+        return_visit,
+        run.recoveries,
+    )
+
+
+def take(
+    spec: MachineSpec,
+    run: RunRecord,
+    event: str,
+    dest: str,
+    *,
+    result: Mapping[str, Any] | None,
+    duration_ms: float,
+    at: dt.datetime,
+    kind: StepKind = "transition",
+) -> tuple[TransitionRecord, RunRecord]:
+    """Build the transition ``run`` takes on ``event`` to ``dest``, and the row it leads to.
+
+    ``dest`` may be :data:`RETURN`: the state the run came from into the one it is in, entered
+    again as the next attempt of that visit (read as a ``return``, and journaled with
+    ``result["returned"]``).
+
+    Args:
+        spec: the spec the run is under.
+        run: the row before the transition.
+        event: the event.
+        dest: the destination, or RETURN.
+        result: the transition's result (output, context, error, reason).
+        duration_ms: how long the phase took.
+        at: when the transition happens (UTC).
+        kind: how the transition is to be read (see :data:`StepKind`).
+
+    Returns:
+        The transition and the run row after it.
+
+    Raises:
+        InvalidTransitionError: ``dest`` is RETURN but the run came from nowhere to return to.
+    """
+    if dest == RETURN:
+        if run.return_to is None:
+            raise InvalidTransitionError(
+                run_id=run.run_id,
+                state=run.state,
+                event=event,
+                reason="a RETURN transition, but the run came from nowhere to return to,",
+            )
+        dest, kind = run.return_to, "return"
+        # The journal says it was a return: a spec may also lead to the same state directly
+        # on the same event (behind a guard), and replay must tell the two apart.
+        result = {**(result or {}), "returned": True}
+    transition = TransitionRecord(
+        run.run_id,
+        run.seq + 1,
+        run.state,
+        event,
+        dest,
+        _iteration(run, _leaf(spec, dest), kind),
+        run.attempt,
+        at,
+        duration_ms,
+        result,
+        run.lease_token,
+    )
+    return transition, advance(spec, run, transition, kind)
+
+
+def advance_plain(  # noqa: PLR0917 - positional on purpose: the hot path
+    run: RunRecord,
+    event: str,
+    dest: str,
+    status: Outcome,
+    duration_ms: float,
+    at: dt.datetime,
+) -> tuple[TransitionRecord, RunRecord]:
+    """:func:`take` for a plain step, the hot path: positional calls, no checks.
+
+    A plain step is a spec ``transition`` with no result, outside iterations, from a run with
+    nowhere to return to into a state that is neither a starter of iterations nor one with a
+    RETURN exit (the caller checks); ``status`` is ``dest``'s ``final_outcome``. It gives what
+    :func:`take` gives for it, with the fields that are constant written out.
+    """
+    seq = run.seq + 1
+    run_id = run.run_id
+    transition = _new_transition(
+        run_id, seq, run.state, event, dest, 0, run.attempt, at, duration_ms, None,
+        run.lease_token,
+    )  # fmt: skip
+    after = _new_run(
+        run_id,
+        run.machine,
+        run.spec_hash,
+        dest,
+        status,
+        seq,
+        0,
+        1,
+        run.input,
+        run.context,
+        None,
+        run.created_at,
+        at,
+        run.parent_run_id,
+        run.forked_from,
+        run.abort_reason,
+        run.lease_owner,
+        run.lease_expires_at,
+        run.lease_token,
+        None,
+        0,
+        seq,  # a new visit: a plain step is never a retry or an interruption
+        0,
+        run.recoveries,
+    )
+    return transition, after
+
+
+def writes_iterations(
+    run: RunRecord, after: RunRecord, event: str, updates: Mapping[str, Any] | None
+) -> bool:
+    """Whether a transition from ``run`` to ``after`` writes iteration records."""
+    return (after.iteration > 0 or run.iteration > 0) and bool(
+        updates
+        or after.iteration != run.iteration
+        or after.ended
+        or event in (_SYSTEM_ERROR, _TIMEOUT)
+    )
+
+
+def _touch(record: IterationRecord, state: str, now: dt.datetime) -> IterationRecord:
+    started = record.started_at or now
+    return attrs.evolve(
+        record,
+        state=state,
+        started_at=started,
+        completed_at=now,
+        duration_ms=(now - started).total_seconds() * 1000.0,
+    )
+
+
+def iteration_rows(
+    run: RunRecord,
+    after: RunRecord,
+    transition: TransitionRecord,
+    updates: Mapping[str, Any],
+    current: IterationRecord | None,
+) -> list[IterationRecord]:
+    """The iteration records a transition writes.
+
+    A phase's updates go to the iteration it ran in; a transition into a ``starts_iteration``
+    state also opens the next iteration's record.
+
+    Args:
+        run: the row before the transition.
+        after: the row after it.
+        transition: the transition.
+        updates: the phase's iteration updates.
+        current: the journal's record of ``run``'s iteration, if it has one.
+
+    Returns:
+        The records to write with the transition.
+    """
+    now = transition.at
+    rows: list[IterationRecord] = []
+    starts_next = after.iteration != run.iteration
+    if run.iteration > 0:
+        if current is None:
+            current = IterationRecord(run.run_id, run.iteration, started_at=run.updated_at)
+        changes = dict(updates)
+        if transition.event in (_SYSTEM_ERROR, _TIMEOUT) and "error_type" not in changes:
+            error = transition.result.get("error") if transition.result else None
+            error = error if isinstance(error, Mapping) else {}
+            changes["error_type"] = (
+                ErrorType.TIMEOUT if transition.event == _TIMEOUT else ErrorType.SYSTEM_ERROR
+            )
+            changes["error_message"] = f"{error.get('type')}: {error.get('message')}"
+        if changes:
+            current = attrs.evolve(current, **changes)
+        rows.append(_touch(current, run.state if starts_next else after.state, now))
+    if starts_next:
+        opened = IterationRecord(after.run_id, after.iteration, started_at=now)
+        rows.append(_touch(opened, after.state, now))
+    return rows
+
+
+def artifact_rows(
+    artifacts: Sequence[ArtifactRecord], transition: TransitionRecord, after: RunRecord
+) -> list[ArtifactRecord]:
+    """A phase's artifacts as written with its transition (run, seq, iteration and time set)."""
+    return [
+        attrs.evolve(
+            artifact,
+            run_id=after.run_id,
+            seq=transition.seq,
+            iteration=after.iteration,
+            created_at=transition.at,
+        )
+        for artifact in artifacts
+    ]
+
+
+def abort_records(
+    spec: MachineSpec,
+    run: RunRecord,
+    reason: str,
+    guards: Mapping[str, Guard] | None,
+    *,
+    at: dt.datetime,
+) -> tuple[TransitionRecord, RunRecord]:
+    """The ``USER_ABORTED`` transition of ``run`` and the row it leads to.
+
+    The run follows its state's ``USER_ABORTED`` exit (guards read the run) or, where the state
+    has none, stops where it is with status ``aborted``.
+
+    Raises:
+        SpecError: the exit needs a guard that ``guards`` lacks.
+    """
+    machine = compile_spec(spec)
+    error = {"type": _USER_ABORTED, "message": reason}
+    kind: StepKind = "transition"
+    if machine.allows(run.state, _USER_ABORTED):
+        try:
+            dest = machine.resolve(run.state, _USER_ABORTED, run, guards or {}, run_id=run.run_id)
+        except KeyError as exc:
+            raise SpecError(
+                [
+                    f"the USER_ABORTED transition from {run.state!r} needs guard {exc.args[0]!r}; "
+                    "abort through an engine (or `fsm-runner abort --app`) that has it"
+                ],
+                machine=spec.name,
+            ) from None
+    else:
+        dest, kind = run.state, "stop"  # no abort exit: the run stops where it is
+    return take(
+        spec, run, _USER_ABORTED, dest, result={"error": error}, duration_ms=0.0, at=at, kind=kind
+    )
