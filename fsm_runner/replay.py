@@ -25,11 +25,12 @@ Per transition the walk checks that
   rules give (entering a ``starts_iteration`` state starts one, unless the entry continues a
   visit: a retry, an interruption, an in-place stop, a return).
 
-Each step rebuilds the row the engine wrote with it: state, status, seq, iteration, attempt,
-context (a phase's ``result["context"]`` merged in), error (the phase's, or the chosen
-transition's ``reason``), ``updated_at``, visit and return target. What the engine does not
-derive from the transitions — input, ``created_at``, parent, fork origin, lease, a pending
-abort request — is taken from the run given.
+Each step rebuilds the row the engine wrote with it, with the engine's own reducer
+(:mod:`fsm_runner.engine.reducer`): state, status, seq, iteration, attempt, context (a phase's
+``result["context"]`` merged in), error (the phase's, or the chosen transition's ``reason``),
+``updated_at``, visit and return target. What the engine does not derive from the
+transitions — input, ``created_at``, parent, fork origin, lease, a pending abort request — is
+taken from the run given.
 
 A ``RETRIED`` or ``INTERRUPTED`` self transition is always read as the engine's own (the next
 attempt of the visit), even where a spec declares such a self transition for a handler to take:
@@ -41,11 +42,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
 from fsm_runner._convert import format_utc
+from fsm_runner.engine.reducer import StepKind, advance, begin
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -71,24 +73,6 @@ __all__ = [
     "verify",
 ]
 
-#: How the replay read a transition: the ``start`` (seq 0); a spec ``transition``; a
-#: ``return`` (a RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
-#: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
-#: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
-#: recovery gave up on the run where it stood); a ``spec_change`` (``SPEC_CHANGED``: the run
-#: goes on under another spec, read from the journal).
-StepKind = Literal[
-    "start",
-    "transition",
-    "return",
-    "retry",
-    "interruption",
-    "stop",
-    "rewind",
-    "park",
-    "spec_change",
-]
-
 _STARTED = RunEvent.STARTED.value
 _RETRIED = RunEvent.RETRIED.value
 _INTERRUPTED = RunEvent.INTERRUPTED.value
@@ -96,9 +80,6 @@ _USER_ABORTED = RunEvent.USER_ABORTED.value
 _REWOUND = RunEvent.REWOUND.value
 _DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
 _SPEC_CHANGED = RunEvent.SPEC_CHANGED.value
-_SAME_VISIT: frozenset[StepKind] = frozenset(
-    {"retry", "interruption", "stop", "park", "spec_change"}
-)
 #: Finds a spec by its hash (the journal's ``specs`` table), for runs that changed spec.
 SpecSource = Callable[[str], MachineSpec]
 #: The row fields the engine derives from the transitions, in the order they are compared.
@@ -503,7 +484,7 @@ def _states(names: Sequence[str | None]) -> str:
 
 
 class _Walker:
-    """Walks one run's transitions, deriving each row the way the engine's ``_advance`` does."""
+    """Walks one run's transitions, checking each and deriving its row with the reducer."""
 
     def __init__(
         self,
@@ -585,21 +566,10 @@ class _Walker:
         initial = self.spec.initial_leaf
         if dest != initial:
             self.problem(seq, f"state {initial!r}", f"state {dest!r}")
-        leaf = self.leaves.get(dest)
-        iteration = 1 if leaf is not None and leaf.starts_iteration else 0
-        self.check_counts(transition, attempt=1, iteration=iteration)
-        result = transition.result if isinstance(transition.result, Mapping) else {}
-        context = result.get("context")
-        return self.row(
-            transition,
-            status=Outcome.ACTIVE if leaf is None else leaf.final_outcome,
-            iteration=iteration,
-            attempt=1,
-            context=dict(context) if isinstance(context, Mapping) else {},
-            error=None,
-            returns=(None, 0, 0),
-            visit_seq=seq,
-        )
+        base = attrs.evolve(self.run, spec_hash=self.spec_hash, lease_token=transition.lease_token)
+        row = self.own(begin(self.spec, base, transition), transition)
+        self.check_counts(transition, attempt=1, iteration=row.iteration)
+        return row
 
     def follow(self, prev: RunRecord, transition: TransitionRecord) -> tuple[RunRecord, StepKind]:
         seq, dest = transition.seq, transition.to_state
@@ -619,7 +589,7 @@ class _Walker:
             if source in self.leaves:  # go on from where the journal says (when collecting)
                 prev = attrs.evolve(prev, state=source)
         kind = self.classify(prev, transition)
-        row = self.advance(prev, transition, kind)
+        row = self.own(advance(self.spec, prev, transition, kind), transition)
         self.check_counts(transition, attempt=prev.attempt, iteration=row.iteration)
         return row, kind
 
@@ -715,94 +685,33 @@ class _Walker:
                 f"{_RETRIED} after attempt {prev.attempt}",
             )
 
-    def advance(self, prev: RunRecord, transition: TransitionRecord, kind: StepKind) -> RunRecord:
-        """The row after ``transition``: the engine's ``_advance``, read back from the journal."""
-        dest, seq = transition.to_state, transition.seq
-        leaf = self.leaves.get(dest)
-        returns = prev.return_to, prev.return_attempt, prev.return_visit
-        visit_seq = prev.visit_seq
-        attempt = 1
-        same_visit = kind in _SAME_VISIT
-        if kind == "return":
-            attempt, visit_seq = prev.return_attempt + 1, prev.return_visit
-            returns = None, 0, 0
-        elif not same_visit:
-            visit_seq = seq  # a new visit (a spec's own self transition too)
-            if dest == prev.state:
-                pass  # a self transition keeps where to return to
-            elif dest in self.spec.returning_states:
-                returns = prev.state, prev.attempt, prev.visit_seq
-            else:
-                returns = None, 0, 0
-        if kind in ("retry", "interruption"):
-            attempt = prev.attempt + 1
-        elif kind == "spec_change":
-            attempt = prev.attempt
-        status = Outcome.ACTIVE if leaf is None else leaf.final_outcome
-        if kind == "stop":
-            status = Outcome.ABORTED
-        elif kind == "park":
-            status = Outcome.DEAD_LETTER
-        starts = leaf is not None and leaf.starts_iteration and kind != "return" and not same_visit
-        result = transition.result if isinstance(transition.result, Mapping) else {}
-        context = prev.context
-        update = result.get("context")
-        if isinstance(update, Mapping) and update:
-            context = {**context, **update}
-        error: Any = result.get("error")
-        reason = result.get("reason")
-        if error is None and reason and kind in ("transition", "return"):
-            error = {"type": transition.event, "message": reason}
-        return self.row(
-            transition,
-            status=status,
-            iteration=prev.iteration + starts,
-            attempt=attempt,
-            context=context,
-            error=error,
-            returns=returns,
-            visit_seq=visit_seq,
-        )
+    def own(self, row: RunRecord, transition: TransitionRecord) -> RunRecord:
+        """The reducer's row, with what the transitions do not say taken from the run given.
 
-    def row(
-        self,
-        transition: TransitionRecord,
-        *,
-        status: Outcome,
-        iteration: int,
-        attempt: int,
-        context: Mapping[str, Any],
-        error: Mapping[str, Any] | None,
-        returns: tuple[str | None, int, int],
-        visit_seq: int,
-    ) -> RunRecord:
+        The run's row is known only at its last seq: its spec, a pending abort request and its
+        lease. Before, the row carries no request and no lease holder, the spec the run was
+        under, and the token the transition was written under.
+        """
         run = self.run
-        last = transition.seq == run.seq
-        return RunRecord(
-            run_id=run.run_id,
-            machine=run.machine,
-            spec_hash=run.spec_hash if last else self.spec_hash,
-            state=transition.to_state,
-            status=status,
-            seq=transition.seq,
-            iteration=iteration,
-            attempt=attempt,
-            input=run.input,
-            context=context,
-            error=error,
-            created_at=run.created_at,
-            updated_at=transition.at,
-            parent_run_id=run.parent_run_id,
-            forked_from=run.forked_from,
-            abort_reason=run.abort_reason if last else None,
-            # Leases are not journaled as transitions: the row's lease is known only now; before,
-            # the token is the one the transition was written under.
-            lease_owner=run.lease_owner if last else None,
-            lease_expires_at=run.lease_expires_at if last else None,
-            lease_token=run.lease_token if last else transition.lease_token,
-            return_to=returns[0],
-            return_attempt=returns[1],
-            visit_seq=visit_seq,
-            return_visit=returns[2],
-            recoveries=run.recoveries,
-        )
+        if transition.seq == run.seq:
+            spec_hash, abort_reason = run.spec_hash, run.abort_reason
+            owner, expires, token = run.lease_owner, run.lease_expires_at, run.lease_token
+        else:
+            spec_hash, abort_reason = self.spec_hash, None
+            owner, expires, token = None, None, transition.lease_token
+        if (
+            row.spec_hash != spec_hash
+            or row.abort_reason != abort_reason
+            or row.lease_owner != owner
+            or row.lease_expires_at != expires
+            or row.lease_token != token
+        ):
+            row = attrs.evolve(
+                row,
+                spec_hash=spec_hash,
+                abort_reason=abort_reason,
+                lease_owner=owner,
+                lease_expires_at=expires,
+                lease_token=token,
+            )
+        return row
