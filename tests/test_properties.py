@@ -55,12 +55,14 @@ from fsm_runner import (
     Transition,
 )
 from fsm_runner.engine import fork_run
+from fsm_runner.engine.reducer import advance, begin
 from fsm_runner.exceptions import (
     HandlerResultError,
     PhaseError,
     SpecMismatchError,
 )
-from fsm_runner.replay import check_journal, replay_run
+from fsm_runner.records import RunRecord
+from fsm_runner.replay import check_journal, journal_specs, replay_run
 from fsm_runner.testing import FakeClock
 from tests.helpers import snapshot
 from tests.strategies import (
@@ -937,3 +939,127 @@ class TestSpecChange:
         with journals() as both:
             for _kind, journal in both:
                 play_changed(case, journal).check_forks()
+
+
+# -- 4. the reducer ----------------------------------------------------------------------------
+
+#: Row fields the reducer does not derive: what the transitions do not say (identity, input,
+#: origin, a pending abort request, the lease, recoveries). Every other field, one added later
+#: included, must be reproduced from the transitions alone.
+NOT_DERIVED = frozenset(
+    {
+        "run_id",
+        "machine",
+        "input",
+        "created_at",
+        "parent_run_id",
+        "forked_from",
+        "abort_reason",
+        "lease_owner",
+        "lease_expires_at",
+        "lease_token",
+        "recoveries",
+    }
+)
+DERIVED = tuple(field.name for field in attrs.fields(RunRecord) if field.name not in NOT_DERIVED)
+REDUCER_EXAMPLES = int(os.environ.get("FSM_PROPERTIES_EXAMPLES", "40"))
+
+
+def derived(row: RunRecord) -> dict[str, Any]:
+    """The fields of ``row`` the reducer derives."""
+    return {name: getattr(row, name) for name in DERIVED}
+
+
+def reduce_run(journal: Any, run_id: str) -> list[RunRecord]:
+    """Every row of the run, derived by the reducer from its stored transitions alone.
+
+    How each transition is read (its kind) is replay's reading; the rows are the reducer's.
+    """
+    run = journal.load(run_id)
+    timeline = list(journal.transitions(run_id))
+    specs = journal_specs(journal)
+    kinds = [step.kind for step in replay_run(journal, run_id).steps]
+    changes = [t for t in timeline if t.event == SPEC_CHANGED]
+    first_hash = changes[0].result["output"]["from_spec"] if changes else run.spec_hash
+    rows = [begin(specs(first_hash), attrs.evolve(run, spec_hash=first_hash), timeline[0])]
+    for transition, kind in zip(timeline[1:], kinds[1:], strict=True):
+        prev = rows[-1]
+        # a spec change is read under the spec it changes to, as the engine that adopts it does
+        under = transition.result["output"]["to_spec"] if kind == "spec_change" else prev.spec_hash
+        rows.append(advance(specs(under), prev, transition, kind))
+    return rows
+
+
+@contextlib.contextmanager
+def three_journals(postgres_server: Any) -> Iterator[list[tuple[str, Any]]]:
+    """A fresh MemoryJournal, SqliteJournal and PostgresJournal, closed (and emptied) after."""
+    from fsm_runner.journal.postgres import PostgresJournal
+
+    schema = postgres_server.take()
+    try:
+        with journals() as both, PostgresJournal(postgres_server.url, schema=schema) as postgres:
+            yield [*both, ("postgres", postgres)]
+    finally:
+        postgres_server.give_back(schema)
+
+
+def play_recorded(case: SpecChangeCase, journal: Any) -> tuple[list[RunRecord], list[RunRecord]]:
+    """Play ``case`` (``before`` under its spec, ``after`` under the changed one).
+
+    Returns:
+        The rows the engine committed (its listeners' view) and the run row as the journal
+        stored it after the start and after every move.
+    """
+    committed: list[RunRecord] = []
+    stored: list[RunRecord] = []
+    world = World(case.spec, case.before + case.after)
+
+    def listener(_transition: Any, run: RunRecord) -> None:
+        committed.append(run)
+
+    def on_move(*_args: Any) -> None:
+        stored.append(journal.load(RUN_ID))
+
+    engine = make_engine(case.spec, world, journal, listeners=[listener])
+    try:
+        engine.start(run_id=RUN_ID)
+        stored.append(journal.load(RUN_ID))
+        play(engine, RUN_ID, world, on_move=on_move, until=len(case.before))
+    finally:
+        engine.close()
+    world.spec = case.changed
+    engine = make_engine(case.changed, world, journal, listeners=[listener], allow_spec_change=True)
+    try:
+        play(engine, RUN_ID, world, on_move=on_move)
+    finally:
+        engine.close()
+    return committed, stored
+
+
+class TestReducer:
+    """The reducer reproduces every run row the engine stored, on every journal (invariant 8)."""
+
+    @settings(PROFILE, max_examples=REDUCER_EXAMPLES)
+    @given(case=spec_change_cases())
+    @example(  # bare events: the engine's plain step (its hot path), before and after a change
+        case=SpecChangeCase(
+            _FORKED,
+            _described(_FORKED, "p1"),
+            before=(Move(event=NEXT),),
+            after=(Move(event=NEXT),),
+        )
+    )
+    def test_every_stored_row_is_the_reducers(self, case, postgres_server):
+        histories = {}
+        with three_journals(postgres_server) as all_three:
+            for kind, journal in all_three:
+                committed, stored = play_recorded(case, journal)
+                rows = reduce_run(journal, RUN_ID)
+                assert [row.seq for row in rows] == list(range(len(rows)))
+                for row in committed + stored:  # every row the engine wrote, as written
+                    assert derived(rows[row.seq]) == derived(row), (kind, row.seq)
+                last = journal.load(RUN_ID)
+                assert rows[-1].seq == last.seq
+                assert replay_run(journal, RUN_ID).run == last  # replay's last row: all of it
+                histories[kind] = [derived(stable_row(row)) for row in rows]
+        assert histories["memory"] == histories["sqlite"] == histories["postgres"]
