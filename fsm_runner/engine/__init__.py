@@ -21,12 +21,20 @@ import time
 import types
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 
 from fsm_runner._group import GroupClaimer, GroupCommitter
-from fsm_runner._json import dumps_json, error_info, printable, storable_text
+from fsm_runner._json import dumps_json, error_info, storable_text
+from fsm_runner.engine.decisions import (
+    PhaseOutcome,
+    PhaseStep,
+    handled_error,
+    json_size,
+    phase_outcome,
+    retry_wait,
+)
 from fsm_runner.engine.reducer import (
     StepKind,
     abort_records,
@@ -36,7 +44,7 @@ from fsm_runner.engine.reducer import (
     take,
     writes_iterations,
 )
-from fsm_runner.events import RunEvent, RunStatus, event_name
+from fsm_runner.events import RunEvent, event_name
 from fsm_runner.exceptions import (
     FsmRunnerError,
     HandlerResultError,
@@ -59,21 +67,17 @@ from fsm_runner.phases import (
     PhaseContext,
     PhaseHandler,
     PhaseResult,
-    StatusEvent,
     split_handler,
-    to_phase_result,
 )
 from fsm_runner.records import (
-    ITERATION_FIELDS,
     ArtifactRecord,
     IterationRecord,
     RunRecord,
     TransitionRecord,
     positional_builder,
-    unstructure,
     utc_now,
 )
-from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
+from fsm_runner.spec import RETURN, MachineSpec, Outcome
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
 
@@ -103,21 +107,6 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
     return error_info(exc)
 
 
-def _handled_error(event: str, error: object) -> dict[str, Any]:
-    """What is journaled of a failure a phase handled itself (``PhaseResult.error``)."""
-    if isinstance(error, Mapping):
-        return dict(error)
-    # a str is the handler's own payload (checked like its output); anything else, such as the
-    # exception it caught, is described as printably as it can be
-    message = error if isinstance(error, str) else printable(error)
-    return {"type": event, "message": message}
-
-
-def _json_size(text: str) -> int:
-    """Bytes of ``text`` as UTF-8 (what the journal stores)."""
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
 class _HandlerTimeoutError(Exception):
     """Carries a ``TimeoutError`` the handler raised itself past ``asyncio.wait_for``."""
 
@@ -132,26 +121,9 @@ async def _own_timeouts(awaitable: Awaitable[Any]) -> Any:
         raise _HandlerTimeoutError(exc) from exc
 
 
-class _Outcome(NamedTuple):
-    """What calling a handler came to: a result, or the error it raised."""
-
-    result: PhaseResult | None
-    error: BaseException | None
-    duration_ms: float
-
-
 #: A transition about to be committed: the transition, the run row it leads to, and the
 #: iterations and artifacts written with it (a plain tuple: built on the hot path).
 _Planned = tuple[TransitionRecord, RunRecord, Sequence[IterationRecord], Sequence[ArtifactRecord]]
-
-
-class _Step(NamedTuple):
-    """One phase about to run (plain tuples: built once per step on the hot path)."""
-
-    run: RunRecord
-    state: State
-    ctx: PhaseContext
-    started: float
 
 
 class Engine:
@@ -864,7 +836,7 @@ class Engine:
             value = handler(ctx)
         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
             self._finished(run_id)
-            step = _Step(run, self._states[run.state], ctx, started)
+            step = PhaseStep(run, self._states[run.state], ctx, started)
             return self._settle(step, self._outcome(step, None, exc))
         except KeyboardInterrupt as exc:
             self._finished(run_id)
@@ -878,7 +850,7 @@ class Engine:
             if dest is not None:
                 self._finished(run_id)
                 return self._commit_plain(run, value, dest, (self.clock() - started) * 1000.0)
-        step = _Step(run, self._states[run.state], ctx, started)
+        step = PhaseStep(run, self._states[run.state], ctx, started)
         try:
             if not isinstance(value, _PLAIN_RETURNS):
                 value = self._await_sync(value, step)
@@ -908,16 +880,16 @@ class Engine:
             # and resuming runs the phase again either way.
             _log.exception("could not journal the interruption of run %s", run.run_id)
 
-    def _settle(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+    def _settle(self, step: PhaseStep, outcome: PhaseOutcome) -> tuple[TransitionRecord, RunRecord]:
         """Journal a phase's outcome, or a retry of it (then wait before the next attempt)."""
-        wait = self._retry_wait(step, outcome)
+        wait = retry_wait(step, outcome)
         if wait is None:
             return self._finish(step, outcome)
         committed = self._commit_retry(step, outcome)
         self.sleep(wait)
         return committed
 
-    def _call_sync(self, step: _Step) -> _Outcome:
+    def _call_sync(self, step: PhaseStep) -> PhaseOutcome:
         run_fn, validate_fn = self._by_state[step.state.name]
         try:
             value = None
@@ -931,7 +903,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - every handler failure is journaled, not raised
             return self._outcome(step, None, exc)
 
-    def _await_sync(self, value: Any, step: _Step) -> Any:
+    def _await_sync(self, value: Any, step: PhaseStep) -> Any:
         if isinstance(value, _PLAIN_RETURNS) or not inspect.isawaitable(value):
             return value
         if self._loop is None:
@@ -1083,23 +1055,25 @@ class Engine:
 
         ``value`` is what its handler returned, or ``error`` what it raised.
         """
-        step = _Step(run, self._states[run.state], ctx, started)
+        step = PhaseStep(run, self._states[run.state], ctx, started)
         try:
             outcome = self._outcome(step, value, error)
         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
             outcome = self._outcome(step, None, exc)
         return await self._asettle(step, outcome)
 
-    async def _asettle(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+    async def _asettle(
+        self, step: PhaseStep, outcome: PhaseOutcome
+    ) -> tuple[TransitionRecord, RunRecord]:
         """Async :meth:`_settle`."""
-        wait = self._retry_wait(step, outcome)
+        wait = retry_wait(step, outcome)
         if wait is None:
             return await self._awrite(self._decide(step, outcome))
         committed = await self._awrite(self._plan_retry(step, outcome))
         await self.async_sleep(wait)
         return committed
 
-    async def _call_async(self, step: _Step) -> _Outcome:
+    async def _call_async(self, step: PhaseStep) -> PhaseOutcome:
         run_fn, validate_fn = self._by_state[step.state.name]
         try:
             value = None
@@ -1115,7 +1089,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - every handler failure is journaled, not raised
             return self._outcome(step, None, exc)
 
-    async def _with_deadline(self, awaitable: Awaitable[Any], step: _Step) -> Any:
+    async def _with_deadline(self, awaitable: Awaitable[Any], step: PhaseStep) -> Any:
         remaining = step.ctx.remaining
         if remaining is None:
             return await awaitable
@@ -1220,7 +1194,7 @@ class Engine:
                     detail=f" which has no state {run.state!r}",
                 )
 
-    def _prepare(self, run: RunRecord) -> _Step | None:
+    def _prepare(self, run: RunRecord) -> PhaseStep | None:
         state = self.spec.state(run.state)
         if state.handler is None:
             return None
@@ -1237,7 +1211,7 @@ class Engine:
             state,
         )
         self._active[run.run_id] = ctx
-        return _Step(run, state, ctx, started)
+        return PhaseStep(run, state, ctx, started)
 
     def _release(self, run_id: str) -> None:
         self._finished(run_id)
@@ -1248,91 +1222,22 @@ class Engine:
         if ctx is not None:
             ctx.close()
 
-    def _outcome(self, step: _Step, value: Any, error: BaseException | None) -> _Outcome:
-        duration_ms = (self.clock() - step.started) * 1000.0
-        if error is not None:
-            return _Outcome(None, error, duration_ms)
-        if isinstance(value, RunStatus):  # the spec says which event each status reports
-            result: PhaseResult | None = PhaseResult(self.spec.status_event(value))
-        else:
-            result = to_phase_result(value)
-            if result is not None and isinstance(result.event, StatusEvent):
-                mapped = self.spec.status_event(result.event.status)
-                result = attrs.evolve(result, event=mapped)
-        if result is None:
-            detail = (
-                f"returned {type(value).__name__} {value!r:.80}; expected a PhaseResult, an event"
-                " (str or str enum) or a RunStatus"
-            )
-            return _Outcome(
-                None,
-                HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail),
-                duration_ms,
-            )
-        if (
-            result.output is not None
-            or result.context
-            or result.iteration
-            or result.artifacts
-            or result.error is not None
-        ):
-            problem = self._payload_problem(step, result)
-            if problem is not None:
-                return _Outcome(None, problem, duration_ms)
-        deadline = step.ctx.deadline
-        if deadline is not None and self.clock() > deadline:
-            timeout = PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout)
-            return _Outcome(None, timeout, duration_ms)
-        return _Outcome(result, None, duration_ms)
+    def _outcome(self, step: PhaseStep, value: Any, error: BaseException | None) -> PhaseOutcome:
+        return phase_outcome(
+            self.spec,
+            step,
+            value,
+            error,
+            clock=self.clock,
+            max_payload_bytes=self.max_payload_bytes,
+        )
 
-    def _payload_problem(self, step: _Step, result: PhaseResult) -> HandlerResultError | None:
-        unknown = set(result.iteration) - ITERATION_FIELDS
-        if unknown:
-            detail = f"returned unknown iteration fields {sorted(unknown)}"
-            return HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail)
-        if result.iteration and step.run.iteration == 0 and not step.state.starts_iteration:
-            detail = "returned iteration updates, but the run has no iteration yet"
-            return HandlerResultError(run_id=step.run.run_id, state=step.state.name, detail=detail)
-        for what, payload in (
-            ("output", result.output),
-            ("context", dict(result.context)),
-            ("iteration", dict(result.iteration)),
-            ("artifacts", [unstructure(artifact) for artifact in result.artifacts]),
-            ("error", None if result.error is None else _handled_error(result.event, result.error)),
-        ):
-            try:  # the journals' own encoder: refused here, nothing half-written there
-                size = _json_size(dumps_json(payload))
-            except ValueError as exc:
-                detail = f"returned {what} that {exc}"
-                return HandlerResultError(
-                    run_id=step.run.run_id, state=step.state.name, detail=detail
-                )
-            if size > self.max_payload_bytes:
-                detail = (
-                    f"returned {what} of {size:,} bytes as JSON, more than max_payload_bytes="
-                    f"{self.max_payload_bytes:,}"
-                )
-                return HandlerResultError(
-                    run_id=step.run.run_id, state=step.state.name, detail=detail
-                )
-        return None
-
-    def _retry_wait(self, step: _Step, outcome: _Outcome) -> float | None:
-        """Seconds to wait before retrying a failed phase, or ``None`` to not retry it."""
-        policy = step.state.retry
-        if (
-            policy is None
-            or outcome.error is None
-            or isinstance(outcome.error, (PhaseTimeoutError, RunAbortedError, HandlerResultError))
-            or step.run.attempt >= policy.max_attempts
-        ):
-            return None
-        return policy.wait(step.run.attempt)
-
-    def _commit_retry(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+    def _commit_retry(
+        self, step: PhaseStep, outcome: PhaseOutcome
+    ) -> tuple[TransitionRecord, RunRecord]:
         return self._write(self._plan_retry(step, outcome))
 
-    def _plan_retry(self, step: _Step, outcome: _Outcome) -> _Planned:
+    def _plan_retry(self, step: PhaseStep, outcome: PhaseOutcome) -> _Planned:
         assert outcome.error is not None
         error = _error_info(outcome.error)
         return self._plan(
@@ -1344,10 +1249,10 @@ class Engine:
             kind="retry",
         )
 
-    def _finish(self, step: _Step, outcome: _Outcome) -> tuple[TransitionRecord, RunRecord]:
+    def _finish(self, step: PhaseStep, outcome: PhaseOutcome) -> tuple[TransitionRecord, RunRecord]:
         return self._write(self._decide(step, outcome))
 
-    def _decide(self, step: _Step, outcome: _Outcome) -> _Planned:
+    def _decide(self, step: PhaseStep, outcome: PhaseOutcome) -> _Planned:
         """The transition a phase's outcome leads to, and what to write with it (not written)."""
         run = step.run
         if isinstance(outcome.error, RunAbortedError):
@@ -1390,7 +1295,7 @@ class Engine:
         if result.context:
             payload["context"] = dict(result.context)
         if result.error is not None:
-            payload["error"] = _handled_error(result.event, result.error)
+            payload["error"] = handled_error(result.event, result.error)
         if reason:  # the run's error too, where the phase gave none (the reducer's rule)
             payload["reason"] = reason
         return self._plan(
@@ -1525,7 +1430,7 @@ class Engine:
         if value is None:
             return
         try:
-            size = _json_size(dumps_json(value))
+            size = json_size(dumps_json(value))
         except ValueError as exc:
             raise PayloadError(run_id=run_id, what=what, detail=str(exc)) from None
         if size > self.max_payload_bytes:
