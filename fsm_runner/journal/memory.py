@@ -17,14 +17,13 @@ from fsm_runner._json import dumps_json
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
-    LeaseHeldError,
     LeaseLostError,
     RunConflictError,
     RunExistsError,
     RunNotFoundError,
     RunTerminalError,
 )
-from fsm_runner.journal import _rows
+from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal.base import Commit, PruneReport, claim_each
 from fsm_runner.records import (
     ArtifactRecord,
@@ -32,7 +31,6 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
-    format_utc,
     unstructure,
     utc_now,
 )
@@ -344,22 +342,9 @@ class MemoryJournal:
         now = utc_now()
         with self._lock:
             run = self.load(run_id)
-            if run.ended:
-                raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-            expires = run.lease_expires_at
-            held = run.lease_owner is not None and expires is not None
-            live = held and expires is not None and expires > now
-            if live and run.lease_owner not in (owner, take_over):
-                raise LeaseHeldError(
-                    run_id, owner=str(run.lease_owner), expires_at=format_utc(expires or now)
-                )
-            claimed = self._runs[run_id] = attrs.evolve(
-                run,
-                lease_owner=owner,
-                lease_expires_at=now + dt.timedelta(seconds=ttl),
-                lease_token=run.lease_token + 1,
-                recoveries=run.recoveries + (held and (not live or run.lease_owner != owner)),
-            )
+            takeover = _lease.grant(run, owner, now, take_over=take_over)
+            expires = now + dt.timedelta(seconds=ttl)
+            claimed = self._runs[run_id] = _lease.claimed(run, owner, expires, takeover=takeover)
             return claimed
 
     def claim_many(

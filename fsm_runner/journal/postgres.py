@@ -55,7 +55,6 @@ from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
     LeaseError,
-    LeaseHeldError,
     LeaseLostError,
     RunConflictError,
     RunExistsError,
@@ -63,7 +62,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SchemaVersionError,
 )
-from fsm_runner.journal import _rows
+from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal.base import Commit, Durability, PruneReport, claim_each
 from fsm_runner.records import (
@@ -72,7 +71,6 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
-    format_utc,
     structure,
     utc_now,
 )
@@ -903,18 +901,7 @@ class PostgresJournal:
                 now = _server_now(conn)
                 expires = now + dt.timedelta(seconds=ttl)
                 tried.append(expires)
-                if run.ended:
-                    raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-                lease_expires = run.lease_expires_at
-                held = run.lease_owner is not None and lease_expires is not None
-                live = held and lease_expires is not None and lease_expires > now
-                if live and run.lease_owner not in (owner, take_over):
-                    raise LeaseHeldError(
-                        run_id,
-                        owner=str(run.lease_owner),
-                        expires_at=format_utc(lease_expires or now),
-                    )
-                takeover = held and (not live or run.lease_owner != owner)  # a lost lease
+                takeover = _lease.grant(run, owner, now, take_over=take_over)
                 cursor = conn.execute(
                     "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
                     " lease_token = lease_token + 1, recoveries = recoveries + %s"

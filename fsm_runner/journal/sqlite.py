@@ -28,7 +28,6 @@ import attrs
 from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
-    LeaseHeldError,
     LeaseLostError,
     RunConflictError,
     RunExistsError,
@@ -36,7 +35,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SchemaVersionError,
 )
-from fsm_runner.journal import _rows
+from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal.base import Commit, Durability, PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
@@ -1378,17 +1377,7 @@ class SqliteJournal:
         run = self._load(conn, run_id)
         if check is not None:
             check(run)
-        if run.ended:
-            raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
-        held = run.lease_owner is not None and run.lease_expires_at is not None
-        live = held and run.lease_expires_at > now  # type: ignore[operator]
-        if live and run.lease_owner not in (owner, take_over):
-            raise LeaseHeldError(
-                run_id,
-                owner=str(run.lease_owner),
-                expires_at=format_utc(run.lease_expires_at),  # type: ignore[arg-type]
-            )
-        takeover = held and (not live or run.lease_owner != owner)  # a lost lease, found
+        takeover = _lease.grant(run, owner, now, take_over=take_over)
         expires = now + dt.timedelta(seconds=ttl)
         conn.execute(
             "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
@@ -1396,13 +1385,7 @@ class SqliteJournal:
             (owner, format_utc(expires), int(takeover), run_id),
         )
         # The row as just written (read inside the same write transaction): no second read.
-        return attrs.evolve(
-            run,
-            lease_owner=owner,
-            lease_expires_at=expires,
-            lease_token=run.lease_token + 1,
-            recoveries=run.recoveries + int(takeover),
-        )
+        return _lease.claimed(run, owner, expires, takeover=takeover)
 
     def claim_next(
         self,
