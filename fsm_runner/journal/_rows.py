@@ -32,14 +32,17 @@ __all__ = [
     "EFFECT_COLUMNS",
     "ITERATION_COLUMNS",
     "ITERATION_JSON",
+    "RUN_COLUMNS",
     "RUN_JSON",
     "RUN_TIMES",
+    "TRANSITION_COLUMNS",
     "Stamp",
     "artifact_params",
     "checked_spec_json",
     "decode_effect",
     "decode_iteration",
     "dumps",
+    "effect_params",
     "iteration_params",
     "run_params",
     "transition_params",
@@ -50,6 +53,18 @@ Stamp = Callable[[dt.datetime], Any]
 #: How a journal reads a JSON column back (``None`` stays ``None``).
 Loads = Callable[[Any], Any]
 
+#: The run row's columns, in the order both journals insert them.
+RUN_COLUMNS = (
+    "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
+    "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
+    "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
+    "return_attempt", "visit_seq", "return_visit", "recoveries",
+)  # fmt: skip
+#: A transition's columns, in the order of :func:`transition_params`.
+TRANSITION_COLUMNS = (
+    "run_id", "seq", "from_state", "event", "to_state", "iteration", "attempt", "at",
+    "duration_ms", "result", "lease_token",
+)  # fmt: skip
 RUN_JSON = ("input", "context", "error")
 RUN_TIMES = ("created_at", "updated_at", "lease_expires_at")
 ITERATION_COLUMNS = tuple(field.name for field in attrs.fields(IterationRecord))
@@ -175,6 +190,21 @@ def artifact_params(artifact: ArtifactRecord, stamp: Stamp) -> tuple[Any, ...]:
             value = stamp(value)
         else:
             _check_column(value, column)
+        values.append(value)
+    return tuple(values)
+
+
+def effect_params(record: EffectRecord, stamp: Stamp) -> tuple[Any, ...]:
+    """An effect record's values, in :data:`EFFECT_COLUMNS` order."""
+    values: list[Any] = []
+    for column in EFFECT_COLUMNS:
+        value = getattr(record, column)
+        if column in EFFECT_JSON:
+            value = dumps(value)
+        elif isinstance(value, dt.datetime):
+            value = stamp(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
         values.append(value)
     return tuple(values)
 

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import enum
-import json
 import random
 import re
 import threading
@@ -64,17 +62,15 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
+from fsm_runner.journal._sql import SqlJournal
 from fsm_runner.journal.base import Commit, Durability, PruneReport, claim_each
 from fsm_runner.records import (
     ArtifactRecord,
-    EffectRecord,
     IterationRecord,
     RunRecord,
     TransitionRecord,
-    structure,
     utc_now,
 )
-from fsm_runner.spec import Outcome
 
 __all__ = [
     "DEFAULT_RETRY_FOR",
@@ -101,19 +97,10 @@ DEFAULT_RETRY_FOR = 15.0
 _FIRST_BACKOFF = 0.05
 _MAX_BACKOFF = 1.0
 
-_RUN_COLUMNS = (
-    "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
-    "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
-    "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
-    "return_attempt", "visit_seq", "return_visit", "recoveries",
-)  # fmt: skip
+_RUN_COLUMNS = _rows.RUN_COLUMNS
 _RUN_SELECT = ", ".join(_RUN_COLUMNS)
-_RUN_JSON = _rows.RUN_JSON
 _INSERT_RUN = f"INSERT INTO runs ({_RUN_SELECT}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
-_TRANSITION_COLUMNS = (
-    "run_id", "seq", "from_state", "event", "to_state", "iteration", "attempt", "at",
-    "duration_ms", "result", "lease_token",
-)  # fmt: skip
+_TRANSITION_COLUMNS = _rows.TRANSITION_COLUMNS
 _INSERT_TRANSITION = (
     f"INSERT INTO transitions ({', '.join(_TRANSITION_COLUMNS)})"
     f" VALUES ({', '.join(['%s'] * len(_TRANSITION_COLUMNS))})"
@@ -160,7 +147,6 @@ _UPSERT_ARTIFACT = (
     + ", id = DEFAULT"
 )
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
-_EFFECT_JSON = _rows.EFFECT_JSON
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
 _PUT_EFFECT = (
     f"INSERT INTO effects ({', '.join(_EFFECT_COLUMNS)})"
@@ -357,7 +343,7 @@ class _CommitPlan:
         return None if row is not None and tuple(row) == expected else _UNRESOLVED
 
 
-class PostgresJournal:
+class PostgresJournal(SqlJournal):
     """A journal in a PostgreSQL database, shared by every worker that connects to it.
 
     Args:
@@ -381,6 +367,13 @@ class PostgresJournal:
             there is no journal.
         SchemaVersionError: the journal was written by a newer fsm_runner.
     """
+
+    _MARK = "%s"
+    _RUN_TABLE = "runs"
+    _RUN_SELECT = _RUN_SELECT
+    _ROW_ORDER = "rowid"
+    _PUT_EFFECT = _PUT_EFFECT
+    _stamp = staticmethod(_utc)
 
     def __init__(
         self,
@@ -846,43 +839,6 @@ class PostgresJournal:
 
         return self._call(work)
 
-    def put_effect(
-        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
-    ) -> None:
-        """Store ``record`` in its own transaction, only while the run is at ``run_seq``.
-
-        It replaces the record of the same run, visit and name, if there is one.
-
-        Raises:
-            RunConflictError: the run moved on (another writer advanced it); nothing written.
-            LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
-        """
-        values: list[Any] = []
-        for column in _EFFECT_COLUMNS:
-            value = getattr(record, column)
-            if column in _EFFECT_JSON:
-                value = _dumps(value)
-            elif isinstance(value, dt.datetime):
-                value = _utc(value)
-            elif isinstance(value, enum.Enum):
-                value = value.value
-            values.append(value)
-        params = (*values, record.run_id, run_seq, lease_token, lease_token)
-
-        def work(conn: _Connection) -> None:
-            if conn.execute(_PUT_EFFECT, params).rowcount == 1:
-                return
-            found = conn.execute(
-                "SELECT seq, lease_token FROM runs WHERE run_id = %s", (record.run_id,)
-            ).fetchone()
-            if found is None:
-                raise RunNotFoundError(record.run_id)
-            if lease_token is not None and found[1] != lease_token:
-                raise LeaseLostError(record.run_id, token=lease_token)
-            raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self._location)
-
-        self._call(work)  # writing the same record again is harmless
-
     # -- leases --------------------------------------------------------------------------------
 
     def claim(
@@ -1167,24 +1123,6 @@ class PostgresJournal:
             }
         )
 
-    # -- parameters ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _run_params(run: RunRecord) -> tuple[Any, ...]:
-        return _rows.run_params(run, _RUN_COLUMNS, _utc)
-
-    @staticmethod
-    def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
-        return _rows.transition_params(transition, _utc)
-
-    @staticmethod
-    def _iteration_params(record: IterationRecord) -> tuple[Any, ...]:
-        return _rows.iteration_params(record, _utc)
-
-    @staticmethod
-    def _artifact_params(artifact: ArtifactRecord) -> tuple[Any, ...]:
-        return _rows.artifact_params(artifact, _utc)
-
     # -- reads ---------------------------------------------------------------------------------
 
     def load(self, run_id: str) -> RunRecord:
@@ -1202,94 +1140,22 @@ class PostgresJournal:
 
     def _run_from_row(self, row: Sequence[Any] | None) -> RunRecord:
         assert row is not None
-        data = dict(zip(_RUN_COLUMNS, row, strict=True))
-        try:
-            for column in _RUN_JSON:
-                data[column] = self._loads(data[column])
-            if data["context"] is None:
-                data["context"] = {}
-            return structure(data, RunRecord)
-        except Exception as exc:  # a row we cannot read must not be misread
-            raise JournalError(
-                f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self._location
-            ) from exc
+        return self._decode_run(dict(zip(_RUN_COLUMNS, row, strict=True)))
 
-    def _loads(self, text: str | None) -> Any:
-        if text is None:
-            return None
-        try:
-            return json.loads(text)
-        except ValueError as exc:  # a row we cannot read must not be misread
-            raise JournalError(
-                f"holds unreadable JSON ({exc}): {text[:60]!r}", path=self._location
-            ) from exc
+    def _select(
+        self, query: str, params: Sequence[Any], *, damaged: bool = False
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        def work(conn: _Connection) -> tuple[list[str], list[tuple[Any, ...]]]:
+            cursor = conn.execute(query, params)
+            return [column.name for column in cursor.description or ()], cursor.fetchall()
 
-    def _structure(self, data: dict[str, Any], cls: type[T]) -> T:
-        try:
-            return structure(data, cls)
-        except Exception as exc:  # a row we cannot read must not be misread
-            raise JournalError(
-                f"has an unreadable {cls.__name__} row ({exc})", path=self._location
-            ) from exc
+        return self._call(work)
 
-    def _select(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        return self._call(lambda conn: conn.execute(query, params).fetchall())
+    def _writing(self, work: Callable[[_Connection], T]) -> T:
+        return self._call(work)
 
-    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
-        """Return the effect recorded under that name in that visit, if any."""
-        found = self._effects(
-            "WHERE run_id = %s AND visit_seq = %s AND name = %s", (run_id, visit_seq, name)
-        )
-        return found[0] if found else None
-
-    def effects(self, run_id: str) -> list[EffectRecord]:
-        """Return the run's effects, in the order they were started."""
-        self.load(run_id)
-        return self._effects("WHERE run_id = %s ORDER BY started_at NULLS FIRST, rowid", (run_id,))
-
-    def _effects(self, where: str, params: Sequence[Any]) -> list[EffectRecord]:
-        rows = self._select(f"SELECT {', '.join(_EFFECT_COLUMNS)} FROM effects {where}", params)
-        records = []
-        for row in rows:
-            data = _rows.decode_effect(dict(zip(_EFFECT_COLUMNS, row, strict=True)), self._loads)
-            records.append(self._structure(data, EffectRecord))
-        return records
-
-    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
-        """Return the run's record of that iteration, if there is one."""
-        records = self._iterations("WHERE run_id = %s AND iteration = %s", (run_id, iteration))
-        return records[0] if records else None
-
-    def iterations(self, run_id: str) -> list[IterationRecord]:
-        """Return the run's iteration records, in iteration order."""
-        self.load(run_id)
-        return self._iterations("WHERE run_id = %s ORDER BY iteration", (run_id,))
-
-    def _iterations(self, where: str, params: Sequence[Any]) -> list[IterationRecord]:
-        rows = self._select(
-            f"SELECT {', '.join(_ITERATION_COLUMNS)} FROM iterations {where}", params
-        )
-        records = []
-        for row in rows:
-            data = _rows.decode_iteration(
-                dict(zip(_ITERATION_COLUMNS, row, strict=True)), self._loads
-            )
-            records.append(self._structure(data, IterationRecord))
-        return records
-
-    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
-        """Return the run's artifacts, in the order they were committed."""
-        self.load(run_id)
-        rows = self._select(
-            f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts WHERE run_id = %s ORDER BY id",
-            (run_id,),
-        )
-        records = []
-        for row in rows:
-            data = dict(zip(_ARTIFACT_COLUMNS, row, strict=True))
-            data["content"] = self._loads(data["content"])
-            records.append(self._structure(data, ArtifactRecord))
-        return records
+    def _stale_bound(self) -> tuple[str, list[Any]]:
+        return "clock_timestamp()", []
 
     def transitions(
         self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
@@ -1305,67 +1171,4 @@ class PostgresJournal:
                 (run_id, from_seq, to_seq if to_seq is not None else 2**62),
             ).fetchall()
 
-        records = []
-        for row in self._call(work):
-            data = dict(zip(_TRANSITION_COLUMNS, row, strict=True))
-            data["result"] = self._loads(data["result"])
-            records.append(self._structure(data, TransitionRecord))
-        return records
-
-    def runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: Outcome | str | None = None,
-        parent_run_id: str | None = None,
-        limit: int | None = None,
-        effect_in_flight: bool = False,
-        state: str | None = None,
-        stale: bool = False,
-    ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status, parent and state.
-
-        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
-        lease has expired.
-        """
-        where: list[str] = []
-        params: list[Any] = []
-        if effect_in_flight:
-            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
-        if stale:
-            where.append(
-                "status = 'active' AND lease_owner IS NOT NULL"
-                " AND lease_expires_at < clock_timestamp()"
-            )
-        for column, value in (
-            ("machine", machine),
-            ("status", Outcome(status).value if status is not None else None),
-            ("parent_run_id", parent_run_id),
-            ("state", state),
-        ):
-            if value is not None:
-                where.append(f"{column} = %s")
-                params.append(value)
-        query = f"SELECT {_RUN_SELECT} FROM runs"
-        if where:
-            query += " WHERE " + " AND ".join(where)
-        query += " ORDER BY created_at DESC, rowid DESC"
-        if limit is not None:
-            query += " LIMIT %s"
-            params.append(int(limit))
-        return [self._run_from_row(row) for row in self._select(query, params)]
-
-    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
-        """Return up to ``limit`` run ids that start with ``prefix``."""
-        rows = self._select(
-            "SELECT run_id FROM runs WHERE run_id >= %s AND run_id < %s ORDER BY run_id LIMIT %s",
-            (prefix, prefix + "\U0010ffff", limit),
-        )
-        return [str(row[0]) for row in rows]
-
-    def spec_json(self, spec_hash: str) -> str:
-        """Return the canonical JSON of the spec with that hash."""
-        rows = self._select("SELECT json FROM specs WHERE spec_hash = %s", (spec_hash,))
-        if not rows:
-            raise JournalError(f"holds no spec {spec_hash[:12]}", path=self._location)
-        return _rows.checked_spec_json(spec_hash, str(rows[0][0]), path=self._location)
+        return self._transition_records(_TRANSITION_COLUMNS, self._call(work))

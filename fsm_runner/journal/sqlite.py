@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import enum
 import functools
 import hashlib
 import itertools
-import json
 import operator
 import os
 import sqlite3
@@ -36,18 +34,16 @@ from fsm_runner.exceptions import (
     SchemaVersionError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._sql import SqlJournal
 from fsm_runner.journal.base import Commit, Durability, PruneReport
 from fsm_runner.records import (
     ArtifactRecord,
-    EffectRecord,
     IterationRecord,
     RunRecord,
     TransitionRecord,
     format_utc,
-    structure,
     utc_now,
 )
-from fsm_runner.spec import Outcome
 
 __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "SqliteJournal"]
 
@@ -83,7 +79,6 @@ _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
 _DETAIL_CHARS = 160
 
 T = TypeVar("T")
-_JSON_COLUMNS = ("input", "context", "error")
 
 _USER_ABORTED = RunEvent.USER_ABORTED.value
 _UTC = dt.timezone.utc
@@ -145,12 +140,7 @@ def _bulk_insert(rows: int) -> str:
     return _INSERT_TRANSITION.split(" VALUES ", maxsplit=1)[0] + " VALUES " + values
 
 
-_RUN_COLUMNS = (
-    "run_id", "machine", "spec_hash", "state", "status", "seq", "iteration", "attempt", "input",
-    "context", "error", "created_at", "updated_at", "parent_run_id", "forked_from",
-    "abort_reason", "lease_owner", "lease_expires_at", "lease_token", "return_to",
-    "return_attempt", "visit_seq", "return_visit", "recoveries",
-)  # fmt: skip
+_RUN_COLUMNS = _rows.RUN_COLUMNS
 _INSERT_RUN = (
     f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)})"
     f" VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
@@ -166,15 +156,6 @@ def _inserted_key(cursor: sqlite3.Cursor) -> int:
     if key is None:  # pragma: no cover - SQLite sets it after every successful INSERT
         raise JournalError("gave no run_key to a new run row")
     return key
-
-
-def _json_or_none(text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError as exc:  # a row we cannot read must not be misread
-        raise JournalError(f"holds unreadable JSON ({exc}): {text[:60]!r}") from exc
 
 
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
@@ -298,7 +279,7 @@ def _expected_shapes() -> dict[tuple[str, str], Any]:
         return _schema_shapes(journal._conn)
 
 
-class SqliteJournal:
+class SqliteJournal(SqlJournal):
     """A journal in one SQLite file (WAL mode).
 
     Args:
@@ -318,6 +299,13 @@ class SqliteJournal:
             make it misread or miswrite (see :meth:`schema_problems`).
         SchemaVersionError: the journal was written by a newer fsm_runner.
     """
+
+    _MARK = "?"
+    _RUN_TABLE = "run_rows"
+    _RUN_SELECT = "*"  # the runs view, with run_key (remembered for commits)
+    _ROW_ORDER = "run_key"
+    _PUT_EFFECT = _PUT_EFFECT
+    _stamp = staticmethod(format_utc)
 
     def __init__(
         self,
@@ -1076,22 +1064,6 @@ class SqliteJournal:
             )
         return self.load(run_id)
 
-    @staticmethod
-    def _run_params(run: RunRecord) -> tuple[Any, ...]:
-        return _rows.run_params(run, _RUN_COLUMNS, format_utc)
-
-    @staticmethod
-    def _iteration_params(record: IterationRecord) -> tuple[Any, ...]:
-        return _rows.iteration_params(record, format_utc)
-
-    @staticmethod
-    def _artifact_params(artifact: ArtifactRecord) -> tuple[Any, ...]:
-        return _rows.artifact_params(artifact, format_utc)
-
-    @staticmethod
-    def _transition_params(transition: TransitionRecord) -> tuple[Any, ...]:
-        return _rows.transition_params(transition, format_utc)
-
     # -- reads ---------------------------------------------------------------------------------
 
     def load(self, run_id: str) -> RunRecord:
@@ -1109,66 +1081,15 @@ class SqliteJournal:
         return run
 
     def _run_from_row(self, description: Any, row: Sequence[Any]) -> RunRecord:
-        data = {column[0]: value for column, value in zip(description, row, strict=True)}
-        key = data.pop("run_key", None)
+        return self._decode_run(
+            {column[0]: value for column, value in zip(description, row, strict=True)}
+        )
+
+    def _decode_run(self, data: dict[str, Any]) -> RunRecord:
+        key = data.pop("run_key", None)  # the view's: remembered for this journal's commits
         if key is not None:
             self._remember_key(data["run_id"], key)
-        try:
-            for column in _JSON_COLUMNS:
-                data[column] = _json_or_none(data[column])
-            if data["context"] is None:
-                data["context"] = {}
-            return structure(data, RunRecord)
-        except Exception as exc:  # a row we cannot read must not be misread
-            raise JournalError(
-                f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self.path
-            ) from exc
-
-    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
-        """Return the run's record of that iteration, if there is one."""
-        records = self._iterations("WHERE run_id = ? AND iteration = ?", (run_id, iteration))
-        return records[0] if records else None
-
-    def iterations(self, run_id: str) -> list[IterationRecord]:
-        """Return the run's iteration records, in iteration order."""
-        self.load(run_id)
-        return self._iterations("WHERE run_id = ? ORDER BY iteration", (run_id,))
-
-    def _iterations(self, where: str, params: tuple[Any, ...]) -> list[IterationRecord]:
-        with self._read() as conn:
-            cursor = conn.execute(f"SELECT * FROM iterations {where}", params)
-            names = [column[0] for column in cursor.description]
-            rows = cursor.fetchall()
-        records = []
-        for row in rows:
-            data = _rows.decode_iteration(dict(zip(names, row, strict=True)), _json_or_none)
-            records.append(self._structure(data, IterationRecord))
-        return records
-
-    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
-        """Return the run's artifacts, in the order they were committed."""
-        self.load(run_id)
-        with self._read() as conn:
-            cursor = conn.execute(
-                f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts WHERE run_id = ?"
-                " ORDER BY id",
-                (run_id,),
-            )
-            rows = cursor.fetchall()
-        records = []
-        for row in rows:
-            data = dict(zip(_ARTIFACT_COLUMNS, row, strict=True))
-            data["content"] = _json_or_none(data["content"])
-            records.append(self._structure(data, ArtifactRecord))
-        return records
-
-    def _structure(self, data: dict[str, Any], cls: type[T]) -> T:
-        try:
-            return structure(data, cls)
-        except Exception as exc:  # a row we cannot read must not be misread
-            raise JournalError(
-                f"has an unreadable {cls.__name__} row ({exc})", path=self.path
-            ) from exc
+        return super()._decode_run(data)
 
     def transitions(
         self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
@@ -1186,132 +1107,22 @@ class SqliteJournal:
                 (found[0], from_seq, to_seq if to_seq is not None else 2**62),
             )
             names = [column[0] for column in cursor.description]
-            records = []
-            for row in cursor:
-                data = dict(zip(names, row, strict=True))
-                del data["run_key"]
-                data["result"] = _json_or_none(data["result"])
-                records.append(self._structure(data, TransitionRecord))
-            return records
+            rows = cursor.fetchall()
+        return self._transition_records(names, rows)
 
-    def runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: Outcome | str | None = None,
-        parent_run_id: str | None = None,
-        limit: int | None = None,
-        effect_in_flight: bool = False,
-        state: str | None = None,
-        stale: bool = False,
-    ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status, parent and state.
+    def _select(
+        self, query: str, params: Sequence[Any], *, damaged: bool = False
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        with self._read(damaged=damaged) as conn:
+            cursor = conn.execute(query, params)
+            return [column[0] for column in cursor.description], cursor.fetchall()
 
-        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
-        lease has expired.
-        """
-        where: list[str] = []
-        params: list[Any] = []
-        if effect_in_flight:
-            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
-        if stale:
-            where.append("status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < ?")
-            params.append(format_utc(utc_now()))
-        for column, value in (
-            ("machine", machine),
-            ("status", Outcome(status).value if status is not None else None),
-            ("parent_run_id", parent_run_id),
-            ("state", state),
-        ):
-            if value is not None:
-                where.append(f"{column} = ?")
-                params.append(value)
-        sql = "SELECT * FROM runs"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY created_at DESC, run_key DESC"
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(int(limit))
-        with self._read() as conn:
-            cursor = conn.execute(sql, params)
-            return [self._run_from_row(cursor.description, row) for row in cursor.fetchall()]
-
-    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
-        """Return the effect recorded under that name in that visit, if any."""
-        found = self._effects(
-            "WHERE run_id = ? AND visit_seq = ? AND name = ?", (run_id, visit_seq, name)
-        )
-        return found[0] if found else None
-
-    def effects(self, run_id: str) -> list[EffectRecord]:
-        """Return the run's effects, in the order they were started."""
-        self.load(run_id)
-        return self._effects("WHERE run_id = ? ORDER BY started_at, rowid", (run_id,))
-
-    def _effects(self, where: str, params: tuple[Any, ...]) -> list[EffectRecord]:
-        with self._read() as conn:
-            rows = conn.execute(
-                f"SELECT {', '.join(_EFFECT_COLUMNS)} FROM effects {where}", params
-            ).fetchall()
-        records = []
-        for row in rows:
-            data = _rows.decode_effect(dict(zip(_EFFECT_COLUMNS, row, strict=True)), _json_or_none)
-            records.append(self._structure(data, EffectRecord))
-        return records
-
-    def put_effect(
-        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
-    ) -> None:
-        """Store ``record`` in its own transaction, only while the run is at ``run_seq``.
-
-        It replaces the record of the same run, visit and name, if there is one.
-
-        Raises:
-            RunConflictError: the run moved on (another writer advanced it); nothing written.
-            LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
-        """
-        values: list[Any] = []
-        for column in _EFFECT_COLUMNS:
-            value = getattr(record, column)
-            if column in ("params", "result", "error"):
-                value = _dumps(value)
-            elif isinstance(value, dt.datetime):
-                value = format_utc(value)
-            elif isinstance(value, enum.Enum):
-                value = value.value
-            values.append(value)
-        params = (*values, record.run_id, run_seq, lease_token, lease_token)
+    def _writing(self, work: Callable[[sqlite3.Connection], T]) -> T:
         with self._write() as conn:
-            if conn.execute(_PUT_EFFECT, params).rowcount != 1:
-                found = conn.execute(
-                    "SELECT seq, lease_token FROM runs WHERE run_id = ?", (record.run_id,)
-                ).fetchone()
-                if found is None:
-                    raise RunNotFoundError(record.run_id)
-                if lease_token is not None and found[1] != lease_token:
-                    raise LeaseLostError(record.run_id, token=lease_token)
-                raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self.path)
+            return work(conn)
 
-    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
-        """Return up to ``limit`` run ids that start with ``prefix``."""
-        with self._read(damaged=True) as conn:  # the run_rows table alone: no view, no trigger
-            rows = conn.execute(
-                "SELECT run_id FROM run_rows WHERE run_id >= ? AND run_id < ?"
-                " ORDER BY run_id LIMIT ?",
-                (prefix, prefix + "\U0010ffff", limit),
-            ).fetchall()
-        return [str(row[0]) for row in rows]
-
-    def spec_json(self, spec_hash: str) -> str:
-        """Return the canonical JSON of the spec with that hash."""
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT json FROM specs WHERE spec_hash = ?", (spec_hash,)
-            ).fetchone()
-        if row is None:
-            raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.path)
-        return _rows.checked_spec_json(spec_hash, str(row[0]), path=self.path)
+    def _stale_bound(self) -> tuple[str, list[Any]]:
+        return "?", [format_utc(utc_now())]
 
     # -- leases --------------------------------------------------------------------------------
 

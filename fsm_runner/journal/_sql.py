@@ -1,0 +1,308 @@
+"""What the SQL journals share: reads, row decoding, effects and the rows they bind.
+
+:class:`SqlJournal` is the base of :class:`~fsm_runner.journal.sqlite.SqliteJournal` and
+:class:`~fsm_runner.journal.postgres.PostgresJournal`. It holds every method whose SQL is the
+same on both but for its placeholder (``?`` or ``%s``); each dialect supplies how it reads
+(:meth:`SqlJournal._select`), how it runs a short write (:meth:`SqlJournal._writing`), how it
+stores a time, and what really differs: the fenced commit, claims, prune, reconnects.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError, RunNotFoundError
+from fsm_runner.journal import _rows
+from fsm_runner.records import (
+    ArtifactRecord,
+    EffectRecord,
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    structure,
+)
+from fsm_runner.spec import Outcome
+
+__all__ = ["SqlJournal"]
+
+T = TypeVar("T")
+
+_EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
+_ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
+_ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
+
+
+class SqlJournal:
+    """The part of a SQL journal that is the same in every dialect.
+
+    A subclass sets the class attributes and implements :meth:`_select`, :meth:`_writing`,
+    :meth:`_stamp`, :meth:`_stale_bound`, ``location`` and ``load``.
+    """
+
+    #: The dialect's placeholder for one parameter.
+    _MARK: ClassVar[str]
+    #: The table of run rows that a read of the rows alone goes to (no view, no trigger).
+    _RUN_TABLE: ClassVar[str]
+    #: The columns read for a run row.
+    _RUN_SELECT: ClassVar[str]
+    #: The column that orders rows inserted in the same microsecond (insertion order).
+    _ROW_ORDER: ClassVar[str]
+    #: What a put_effect statement's ``EXISTS`` check is written as (the dialect's own SQL).
+    _PUT_EFFECT: ClassVar[str]
+
+    # -- what each dialect supplies ------------------------------------------------------------
+
+    @property
+    def location(self) -> str:
+        """Where the journal lives, for messages."""
+        raise NotImplementedError
+
+    def load(self, run_id: str) -> RunRecord:
+        """Return the run's row."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _stamp(value: dt.datetime) -> Any:
+        """A time as the dialect stores it."""
+        raise NotImplementedError
+
+    def _select(
+        self, query: str, params: Sequence[Any], *, damaged: bool = False
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Run a read; return its column names and rows.
+
+        ``damaged``: a read of tables alone, allowed even when the journal's view is damaged.
+        """
+        raise NotImplementedError
+
+    def _writing(self, work: Callable[[Any], T]) -> T:
+        """Run ``work`` with the connection, as one short write."""
+        raise NotImplementedError
+
+    def _stale_bound(self) -> tuple[str, list[Any]]:
+        """The SQL (and its parameters) of "now" that an expired lease is older than."""
+        raise NotImplementedError
+
+    # -- rows ----------------------------------------------------------------------------------
+
+    def _run_params(self, run: RunRecord) -> tuple[Any, ...]:
+        return _rows.run_params(run, _rows.RUN_COLUMNS, self._stamp)
+
+    def _transition_params(self, transition: TransitionRecord) -> tuple[Any, ...]:
+        return _rows.transition_params(transition, self._stamp)
+
+    def _iteration_params(self, record: IterationRecord) -> tuple[Any, ...]:
+        return _rows.iteration_params(record, self._stamp)
+
+    def _artifact_params(self, artifact: ArtifactRecord) -> tuple[Any, ...]:
+        return _rows.artifact_params(artifact, self._stamp)
+
+    def _loads(self, text: str | None) -> Any:
+        if text is None:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"holds unreadable JSON ({exc}): {text[:60]!r}", path=self.location
+            ) from exc
+
+    def _structure(self, data: dict[str, Any], cls: type[T]) -> T:
+        try:
+            return structure(data, cls)
+        except Exception as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"has an unreadable {cls.__name__} row ({exc})", path=self.location
+            ) from exc
+
+    def _decode_run(self, data: dict[str, Any]) -> RunRecord:
+        """A run row, by column, as a record (its JSON parsed)."""
+        try:
+            for column in _rows.RUN_JSON:
+                data[column] = self._loads(data[column])
+            if data["context"] is None:
+                data["context"] = {}
+            return structure(data, RunRecord)
+        except Exception as exc:  # a row we cannot read must not be misread
+            raise JournalError(
+                f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self.location
+            ) from exc
+
+    def _transition_records(
+        self, names: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> list[TransitionRecord]:
+        records = []
+        for row in rows:
+            data = dict(zip(names, row, strict=True))
+            data.pop("run_key", None)  # SQLite's key of the run, not a field of the record
+            data["result"] = self._loads(data["result"])
+            records.append(self._structure(data, TransitionRecord))
+        return records
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit, if any."""
+        m = self._MARK
+        found = self._effects(
+            f"WHERE run_id = {m} AND visit_seq = {m} AND name = {m}", (run_id, visit_seq, name)
+        )
+        return found[0] if found else None
+
+    def effects(self, run_id: str) -> list[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+        self.load(run_id)
+        return self._effects(
+            f"WHERE run_id = {self._MARK} ORDER BY started_at NULLS FIRST, rowid", (run_id,)
+        )
+
+    def _effects(self, where: str, params: Sequence[Any]) -> list[EffectRecord]:
+        _, rows = self._select(f"SELECT {', '.join(_EFFECT_COLUMNS)} FROM effects {where}", params)
+        records = []
+        for row in rows:
+            data = _rows.decode_effect(dict(zip(_EFFECT_COLUMNS, row, strict=True)), self._loads)
+            records.append(self._structure(data, EffectRecord))
+        return records
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+        m = self._MARK
+        records = self._iterations(f"WHERE run_id = {m} AND iteration = {m}", (run_id, iteration))
+        return records[0] if records else None
+
+    def iterations(self, run_id: str) -> list[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+        self.load(run_id)
+        return self._iterations(f"WHERE run_id = {self._MARK} ORDER BY iteration", (run_id,))
+
+    def _iterations(self, where: str, params: Sequence[Any]) -> list[IterationRecord]:
+        _, rows = self._select(
+            f"SELECT {', '.join(_ITERATION_COLUMNS)} FROM iterations {where}", params
+        )
+        records = []
+        for row in rows:
+            data = _rows.decode_iteration(
+                dict(zip(_ITERATION_COLUMNS, row, strict=True)), self._loads
+            )
+            records.append(self._structure(data, IterationRecord))
+        return records
+
+    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
+        self.load(run_id)
+        _, rows = self._select(
+            f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts WHERE run_id = {self._MARK}"
+            " ORDER BY id",
+            (run_id,),
+        )
+        records = []
+        for row in rows:
+            data = dict(zip(_ARTIFACT_COLUMNS, row, strict=True))
+            data["content"] = self._loads(data["content"])
+            records.append(self._structure(data, ArtifactRecord))
+        return records
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: Outcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+        effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
+    ) -> list[RunRecord]:
+        """Return runs, newest first, filtered by machine, status, parent and state.
+
+        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
+        lease has expired.
+        """
+        m = self._MARK
+        where: list[str] = []
+        params: list[Any] = []
+        if effect_in_flight:
+            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
+        if stale:
+            now, now_params = self._stale_bound()
+            where.append(
+                f"status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < {now}"
+            )
+            params += now_params
+        for column, value in (
+            ("machine", machine),
+            ("status", Outcome(status).value if status is not None else None),
+            ("parent_run_id", parent_run_id),
+            ("state", state),
+        ):
+            if value is not None:
+                where.append(f"{column} = {m}")
+                params.append(value)
+        query = f"SELECT {self._RUN_SELECT} FROM runs"
+        if where:
+            query += " WHERE " + " AND ".join(where)
+        query += f" ORDER BY created_at DESC, {self._ROW_ORDER} DESC"
+        if limit is not None:
+            query += f" LIMIT {m}"
+            params.append(int(limit))
+        names, rows = self._select(query, params)
+        return [self._decode_run(dict(zip(names, row, strict=True))) for row in rows]
+
+    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Return up to ``limit`` run ids that start with ``prefix``."""
+        m = self._MARK
+        _, rows = self._select(
+            f"SELECT run_id FROM {self._RUN_TABLE} WHERE run_id >= {m} AND run_id < {m}"
+            f" ORDER BY run_id LIMIT {m}",
+            (prefix, prefix + "\U0010ffff", limit),
+            damaged=True,  # the run rows alone: no view, no trigger
+        )
+        return [str(row[0]) for row in rows]
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash."""
+        _, rows = self._select(
+            f"SELECT json FROM specs WHERE spec_hash = {self._MARK}", (spec_hash,)
+        )
+        if not rows:
+            raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.location)
+        return _rows.checked_spec_json(spec_hash, str(rows[0][0]), path=self.location)
+
+    # -- effects -------------------------------------------------------------------------------
+
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
+        """Store ``record`` in its own transaction, only while the run is at ``run_seq``.
+
+        It replaces the record of the same run, visit and name, if there is one.
+
+        Raises:
+            RunConflictError: the run moved on (another writer advanced it); nothing written.
+            LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
+        """
+        params = (
+            *_rows.effect_params(record, self._stamp),
+            record.run_id,
+            run_seq,
+            lease_token,
+            lease_token,
+        )
+
+        def work(conn: Any) -> None:
+            if conn.execute(self._PUT_EFFECT, params).rowcount == 1:
+                return
+            found = conn.execute(
+                f"SELECT seq, lease_token FROM runs WHERE run_id = {self._MARK}",
+                (record.run_id,),
+            ).fetchone()
+            if found is None:
+                raise RunNotFoundError(record.run_id)
+            if lease_token is not None and found[1] != lease_token:
+                raise LeaseLostError(record.run_id, token=lease_token)
+            raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self.location)
+
+        self._writing(work)  # writing the same record again is harmless
