@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError, RunNotFoundError
 from fsm_runner.journal import _rows
+from fsm_runner.journal.base import Durability
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -29,6 +30,7 @@ from fsm_runner.spec import Outcome
 __all__ = ["SqlJournal"]
 
 T = TypeVar("T")
+_J = TypeVar("_J", bound="SqlJournal")
 
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
@@ -53,11 +55,17 @@ class SqlJournal:
     #: What a put_effect statement's ``EXISTS`` check is written as (the dialect's own SQL).
     _PUT_EFFECT: ClassVar[str]
 
+    durability: Durability
+
     # -- what each dialect supplies ------------------------------------------------------------
 
     @property
     def location(self) -> str:
         """Where the journal lives, for messages."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close the connection; further use raises ``JournalError``."""
         raise NotImplementedError
 
     def load(self, run_id: str) -> RunRecord:
@@ -85,6 +93,60 @@ class SqlJournal:
     def _stale_bound(self) -> tuple[str, list[Any]]:
         """The SQL (and its parameters) of "now" that an expired lease is older than."""
         raise NotImplementedError
+
+    # -- the same in every dialect -------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
+
+    def __enter__(self: _J) -> _J:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _require_run(self, conn: Any, run_id: str) -> None:
+        """Raise :class:`RunNotFoundError` unless the run's row exists (read on ``conn``)."""
+        found = conn.execute(
+            f"SELECT 1 FROM {self._RUN_TABLE} WHERE run_id = {self._MARK}", (run_id,)
+        ).fetchone()
+        if found is None:
+            raise RunNotFoundError(run_id)
+
+    def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
+        """Refuse a commit whose run row does not follow from its transition, or of seq 0."""
+        if run.seq != transition.seq or run.state != transition.to_state:
+            raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
+        if transition.seq < 1:  # seq 0 is written by create_run only
+            _, found = self._select(
+                f"SELECT 1 FROM {self._RUN_TABLE} WHERE run_id = {self._MARK}", (run.run_id,)
+            )
+            if not found:
+                raise RunNotFoundError(run.run_id)
+            raise RunConflictError(
+                run_id=run.run_id, expected_seq=transition.seq - 1, path=self.location
+            )
+
+    def _commit_refusal(
+        self, found: Sequence[Any] | None, run_id: str, expected_seq: int, token: int
+    ) -> Exception:
+        """Why a fenced commit was refused, from the run as stored.
+
+        ``found`` is the run's ``(seq, lease_token, abort_reason, abort_token)``, or ``None``
+        when there is no such run.
+        """
+        if found is None:
+            return RunNotFoundError(run_id)
+        seq, stored_token, abort_reason, abort_token = found
+        if stored_token != token:  # taken over: the more telling refusal
+            return LeaseLostError(run_id, token=token)
+        fenced = seq == expected_seq and abort_token is not None and stored_token <= abort_token
+        return RunConflictError(
+            run_id=run_id,
+            expected_seq=expected_seq,
+            path=self.location,
+            abort_reason=abort_reason if fenced else None,
+        )
 
     # -- rows ----------------------------------------------------------------------------------
 

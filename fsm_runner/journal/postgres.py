@@ -313,17 +313,8 @@ class _CommitPlan:
             "SELECT seq, lease_token, abort_reason, abort_token FROM runs WHERE run_id = %s",
             (transition.run_id,),
         ).fetchone()
-        if found is None:
-            return RunNotFoundError(transition.run_id)
-        seq, token, abort_reason, abort_token = found
-        if token != transition.lease_token:  # taken over: the more telling refusal
-            return LeaseLostError(transition.run_id, token=transition.lease_token)
-        fenced = seq == transition.seq - 1 and abort_token is not None and token <= abort_token
-        return RunConflictError(
-            run_id=transition.run_id,
-            expected_seq=transition.seq - 1,
-            path=self.journal.location,
-            abort_reason=abort_reason if fenced else None,
+        return self.journal._commit_refusal(
+            found, transition.run_id, transition.seq - 1, transition.lease_token
         )
 
     def resolve(self, conn: _Connection) -> _Unresolved | None:
@@ -434,15 +425,6 @@ class PostgresJournal(SqlJournal):
     def location(self) -> str:
         """The journal's URL with its schema, without the password."""
         return self._location
-
-    def __repr__(self) -> str:
-        return f"PostgresJournal({self._location!r}, durability={self.durability!r})"
-
-    def __enter__(self) -> PostgresJournal:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close the connection; further use raises ``JournalError``."""
@@ -813,15 +795,6 @@ class PostgresJournal(SqlJournal):
             after=after,
         )
 
-    def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
-        if run.seq != transition.seq or run.state != transition.to_state:
-            raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
-        if transition.seq < 1:  # seq 0 is written by create_run only
-            self.load(run.run_id)
-            raise RunConflictError(
-                run_id=run.run_id, expected_seq=transition.seq - 1, path=self._location
-            )
-
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
 
@@ -948,11 +921,7 @@ class PostgresJournal(SqlJournal):
                 (expires, run_id, owner, token),
             ).rowcount
             if not changed:
-                if (
-                    conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone()
-                    is None
-                ):
-                    raise RunNotFoundError(run_id)
+                self._require_run(conn, run_id)
                 raise LeaseLostError(run_id, token=token)
             return expires
 
@@ -1163,8 +1132,7 @@ class PostgresJournal(SqlJournal):
         """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
 
         def work(conn: _Connection) -> list[tuple[Any, ...]]:
-            if conn.execute("SELECT 1 FROM runs WHERE run_id = %s", (run_id,)).fetchone() is None:
-                raise RunNotFoundError(run_id)
+            self._require_run(conn, run_id)
             return conn.execute(
                 f"SELECT {', '.join(_TRANSITION_COLUMNS)} FROM transitions"
                 " WHERE run_id = %s AND seq >= %s AND seq <= %s ORDER BY seq",

@@ -27,7 +27,6 @@ from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
     LeaseLostError,
-    RunConflictError,
     RunExistsError,
     RunNotFoundError,
     RunTerminalError,
@@ -368,15 +367,6 @@ class SqliteJournal(SqlJournal):
         """The journal file's absolute path."""
         return self.path
 
-    def __repr__(self) -> str:
-        return f"SqliteJournal({self.path!r}, durability={self.durability!r})"
-
-    def __enter__(self) -> SqliteJournal:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Close the connection; further use raises ``JournalError``."""
         with self._lock:
@@ -716,7 +706,7 @@ class SqliteJournal(SqlJournal):
                     self._commit_with_rows(cursor, insert, rows)
             except sqlite3.IntegrityError as exc:
                 written.pop(run_id, None)
-                raise self._commit_refusal(
+                raise self._refusal(
                     exc, run_id, transition.seq - 1, transition.lease_token
                 ) from None
             except sqlite3.Error as exc:
@@ -798,7 +788,7 @@ class SqliteJournal(SqlJournal):
                         self._savepoint(cursor, insert, rows)
                 except sqlite3.IntegrityError as exc:
                     written.pop(run.run_id, None)
-                    results[index] = self._commit_refusal(
+                    results[index] = self._refusal(
                         exc, run.run_id, run.seq - 1, commits[index].transition.lease_token
                     )
                 else:
@@ -910,20 +900,6 @@ class SqliteJournal(SqlJournal):
         for sql, params in rows:
             cursor.execute(sql, params)
 
-    def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
-        if run.seq != transition.seq or run.state != transition.to_state:
-            raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
-        if transition.seq < 1:  # seq 0 is written by create_run only
-            with self._read() as conn:
-                exists = conn.execute(
-                    "SELECT 1 FROM run_rows WHERE run_id = ?", (run.run_id,)
-                ).fetchone()
-            if exists is None:
-                raise RunNotFoundError(run.run_id)
-            raise RunConflictError(
-                run_id=run.run_id, expected_seq=transition.seq - 1, path=self.path
-            )
-
     def _commit_with_rows(
         self,
         cursor: sqlite3.Cursor,
@@ -1024,13 +1000,10 @@ class SqliteJournal(SqlJournal):
         self._remember_key(run_id, key)
         return key
 
-    def _commit_refusal(
-        self,
-        exc: sqlite3.IntegrityError,
-        run_id: str,
-        expected_seq: int,
-        token: int | None = None,
+    def _refusal(
+        self, exc: sqlite3.IntegrityError, run_id: str, expected_seq: int, token: int
     ) -> Exception:
+        """Why the fence trigger (or a constraint) refused a commit."""
         if _STALE_SEQ not in str(exc) and "transitions.run_key" not in str(exc):
             return JournalError(self._describe(exc), path=self.path)
         self._keys.pop(run_id, None)  # read again next time, in case it was not the run's
@@ -1039,18 +1012,7 @@ class SqliteJournal(SqlJournal):
             " JOIN run_rows AS r ON r.run_key = v.run_key WHERE v.run_id = ?",
             (run_id,),
         ).fetchone()
-        if found is None:
-            return RunNotFoundError(run_id)
-        seq, stored_token, abort_reason, abort_token = found
-        if token is not None and stored_token != token:  # taken over: the more telling refusal
-            return LeaseLostError(run_id, token=token)
-        fenced = seq == expected_seq and abort_token is not None and stored_token <= abort_token
-        return RunConflictError(
-            run_id=run_id,
-            expected_seq=expected_seq,
-            path=self.path,
-            abort_reason=abort_reason if fenced else None,
-        )
+        return self._commit_refusal(found, run_id, expected_seq, token)
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
@@ -1243,11 +1205,7 @@ class SqliteJournal(SqlJournal):
                 (format_utc(expires), run_id, owner, token),
             ).rowcount
             if not changed:
-                if (
-                    conn.execute("SELECT 1 FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()
-                    is None
-                ):
-                    raise RunNotFoundError(run_id)
+                self._require_run(conn, run_id)
                 raise LeaseLostError(run_id, token=token)
         return expires
 
