@@ -33,8 +33,9 @@ from fsm_runner.exceptions import (
     SchemaVersionError,
 )
 from fsm_runner.journal import SCHEMA_VERSION
+from fsm_runner.journal._sqlite_check import CODE, TABLES, code_objects
 from fsm_runner.journal.base import Commit
-from fsm_runner.journal.sqlite import _CODE, _TABLES, APPLICATION_ID, _code_objects
+from fsm_runner.journal.sqlite import APPLICATION_ID
 from tests.helpers import NEXT, linear_spec, loop_spec, undo_v4, undo_v6, undo_v7, undo_v8
 
 SPEC = linear_spec("building", "verifying")
@@ -988,14 +989,14 @@ class TestSqliteSchemaObjects:
     def test_the_code_digests_are_a_new_journals(self):
         """What every open compares with is what the migrations write (keep them in step)."""
         with SqliteJournal(":memory:") as journal:
-            assert _code_objects(journal._conn) == _CODE
+            assert code_objects(journal._conn) == CODE
             assert {
                 name
                 for (name,) in journal._conn.execute(
                     "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
                     " AND name NOT LIKE 'sqlite%'"
                 )
-            } == _TABLES
+            } == TABLES
             assert journal.schema_problems() == []
             assert journal.integrity_problems() == []
 

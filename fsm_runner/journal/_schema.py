@@ -12,7 +12,7 @@ import sqlite3
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from fsm_runner.journal.sqlite import _NO_RUN_KEY, _STALE_SEQ, _USER_ABORTED
+from fsm_runner.journal._sqlite_writes import _NO_RUN_KEY, _STALE_SEQ, _USER_ABORTED
 
 __all__ = ["database", "migrate", "unknown_migrations"]
 

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
-import hashlib
-import itertools
-import operator
 import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 
-from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import (
     JournalError,
     LeaseLostError,
@@ -33,11 +28,24 @@ from fsm_runner.exceptions import (
     SchemaVersionError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._sql import SqlJournal
-from fsm_runner.journal.base import Commit, Durability, PruneReport
+from fsm_runner.journal._sqlite_check import (
+    CODE,
+    TABLES,
+    code_objects,
+    difference,
+    expected_shapes,
+    object_name,
+    schema_shapes,
+)
+from fsm_runner.journal._sqlite_writes import (
+    _BULK_ROWS,
+    _INSERT_RUN,
+    _TRANSITION_PARAMS,
+    SqliteWrites,
+    _inserted_key,
+)
+from fsm_runner.journal.base import Durability, PruneReport
 from fsm_runner.records import (
-    ArtifactRecord,
-    IterationRecord,
     RunRecord,
     TransitionRecord,
     format_utc,
@@ -53,74 +61,6 @@ SCHEMA_VERSION = 8
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
-#: What a ``sqlite3`` error says (lower-cased words in its message) -> what the user is told.
-_SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (
-        ("locked", "busy"),
-        "is locked by another writer for longer than the busy timeout; nothing was written",
-    ),
-    (
-        ("readonly", "read-only"),
-        "is read-only (check the permissions of the file, its -wal and -shm files and "
-        "its directory); nothing was written",
-    ),
-    (("full",), "the disk (or the journal's size limit) is full; nothing was written"),
-    # SQLITE_NOTADB: the file's header is not SQLite's.
-    (
-        ("not a database",),
-        "is not a SQLite database (a corrupt or foreign file); nothing was changed",
-    ),
-    (("malformed", "corrupt"), "is corrupt ({text}); nothing was changed"),
-    (("unable to open",), "cannot be opened (check the path and its permissions)"),
-)
-
-#: How much of a ``sqlite3`` error's own text a message quotes, at most.
-_DETAIL_CHARS = 160
-
-T = TypeVar("T")
-
-_USER_ABORTED = RunEvent.USER_ABORTED.value
-_UTC = dt.timezone.utc
-#: What the ``transitions_fence`` trigger raises when a transition does not follow the
-#: run's last one (a stale seq), its writer's lease token is not the run's (fencing), or it is
-#: not the USER_ABORTED that carries out the abort requested of the run.
-_STALE_SEQ = "fsm_runner: the run is not at the seq before this transition"
-#: What it raises for a transition written without its run's ``run_key`` (by hand, say).
-_NO_RUN_KEY = (
-    "fsm_runner: a transition needs the run_key of its run"
-    " (SELECT run_key FROM run_rows WHERE run_id = ...)"
-)
-
-
-_EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
-_PUT_EFFECT = (
-    f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)})"
-    f" SELECT {', '.join('?' * len(_EFFECT_COLUMNS))}"
-    " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = ? AND seq = ?"
-    " AND (? IS NULL OR lease_token = ?))"
-)
-_ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
-_UPSERT_ITERATION = (
-    f"INSERT OR REPLACE INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
-    f" VALUES ({', '.join('?' * len(_ITERATION_COLUMNS))})"
-)
-_ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
-_UPSERT_ARTIFACT = (
-    f"INSERT OR REPLACE INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
-    f" VALUES ({', '.join('?' * len(_ARTIFACT_COLUMNS))})"
-)
-
-#: How many runs' last written rows the journal remembers to write only changed columns.
-_REMEMBERED_RUNS = 10_000
-_INSERT_TRANSITION = (
-    "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
-    " duration_ms, result, lease_token, run_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-_TRANSITION_PARAMS = 12
-_run_key_of = operator.itemgetter(_TRANSITION_PARAMS - 1)  # an INSERT's (run_key, seq) order
-_BULK_ROWS = 256  # rows per multi-row INSERT, at most (12 parameters each)
-#: How many run ids' keys (``run_rows.run_key``) the journal remembers; a miss costs one lookup.
-_REMEMBERED_KEYS = 100_000
 _LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
 _CACHE_KIB = 16 * 1024
 #: Pragmas of every connection beyond WAL, synchronous and the page cache (benchmarks give their
@@ -131,154 +71,10 @@ _CACHE_KIB = 16 * 1024
 #: (tens of milliseconds at that size).
 TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
 
-
-@functools.lru_cache(maxsize=64)
-def _bulk_insert(rows: int) -> str:
-    """The INSERT of ``rows`` transitions in one statement."""
-    values = ", ".join(["(" + ", ".join("?" * _TRANSITION_PARAMS) + ")"] * rows)
-    return _INSERT_TRANSITION.split(" VALUES ", maxsplit=1)[0] + " VALUES " + values
+T = TypeVar("T")
 
 
-_RUN_COLUMNS = _rows.RUN_COLUMNS
-_INSERT_RUN = (
-    f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)})"
-    f" VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
-)
-
-
-_dumps = _rows.dumps
-
-
-def _inserted_key(cursor: sqlite3.Cursor) -> int:
-    """The ``run_key`` SQLite gave the run row ``cursor`` just inserted."""
-    key = cursor.lastrowid
-    if key is None:  # pragma: no cover - SQLite sets it after every successful INSERT
-        raise JournalError("gave no run_key to a new run row")
-    return key
-
-
-#: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
-#: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
-#: current schema version has them. Checked at every open; a test keeps it equal to a new
-#: journal's (a change of them is a new migration and a new schema version).
-_CODE: dict[tuple[str, str], tuple[str, str]] = {
-    ("trigger", "transitions_fence"): ("transitions", "8fda0ea5177c86748a4c3748361f9e62"),
-    ("view", "runs"): ("runs", "cc0c951c1f3d4f7ac3e42ba6c83e85fe"),
-}
-#: The journal's tables and its view: a trigger on one of them takes part in its writes.
-_TABLES = frozenset(
-    {"_sqlite_migrations", "artifacts", "effects", "iterations", "meta", "run_rows", "runs",
-     "specs", "transitions"}
-)  # fmt: skip
-#: A column's type affinity (SQLite's rules, section 3.1 of its datatype page), by substring.
-_AFFINITIES = (("INT", "INTEGER"), ("CHAR", "TEXT"), ("CLOB", "TEXT"), ("TEXT", "TEXT"),
-               ("BLOB", "BLOB"), ("REAL", "REAL"), ("FLOA", "REAL"), ("DOUB", "REAL"))  # fmt: skip
-
-
-def _code_digest(sql: bytes | None) -> str:
-    """A digest of a schema object's SQL, whitespace aside (read as bytes: it may be damaged)."""
-    return hashlib.sha256(b" ".join((sql or b"").split())).hexdigest()[:32]
-
-
-def _code_objects(conn: sqlite3.Connection) -> dict[tuple[str, str], tuple[str, str]]:
-    """The views and triggers of the main schema: (type, name) -> (table, SQL digest)."""
-    rows = conn.execute(
-        "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB),"
-        " CAST(sql AS BLOB) FROM main.sqlite_master WHERE type IN ('view', 'trigger')"
-    ).fetchall()
-    return {
-        (_name(kind), _name(name)): (_name(table), _code_digest(sql))
-        for kind, name, table, sql in rows
-    }
-
-
-def _name(raw: bytes | None) -> str:
-    """A schema object's name as text (a damaged one shown with its bad bytes escaped)."""
-    return (raw or b"").decode("utf-8", "backslashreplace")
-
-
-def _affinity(declared: str) -> str:
-    upper = declared.upper()
-    for needle, affinity in _AFFINITIES:
-        if needle in upper:
-            return affinity
-    return "BLOB" if not upper else "NUMERIC"
-
-
-def _schema_shapes(conn: sqlite3.Connection) -> dict[tuple[str, str], Any]:
-    """Every schema object by (type, name), as much of it as tells a damaged one.
-
-    Tables by their columns (name, type affinity, NOT NULL, default, key), foreign keys and
-    unique constraints: the text sqlite-utils writes for them differs between its versions and
-    after ``ALTER TABLE``, so their SQL is not compared. Indexes by table, uniqueness and
-    columns; views and triggers by table and SQL (:func:`_code_objects`). SQLite's own objects
-    (``sqlite_*``) are not the journal's; sqlite-utils' ``_sqlite_migrations`` by name only.
-    """
-    shapes: dict[tuple[str, str], Any] = dict(_code_objects(conn))
-    rows = conn.execute(
-        "SELECT type, name, tbl_name FROM main.sqlite_master"
-        " WHERE type IN ('table', 'index') AND name NOT LIKE 'sqlite^_%' ESCAPE '^'"
-    ).fetchall()
-    for kind, name, table in rows:
-        if kind == "index":
-            shapes[kind, name] = (
-                table,
-                conn.execute(
-                    'SELECT "unique", partial FROM pragma_index_list(?) WHERE name = ?',
-                    (table, name),
-                ).fetchone(),
-                tuple(
-                    row[0] for row in conn.execute("SELECT name FROM pragma_index_info(?)", (name,))
-                ),
-            )
-        elif name == "_sqlite_migrations":
-            shapes[kind, name] = ()
-        else:
-            shapes[kind, name] = _table_shape(conn, name)
-    return shapes
-
-
-def _table_shape(conn: sqlite3.Connection, table: str) -> tuple[Any, ...]:
-    columns = tuple(
-        (name, _affinity(declared), bool(notnull), default, pk)
-        for name, declared, notnull, default, pk in conn.execute(
-            'SELECT name, type, "notnull", dflt_value, pk FROM pragma_table_xinfo(?)', (table,)
-        )
-    )
-    keys = tuple(
-        sorted(
-            conn.execute(
-                'SELECT "table", "from", "to" FROM pragma_foreign_key_list(?)', (table,)
-            ).fetchall()
-        )
-    )
-    unique = tuple(
-        sorted(
-            tuple(row[0] for row in conn.execute("SELECT name FROM pragma_index_info(?)", (index,)))
-            for (index,) in conn.execute(
-                "SELECT name FROM pragma_index_list(?) WHERE origin = 'u'", (table,)
-            )
-        )
-    )
-    return columns, keys, unique
-
-
-def _difference(kind: str, found: Any, expected: Any) -> str:
-    """Which columns of a table differ (for a table); nothing for other objects."""
-    if kind != "table" or not found or not expected:
-        return ""
-    names = sorted({column[0] for column in set(found[0]) ^ set(expected[0])})
-    return f" (columns {', '.join(names)})" if names else ""
-
-
-@functools.cache
-def _expected_shapes() -> dict[tuple[str, str], Any]:
-    """The schema objects of a new journal, as :func:`_schema_shapes` sees them."""
-    with SqliteJournal(":memory:") as journal:
-        return _schema_shapes(journal._conn)
-
-
-class SqliteJournal(SqlJournal):
+class SqliteJournal(SqliteWrites):
     """A journal in one SQLite file (WAL mode).
 
     Args:
@@ -303,7 +99,6 @@ class SqliteJournal(SqlJournal):
     _RUN_TABLE = "run_rows"
     _RUN_SELECT = "*"  # the runs view, with run_key (remembered for commits)
     _ROW_ORDER = "run_key"
-    _PUT_EFFECT = _PUT_EFFECT
     _stamp = staticmethod(format_utc)
 
     def __init__(
@@ -481,13 +276,13 @@ class SqliteJournal(SqlJournal):
         """
         found = {  # triggers on tables of the user's own (in the same file) are theirs
             key: value
-            for key, value in _code_objects(self._conn).items()
-            if key in _CODE or value[0] in _TABLES
+            for key, value in code_objects(self._conn).items()
+            if key in CODE or value[0] in TABLES
         }
         damaged = sorted(
             f"{kind} {name}"
-            for kind, name in found.keys() ^ _CODE.keys()
-            | {key for key in found.keys() & _CODE.keys() if found[key] != _CODE[key]}
+            for kind, name in found.keys() ^ CODE.keys()
+            | {key for key in found.keys() & CODE.keys() if found[key] != CODE[key]}
         )
         if not damaged:
             return
@@ -497,7 +292,7 @@ class SqliteJournal(SqlJournal):
             " fsm-runner check lists what differs)"
         )
         self._unwritable = f"{what}; nothing was written"
-        if found.get(("view", "runs")) != _CODE["view", "runs"]:
+        if found.get(("view", "runs")) != CODE["view", "runs"]:
             self._unreadable = f"{what}; nothing was read"
 
     def schema_problems(self) -> list[str]:
@@ -510,11 +305,11 @@ class SqliteJournal(SqlJournal):
         views and the like of the user's own in the same file are not the journal's business.
         Empty for a journal as fsm_runner made (or migrated) it.
         """
-        expected = _expected_shapes()
+        expected = expected_shapes()
         with self._read(damaged=True) as conn:
-            found = _schema_shapes(conn)
+            found = schema_shapes(conn)
             owners = {
-                (_name(kind), _name(name)): _name(table)
+                (object_name(kind), object_name(name)): object_name(table)
                 for kind, name, table in conn.execute(
                     "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB)"
                     " FROM main.sqlite_master"
@@ -535,7 +330,7 @@ class SqliteJournal(SqlJournal):
             elif found[key] != expected[key]:
                 problems.append(
                     f"schema: {kind} {name} differs from schema version {SCHEMA_VERSION}"
-                    f"{_difference(kind, found[key], expected[key])} (damaged or edited by hand)"
+                    f"{difference(kind, found[key], expected[key])} (damaged or edited by hand)"
                 )
         return problems
 
@@ -566,453 +361,6 @@ class SqliteJournal(SqlJournal):
             raise JournalError(
                 f"has an unreadable schema version {row[0]!r}", path=self.path
             ) from None
-
-    # -- error mapping -------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
-        """Map ``sqlite3`` errors to :class:`JournalError`; they never leave this module.
-
-        So does a ``UnicodeDecodeError``: SQLite hands back text (a value, a column name, a
-        schema object's SQL) as the bytes the file holds, and bytes that are not UTF-8 are a
-        damaged file, not a bug of the caller's.
-        """
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise JournalError(self._describe(exc), path=self.path) from exc
-        except UnicodeDecodeError as exc:
-            raise JournalError(
-                f"is corrupt (it holds text that is not UTF-8: {exc}); nothing was changed",
-                path=self.path,
-            ) from exc
-
-    @staticmethod
-    def _describe(exc: sqlite3.Error) -> str:
-        # One line, cut: a schema that SQLite cannot parse comes back with the rest of the
-        # object's SQL in the message (a corrupt view: 20 lines and more).
-        text = " ".join(str(exc).split())
-        if len(text) > _DETAIL_CHARS:
-            text = text[: _DETAIL_CHARS - 1] + "…"
-        lowered = text.lower()
-        for needles, message in _SQLITE_ERRORS:
-            if any(needle in lowered for needle in needles):
-                return message.format(text=text)
-        return f"SQLite error: {text}"
-
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One short ``BEGIN IMMEDIATE`` transaction; rolled back on any error."""
-        with self._lock, self._errors():
-            if self._closed:
-                raise JournalError("is closed", path=self.path)
-            if self._unwritable is not None:
-                raise JournalError(self._unwritable, path=self.path)
-            conn = self._conn
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise JournalError("is closed", path=self.path)
-
-    def _check_writable(self) -> None:
-        if self._unwritable is not None:  # a damaged fence (or more): see _verify_code
-            raise JournalError(self._unwritable, path=self.path)
-
-    @contextlib.contextmanager
-    def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
-        """The connection, for reads.
-
-        ``damaged``: even when the ``runs`` view is not the expected one (for reads of tables
-        alone, and of the schema itself).
-        """
-        with self._lock, self._errors():
-            if self._closed:
-                raise JournalError("is closed", path=self.path)
-            if self._unreadable is not None and not damaged:
-                raise JournalError(self._unreadable, path=self.path)
-            yield self._conn
-
-    # -- writes --------------------------------------------------------------------------------
-
-    def create_run(
-        self,
-        run: RunRecord,
-        first: TransitionRecord,
-        *,
-        spec_json: str,
-        iterations: Sequence[IterationRecord] = (),
-    ) -> None:
-        """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
-        run_row = self._run_params(run)
-        transition_row = self._transition_params(first)
-        try:
-            with self._write() as conn:
-                conn.execute(
-                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
-                )
-                key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
-                conn.execute(_INSERT_TRANSITION, (*transition_row, key))
-                for record in iterations:
-                    conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
-            self._remember(run)
-            self._remember_key(run.run_id, key)
-        except JournalError as exc:
-            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
-                exc.__cause__
-            ):
-                raise RunExistsError(run.run_id) from None
-            raise
-
-    def commit(
-        self,
-        run: RunRecord,
-        transition: TransitionRecord,
-        *,
-        iterations: Sequence[IterationRecord] = (),
-        artifacts: Sequence[ArtifactRecord] = (),
-        spec_json: str | None = None,
-    ) -> None:
-        """Store ``transition`` and the run row it leads to, in one transaction.
-
-        The run's head (state, seq, iteration, updated_at) is its last transition, and the
-        ``transitions_fence`` trigger refuses a stale seq or lease token, so in the common
-        step — nothing else about the run changed — the whole commit is one autocommit INSERT.
-        Other changed columns are written by an UPDATE of ``run_rows`` in the same
-        ``BEGIN IMMEDIATE`` transaction.
-        """
-        insert, rows = self._statements(run, transition, iterations, artifacts, spec_json)
-        run_id = run.run_id
-        written = self._written
-        with self._lock:
-            if self._closed:
-                raise JournalError("is closed", path=self.path)
-            if self._unwritable is not None:
-                raise JournalError(self._unwritable, path=self.path)
-            cursor = self._cursor  # one reused cursor: a new one per statement costs ~0.5 µs
-            try:
-                if rows is None:
-                    cursor.execute(_INSERT_TRANSITION, insert)
-                else:
-                    self._commit_with_rows(cursor, insert, rows)
-            except sqlite3.IntegrityError as exc:
-                written.pop(run_id, None)
-                raise self._refusal(
-                    exc, run_id, transition.seq - 1, transition.lease_token
-                ) from None
-            except sqlite3.Error as exc:
-                written.pop(run_id, None)
-                raise JournalError(self._describe(exc), path=self.path) from exc
-            if len(written) >= _REMEMBERED_RUNS:
-                written.clear()
-            written[run_id] = run
-
-    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
-        """Store several commits in one ``BEGIN IMMEDIATE`` transaction (see ``Journal``).
-
-        A one-statement commit that is refused is undone by SQLite itself (the trigger's
-        ``RAISE(ABORT)`` ends that statement only); one with more statements runs inside a
-        SAVEPOINT, rolled back when it is refused.
-        """
-        results: list[Exception | None] = [None] * len(commits)
-        planned = []
-        for index, item in enumerate(commits):
-            try:
-                insert, rows = self._statements(
-                    item.run, item.transition, item.iterations, item.artifacts, item.spec_json
-                )
-            except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned at its index
-                results[index] = exc
-            else:
-                planned.append((index, insert, rows))
-        if not planned:
-            return results
-        stored: list[int] = []
-        with self._lock:
-            try:
-                self._check_open()
-                self._check_writable()
-                with self._errors():
-                    self._write_group(commits, planned, results, stored)
-            except JournalError as failure:
-                for index in stored:
-                    self._written.pop(commits[index].run.run_id, None)
-                return [failure if result is None else result for result in results]
-            if len(self._written) >= _REMEMBERED_RUNS:
-                self._written.clear()
-        return results
-
-    def _write_group(
-        self,
-        commits: Sequence[Commit],
-        planned: Sequence[tuple[int, tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]],
-        results: list[Exception | None],
-        stored: list[int],
-    ) -> None:
-        written = self._written
-        cursor = self._cursor
-        cursor.execute("BEGIN IMMEDIATE")
-        try:
-            one_each = [item for item in planned if item[2] is not None]
-            bulk = [item for item in planned if item[2] is None]
-            if len(bulk) > 1 and len({commits[i].run.run_id for i, _, _ in planned}) == len(
-                planned
-            ):
-                try:
-                    self._insert_many([insert for _, insert, _ in bulk])
-                except sqlite3.IntegrityError:  # one of them is refused: each on its own, below
-                    cursor.execute("ROLLBACK")
-                    cursor.execute("BEGIN IMMEDIATE")
-                    one_each = list(planned)
-                else:
-                    for index, _, _ in bulk:
-                        written[commits[index].run.run_id] = commits[index].run
-                        stored.append(index)
-            else:
-                one_each = list(planned)
-            for index, insert, rows in one_each:
-                run = commits[index].run
-                try:
-                    if rows is None:
-                        cursor.execute(_INSERT_TRANSITION, insert)
-                    else:
-                        self._savepoint(cursor, insert, rows)
-                except sqlite3.IntegrityError as exc:
-                    written.pop(run.run_id, None)
-                    results[index] = self._refusal(
-                        exc, run.run_id, run.seq - 1, commits[index].transition.lease_token
-                    )
-                else:
-                    written[run.run_id] = run  # known at this seq for a later commit here
-                    stored.append(index)
-            cursor.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                cursor.execute("ROLLBACK")
-            raise
-
-    def _insert_many(self, inserts: Sequence[tuple[Any, ...]]) -> None:
-        """INSERT many transitions (of distinct runs) in as few statements as the parameters allow.
-
-        One multi-row VALUES statement binds the whole group and steps once: one call, instead
-        of one per row, and SQLite releases the GIL for the whole of it. The rows go in the
-        order of the ``(run_key, seq)`` index, so each insert lands next to the one before
-        instead of in a random leaf: half the cost of a row at 1,000 runs (bench_concurrent).
-        """
-        inserts = sorted(inserts, key=_run_key_of)
-        per_statement = self._bulk_rows
-        for start in range(0, len(inserts), per_statement):
-            chunk = inserts[start : start + per_statement]
-            self._cursor.execute(
-                _bulk_insert(len(chunk)), list(itertools.chain.from_iterable(chunk))
-            )
-
-    def _statements(
-        self,
-        run: RunRecord,
-        transition: TransitionRecord,
-        iterations: Sequence[IterationRecord],
-        artifacts: Sequence[ArtifactRecord],
-        spec_json: str | None,
-    ) -> tuple[tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]:
-        """The INSERT of ``transition`` and, off the hot path, the other statements with it."""
-        seq = transition.seq
-        if run.seq != seq or run.state != transition.to_state or seq < 1:
-            self._refuse_malformed(run, transition)
-        insert = (
-            transition.run_id,
-            seq,
-            transition.from_state,
-            transition.event,
-            transition.to_state,
-            transition.iteration,
-            transition.attempt,
-            format_utc(transition.at),
-            transition.duration_ms,
-            None if transition.result is None else _dumps(transition.result),
-            transition.lease_token,
-            self._keys.get(transition.run_id) or self._run_key(transition.run_id),
-        )
-        known = self._written.get(run.run_id)
-        if (
-            known is not None  # the hot path: the transition is all that changed
-            and known.seq == seq - 1
-            and run.visit_seq == seq
-            and run.status is known.status
-            and run.attempt == known.attempt
-            and run.context is known.context
-            and run.error is known.error
-            and run.return_to == known.return_to
-            and transition.event != _USER_ABORTED
-        ):
-            extra = None
-        else:
-            extra = self._extra_update(run, transition)
-        if extra is None and not iterations and not artifacts and spec_json is None:
-            return insert, None
-        rows = [extra] if extra is not None else []
-        if spec_json is not None:
-            rows += [
-                (
-                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
-                ),
-                ("UPDATE run_rows SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run.run_id)),
-            ]
-        rows += [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
-        rows += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
-        return insert, rows
-
-    def _savepoint(
-        self,
-        cursor: sqlite3.Cursor,
-        insert: tuple[Any, ...],
-        rows: Sequence[tuple[str, tuple[Any, ...]]],
-    ) -> None:
-        """One commit of several statements inside a group: all of them or none."""
-        cursor.execute("SAVEPOINT one_commit")
-        try:
-            self._insert_with(cursor, insert, rows)
-        except BaseException:
-            cursor.execute("ROLLBACK TO one_commit")
-            raise
-        finally:
-            cursor.execute("RELEASE one_commit")
-
-    @staticmethod
-    def _insert_with(
-        cursor: sqlite3.Cursor,
-        insert: tuple[Any, ...],
-        rows: Sequence[tuple[str, tuple[Any, ...]]],
-    ) -> None:
-        """The transition's INSERT, then the statements that go with it (inside a transaction)."""
-        cursor.execute(_INSERT_TRANSITION, insert)
-        for sql, params in rows:
-            cursor.execute(sql, params)
-
-    def _commit_with_rows(
-        self,
-        cursor: sqlite3.Cursor,
-        insert: tuple[Any, ...],
-        rows: Sequence[tuple[str, tuple[Any, ...]]],
-    ) -> None:
-        cursor.execute("BEGIN IMMEDIATE")
-        try:
-            self._insert_with(cursor, insert, rows)
-            cursor.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                cursor.execute("ROLLBACK")
-            raise
-
-    def _extra_update(
-        self, run: RunRecord, transition: TransitionRecord
-    ) -> tuple[str, tuple[Any, ...]] | None:
-        """The UPDATE of the stored run row, when more than the run's head changed.
-
-        The head (state, seq, iteration, updated_at and a new visit) is the last transition, read
-        through the ``runs`` view, so a plain step writes no run row at all. Any other change
-        writes the head into the row too (the view then reads the row's own updated_at and
-        visit_seq). Every column assigned costs (the status index alone ~8 µs a step), so when
-        this journal knows the row as stored at ``seq - 1`` it leaves unchanged columns alone.
-        That knowledge is safe: the fence trigger refuses the commit unless the run is at
-        ``seq - 1``.
-        """
-        known = self._written.get(run.run_id)
-        if known is None or known.seq != transition.seq - 1:
-            known = None
-        elif (
-            run.visit_seq == transition.seq
-            and run.status is known.status
-            and run.attempt == known.attempt
-            and run.context is known.context
-            and run.error is known.error
-            and run.return_to == known.return_to
-            and transition.event != _USER_ABORTED
-        ):
-            return None  # the hot path: the transition is all that changed
-        columns = ["state", "seq", "iteration", "updated_at", "visit_seq"]
-        params: list[Any] = [
-            run.state,
-            run.seq,
-            run.iteration,
-            format_utc(run.updated_at),
-            run.visit_seq,
-        ]
-        if known is None or run.status is not known.status:
-            columns.append("status")
-            params.append(run.status.value)
-        if known is None or run.attempt != known.attempt:
-            columns.append("attempt")
-            params.append(run.attempt)
-        if known is None or run.context is not known.context:
-            columns.append("context")
-            params.append(_dumps(run.context))
-        if known is None or run.error is not known.error:
-            columns.append("error")
-            params.append(_dumps(run.error))
-        if known is None or (run.return_to, run.return_attempt) != (
-            known.return_to,
-            known.return_attempt,
-        ):
-            columns += ["return_to", "return_attempt", "return_visit"]
-            params += [run.return_to, run.return_attempt, run.return_visit]
-        if transition.event == _USER_ABORTED:
-            columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
-            params += [None, None]
-        key = tuple(columns)
-        sql = self._update_sql.get(key)
-        if sql is None:
-            assignments = ", ".join(f"{column} = ?" for column in columns)
-            sql = self._update_sql[key] = f"UPDATE run_rows SET {assignments} WHERE run_id = ?"
-        params.append(run.run_id)
-        return sql, tuple(params)
-
-    def _remember(self, run: RunRecord) -> None:
-        if len(self._written) >= _REMEMBERED_RUNS:
-            self._written.clear()
-        self._written[run.run_id] = run
-
-    def _remember_key(self, run_id: str, key: int) -> None:
-        if len(self._keys) >= _REMEMBERED_KEYS:
-            self._keys.clear()
-        self._keys[run_id] = key
-
-    def _run_key(self, run_id: str) -> int:
-        """The run's ``run_key`` (when this journal has not read or written the run yet)."""
-        with self._read() as conn:
-            row = conn.execute(
-                "SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)
-            ).fetchone()
-        if row is None:
-            raise RunNotFoundError(run_id)
-        key = int(row[0])
-        self._remember_key(run_id, key)
-        return key
-
-    def _refusal(
-        self, exc: sqlite3.IntegrityError, run_id: str, expected_seq: int, token: int
-    ) -> Exception:
-        """Why the fence trigger (or a constraint) refused a commit."""
-        if _STALE_SEQ not in str(exc) and "transitions.run_key" not in str(exc):
-            return JournalError(self._describe(exc), path=self.path)
-        self._keys.pop(run_id, None)  # read again next time, in case it was not the run's
-        found = self._conn.execute(
-            "SELECT v.seq, v.lease_token, v.abort_reason, r.abort_token FROM runs AS v"
-            " JOIN run_rows AS r ON r.run_key = v.run_key WHERE v.run_id = ?",
-            (run_id,),
-        ).fetchone()
-        return self._commit_refusal(found, run_id, expected_seq, token)
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
@@ -1246,15 +594,15 @@ class SqliteJournal(SqlJournal):
                     " FROM transitions WHERE run_key = ? AND seq <= ? ORDER BY seq",
                     (run.run_id, key, found[1], at_seq),
                 )
-                assignments = ", ".join(f"{column} = ?" for column in _RUN_COLUMNS[1:])
+                assignments = ", ".join(f"{column} = ?" for column in _rows.RUN_COLUMNS[1:])
                 conn.execute(
                     f"UPDATE run_rows SET {assignments} WHERE run_id = ?",
                     (*self._run_params(run)[1:], run.run_id),
                 )
                 copies = (
-                    ("iterations", _ITERATION_COLUMNS, "iteration <= ?", run.iteration),
-                    ("artifacts", _ARTIFACT_COLUMNS, "seq <= ?", at_seq),
-                    ("effects", _EFFECT_COLUMNS, "visit_seq < ?", run.visit_seq),
+                    ("iterations", _rows.ITERATION_COLUMNS, "iteration <= ?", run.iteration),
+                    ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= ?", at_seq),
+                    ("effects", _rows.EFFECT_COLUMNS, "visit_seq < ?", run.visit_seq),
                 )
                 for table, columns, condition, bound in copies:
                     rest = [column for column in columns if column != "run_id"]
