@@ -707,7 +707,7 @@ class TestServerClock:
         self, postgres_journal, monkeypatch, skew
     ):
         """A host an hour ahead must not take live leases over; one behind must see dead ones."""
-        import fsm_runner.journal.postgres as module
+        import fsm_runner.journal._postgres_writes as module  # the PostgreSQL journal's writes
         import fsm_runner.records as records
 
         start(postgres_journal)
