@@ -41,7 +41,7 @@ class SqlJournal:
     """The part of a SQL journal that is the same in every dialect.
 
     A subclass sets the class attributes and implements :meth:`_select`, :meth:`_writing`,
-    :meth:`_stamp`, :meth:`_stale_bound`, ``location`` and ``load``.
+    :meth:`_stamp`, :meth:`_stale_bound`, ``location``, ``load`` and ``close``.
     """
 
     #: The dialect's placeholder for one parameter.
@@ -52,7 +52,8 @@ class SqlJournal:
     _RUN_SELECT: ClassVar[str]
     #: The column that orders rows inserted in the same microsecond (insertion order).
     _ROW_ORDER: ClassVar[str]
-    #: What a put_effect statement's ``EXISTS`` check is written as (the dialect's own SQL).
+    #: The dialect's INSERT (or replace) of an effect, only while its run is at a seq (and,
+    #: if given, a lease token): parameters are the effect's columns, run id, seq, token, token.
     _PUT_EFFECT: ClassVar[str]
 
     durability: Durability
@@ -87,7 +88,11 @@ class SqlJournal:
         raise NotImplementedError
 
     def _writing(self, work: Callable[[Any], T]) -> T:
-        """Run ``work`` with the connection, as one short write."""
+        """Run ``work`` with the connection, as one short write.
+
+        SQLite: inside one ``BEGIN IMMEDIATE`` transaction; PostgreSQL: in autocommit mode,
+        getting a lost connection back and trying again.
+        """
         raise NotImplementedError
 
     def _stale_bound(self) -> tuple[str, list[Any]]:

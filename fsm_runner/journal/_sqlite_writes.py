@@ -33,7 +33,7 @@ from fsm_runner.records import (
     utc_now,
 )
 
-__all__ = ["SqliteWrites"]
+__all__ = ["SqliteWrites", "refused_if_exists"]
 
 #: What a ``sqlite3`` error says (lower-cased words in its message) -> what the user is told.
 _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -117,6 +117,19 @@ _INSERT_RUN = (
 
 
 _dumps = _rows.dumps
+
+
+@contextlib.contextmanager
+def refused_if_exists(run_id: str) -> Iterator[None]:
+    """Raise :class:`RunExistsError` for a write that failed on the id of an existing run."""
+    try:
+        yield
+    except JournalError as exc:
+        if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
+            exc.__cause__
+        ):
+            raise RunExistsError(run_id) from None
+        raise
 
 
 def _inserted_key(cursor: sqlite3.Cursor) -> int:
@@ -230,25 +243,18 @@ class SqliteWrites(SqlJournal):
         """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
         run_row = self._run_params(run)
         transition_row = self._transition_params(first)
-        try:
-            with self._write() as conn:
-                conn.execute(
-                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
-                )
-                key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
-                conn.execute(_INSERT_TRANSITION, (*transition_row, key))
-                for record in iterations:
-                    conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
-            self._remember(run)
-            self._remember_key(run.run_id, key)
-        except JournalError as exc:
-            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
-                exc.__cause__
-            ):
-                raise RunExistsError(run.run_id) from None
-            raise
+        with refused_if_exists(run.run_id), self._write() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
+                " VALUES (?, ?, ?, ?)",
+                (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
+            )
+            key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
+            conn.execute(_INSERT_TRANSITION, (*transition_row, key))
+            for record in iterations:
+                conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
+        self._remember(run)
+        self._remember_key(run.run_id, key)
 
     def commit(
         self,

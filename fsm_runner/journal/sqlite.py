@@ -22,7 +22,6 @@ import attrs
 from fsm_runner.exceptions import (
     JournalError,
     LeaseLostError,
-    RunExistsError,
     RunNotFoundError,
     RunTerminalError,
     SchemaVersionError,
@@ -43,6 +42,7 @@ from fsm_runner.journal._sqlite_writes import (
     _TRANSITION_PARAMS,
     SqliteWrites,
     _inserted_key,
+    refused_if_exists,
 )
 from fsm_runner.journal.base import Durability, PruneReport
 from fsm_runner.records import (
@@ -574,52 +574,45 @@ class SqliteJournal(SqliteWrites):
         if run.seq != at_seq:
             raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
         first = self._run_params(attrs.evolve(run, seq=0))
-        try:
-            with self._write() as conn:
-                found = conn.execute(
-                    "SELECT seq, run_key FROM runs WHERE run_id = ?", (source_run_id,)
-                ).fetchone()
-                if found is None:
-                    raise RunNotFoundError(source_run_id)
-                if not 0 <= at_seq <= found[0]:
-                    raise ValueError(
-                        f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
-                    )
-                key = _inserted_key(conn.execute(_INSERT_RUN, first))
-                # In seq order: the fence trigger admits each on top of the one before.
+        with refused_if_exists(run.run_id), self._write() as conn:
+            found = conn.execute(
+                "SELECT seq, run_key FROM runs WHERE run_id = ?", (source_run_id,)
+            ).fetchone()
+            if found is None:
+                raise RunNotFoundError(source_run_id)
+            if not 0 <= at_seq <= found[0]:
+                raise ValueError(
+                    f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
+                )
+            key = _inserted_key(conn.execute(_INSERT_RUN, first))
+            # In seq order: the fence trigger admits each on top of the one before.
+            conn.execute(
+                "INSERT INTO transitions (run_id, run_key, seq, from_state, event, to_state,"
+                " iteration, attempt, at, duration_ms, result) SELECT ?, ?, seq, from_state,"
+                " event, to_state, iteration, attempt, at, duration_ms, result"
+                " FROM transitions WHERE run_key = ? AND seq <= ? ORDER BY seq",
+                (run.run_id, key, found[1], at_seq),
+            )
+            assignments = ", ".join(f"{column} = ?" for column in _rows.RUN_COLUMNS[1:])
+            conn.execute(
+                f"UPDATE run_rows SET {assignments} WHERE run_id = ?",
+                (*self._run_params(run)[1:], run.run_id),
+            )
+            copies = (
+                ("iterations", _rows.ITERATION_COLUMNS, "iteration <= ?", run.iteration),
+                ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= ?", at_seq),
+                ("effects", _rows.EFFECT_COLUMNS, "visit_seq < ?", run.visit_seq),
+            )
+            for table, columns, condition, bound in copies:
+                rest = [column for column in columns if column != "run_id"]
                 conn.execute(
-                    "INSERT INTO transitions (run_id, run_key, seq, from_state, event, to_state,"
-                    " iteration, attempt, at, duration_ms, result) SELECT ?, ?, seq, from_state,"
-                    " event, to_state, iteration, attempt, at, duration_ms, result"
-                    " FROM transitions WHERE run_key = ? AND seq <= ? ORDER BY seq",
-                    (run.run_id, key, found[1], at_seq),
+                    f"INSERT INTO {table} (run_id, {', '.join(rest)})"
+                    f" SELECT ?, {', '.join(rest)} FROM {table}"
+                    f" WHERE run_id = ? AND {condition}",
+                    (run.run_id, source_run_id, bound),
                 )
-                assignments = ", ".join(f"{column} = ?" for column in _rows.RUN_COLUMNS[1:])
-                conn.execute(
-                    f"UPDATE run_rows SET {assignments} WHERE run_id = ?",
-                    (*self._run_params(run)[1:], run.run_id),
-                )
-                copies = (
-                    ("iterations", _rows.ITERATION_COLUMNS, "iteration <= ?", run.iteration),
-                    ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= ?", at_seq),
-                    ("effects", _rows.EFFECT_COLUMNS, "visit_seq < ?", run.visit_seq),
-                )
-                for table, columns, condition, bound in copies:
-                    rest = [column for column in columns if column != "run_id"]
-                    conn.execute(
-                        f"INSERT INTO {table} (run_id, {', '.join(rest)})"
-                        f" SELECT ?, {', '.join(rest)} FROM {table}"
-                        f" WHERE run_id = ? AND {condition}",
-                        (run.run_id, source_run_id, bound),
-                    )
-            self._remember(run)
-            self._remember_key(run.run_id, key)
-        except JournalError as exc:
-            if isinstance(exc.__cause__, sqlite3.IntegrityError) and "run_rows.run_id" in str(
-                exc.__cause__
-            ):
-                raise RunExistsError(run.run_id) from None
-            raise
+        self._remember(run)
+        self._remember_key(run.run_id, key)
 
     def _size(self) -> int | None:
         if self.path == ":memory:":
