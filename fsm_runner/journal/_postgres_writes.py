@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -204,8 +203,6 @@ class PostgresWrites(SqlJournal):
     _secrets: tuple[str, ...]
     _conninfo: str
     _connect_options: dict[str, Any]
-    _lock: threading.RLock
-    _closed: bool
     _conn: _Connection | None
 
     # -- connecting ----------------------------------------------------------------------------

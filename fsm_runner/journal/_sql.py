@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -41,7 +42,7 @@ class SqlJournal:
     """The part of a SQL journal that is the same in every dialect.
 
     A subclass sets the class attributes and implements :meth:`_select`, :meth:`_writing`,
-    :meth:`_stamp`, :meth:`_stale_bound`, ``location``, ``load`` and ``close``.
+    :meth:`_stamp`, :meth:`_stale_bound`, :meth:`_disconnect`, ``location`` and ``load``.
     """
 
     #: The dialect's placeholder for one parameter.
@@ -57,6 +58,8 @@ class SqlJournal:
     _PUT_EFFECT: ClassVar[str]
 
     durability: Durability
+    _lock: threading.RLock
+    _closed: bool
 
     # -- what each dialect supplies ------------------------------------------------------------
 
@@ -65,8 +68,8 @@ class SqlJournal:
         """Where the journal lives, for messages."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Close the connection; further use raises ``JournalError``."""
+    def _disconnect(self) -> None:
+        """Close the connection (once, under the lock)."""
         raise NotImplementedError
 
     def load(self, run_id: str) -> RunRecord:
@@ -100,6 +103,13 @@ class SqlJournal:
         raise NotImplementedError
 
     # -- the same in every dialect -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connection; further use raises ``JournalError``."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._disconnect()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"

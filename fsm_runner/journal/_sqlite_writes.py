@@ -15,7 +15,6 @@ import functools
 import itertools
 import operator
 import sqlite3
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -148,8 +147,6 @@ class SqliteWrites(SqlJournal):
     path: str
     _conn: sqlite3.Connection
     _cursor: sqlite3.Cursor
-    _lock: threading.RLock
-    _closed: bool
     _unreadable: str | None
     _unwritable: str | None
     _written: dict[str, RunRecord]

@@ -206,15 +206,11 @@ class PostgresJournal(PostgresWrites):
         """The journal's URL with its schema, without the password."""
         return self._location
 
-    def close(self) -> None:
-        """Close the connection; further use raises ``JournalError``."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                if self._conn is not None:
-                    with contextlib.suppress(psycopg.Error):
-                        self._conn.close()
-                    self._conn = None
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self._conn.close()
+            self._conn = None
 
     @property
     def backend_pid(self) -> int | None:

@@ -162,12 +162,8 @@ class SqliteJournal(SqliteWrites):
         """The journal file's absolute path."""
         return self.path
 
-    def close(self) -> None:
-        """Close the connection; further use raises ``JournalError``."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._conn.close()
+    def _disconnect(self) -> None:
+        self._conn.close()
 
     # -- opening -------------------------------------------------------------------------------
 
