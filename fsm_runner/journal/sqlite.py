@@ -3,6 +3,12 @@
 Schema and migrations go through ``sqlite-utils``; the hot path (one commit per transition) uses
 prepared SQL on the raw connection, in WAL mode, inside ``BEGIN IMMEDIATE`` with a busy timeout
 so concurrent writers queue instead of failing with "database is locked".
+
+This module opens the file and holds the reads, claims and operations that are SQLite's own;
+the writes (the connection guard, error mapping and the fenced commit) are in
+:mod:`~fsm_runner.journal._sqlite_writes`, the schema-object checks in
+:mod:`~fsm_runner.journal._sqlite_check`, and what is the same on PostgreSQL in
+:mod:`~fsm_runner.journal._sql`.
 """
 
 from __future__ import annotations
