@@ -13,11 +13,9 @@ the writes (the connection guard, error mapping and the fenced commit) are in
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import os
 import sqlite3
-import stat
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -30,23 +28,17 @@ from fsm_runner.exceptions import (
     LeaseLostError,
     RunNotFoundError,
     RunTerminalError,
-    SchemaVersionError,
 )
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._sqlite_check import (
-    CODE,
-    TABLES,
-    code_objects,
-    difference,
-    expected_shapes,
-    object_name,
-    schema_shapes,
+    APPLICATION_ID,
+    SCHEMA_VERSION,
+    SqliteChecks,
 )
 from fsm_runner.journal._sqlite_writes import (
     _BULK_ROWS,
     _INSERT_RUN,
     _TRANSITION_PARAMS,
-    SqliteWrites,
     _inserted_key,
     refused_if_exists,
 )
@@ -60,10 +52,6 @@ from fsm_runner.records import (
 
 __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "SqliteJournal"]
 
-#: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
-APPLICATION_ID = 0x46534D52
-#: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 8
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
@@ -80,7 +68,7 @@ TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
 T = TypeVar("T")
 
 
-class SqliteJournal(SqliteWrites):
+class SqliteJournal(SqliteChecks):
     """A journal in one SQLite file (WAL mode).
 
     Args:
@@ -170,199 +158,6 @@ class SqliteJournal(SqliteWrites):
 
     def _disconnect(self) -> None:
         self._conn.close()
-
-    # -- opening -------------------------------------------------------------------------------
-
-    # Nothing here may open the journal or its side files with ``open()``: POSIX advisory locks
-    # belong to a process, not to a descriptor, so closing *any* descriptor of the file drops
-    # every lock this process's other connections hold on it. Another process closing its
-    # connection then believes it is the last one, checkpoints and deletes the ``-wal`` and
-    # ``-shm`` under our live connections: commits land in a deleted WAL and are lost, and
-    # readers of the truncated ``-shm`` die of SIGBUS. Only SQLite itself (which shares one lock
-    # set between the connections of a process) reads these files; the checks below use
-    # ``stat``/``access``, which open nothing.
-
-    def _check_header(self) -> None:
-        """Refuse a path whose directory is missing, or that is a directory itself."""
-        if self.path == ":memory:":
-            return
-        try:
-            mode = os.stat(self.path).st_mode
-        except FileNotFoundError:
-            if not Path(self.path).parent.is_dir():
-                raise JournalError("its directory does not exist", path=self.path) from None
-            return
-        except OSError as exc:
-            raise JournalError(f"cannot be read: {exc.strerror}", path=self.path) from None
-        if stat.S_ISDIR(mode):
-            raise JournalError("is a directory, not a journal file", path=self.path)
-        if not os.access(self.path, os.R_OK, effective_ids=True):
-            raise JournalError("cannot be read: Permission denied", path=self.path)
-
-    def _heal_side_files(self) -> None:
-        """Make stale ``-wal``/``-shm`` files writable again when the journal itself is.
-
-        A connection to a read-only journal leaves its ``-shm`` file behind with the journal's
-        mode then; once the journal is made writable again, SQLite would still open it
-        read-only because of that file. Only files this process owns are changed.
-        """
-        if self.path == ":memory:" or not os.access(self.path, os.W_OK, effective_ids=True):
-            return  # missing, or not writable: nothing to heal
-        for suffix in ("-wal", "-shm"):
-            side = self.path + suffix
-            if os.path.exists(side) and not os.access(side, os.W_OK, effective_ids=True):
-                with contextlib.suppress(OSError):
-                    if os.stat(side).st_uid == os.getuid():
-                        os.chmod(side, os.stat(self.path).st_mode & 0o777)
-
-    def _open_schema(self) -> None:
-        conn = self._conn
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        if app_id not in (0, APPLICATION_ID):
-            raise JournalError(
-                f"is a SQLite database of another application (application_id {app_id:#x}), "
-                "not an fsm_runner journal",
-                path=self.path,
-            )
-        if app_id == APPLICATION_ID and self._stored_version() == SCHEMA_VERSION:
-            self._enable_wal()
-            return  # the common case: an up-to-date journal, opened without taking a write lock
-        tables = {
-            str(row[0])
-            for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-        }
-        if app_id == 0 and not tables and not self._create:
-            empty = self.path != ":memory:" and os.stat(self.path).st_size == 0
-            raise JournalError(
-                "is not an fsm_runner journal ("
-                + ("an empty file" if empty else "a SQLite database without tables")
-                + "); nothing was changed",
-                path=self.path,
-            )
-        if app_id == 0 and tables - {"_sqlite_migrations"}:
-            raise JournalError(
-                "is a SQLite database but not an fsm_runner journal (it has tables "
-                f"{', '.join(sorted(tables)[:5])})",
-                path=self.path,
-            )
-        self._enable_wal()
-        # sqlite-utils (schema and migrations) is imported only here: opening an up-to-date
-        # journal, as every command and worker does, does not pay its ~0.1 s import.
-        from fsm_runner.journal import _schema  # noqa: PLC0415 - lazy on purpose (see above)
-
-        db = _schema.database(conn)
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            self._refuse_newer_schema(_schema.unknown_migrations(db))
-            _schema.migrate(db)
-            self._conn.execute(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
-                (str(SCHEMA_VERSION),),
-            )
-            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-
-    def _verify_code(self) -> None:
-        """Compare the journal's view and triggers with its schema version's; note what differs.
-
-        Their SQL is fsm_runner's own text, stored as written, so a digest of it (whitespace
-        aside) tells a damaged or hand-edited one: ``transitions_fence`` altered or dropped
-        loses the fencing of every write (invariants 2 and 4), an extra trigger runs inside
-        every commit, and an altered ``runs`` view misreads every run's head. Writes are then
-        refused, and reads too when the view is not the expected one; ``check`` lists what
-        differs (:meth:`schema_problems`). Costs one read of ``sqlite_master`` (~25 µs).
-        """
-        found = {  # triggers on tables of the user's own (in the same file) are theirs
-            key: value
-            for key, value in code_objects(self._conn).items()
-            if key in CODE or value[0] in TABLES
-        }
-        damaged = sorted(
-            f"{kind} {name}"
-            for kind, name in found.keys() ^ CODE.keys()
-            | {key for key in found.keys() & CODE.keys() if found[key] != CODE[key]}
-        )
-        if not damaged:
-            return
-        what = (
-            f"its schema is damaged ({', '.join(damaged)}: not as schema version"
-            f" {SCHEMA_VERSION} has {'it' if len(damaged) == 1 else 'them'};"
-            " fsm-runner check lists what differs)"
-        )
-        self._unwritable = f"{what}; nothing was written"
-        if found.get(("view", "runs")) != CODE["view", "runs"]:
-            self._unreadable = f"{what}; nothing was read"
-
-    def schema_problems(self) -> list[str]:
-        """How the journal's schema objects differ from those of its schema version.
-
-        Every table, index, view and trigger is compared with a new journal's (tables by their
-        columns, keys and unique constraints; indexes by their columns; views and triggers by
-        their SQL, whitespace aside): one line per object missing, altered, or added to one of
-        the journal's tables (an index or a trigger: it takes part in every write). Tables,
-        views and the like of the user's own in the same file are not the journal's business.
-        Empty for a journal as fsm_runner made (or migrated) it.
-        """
-        expected = expected_shapes()
-        with self._read(damaged=True) as conn:
-            found = schema_shapes(conn)
-            owners = {
-                (object_name(kind), object_name(name)): object_name(table)
-                for kind, name, table in conn.execute(
-                    "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB)"
-                    " FROM main.sqlite_master"
-                )
-            }
-        ours = {name for kind, name in expected if kind in ("table", "view")}
-        problems = []
-        for key in sorted(expected.keys() | found.keys()):
-            kind, name = key
-            if key not in found:
-                problems.append(f"schema: {kind} {name} is missing")
-            elif key not in expected:
-                if kind not in ("index", "trigger") or owners.get(key) not in ours:
-                    continue  # the user's own, beside the journal
-                problems.append(
-                    f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}"
-                )
-            elif found[key] != expected[key]:
-                problems.append(
-                    f"schema: {kind} {name} differs from schema version {SCHEMA_VERSION}"
-                    f"{difference(kind, found[key], expected[key])} (damaged or edited by hand)"
-                )
-        return problems
-
-    def _refuse_newer_schema(self, unknown: set[str]) -> None:
-        found = self._stored_version()
-        if (found is not None and found > SCHEMA_VERSION) or unknown:
-            raise SchemaVersionError(found=found or 0, supported=SCHEMA_VERSION, path=self.path)
-
-    def _enable_wal(self) -> None:
-        if self.path == ":memory:":
-            return
-        mode = self._conn.execute("PRAGMA journal_mode").fetchone()[0]
-        if str(mode).lower() != "wal":
-            self._conn.execute("PRAGMA journal_mode = WAL")
-
-    def _stored_version(self) -> int | None:
-        try:
-            row = self._conn.execute(
-                "SELECT value FROM meta WHERE key = 'schema_version'"
-            ).fetchone()
-        except sqlite3.OperationalError:
-            return None  # no meta table yet
-        if row is None:
-            return None
-        try:
-            return int(row[0])
-        except ValueError:
-            raise JournalError(
-                f"has an unreadable schema version {row[0]!r}", path=self.path
-            ) from None
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
