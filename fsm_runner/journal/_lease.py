@@ -1,20 +1,29 @@
-"""The lease-grant rule, once: every journal's ``claim`` asks it before it writes a lease.
+"""The lease rules, once: granting a claim, and telling why a fenced commit was refused.
 
 Pure: the journal reads the run (locking it where its medium needs that), asks :func:`grant`
 with the time its leases are judged by (the process's clock, or PostgreSQL's), and writes what
-it answers. So SQLite, PostgreSQL and the memory journal grant and refuse exactly alike.
+it answers; a commit its fence refused is explained by :func:`commit_refusal` from the run as
+stored. So SQLite, PostgreSQL and the memory journal grant and refuse exactly alike.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
-from fsm_runner.exceptions import LeaseHeldError, RunTerminalError
+from fsm_runner.exceptions import (
+    LeaseHeldError,
+    LeaseLostError,
+    RunConflictError,
+    RunNotFoundError,
+    RunTerminalError,
+)
 from fsm_runner.records import RunRecord, format_utc
 
-__all__ = ["claimed", "grant"]
+__all__ = ["claimed", "commit_refusal", "grant"]
 
 
 def grant(run: RunRecord, owner: str, now: dt.datetime, *, take_over: str | None = None) -> bool:
@@ -51,4 +60,29 @@ def claimed(run: RunRecord, owner: str, expires: dt.datetime, *, takeover: bool)
         lease_expires_at=expires,
         lease_token=run.lease_token + 1,
         recoveries=run.recoveries + int(takeover),
+    )
+
+
+def commit_refusal(
+    found: Sequence[Any] | None, run_id: str, expected_seq: int, token: int, *, path: str
+) -> Exception:
+    """Why a commit of the run at ``expected_seq`` under lease ``token`` was (or is) refused.
+
+    ``found`` is the run as stored: ``(seq, lease_token, abort_reason, abort_token)``, where
+    ``abort_token`` is the lease token the run had when its abort was requested (``None``: no
+    request), or ``None`` when there is no such run. A lease taken over is the more telling
+    refusal; a commit at the right seq under a token the abort was requested under names the
+    abort's reason (its writer must carry the abort out).
+    """
+    if found is None:
+        return RunNotFoundError(run_id)
+    seq, stored_token, abort_reason, abort_token = found
+    if stored_token != token:  # taken over: the more telling refusal
+        return LeaseLostError(run_id, token=token)
+    fenced = seq == expected_seq and abort_token is not None and stored_token <= abort_token
+    return RunConflictError(
+        run_id=run_id,
+        expected_seq=expected_seq,
+        path=path,
+        abort_reason=abort_reason if fenced else None,
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError, RunNotFoundError
-from fsm_runner.journal import _rows
+from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal.base import Durability
 from fsm_runner.records import (
     ArtifactRecord,
@@ -147,21 +147,9 @@ class SqlJournal:
     ) -> Exception:
         """Why a fenced commit was refused, from the run as stored.
 
-        ``found`` is the run's ``(seq, lease_token, abort_reason, abort_token)``, or ``None``
-        when there is no such run.
+        See :func:`fsm_runner.journal._lease.commit_refusal`.
         """
-        if found is None:
-            return RunNotFoundError(run_id)
-        seq, stored_token, abort_reason, abort_token = found
-        if stored_token != token:  # taken over: the more telling refusal
-            return LeaseLostError(run_id, token=token)
-        fenced = seq == expected_seq and abort_token is not None and stored_token <= abort_token
-        return RunConflictError(
-            run_id=run_id,
-            expected_seq=expected_seq,
-            path=self.location,
-            abort_reason=abort_reason if fenced else None,
-        )
+        return _lease.commit_refusal(found, run_id, expected_seq, token, path=self.location)
 
     # -- rows ----------------------------------------------------------------------------------
 

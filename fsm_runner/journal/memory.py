@@ -127,23 +127,22 @@ class MemoryJournal:
         with self._lock:
             self._check_open()
             stored = self._runs.get(run.run_id)
-            if stored is None:
-                raise RunNotFoundError(run.run_id)
-            if stored.lease_token != transition.lease_token:  # taken over: the more telling
-                raise LeaseLostError(run.run_id, token=transition.lease_token)
-            if stored.seq != transition.seq - 1:
-                raise RunConflictError(
-                    run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
-                )
+            token, expected = transition.lease_token, transition.seq - 1
             aborting = transition.event == RunEvent.USER_ABORTED.value
             fence = self._abort_tokens.get(run.run_id)
-            if fence is not None and transition.lease_token <= fence and not aborting:
-                raise RunConflictError(  # its writer has not seen the abort requested since
-                    run_id=run.run_id,
-                    expected_seq=transition.seq - 1,
-                    path=":memory:",
-                    abort_reason=stored.abort_reason,
+            if (
+                stored is None
+                or stored.lease_token != token
+                or stored.seq != expected
+                # its writer has not seen the abort requested since
+                or (fence is not None and token <= fence and not aborting)
+            ):
+                found = (
+                    None
+                    if stored is None
+                    else (stored.seq, stored.lease_token, stored.abort_reason, fence)
                 )
+                raise _lease.commit_refusal(found, run.run_id, expected, token, path=":memory:")
             if aborting:
                 self._abort_tokens.pop(run.run_id, None)
             # Only the columns a commit owns change, as in the SQLite UPDATE.
