@@ -1,11 +1,12 @@
 """Journals: the one I/O seam of the engine (``base.Journal``) and its implementations.
 
 Modules: ``base`` (the protocol), ``memory``, ``sqlite`` and ``postgres`` (the journals);
-``_sql`` (what both SQL journals share: reads, row decoding, effects, the commit-refusal
-rule), ``_rows`` (records as the rows they bind), ``_lease`` (the lease-grant rule every
-journal's claim asks); ``_sqlite_writes``/``_sqlite_check`` and
-``_postgres_writes``/``_postgres_url`` (each dialect's writes and helpers); ``_schema`` and
-``_postgres_schema`` (migrations).
+``_sql`` (what both SQL journals share: reads, row decoding, effects), ``_rows`` (records as
+the rows they bind), ``_lease`` (the lease rules every journal asks: granting a claim, the
+verdict on a fenced commit); ``_sqlite_writes`` and ``_postgres_writes`` (each dialect's
+connection and fenced commit), ``_sqlite_check`` (opening and checking a SQLite file),
+``_postgres_url``; ``_schema`` and ``_postgres_schema`` (migrations; the latter also opens a
+PostgreSQL journal's schema).
 
 :class:`PostgresJournal` loads on first use, so that nothing here imports psycopg unless a
 PostgreSQL journal is asked for.

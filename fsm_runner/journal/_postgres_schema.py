@@ -1,4 +1,8 @@
-"""The PostgreSQL journal's schema: its migrations, as plain SQL.
+"""The PostgreSQL journal's schema: opening it, and its migrations, as plain SQL.
+
+:class:`PostgresOpening` is the part of :class:`~fsm_runner.journal.postgres.PostgresJournal`
+that finds the journal in its PostgreSQL schema, refuses a foreign or newer one, and creates or
+migrates it.
 
 The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): schema version N
 holds the same tables and columns in both, so a record written by one reads back the same from
@@ -16,7 +20,21 @@ SQLite journal stores (``jsonb`` would reorder keys and refuse what ``json.dumps
 
 from __future__ import annotations
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION"]
+import zlib
+from collections.abc import Mapping
+from typing import Any, Final
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+
+from fsm_runner.exceptions import JournalError, SchemaVersionError
+from fsm_runner.journal._postgres_writes import PostgresWrites, _Connection
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresOpening"]
+
+#: What the ``meta`` table's ``format`` row says in every fsm_runner journal.
+_FORMAT: Final = "fsm_runner journal"
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
 SCHEMA_VERSION = 6
@@ -177,3 +195,84 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (6, "m0006_abort_fence", _M0006_ABORT_FENCE),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
+
+
+class PostgresOpening(PostgresWrites):
+    """Opening the journal's schema, for :class:`~fsm_runner.journal.postgres.PostgresJournal`."""
+
+    def _open_schema(self, conn: _Connection, *, create: bool) -> None:
+        try:
+            rows = conn.execute(
+                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'format')"
+            ).fetchall()
+        except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
+            rows = None  # no journal here yet, or somebody else's meta table: look closer
+        if rows is not None:
+            meta: dict[Any, Any] = dict(rows)
+            if meta.get("format") == _FORMAT and self._version(meta) == SCHEMA_VERSION:
+                return  # the common case: an up-to-date journal, opened without a lock
+        lock_key = zlib.crc32(f"fsm_runner schema {self.schema}".encode())
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+            found = conn.execute(
+                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)
+            ).fetchone()
+            if found is None:
+                if not create:
+                    raise JournalError(
+                        f"holds no fsm_runner journal (there is no schema {self.schema!r})",
+                        path=self._location,
+                    )
+                conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
+            tables = {
+                str(row[0])
+                for row in conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
+                )
+            }
+            version = self._stored_version(conn, tables, create=create)
+            if version > SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    found=version, supported=SCHEMA_VERSION, path=self._location
+                )
+            pending = "".join(text for number, _name, text in MIGRATIONS if number > version)
+            if pending:
+                conn.execute(pending)
+
+    def _stored_version(self, conn: _Connection, tables: set[str], *, create: bool) -> int:
+        if not tables:
+            if not create:
+                raise JournalError(
+                    f"holds no fsm_runner journal (schema {self.schema!r} has no tables)",
+                    path=self._location,
+                )
+            return 0
+        foreign = JournalError(
+            f"schema {self.schema!r} holds tables that are not an fsm_runner journal "
+            f"({', '.join(sorted(tables)[:5])}); nothing was changed",
+            path=self._location,
+        )
+        if "meta" not in tables:
+            raise foreign
+        try:
+            with conn.transaction():  # a savepoint: a foreign meta table must not abort ours
+                meta: dict[Any, Any] = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        except psycopg.errors.UndefinedColumn:
+            raise foreign from None
+        if meta.get("format") != _FORMAT:
+            raise foreign
+        version = self._version(meta)
+        if version is None:
+            raise JournalError("has no schema version", path=self._location)
+        return version
+
+    def _version(self, meta: Mapping[Any, Any]) -> int | None:
+        value = meta.get("schema_version")
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise JournalError(
+                f"has an unreadable schema version {value!r}", path=self._location
+            ) from None

@@ -36,13 +36,11 @@ import contextlib
 import datetime as dt
 import threading
 import urllib.parse
-import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from fsm_runner.exceptions import (
@@ -51,17 +49,15 @@ from fsm_runner.exceptions import (
     RunExistsError,
     RunNotFoundError,
     RunTerminalError,
-    SchemaVersionError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
+from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, PostgresOpening
 from fsm_runner.journal._postgres_url import is_postgres_url, passwords, redact, split_schema
 from fsm_runner.journal._postgres_writes import (
     _INSERT_RUN,
     _TRANSITION_COLUMNS,
     _UNRESOLVED,
     DEFAULT_RETRY_FOR,
-    PostgresWrites,
     _Connection,
     _Unresolved,
     _utc,
@@ -85,8 +81,6 @@ T = TypeVar("T")
 
 #: The PostgreSQL schema (namespace) a journal lives in when the URL names none.
 DEFAULT_SCHEMA = "public"
-#: What the ``meta`` table's ``format`` row says in every fsm_runner journal.
-_FORMAT: Final = "fsm_runner journal"
 
 _RUN_SELECT = ", ".join(_rows.RUN_COLUMNS)
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
@@ -114,7 +108,7 @@ def _server_now(conn: _Connection) -> dt.datetime:
     return now
 
 
-class PostgresJournal(PostgresWrites):
+class PostgresJournal(PostgresOpening):
     """A journal in a PostgreSQL database, shared by every worker that connects to it.
 
     Args:
@@ -219,83 +213,6 @@ class PostgresJournal(PostgresWrites):
         if conn is None or conn.closed:
             return None
         return int(conn.info.backend_pid)
-
-    def _open_schema(self, conn: _Connection, *, create: bool) -> None:
-        try:
-            rows = conn.execute(
-                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'format')"
-            ).fetchall()
-        except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
-            rows = None  # no journal here yet, or somebody else's meta table: look closer
-        if rows is not None:
-            meta: dict[Any, Any] = dict(rows)
-            if meta.get("format") == _FORMAT and self._version(meta) == SCHEMA_VERSION:
-                return  # the common case: an up-to-date journal, opened without a lock
-        lock_key = zlib.crc32(f"fsm_runner schema {self.schema}".encode())
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            found = conn.execute(
-                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)
-            ).fetchone()
-            if found is None:
-                if not create:
-                    raise JournalError(
-                        f"holds no fsm_runner journal (there is no schema {self.schema!r})",
-                        path=self._location,
-                    )
-                conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
-            tables = {
-                str(row[0])
-                for row in conn.execute(
-                    "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
-                )
-            }
-            version = self._stored_version(conn, tables, create=create)
-            if version > SCHEMA_VERSION:
-                raise SchemaVersionError(
-                    found=version, supported=SCHEMA_VERSION, path=self._location
-                )
-            pending = "".join(text for number, _name, text in MIGRATIONS if number > version)
-            if pending:
-                conn.execute(pending)
-
-    def _stored_version(self, conn: _Connection, tables: set[str], *, create: bool) -> int:
-        if not tables:
-            if not create:
-                raise JournalError(
-                    f"holds no fsm_runner journal (schema {self.schema!r} has no tables)",
-                    path=self._location,
-                )
-            return 0
-        foreign = JournalError(
-            f"schema {self.schema!r} holds tables that are not an fsm_runner journal "
-            f"({', '.join(sorted(tables)[:5])}); nothing was changed",
-            path=self._location,
-        )
-        if "meta" not in tables:
-            raise foreign
-        try:
-            with conn.transaction():  # a savepoint: a foreign meta table must not abort ours
-                meta: dict[Any, Any] = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-        except psycopg.errors.UndefinedColumn:
-            raise foreign from None
-        if meta.get("format") != _FORMAT:
-            raise foreign
-        version = self._version(meta)
-        if version is None:
-            raise JournalError("has no schema version", path=self._location)
-        return version
-
-    def _version(self, meta: Mapping[Any, Any]) -> int | None:
-        value = meta.get("schema_version")
-        if value is None:
-            return None
-        try:
-            return int(value)
-        except ValueError:
-            raise JournalError(
-                f"has an unreadable schema version {value!r}", path=self._location
-            ) from None
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
