@@ -12,7 +12,7 @@ import typing
 
 if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load on first use
     from fsm_runner.engine import Engine, Listener, interrupt_on_sigterm
-    from fsm_runner.events import RunEvent, RunStatus
+    from fsm_runner.events import PhaseStatus, RunEvent
     from fsm_runner.exceptions import (
         FsmRunnerError,
         InvalidTransitionError,
@@ -43,8 +43,8 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
         RETURN,
         WILDCARD,
         MachineSpec,
-        Outcome,
         RetryPolicy,
+        RunOutcome,
         State,
         Transition,
     )
@@ -63,16 +63,16 @@ __all__ = [
     "Listener",
     "MachineSpec",
     "MemoryJournal",
-    "Outcome",
     "PhaseContext",
     "PhaseHandler",
     "PhaseResult",
+    "PhaseStatus",
     "PruneReport",
     "RetryPolicy",
     "RunEvent",
     "RunNotFoundError",
+    "RunOutcome",
     "RunRecord",
-    "RunStatus",
     "RunTerminalError",
     "SpecError",
     "SqliteJournal",
@@ -104,7 +104,7 @@ _EXPORTS: dict[str, str] = {
     "Listener": "fsm_runner.engine",
     "MachineSpec": "fsm_runner.spec",
     "MemoryJournal": "fsm_runner.journal",
-    "Outcome": "fsm_runner.spec",
+    "RunOutcome": "fsm_runner.spec",
     "PhaseContext": "fsm_runner.phases",
     "PhaseHandler": "fsm_runner.phases",
     "PhaseResult": "fsm_runner.phases",
@@ -115,7 +115,7 @@ _EXPORTS: dict[str, str] = {
     "RunEvent": "fsm_runner.events",
     "RunNotFoundError": "fsm_runner.exceptions",
     "RunRecord": "fsm_runner.records",
-    "RunStatus": "fsm_runner.events",
+    "PhaseStatus": "fsm_runner.events",
     "RunTerminalError": "fsm_runner.exceptions",
     "SpecError": "fsm_runner.exceptions",
     "SqliteJournal": "fsm_runner.journal",
@@ -128,12 +128,31 @@ _EXPORTS: dict[str, str] = {
 }
 
 
+#: Old names kept working for a while: ``Outcome`` said nothing of whose outcome (a run's end,
+#: now :class:`RunOutcome`), and ``RunStatus`` was a phase's result, not a run's (now
+#: :class:`PhaseStatus`). Using one warns (DeprecationWarning) and gives the new class itself.
+_DEPRECATED: dict[str, str] = {"Outcome": "RunOutcome", "RunStatus": "PhaseStatus"}
+
+
 def __getattr__(name: str) -> typing.Any:
+    if name in _DEPRECATED:
+        return _deprecated(__name__, name, _DEPRECATED[name], __getattr__(_DEPRECATED[name]))
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fsm_runner' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later uses are plain attribute reads
+    return value
+
+
+def _deprecated(module: str, old: str, new: str, value: typing.Any) -> typing.Any:
+    import warnings  # noqa: PLC0415 - only on the deprecated path
+
+    warnings.warn(
+        f"{module}.{old} is deprecated; use {new} (the same class)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return value
 
 

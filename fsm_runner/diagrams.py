@@ -52,7 +52,7 @@ import attrs
 
 from fsm_runner.exceptions import DiagramError
 from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, Outcome, State, Transition
+from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, RunOutcome, State, Transition
 
 __all__ = [
     "HISTORY",
@@ -125,7 +125,7 @@ class Node:
     label: str = attrs.field(default=attrs.Factory(lambda self: self.name, takes_self=True))
     kind: NodeKind = "state"
     terminal: bool = False
-    outcome: Outcome | None = None
+    outcome: RunOutcome | None = None
     parent: str | None = None
     description: str = ""
     visited: bool = False
@@ -381,13 +381,13 @@ def _taken(spec: MachineSpec, keyed: _Keyed, record: TransitionRecord) -> int | 
 
 #: Run statuses drawn as a failure: failed, and parked by recovery (``dead_letter``, by value:
 #: the status is newer than some journals).
-_FAILED_STATUSES = frozenset({Outcome.FAILED.value, "dead_letter"})
+_FAILED_STATUSES = frozenset({RunOutcome.FAILED.value, "dead_letter"})
 
 
 def _failed_state(
     spec: MachineSpec,
     current: str | None,
-    status: Outcome | None,
+    status: RunOutcome | None,
     timeline: Sequence[TransitionRecord],
 ) -> str | None:
     """Where a failed run failed: the state the transition into its current state left."""

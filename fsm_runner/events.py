@@ -7,8 +7,9 @@ Events are past-tense facts (``BUILD_FAILED``, ``VERIFY_PASSED``). Host apps may
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ENGINE_EVENTS", "STATUS_EVENTS", "RunEvent", "RunStatus", "event_name"]
+__all__ = ["ENGINE_EVENTS", "STATUS_EVENTS", "PhaseStatus", "RunEvent", "event_name"]
 
 
 class RunEvent(str, enum.Enum):
@@ -42,7 +43,7 @@ class RunEvent(str, enum.Enum):
         return self.value
 
 
-class RunStatus(enum.IntEnum):
+class PhaseStatus(enum.IntEnum):
     """A phase's structured outcome, with the exit code a CLI would report for it."""
 
     OK = 0
@@ -57,13 +58,13 @@ class RunStatus(enum.IntEnum):
         return STATUS_EVENTS[self]
 
 
-#: How a :class:`RunStatus` returned by a handler maps to an event.
-STATUS_EVENTS: dict[RunStatus, RunEvent] = {
-    RunStatus.OK: RunEvent.PHASE_COMPLETED,
-    RunStatus.ERROR: RunEvent.PHASE_FAILED,
-    RunStatus.INCOMPLETE: RunEvent.PHASE_INCOMPLETE,
-    RunStatus.SERVER_UNREACHABLE: RunEvent.SERVER_UNREACHABLE,
-    RunStatus.INTERRUPTED: RunEvent.INTERRUPTED,
+#: How a :class:`PhaseStatus` returned by a handler maps to an event.
+STATUS_EVENTS: dict[PhaseStatus, RunEvent] = {
+    PhaseStatus.OK: RunEvent.PHASE_COMPLETED,
+    PhaseStatus.ERROR: RunEvent.PHASE_FAILED,
+    PhaseStatus.INCOMPLETE: RunEvent.PHASE_INCOMPLETE,
+    PhaseStatus.SERVER_UNREACHABLE: RunEvent.SERVER_UNREACHABLE,
+    PhaseStatus.INTERRUPTED: RunEvent.INTERRUPTED,
 }
 
 #: Events the engine itself journals without a spec transition: the first row of a run,
@@ -100,3 +101,13 @@ def event_name(event: str | enum.Enum) -> str:
     if isinstance(event, str):
         return event
     raise TypeError(f"an event must be a str or a str enum, not {type(event).__name__}")
+
+
+if not TYPE_CHECKING:  # type checkers see only the new name
+
+    def __getattr__(name: str) -> Any:
+        if name == "RunStatus":  # the old name, deprecated: see fsm_runner._DEPRECATED
+            from fsm_runner import _deprecated  # noqa: PLC0415
+
+            return _deprecated(__name__, name, "PhaseStatus", PhaseStatus)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 A handler is thin glue between the machine and the host's services. It is either a plain
 callable ``handler(ctx)`` or an object with ``run(ctx)`` (and optionally ``validate(ctx)``),
 sync or ``async``. It returns a :class:`PhaseResult`, or for short just the event (a string or a
-str enum) or a :class:`fsm_runner.RunStatus`. Raising is fine: the engine journals
+str enum) or a :class:`fsm_runner.PhaseStatus`. Raising is fine: the engine journals
 ``SYSTEM_ERROR`` with the exception's type, message and traceback, and follows the spec.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 
 from fsm_runner.effects import perform
-from fsm_runner.events import RunStatus, event_name
+from fsm_runner.events import PhaseStatus, event_name
 from fsm_runner.exceptions import PhaseTimeoutError, RunAbortedError
 from fsm_runner.records import ArtifactRecord, RunRecord
 
@@ -38,23 +38,23 @@ __all__ = [
 
 
 class StatusEvent(str):
-    """The event of a :class:`RunStatus` given to :class:`PhaseResult`, still to be mapped.
+    """The event of a :class:`PhaseStatus` given to :class:`PhaseResult`, still to be mapped.
 
     It reads as the status's standard event; the engine replaces it with the event the spec's
     ``status_events`` names for that status before anything is journaled.
     """
 
     __slots__ = ("status",)
-    status: RunStatus
+    status: PhaseStatus
 
-    def __new__(cls, status: RunStatus) -> StatusEvent:
+    def __new__(cls, status: PhaseStatus) -> StatusEvent:
         event = super().__new__(cls, status.event.value)
         event.status = status
         return event
 
 
 def _event_or_status(value: str | enum.Enum) -> str:
-    if isinstance(value, RunStatus):
+    if isinstance(value, PhaseStatus):
         return StatusEvent(value)
     return event_name(value)
 
@@ -73,7 +73,7 @@ class PhaseResult:
 
     Args:
         event: what happened (``BUILD_FAILED``, ``VERIFY_PASSED``, a host event …), or a
-            :class:`RunStatus` (reported as the event the spec maps it to); the spec decides
+            :class:`PhaseStatus` (reported as the event the spec maps it to); the spec decides
             where it leads.
         output: JSON-serialisable output of the phase, journaled with the transition (checked
             at write time: anything else — NaN or Infinity, nesting deeper than 255 levels, a
@@ -96,7 +96,7 @@ class PhaseResult:
 
 
 #: What a handler may return.
-HandlerReturn = PhaseResult | str | enum.Enum | RunStatus
+HandlerReturn = PhaseResult | str | enum.Enum | PhaseStatus
 
 
 class PhaseContext:
@@ -360,7 +360,7 @@ def to_phase_result(value: object) -> PhaseResult | None:
         return result
     if isinstance(value, PhaseResult):
         return value
-    if isinstance(value, RunStatus):
+    if isinstance(value, PhaseStatus):
         return PhaseResult(value.event)
     if isinstance(value, (str, enum.Enum)):
         try:

@@ -58,7 +58,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import Journal
 from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
+from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
 
 __all__ = [
     "Replay",
@@ -470,7 +470,7 @@ def _show(name: str, value: Any) -> str:
         return f"{name} {_json(value)}"
     if name == "updated_at":
         return f"{name} {format_utc(value)}"
-    if isinstance(value, Outcome):
+    if isinstance(value, RunOutcome):
         return f"{name} {value.value!r}"
     return f"{name} {value!r}"
 

@@ -16,16 +16,16 @@ import json
 import math
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import cattrs.gen
 
 from fsm_runner._convert import by_value, converter
-from fsm_runner.events import STATUS_EVENTS, RunEvent, RunStatus, event_name
+from fsm_runner.events import STATUS_EVENTS, PhaseStatus, RunEvent, event_name
 from fsm_runner.exceptions import SpecError
 
-__all__ = ["RETURN", "WILDCARD", "MachineSpec", "Outcome", "RetryPolicy", "State", "Transition"]
+__all__ = ["RETURN", "WILDCARD", "MachineSpec", "RetryPolicy", "RunOutcome", "State", "Transition"]
 
 #: A transition source that stands for every non-terminal state.
 WILDCARD = "*"
@@ -35,7 +35,7 @@ RETURN = "$return"
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 
 
-class Outcome(str, enum.Enum):
+class RunOutcome(str, enum.Enum):
     """How a run that reaches a state has ended (``active`` while it has not)."""
 
     ACTIVE = "active"
@@ -146,11 +146,11 @@ def _optional_float(value: float | None) -> float | None:
     return None if value is None else _float_field(value)
 
 
-def _optional_outcome(value: Outcome | str | None) -> Outcome | None:
+def _optional_outcome(value: RunOutcome | str | None) -> RunOutcome | None:
     try:
-        return None if value is None else Outcome(value)
+        return None if value is None else RunOutcome(value)
     except ValueError:
-        return cast(Outcome, value)  # validate() names it
+        return cast(RunOutcome, value)  # validate() names it
 
 
 @attrs.frozen
@@ -182,7 +182,7 @@ class State:
     name: str
     handler: str | None = None
     terminal: bool = False
-    outcome: Outcome | None = attrs.field(default=None, converter=_optional_outcome)
+    outcome: RunOutcome | None = attrs.field(default=None, converter=_optional_outcome)
     timeout: float | None = attrs.field(default=None, converter=_optional_float)
     retry: RetryPolicy | None = None
     starts_iteration: bool = False
@@ -198,11 +198,11 @@ class State:
         return bool(self.children)
 
     @property
-    def final_outcome(self) -> Outcome:
+    def final_outcome(self) -> RunOutcome:
         """How a run that enters this state stands afterwards."""
         if not self.terminal:
-            return Outcome.ACTIVE
-        return self.outcome or Outcome.SUCCEEDED
+            return RunOutcome.ACTIVE
+        return self.outcome or RunOutcome.SUCCEEDED
 
 
 def _source_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -239,7 +239,7 @@ class Transition:
 
 def _str_mapping(value: Mapping[Any, Any] | None) -> Mapping[str, str]:
     return {
-        (key.name if isinstance(key, RunStatus) else str(key)): _event_field(event)
+        (key.name if isinstance(key, PhaseStatus) else str(key)): _event_field(event)
         for key, event in (value or {}).items()
     }
 
@@ -263,7 +263,7 @@ class MachineSpec:
             wildcard ones, each in declaration order, and the first whose guards pass wins.
         initial: where runs start; the first state when not given (a composite: its first
             sub-phase).
-        status_events: which event a handler's :class:`RunStatus` reports, by status name
+        status_events: which event a handler's :class:`PhaseStatus` reports, by status name
             (``{"ERROR": "ANALYSIS_FAILED"}``); the standard mapping for the others.
 
     Building a spec never raises for a field of the wrong type: :meth:`validate` lists it with
@@ -347,7 +347,7 @@ class MachineSpec:
         """The state a new run starts in."""
         return self.entry_leaf(self.initial)
 
-    def status_event(self, status: RunStatus) -> str:
+    def status_event(self, status: PhaseStatus) -> str:
         """The event a handler returning ``status`` reports."""
         return self.status_events.get(status.name) or STATUS_EVENTS[status].value
 
@@ -574,7 +574,7 @@ class MachineSpec:
                 yield f"terminal state {state.name!r} has a handler ({state.handler!r})"
             if not state.terminal and state.outcome is not None:
                 yield f"non-terminal state {state.name!r} has an outcome"
-            if state.terminal and state.outcome in (Outcome.ACTIVE, Outcome.DEAD_LETTER):
+            if state.terminal and state.outcome in (RunOutcome.ACTIVE, RunOutcome.DEAD_LETTER):
                 yield f"terminal state {state.name!r} cannot have outcome {state.outcome.value!r}"
             if isinstance(state.timeout, float) and state.timeout <= 0:
                 yield f"state {state.name!r} has a timeout <= 0"
@@ -592,8 +592,8 @@ class MachineSpec:
         elif self.states and self.state(self.entry_leaf(self.initial)).terminal:
             yield f"initial state {self.initial!r} is terminal"
         for key in self.status_events:
-            if key not in RunStatus.__members__:
-                yield f"status_events names {key!r}, which is not a RunStatus"
+            if key not in PhaseStatus.__members__:
+                yield f"status_events names {key!r}, which is not a PhaseStatus"
 
     def _transition_problems(  # noqa: PLR0912 - one flat list of independent checks
         self, guards: Collection[str] | Mapping[str, object] | None
@@ -738,8 +738,10 @@ def _state_type_problems(state: State) -> Iterator[str]:
         if not isinstance(getattr(state, flag), bool):
             yield f"{where}: {flag} must be True or False, not {getattr(state, flag)!r:.80}"
     outcome: Any = state.outcome
-    if outcome is not None and not isinstance(outcome, Outcome):
-        outcomes = ", ".join(o.value for o in (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.ABORTED))
+    if outcome is not None and not isinstance(outcome, RunOutcome):
+        outcomes = ", ".join(
+            o.value for o in (RunOutcome.SUCCEEDED, RunOutcome.FAILED, RunOutcome.ABORTED)
+        )
         yield f"{where}: outcome {outcome!r:.80} is not one of {outcomes}"
     if state.timeout is not None and not (
         isinstance(state.timeout, float) and math.isfinite(state.timeout)
@@ -776,6 +778,16 @@ def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:
     return _transition_from_dict(fields)
 
 
-by_value(Outcome)
+by_value(RunOutcome)
 _transition_from_dict = cattrs.gen.make_dict_structure_fn(Transition, converter)
 converter.register_structure_hook(Transition, _structure_transition)
+
+
+if not TYPE_CHECKING:  # type checkers see only the new name
+
+    def __getattr__(name: str) -> Any:
+        if name == "Outcome":  # the old name, deprecated: see fsm_runner._DEPRECATED
+            from fsm_runner import _deprecated  # noqa: PLC0415
+
+            return _deprecated(__name__, name, "RunOutcome", RunOutcome)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

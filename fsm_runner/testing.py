@@ -60,7 +60,7 @@ class ScriptedHandler:
     is kept in :attr:`calls`.
 
     Args:
-        script: results to return in order (events, ``PhaseResult`` or ``RunStatus`` values), or
+        script: results to return in order (events, ``PhaseResult`` or ``PhaseStatus`` values), or
             exceptions to raise.
     """
 

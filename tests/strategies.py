@@ -43,9 +43,9 @@ from fsm_runner import (
     RETURN,
     WILDCARD,
     MachineSpec,
+    PhaseStatus,
     RetryPolicy,
     RunEvent,
-    RunStatus,
     SpecError,
     State,
     Transition,
@@ -256,7 +256,7 @@ class Move:
 
     Attributes:
         kind: ``event`` (the handler returns an allowed event), ``status`` (it returns a
-            :class:`RunStatus`), ``slow`` (it returns an allowed event, past its state's
+            :class:`PhaseStatus`), ``slow`` (it returns an allowed event, past its state's
             timeout if it has one), ``raise`` (it raises), ``interrupt`` (Ctrl-C in it),
             ``bad`` (it returns an event the state does not allow), ``junk`` (it returns
             something that is not a result), ``unjson`` (its output is not JSON-serialisable),
@@ -289,9 +289,9 @@ class Move:
         return events[self.index % len(events)]
 
     @property
-    def status(self) -> RunStatus:
+    def status(self) -> PhaseStatus:
         """The status a ``status`` move returns."""
-        statuses = list(RunStatus)
+        statuses = list(PhaseStatus)
         return statuses[self.index % len(statuses)]
 
 

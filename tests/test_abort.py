@@ -34,9 +34,9 @@ import pytest
 from fsm_runner import (
     Engine,
     MachineSpec,
-    Outcome,
     PhaseContext,
     PhaseResult,
+    RunOutcome,
     RunRecord,
     State,
     Transition,
@@ -197,7 +197,7 @@ def assert_aborted_in(location: str, run_id: str, state: str, reason: str) -> di
         transitions = journal.transitions(run_id)
     finally:
         journal.close()
-    assert (run.state, run.status, run.abort_reason) == ("canceled", Outcome.ABORTED, None)
+    assert (run.state, run.status, run.abort_reason) == ("canceled", RunOutcome.ABORTED, None)
     last = transitions[-1]
     assert (last.from_state, last.event, last.to_state) == (state, USER_ABORTED, "canceled")
     assert last.result == {"error": {"type": USER_ABORTED, "message": reason}}
@@ -372,7 +372,7 @@ def route_engine(
 
 def assert_aborted_while_working(journal, run_id: str, calls: list[str]) -> None:
     run = journal.load(run_id)
-    assert (run.state, run.status, run.abort_reason) == ("canceled", Outcome.ABORTED, None)
+    assert (run.state, run.status, run.abort_reason) == ("canceled", RunOutcome.ABORTED, None)
     assert [(t.from_state, t.event, t.to_state) for t in journal.transitions(run_id)] == [
         (None, "STARTED", "working"),
         ("working", USER_ABORTED, "canceled"),
@@ -445,7 +445,7 @@ def test_a_run_due_to_be_parked_is_aborted_as_requested(journal):
     assert engine.work(max_runs=1, exit_when_idle=True) == 1
     engine.close()
     run = journal.load(run_id)
-    assert (run.state, run.status, run.recoveries) == ("canceled", Outcome.ABORTED, 1)
+    assert (run.state, run.status, run.recoveries) == ("canceled", RunOutcome.ABORTED, 1)
     assert calls == []
 
 
@@ -466,7 +466,7 @@ def test_abort_moves_the_run_itself_when_its_holder_lets_go_meanwhile(journal):
         run = abort_run(journal, run_id, "stop it")
     finally:
         del journal.request_abort
-    assert (run.state, run.status, run.lease_owner) == ("canceled", Outcome.ABORTED, None)
+    assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
     assert journal.load(run_id) == run
 
 
@@ -485,8 +485,8 @@ def test_group_commit_refuses_only_the_run_whose_abort_was_requested(journal):
     ended = asyncio.run(drive())
     engine.close()
     assert [(run.state, run.status) for run in ended] == [
-        ("canceled", Outcome.ABORTED),
-        *[("done", Outcome.SUCCEEDED)] * 3,
+        ("canceled", RunOutcome.ABORTED),
+        *[("done", RunOutcome.SUCCEEDED)] * 3,
     ]
     assert [t.event for t in journal.transitions(aborted)] == ["STARTED", USER_ABORTED]
 
@@ -501,9 +501,9 @@ def test_a_reason_with_a_lone_surrogate_is_stored_escaped(journal, held):
     run = abort_run(journal, run_id, "stop \udcff now")
     expected = "stop \\udcff now"
     if held:
-        assert (run.status, run.abort_reason) == (Outcome.ACTIVE, expected)
+        assert (run.status, run.abort_reason) == (RunOutcome.ACTIVE, expected)
     else:
-        assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
         assert journal.transitions(run_id)[-1].result["error"]["message"] == expected
     engine.close()
 
@@ -525,7 +525,7 @@ def test_the_cli_takes_a_reason_that_is_not_utf8(tmp_path):
     journal = open_journal(location)
     try:
         run = journal.load(run_id)
-        assert run.status is Outcome.ABORTED
+        assert run.status is RunOutcome.ABORTED
         assert journal.transitions(run_id)[-1].result["error"]["message"] == "bad \\udcff byte"
     finally:
         journal.close()

@@ -248,7 +248,7 @@ class TestShowSubphases:
     """`show` lists each sub-phase's attempts, restarts and interruptions."""
 
     def test_subphase_table(self, invoke, journal_path):
-        from fsm_runner import RETURN, Engine, MachineSpec, RunEvent, RunStatus, State, Transition
+        from fsm_runner import RETURN, Engine, MachineSpec, PhaseStatus, RunEvent, State, Transition
 
         spec = MachineSpec(
             "nested",
@@ -269,12 +269,12 @@ class TestShowSubphases:
 
         def b(ctx):
             calls.append(ctx.attempt)
-            return RunStatus.SERVER_UNREACHABLE if len(calls) == 1 else RunStatus.OK
+            return PhaseStatus.SERVER_UNREACHABLE if len(calls) == 1 else PhaseStatus.OK
 
         engine = Engine(
             spec,
             handlers={
-                "a": lambda ctx: RunStatus.OK,
+                "a": lambda ctx: PhaseStatus.OK,
                 "b": b,
                 "recover": lambda ctx: "SERVER_RECOVERED",
             },

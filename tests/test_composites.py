@@ -1,4 +1,4 @@
-"""Composite states (sub-phases), RETURN history targets, RunStatus mapping and interruption."""
+"""Composite states (sub-phases), RETURN history targets, PhaseStatus mapping and interruption."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from fsm_runner import (
     InvalidTransitionError,
     MachineSpec,
     PhaseResult,
+    PhaseStatus,
     RunEvent,
-    RunStatus,
     SpecError,
     SqliteJournal,
     State,
@@ -37,10 +37,10 @@ INTERRUPTED = RunEvent.INTERRUPTED.value
 
 
 def completed(_ctx):
-    return RunStatus.OK
+    return PhaseStatus.OK
 
 
-def recorder(calls, name, result=RunStatus.OK):
+def recorder(calls, name, result=PhaseStatus.OK):
     """A handler that records (name, attempt) and returns ``result`` (or result(call number))."""
 
     def handler(ctx):
@@ -59,7 +59,7 @@ def nested_handlers(calls, **overrides):
 
 
 def lost_once(count):
-    return LOST if count == 1 else RunStatus.OK
+    return LOST if count == 1 else PhaseStatus.OK
 
 
 def path_of(journal, run_id):
@@ -259,7 +259,7 @@ class TestCompositeValidation:
     def test_unknown_status_events_key(self):
         spec = nested_spec(status_events={"BOGUS": "X", "ERROR": "ANALYSIS_FAILED"})
         problems = problems_of(spec)
-        assert problems == ("status_events names 'BOGUS', which is not a RunStatus",)
+        assert problems == ("status_events names 'BOGUS', which is not a PhaseStatus",)
 
     def test_unreachable_leaf_inside_a_composite(self):
         spec = MachineSpec(
@@ -312,7 +312,7 @@ class TestCompositeSerialisation:
     def test_nested_spec_round_trips_with_the_same_hash(self):
         spec = nested_spec(
             advance_on="STEP_DONE",
-            status_events={RunStatus.ERROR: "ANALYSIS_FAILED"},
+            status_events={PhaseStatus.ERROR: "ANALYSIS_FAILED"},
             extra_transitions=[Transition("inner", "STEP_DONE", "d")],
         )
         text = spec.to_json()
@@ -461,7 +461,7 @@ class TestReturn:
         calls = []
         handlers = nested_handlers(
             calls,
-            c=recorder(calls, "c", lambda count: LOST if count < 3 else RunStatus.OK),
+            c=recorder(calls, "c", lambda count: LOST if count < 3 else PhaseStatus.OK),
             recover=recorder(calls, "recover", PhaseResult(FOUND, output="ok")),
         )
         engine = Engine(nested_spec(), handlers=handlers, journal=journal)
@@ -578,7 +578,7 @@ class TestReturn:
 
 
 class TestStatusEvents:
-    """A handler's RunStatus reports the event the spec maps it to."""
+    """A handler's PhaseStatus reports the event the spec maps it to."""
 
     @staticmethod
     def analysis_spec(status_events=None):
@@ -602,16 +602,16 @@ class TestStatusEvents:
 
     def test_status_event_lookup(self):
         spec = self.analysis_spec({"ERROR": "ANALYSIS_FAILED"})
-        assert spec.status_event(RunStatus.ERROR) == "ANALYSIS_FAILED"
-        assert spec.status_event(RunStatus.OK) == PHASE_COMPLETED
-        assert self.analysis_spec().status_event(RunStatus.ERROR) == "PHASE_FAILED"
-        assert self.analysis_spec({RunStatus.ERROR: RunEvent.BUILD_FAILED}).status_events == {
+        assert spec.status_event(PhaseStatus.ERROR) == "ANALYSIS_FAILED"
+        assert spec.status_event(PhaseStatus.OK) == PHASE_COMPLETED
+        assert self.analysis_spec().status_event(PhaseStatus.ERROR) == "PHASE_FAILED"
+        assert self.analysis_spec({PhaseStatus.ERROR: RunEvent.BUILD_FAILED}).status_events == {
             "ERROR": "BUILD_FAILED"
         }
 
     def test_mapped_status_follows_its_event(self, journal):
         spec = self.analysis_spec({"ERROR": "ANALYSIS_FAILED"})
-        engine = Engine(spec, handlers={"analyse": lambda _ctx: RunStatus.ERROR}, journal=journal)
+        engine = Engine(spec, handlers={"analyse": lambda _ctx: PhaseStatus.ERROR}, journal=journal)
         run_id = engine.start()
         run = engine.run(run_id)
         assert (run.state, run.status.value) == ("analysis_failed", "failed")
@@ -620,9 +620,9 @@ class TestStatusEvents:
     @pytest.mark.parametrize(
         ("status", "event", "state"),
         [
-            (RunStatus.SERVER_UNREACHABLE, "SERVER_UNREACHABLE", "unreachable"),
-            (RunStatus.OK, PHASE_COMPLETED, "done"),
-            (RunStatus.ERROR, "PHASE_FAILED", "phase_failed"),
+            (PhaseStatus.SERVER_UNREACHABLE, "SERVER_UNREACHABLE", "unreachable"),
+            (PhaseStatus.OK, PHASE_COMPLETED, "done"),
+            (PhaseStatus.ERROR, "PHASE_FAILED", "phase_failed"),
         ],
     )
     def test_unmapped_status_reports_the_standard_event(self, journal, status, event, state):
@@ -644,7 +644,7 @@ class TestInterruption:
             calls.append(("c", ctx.attempt))
             if ctx.attempt == 1:
                 raise KeyboardInterrupt
-            return RunStatus.OK
+            return PhaseStatus.OK
 
         engine = Engine(nested_spec(), handlers=nested_handlers(calls, c=c), journal=journal)
         run_id = engine.start()
@@ -664,7 +664,7 @@ class TestInterruption:
             calls.append(("c", ctx.attempt))
             if ctx.attempt == 1:
                 os.kill(os.getpid(), signal.SIGTERM)
-            return RunStatus.OK
+            return PhaseStatus.OK
 
         def previous(_signum, _frame):
             raise AssertionError("the previous SIGTERM handler must not run inside the block")
@@ -757,10 +757,10 @@ class TestSchemaV2Migration:
 
 
 class TestStatusWithDetails:
-    """A PhaseResult may carry a RunStatus with an error; the spec still maps the status."""
+    """A PhaseResult may carry a PhaseStatus with an error; the spec still maps the status."""
 
     def test_status_result_is_mapped_and_keeps_its_error(self, journal):
-        from fsm_runner import Engine, MachineSpec, PhaseResult, RunStatus, State, Transition
+        from fsm_runner import Engine, MachineSpec, PhaseResult, PhaseStatus, State, Transition
 
         spec = MachineSpec(
             "mapped",
@@ -770,7 +770,9 @@ class TestStatusWithDetails:
         )
         engine = Engine(
             spec,
-            handlers={"a": lambda ctx: PhaseResult(RunStatus.ERROR, error="lint found 3 problems")},
+            handlers={
+                "a": lambda ctx: PhaseResult(PhaseStatus.ERROR, error="lint found 3 problems")
+            },
             journal=journal,
         )
         run = engine.run(engine.start())

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from fsm_runner import Engine, MachineSpec, Outcome, SqliteJournal, State, Transition
+from fsm_runner import Engine, MachineSpec, RunOutcome, SqliteJournal, State, Transition
 from fsm_runner.exceptions import LeaseLostError
 from tests.torture import (
     PHASES,
@@ -118,9 +118,9 @@ def test_a_lost_lease_does_not_abort_a_later_claim(tmp_path):
 
         run = engine.run(run_id)  # A claims the run again, under a new token
         engine.close()
-        assert (run.state, run.status) == ("done", Outcome.SUCCEEDED), journal.transitions(run_id)[
-            -1
-        ]
+        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED), journal.transitions(
+            run_id
+        )[-1]
 
 
 class TestExpectedPaths:

@@ -18,10 +18,10 @@ from fsm_runner import (
     RETURN,
     Engine,
     MachineSpec,
-    Outcome,
+    PhaseStatus,
     RetryPolicy,
     RunEvent,
-    RunStatus,
+    RunOutcome,
     State,
     Transition,
     TransitionRecord,
@@ -103,7 +103,7 @@ RICH_GUARDS = {"skippable": lambda run: False, "restarts_left": lambda run: True
 
 def rich_engine(journal, *, retry_a=None, **scripts):
     """An engine on rich_spec whose handlers play scripts (all complete by default)."""
-    handlers = {name: ScriptedHandler(RunStatus.OK) for name in ("a", "b", "c", "d")}
+    handlers = {name: ScriptedHandler(PhaseStatus.OK) for name in ("a", "b", "c", "d")}
     handlers["prepare"] = ScriptedHandler("PREPARED")
     handlers["recover"] = ScriptedHandler(FOUND)
     handlers.update({name: ScriptedHandler(*script) for name, script in scripts.items()})
@@ -130,8 +130,8 @@ def failed_run_with_retries(journal):
     engine = rich_engine(
         journal,
         retry_a=RetryPolicy(max_attempts=3, wait_initial=0.1),
-        a=(boom, boom, RunStatus.OK),
-        b=(LOST, RunStatus.OK),
+        a=(boom, boom, PhaseStatus.OK),
+        b=(LOST, PhaseStatus.OK),
         c=(boom,),
     )
     run_id = engine.start()
@@ -956,7 +956,7 @@ class TestExtractRun:
         assert [attrs.evolve(edge, count=0) for edge in drawn] == list(plain)
 
     def test_interrupted_phase_is_a_self_loop(self, journal):
-        engine = rich_engine(journal, d=(KeyboardInterrupt(), RunStatus.OK))
+        engine = rich_engine(journal, d=(KeyboardInterrupt(), PhaseStatus.OK))
         run_id = engine.start()
         with pytest.raises(KeyboardInterrupt):
             engine.run(run_id)
@@ -976,7 +976,7 @@ class TestExtractRun:
         engine = rich_engine(
             journal,
             retry_a=RetryPolicy(max_attempts=3, wait_initial=0.1),
-            a=(boom, KeyboardInterrupt(), RunStatus.OK),
+            a=(boom, KeyboardInterrupt(), PhaseStatus.OK),
         )
         run_id = engine.start()
         with pytest.raises(KeyboardInterrupt):
@@ -1086,7 +1086,7 @@ class TestExtractRun:
         assert [node.name for node in graph.nodes if node.failed] == ["checking"]
 
     @pytest.mark.skipif(
-        "dead_letter" not in {outcome.value for outcome in Outcome},
+        "dead_letter" not in {outcome.value for outcome in RunOutcome},
         reason="this fsm_runner has no dead_letter status",
     )
     def test_a_dead_lettered_run_is_drawn_failed_where_it_was_parked(self, journal):
@@ -1096,7 +1096,7 @@ class TestExtractRun:
         run = journal.load(run_id)
         parked = TransitionRecord(run_id, run.seq + 1, "end", "DEAD_LETTERED", "end")
         timeline = [*journal.transitions(run_id), parked]
-        run = attrs.evolve(run, seq=parked.seq, status=Outcome("dead_letter"))
+        run = attrs.evolve(run, seq=parked.seq, status=RunOutcome("dead_letter"))
 
         graph = extract(engine.spec, run=run, timeline=timeline)
 
@@ -1255,7 +1255,7 @@ class TestMermaidFlowchartLinkStyles:
         assert drawn.classed("current") == {"done"}
 
     def test_a_return_through_composites_and_history(self, journal):
-        engine = rich_engine(journal, b=(LOST, RunStatus.OK))
+        engine = rich_engine(journal, b=(LOST, PhaseStatus.OK))
         run_id = engine.start()
         engine.run(run_id)
         spec, run, timeline = finished(engine, run_id)

@@ -14,12 +14,12 @@ from fsm_runner import (
     InvalidTransitionError,
     MachineSpec,
     MemoryJournal,
-    Outcome,
     PhaseResult,
+    PhaseStatus,
     RetryPolicy,
     RunEvent,
     RunNotFoundError,
-    RunStatus,
+    RunOutcome,
     RunTerminalError,
     SpecError,
     SqliteJournal,
@@ -163,7 +163,7 @@ class TestStart:
         run_id = engine.start({"repo": "x"}, run_id="r1", context={"k": 1})
         assert run_id == "r1"
         run = journal.load("r1")
-        assert (run.state, run.status, run.seq, run.attempt) == ("a", Outcome.ACTIVE, 0, 1)
+        assert (run.state, run.status, run.seq, run.attempt) == ("a", RunOutcome.ACTIVE, 0, 1)
         assert run.input == {"repo": "x"}
         assert run.context == {"k": 1}
         assert run.machine == "linear"
@@ -243,7 +243,7 @@ class TestStepRunResume:
         )
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.seq) == ("done", Outcome.SUCCEEDED, 3)
+        assert (run.state, run.status, run.seq) == ("done", RunOutcome.SUCCEEDED, 3)
         assert run == journal.load(run_id)
         assert path_of(journal, run_id) == [
             (None, "STARTED", "a"),
@@ -266,12 +266,12 @@ class TestStepRunResume:
         )
         run_id = engine.start()
         run = engine.run(run_id, max_steps=2)
-        assert (run.state, run.seq, run.status) == ("c", 2, Outcome.ACTIVE)
+        assert (run.state, run.seq, run.status) == ("c", 2, RunOutcome.ACTIVE)
         assert calls == ["a", "b"]
         run = engine.resume(run_id, max_steps=1)
         assert (run.state, run.seq) == ("d", 3)
         run = engine.resume(run_id)
-        assert (run.state, run.seq, run.status) == ("done", 4, Outcome.SUCCEEDED)
+        assert (run.state, run.seq, run.status) == ("done", 4, RunOutcome.SUCCEEDED)
         assert calls == ["a", "b", "c", "d"]
 
     def test_max_steps_zero_does_nothing(self, journal):
@@ -312,7 +312,7 @@ class TestStepRunResume:
 
 
 class TestHandlerResults:
-    """A handler may return an event, a str enum, a RunStatus or a PhaseResult."""
+    """A handler may return an event, a str enum, a PhaseStatus or a PhaseResult."""
 
     @pytest.mark.parametrize(
         "value",
@@ -327,14 +327,14 @@ class TestHandlerResults:
         assert type(transition.event) is str
         assert journal.load(run_id).state == "b"
 
-    @pytest.mark.parametrize("status", list(RunStatus))
+    @pytest.mark.parametrize("status", list(PhaseStatus))
     def test_run_status_maps_to_its_event(self, journal, status):
-        targets = {s: f"after_{s.name.lower()}" for s in RunStatus}
+        targets = {s: f"after_{s.name.lower()}" for s in PhaseStatus}
         spec = MachineSpec(
             "statuses",
             [State("working", handler="work")]
             + [State(name, terminal=True) for name in targets.values()],
-            [Transition("working", s.event, targets[s]) for s in RunStatus],
+            [Transition("working", s.event, targets[s]) for s in PhaseStatus],
         )
         engine = Engine(spec, handlers={"work": lambda _ctx: status}, journal=journal)
         run_id = engine.start()
@@ -343,8 +343,8 @@ class TestHandlerResults:
         assert journal.load(run_id).state == targets[status]
 
     def test_run_status_ok_is_phase_completed(self):
-        assert RunStatus.OK.event is RunEvent.PHASE_COMPLETED
-        assert RunStatus.ERROR.event is RunEvent.PHASE_FAILED
+        assert PhaseStatus.OK.event is RunEvent.PHASE_COMPLETED
+        assert PhaseStatus.ERROR.event is RunEvent.PHASE_FAILED
 
     def test_phase_result_output_context_and_error(self, journal):
         result = PhaseResult(
@@ -473,7 +473,7 @@ class TestHandlerObjects:
         engine = two_phase_engine(journal, a=Phase(), b=Phase())
         run_id = engine.start()
         run = asyncio.run(engine.arun(run_id))
-        assert (run.state, run.status) == ("done", Outcome.SUCCEEDED)
+        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
         assert calls == ["validate", "run", "validate", "run"]
 
 
@@ -579,7 +579,7 @@ class TestGuards:
         )
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.iteration) == ("failed", Outcome.FAILED, 3)
+        assert (run.state, run.status, run.iteration) == ("failed", RunOutcome.FAILED, 3)
         assert iterations == [1, 2, 3]
         assert [t.to_state for t in journal.transitions(run_id)] == [
             "building",
@@ -692,7 +692,7 @@ class TestHandlerFailures:
         engine = two_phase_engine(journal, a=exploding_phase)
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.seq) == ("failed", Outcome.FAILED, 1)
+        assert (run.state, run.status, run.seq) == ("failed", RunOutcome.FAILED, 1)
         last = journal.transitions(run_id)[-1]
         assert (last.from_state, last.event, last.to_state) == ("a", SYSTEM_ERROR, "failed")
         error = last.result["error"]
@@ -747,7 +747,7 @@ class TestHandlerFailures:
         engine = two_phase_engine(journal, a=phase)
         run = engine.run(engine.start())
 
-        assert (run.state, run.status) == ("failed", Outcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
         error = journal.transitions(run.run_id)[-1].error
         assert error["type"] == "Unprintable"
         assert error["message"] == "<unprintable Unprintable: __str__ raised RuntimeError>"
@@ -904,7 +904,7 @@ class TestRetryPolicy:
         run = engine.run(run_id)
         assert attempts == [1, 2, 3]
         assert fc.slept == [0.1, 0.2]
-        assert (run.state, run.status) == ("failed", Outcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
         transitions = journal.transitions(run_id)
         assert [(t.from_state, t.event, t.to_state, t.attempt) for t in transitions[1:]] == [
             ("calling", RETRIED, "calling", 1),
@@ -1023,7 +1023,7 @@ class TestTimeouts:
         last = journal.transitions(run_id)[-1]
         assert (last.event, last.to_state) == (TIMEOUT, "timed_out")
         assert last.result["error"]["type"] == "PhaseTimeoutError"
-        assert (run.state, run.status) == ("timed_out", Outcome.FAILED)
+        assert (run.state, run.status) == ("timed_out", RunOutcome.FAILED)
 
     @pytest.mark.parametrize("kind", ["sync", "async"])
     def test_handlers_own_timeout_error_is_a_system_error(self, journal, kind):
@@ -1174,14 +1174,14 @@ class TestAbort:
         engine.step(run_id)
         history = journal.transitions(run_id)
         run = engine.abort(run_id, "operator said so")
-        assert (run.state, run.status, run.seq) == ("canceled", Outcome.ABORTED, 2)
+        assert (run.state, run.status, run.seq) == ("canceled", RunOutcome.ABORTED, 2)
         assert run == journal.load(run_id)
         transitions = journal.transitions(run_id)
         assert transitions[: len(history)] == history
         last = transitions[-1]
         assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "canceled")
         assert last.result["error"]["message"] == "operator said so"
-        assert seen[-1] == (USER_ABORTED, Outcome.ABORTED)
+        assert seen[-1] == (USER_ABORTED, RunOutcome.ABORTED)
         with pytest.raises(RunTerminalError):
             engine.resume(run_id)
 
@@ -1190,10 +1190,10 @@ class TestAbort:
         run_id = engine.start()
         engine.step(run_id)
         run = engine.abort(run_id, "stop")
-        assert (run.state, run.status) == ("b", Outcome.ABORTED)
+        assert (run.state, run.status) == ("b", RunOutcome.ABORTED)
         last = journal.transitions(run_id)[-1]
         assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "b")
-        assert journal.load(run_id).status is Outcome.ABORTED
+        assert journal.load(run_id).status is RunOutcome.ABORTED
         with pytest.raises(RunTerminalError) as info:
             engine.resume(run_id)
         assert info.value.status == "aborted"
@@ -1227,7 +1227,7 @@ class TestAbort:
         run_id = engine.start()
         run = engine.run(run_id)
         assert seen == {"cancelled": True, "check": "RunAbortedError"}
-        assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
         assert run.error["message"] == "stop"
         assert b_calls == []
         last = journal.transitions(run_id)[-1]
@@ -1260,7 +1260,7 @@ class TestAbort:
             (None, "STARTED", "a"),
             ("a", USER_ABORTED, "canceled"),
         ]
-        assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
 
 
 # -- external events -------------------------------------------------------------------------
@@ -1276,7 +1276,7 @@ class TestSend:
         engine = self.engine(journal)
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.seq) == ("awaiting_approval", Outcome.ACTIVE, 1)
+        assert (run.state, run.status, run.seq) == ("awaiting_approval", RunOutcome.ACTIVE, 1)
         assert engine.step(run_id) is None
         assert journal.load(run_id).seq == 1
         run = engine.send(run_id, "APPROVED", output={"by": "alice"})
@@ -1298,7 +1298,7 @@ class TestSend:
         run_id = engine.start()
         engine.run(run_id)
         run = engine.send(run_id, Decision.REJECTED)
-        assert (run.state, run.status) == ("rejected", Outcome.FAILED)
+        assert (run.state, run.status) == ("rejected", RunOutcome.FAILED)
         assert journal.transitions(run_id)[-1].event == "REJECTED"
 
     def test_disallowed_event_changes_nothing(self, journal):
@@ -1311,7 +1311,7 @@ class TestSend:
         assert (info.value.state, info.value.event) == ("awaiting_approval", NEXT)
         assert snapshot(journal, run_id) == before
 
-    @pytest.mark.parametrize("event", [42, None, 1.5, ["APPROVED"], RunStatus.OK])
+    @pytest.mark.parametrize("event", [42, None, 1.5, ["APPROVED"], PhaseStatus.OK])
     def test_a_non_string_event_is_an_invalid_transition_that_changes_nothing(self, journal, event):
         engine = self.engine(journal)
         run_id = engine.start()
@@ -1380,7 +1380,7 @@ class TestSpecMismatch:
             allow_spec_change=True,
         )
         run = engine_b.resume(run_id)
-        assert (run.state, run.status) == ("done", Outcome.SUCCEEDED)
+        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
         # the switch is journaled (a same-visit SPEC_CHANGED), and the run names its new spec
         assert [(t.event, t.to_state) for t in journal.transitions(run_id)][1:3] == [
             (NEXT, "b"),

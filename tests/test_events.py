@@ -4,7 +4,7 @@ import enum
 
 import pytest
 
-from fsm_runner import RunEvent, RunStatus
+from fsm_runner import PhaseStatus, RunEvent
 from fsm_runner.events import ENGINE_EVENTS, STATUS_EVENTS, event_name
 
 
@@ -69,25 +69,25 @@ class TestRunEvent:
 
 
 class TestRunStatus:
-    """RunStatus carries the exit code of an outcome and the event it maps to."""
+    """PhaseStatus carries the exit code of an outcome and the event it maps to."""
 
     @pytest.mark.parametrize(
         ("status", "code"),
         [
-            (RunStatus.OK, 0),
-            (RunStatus.ERROR, 1),
-            (RunStatus.INCOMPLETE, 2),
-            (RunStatus.SERVER_UNREACHABLE, 3),
-            (RunStatus.INTERRUPTED, 130),
+            (PhaseStatus.OK, 0),
+            (PhaseStatus.ERROR, 1),
+            (PhaseStatus.INCOMPLETE, 2),
+            (PhaseStatus.SERVER_UNREACHABLE, 3),
+            (PhaseStatus.INTERRUPTED, 130),
         ],
     )
     def test_values(self, status, code):
         assert int(status) == code
-        assert RunStatus(code) is status
+        assert PhaseStatus(code) is status
 
     def test_is_an_int_enum_with_exactly_these_members(self):
-        assert isinstance(RunStatus.ERROR, int)
-        assert [status.name for status in RunStatus] == [
+        assert isinstance(PhaseStatus.ERROR, int)
+        assert [status.name for status in PhaseStatus] == [
             "OK",
             "ERROR",
             "INCOMPLETE",
@@ -98,11 +98,11 @@ class TestRunStatus:
     @pytest.mark.parametrize(
         ("status", "event"),
         [
-            (RunStatus.OK, RunEvent.PHASE_COMPLETED),
-            (RunStatus.ERROR, RunEvent.PHASE_FAILED),
-            (RunStatus.INCOMPLETE, RunEvent.PHASE_INCOMPLETE),
-            (RunStatus.SERVER_UNREACHABLE, RunEvent.SERVER_UNREACHABLE),
-            (RunStatus.INTERRUPTED, RunEvent.INTERRUPTED),
+            (PhaseStatus.OK, RunEvent.PHASE_COMPLETED),
+            (PhaseStatus.ERROR, RunEvent.PHASE_FAILED),
+            (PhaseStatus.INCOMPLETE, RunEvent.PHASE_INCOMPLETE),
+            (PhaseStatus.SERVER_UNREACHABLE, RunEvent.SERVER_UNREACHABLE),
+            (PhaseStatus.INTERRUPTED, RunEvent.INTERRUPTED),
         ],
     )
     def test_event_mapping(self, status, event):
@@ -110,7 +110,7 @@ class TestRunStatus:
         assert STATUS_EVENTS[status] is event
 
     def test_every_status_maps_to_an_event(self):
-        assert set(STATUS_EVENTS) == set(RunStatus)
+        assert set(STATUS_EVENTS) == set(PhaseStatus)
 
 
 class TestEventName:
@@ -137,7 +137,7 @@ class TestEventName:
         with pytest.raises(TypeError, match="must be a str or a str enum"):
             event_name(event)
 
-    @pytest.mark.parametrize("event", [NumberedEvent.ONE, RunStatus.OK])
+    @pytest.mark.parametrize("event", [NumberedEvent.ONE, PhaseStatus.OK])
     def test_enum_with_non_string_value_is_refused(self, event):
         with pytest.raises(TypeError, match="must have a string value"):
             event_name(event)

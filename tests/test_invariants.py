@@ -14,10 +14,10 @@ from fsm_runner import (
     InvalidTransitionError,
     JournalError,
     MachineSpec,
-    Outcome,
     PhaseResult,
     RetryPolicy,
     RunEvent,
+    RunOutcome,
     RunTerminalError,
     SpecError,
     SqliteJournal,
@@ -234,7 +234,7 @@ class TestInvariant3APhaseRunsAgainOnlyIfItsExitWasNotJournaled:
         with pytest.raises(SystemExit):
             crashing.run(run_id)
         run = journal.load(run_id)
-        assert (run.state, run.seq, run.status) == ("c", 2, Outcome.ACTIVE)
+        assert (run.state, run.seq, run.status) == ("c", 2, RunOutcome.ACTIVE)
         assert [t.to_state for t in journal.transitions(run_id)] == ["a", "b", "c"]
         resumed = reopen(journal)
         try:
@@ -367,7 +367,7 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
             )
             run_id = engine_a.start()
             run = engine_a.run(run_id)
-            assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+            assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
             # the phase in progress was told and finished; the journal refused its outcome and
             # took the abort from its state instead, before b ran
             assert [(t.event, t.to_state) for t in journal_a.transitions(run_id)] == [
@@ -382,7 +382,7 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
         run_id = engine.start()
         other = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
         run = other.abort(run_id, "not needed")
-        assert (run.state, run.status, run.lease_owner) == ("canceled", Outcome.ABORTED, None)
+        assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
 
 
 class TestInvariant5ARunIsBoundToItsSpecHash:
@@ -444,7 +444,7 @@ class TestInvariant6BadEventsChangeNothingAndFailuresAreJournaled:
         assert last.result["error"]["type"] == "KeyError"
         assert "missing-key" in last.result["error"]["message"]
         assert "broken" in last.result["error"]["traceback"]
-        assert (run.state, run.status) == ("failed", Outcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
         assert_row_is_last_transition(journal, run_id)
 
 
@@ -501,7 +501,7 @@ def fold(spec, transitions, start_context=None):
     Each transition must be an edge of the spec (or an engine event: STARTED, RETRIED, an
     abort where the state has no USER_ABORTED exit); a mismatch names the seq.
     """
-    state, context, error, status = None, dict(start_context or {}), None, Outcome.ACTIVE
+    state, context, error, status = None, dict(start_context or {}), None, RunOutcome.ACTIVE
     attempt, iteration = 1, 0
     for index, transition in enumerate(transitions):
         assert transition.seq == index, f"seq {transition.seq} found where {index} was expected"
@@ -523,7 +523,7 @@ def fold(spec, transitions, start_context=None):
         attempt = transition.attempt + 1 if transition.event == RETRIED else 1
         status = spec.state(state).final_outcome
         if transition.event == USER_ABORTED and not spec.state(state).terminal:
-            status = Outcome.ABORTED
+            status = RunOutcome.ABORTED
     return {
         "state": state,
         "seq": len(transitions) - 1,

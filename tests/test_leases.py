@@ -13,7 +13,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from fsm_runner import Engine, Outcome, PhaseResult, RunTerminalError, SqliteJournal
+from fsm_runner import Engine, PhaseResult, RunOutcome, RunTerminalError, SqliteJournal
 from fsm_runner.cli import EXIT_CONFLICT, cli
 from fsm_runner.effects import MUTATE
 from fsm_runner.exceptions import LeaseHeldError, LeaseLostError
@@ -310,14 +310,14 @@ class TestWork:
             engine.work(max_runs=1, exit_when_idle=True)
         run = journal.load(run_id)
         assert calls == [0, 1, 2]
-        assert (run.state, run.status, run.recoveries) == ("a", Outcome.DEAD_LETTER, 3)
+        assert (run.state, run.status, run.recoveries) == ("a", RunOutcome.DEAD_LETTER, 3)
         last = journal.transitions(run_id)[-1]
         assert (last.event, last.from_state, last.to_state) == ("DEAD_LETTERED", "a", "a")
         assert "lost 3 times" in run.error["message"]
         assert check_journal(journal) == []
         with pytest.raises(RunTerminalError):
             engine.resume(run_id)
-        assert engine.fork(run_id, at_seq=0).status is Outcome.ACTIVE
+        assert engine.fork(run_id, at_seq=0).status is RunOutcome.ACTIVE
 
 
 class TestRecover:
@@ -340,7 +340,7 @@ class TestRecover:
             journal.claim(run_id, owner, ttl=-1)
         (parked,) = engine.recover()
         assert (parked.status, parked.recoveries, parked.lease_owner) == (
-            Outcome.DEAD_LETTER,
+            RunOutcome.DEAD_LETTER,
             2,
             None,
         )
@@ -433,7 +433,7 @@ def test_a_held_run_aborted_elsewhere_stops_at_its_next_step(journal):
     run = engine.run(engine.start())
     engine.close()
     assert seen.is_set()
-    assert (run.state, run.status) == ("canceled", Outcome.ABORTED)
+    assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
 
 
 def test_cli_lists_and_colours_dead_letter_runs(tmp_path, monkeypatch):

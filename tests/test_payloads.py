@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsm_runner import Engine, MachineSpec, Outcome, PhaseResult, State, Transition
+from fsm_runner import Engine, MachineSpec, PhaseResult, RunOutcome, State, Transition
 from fsm_runner._json import MAX_JSON_DEPTH
 from fsm_runner.exceptions import HandlerResultError, JournalError, PayloadError
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord, utc_now
@@ -164,7 +164,7 @@ class TestStandardJson:
 
         run = engine.run(engine.start(context={"keep": 1}))
 
-        assert (run.state, run.status) == ("failed", Outcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
         last = journal.transitions(run.run_id)[-1]
         assert (last.from_state, last.event) == ("a", "SYSTEM_ERROR")
         assert last.error["type"] == "HandlerResultError"

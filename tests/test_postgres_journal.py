@@ -25,9 +25,9 @@ from fsm_runner import (
     Engine,
     JournalError,
     MemoryJournal,
-    Outcome,
     PostgresJournal,
     RunEvent,
+    RunOutcome,
     RunRecord,
     SqliteJournal,
     TransitionRecord,
@@ -250,7 +250,7 @@ class TestSchema:
             run = journal.load("old")
             assert (run.seq, run.visit_seq, run.lease_token, run.recoveries) == (1, 1, 0, 0)
             assert [t.lease_token for t in journal.transitions("old")] == [0, 0]
-            journal.commit(*next_step(run, "done", status=Outcome.SUCCEEDED))
+            journal.commit(*next_step(run, "done", status=RunOutcome.SUCCEEDED))
             assert journal.load("old").state == "done"
 
     def test_a_version_5_journal_gets_the_abort_fence(
@@ -281,7 +281,7 @@ class TestSchema:
         with PostgresJournal(postgres_server.url, schema=postgres_schema) as journal:
             assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "6"
             run = journal.load("old")
-            after, transition = next_step(run, "done", status=Outcome.SUCCEEDED)
+            after, transition = next_step(run, "done", status=RunOutcome.SUCCEEDED)
             with pytest.raises(RunConflictError) as info:
                 journal.commit(after, attrs.evolve(transition, lease_token=3))
             assert info.value.abort_reason == "stop"
@@ -582,7 +582,7 @@ class TestLostConnections:
         )
         run_id = engine.start({"x": 1})
         final = engine.run(run_id)
-        assert final.status is Outcome.SUCCEEDED
+        assert final.status is RunOutcome.SUCCEEDED
         assert [t.seq for t in postgres_journal.transitions(run_id)] == list(range(final.seq + 1))
 
     def test_the_retry_budget_runs_out(self, postgres_server, postgres_schema, admin):

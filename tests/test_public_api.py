@@ -228,7 +228,7 @@ class TestAll:
             "Transition",
             "RetryPolicy",
             "RunEvent",
-            "RunStatus",
+            "PhaseStatus",
             "Journal",
             "SqliteJournal",
             "MemoryJournal",
@@ -407,3 +407,35 @@ class TestExceptionMessages:
 
         assert "99" in text
         assert "(1)" in text
+
+
+class TestDeprecatedNames:
+    """``Outcome`` and ``RunStatus`` were renamed ``RunOutcome`` and ``PhaseStatus``."""
+
+    @pytest.mark.parametrize(
+        ("module", "old", "new"),
+        [
+            ("fsm_runner", "Outcome", "RunOutcome"),
+            ("fsm_runner", "RunStatus", "PhaseStatus"),
+            ("fsm_runner.spec", "Outcome", "RunOutcome"),
+            ("fsm_runner.events", "RunStatus", "PhaseStatus"),
+        ],
+    )
+    def test_an_old_name_warns_and_is_the_new_class(self, module, old, new):
+        imported = importlib.import_module(module)
+        with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is deprecated; use {new}"):
+            value = getattr(imported, old)
+        assert value is getattr(fsm_runner, new)
+
+    def test_from_import_of_an_old_name_warns_too(self):
+        with pytest.warns(DeprecationWarning, match="use RunOutcome"):
+            from fsm_runner import Outcome
+        assert Outcome.SUCCEEDED is fsm_runner.RunOutcome.SUCCEEDED
+
+    @pytest.mark.parametrize("module", ["fsm_runner.spec", "fsm_runner.events"])
+    def test_an_unknown_name_is_still_an_attribute_error(self, module):
+        with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+            getattr(importlib.import_module(module), "Nope")  # noqa: B009
+
+    def test_old_names_are_not_in_all(self):
+        assert {"Outcome", "RunStatus"}.isdisjoint(fsm_runner.__all__)

@@ -10,7 +10,7 @@ import datetime as dt
 
 import pytest
 
-from fsm_runner import RETURN, InvalidTransitionError, MachineSpec, Outcome, RunEvent, State
+from fsm_runner import RETURN, InvalidTransitionError, MachineSpec, RunEvent, RunOutcome, State
 from fsm_runner import Transition as Edge
 from fsm_runner.engine.reducer import (
     abort_records,
@@ -43,7 +43,7 @@ class TestTake:
 
     def test_a_plain_step_is_what_the_hot_path_builds(self):
         run = row(seq=3, visit_seq=2, attempt=2, context={"k": 1})
-        assert advance_plain(run, NEXT, "b", Outcome.ACTIVE, 1.5, AT) == take(
+        assert advance_plain(run, NEXT, "b", RunOutcome.ACTIVE, 1.5, AT) == take(
             SPEC, run, NEXT, "b", result=None, duration_ms=1.5, at=AT
         )
 
@@ -97,13 +97,13 @@ class TestKinds:
     )
     def test_a_retry_or_interruption_is_the_next_attempt_of_the_visit(self, kind, event):
         after = self.advance(row(seq=4, attempt=2, visit_seq=3), event, kind)
-        assert (after.attempt, after.visit_seq, after.status) == (3, 3, Outcome.ACTIVE)
+        assert (after.attempt, after.visit_seq, after.status) == (3, 3, RunOutcome.ACTIVE)
 
     @pytest.mark.parametrize(
         ("kind", "event", "status"),
         [
-            ("stop", RunEvent.USER_ABORTED.value, Outcome.ABORTED),
-            ("park", RunEvent.DEAD_LETTERED.value, Outcome.DEAD_LETTER),
+            ("stop", RunEvent.USER_ABORTED.value, RunOutcome.ABORTED),
+            ("park", RunEvent.DEAD_LETTERED.value, RunOutcome.DEAD_LETTER),
         ],
     )
     def test_a_stop_or_park_ends_the_run_where_it_is(self, kind, event, status):
@@ -150,12 +150,12 @@ class TestIterationsAndAborts:
 
     def test_an_abort_follows_the_exit_or_stops_in_place(self):
         _, after = abort_records(SPEC, row(), "enough", None, at=AT)
-        assert (after.state, after.status) == ("canceled", Outcome.ABORTED)
+        assert (after.state, after.status) == ("canceled", RunOutcome.ABORTED)
         no_exit = MachineSpec(
             "no-exit",
             [State("a", handler="a"), State("done", terminal=True)],
             [Edge("a", NEXT, "done")],
         )
         transition, after = abort_records(no_exit, row(no_exit), "enough", None, at=AT)
-        assert (transition.to_state, after.state, after.status) == ("a", "a", Outcome.ABORTED)
+        assert (transition.to_state, after.state, after.status) == ("a", "a", RunOutcome.ABORTED)
         assert after.error == {"type": RunEvent.USER_ABORTED.value, "message": "enough"}

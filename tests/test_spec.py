@@ -11,9 +11,9 @@ from fsm_runner import (
     Engine,
     MachineSpec,
     MemoryJournal,
-    Outcome,
     RetryPolicy,
     RunEvent,
+    RunOutcome,
     SpecError,
     State,
     Transition,
@@ -75,7 +75,7 @@ def rich_spec() -> MachineSpec:
             State("verifying", handler="verify"),
             State("waiting"),
             State("succeeded", terminal=True),
-            State("failed", terminal=True, outcome=Outcome.FAILED),
+            State("failed", terminal=True, outcome=RunOutcome.FAILED),
         ],
         [
             Transition("building", RunEvent.BUILD_SUCCEEDED, "verifying"),
@@ -396,9 +396,9 @@ class TestNoTerminalState:
         run_id = engine.start()
 
         run = engine.run(run_id, max_steps=5)
-        assert (run.state, run.seq, run.status) == ("handling", 5, Outcome.ACTIVE)
+        assert (run.state, run.seq, run.status) == ("handling", 5, RunOutcome.ACTIVE)
         run = engine.abort(run_id, "shutting down")
-        assert (run.state, run.status) == ("handling", Outcome.ABORTED)
+        assert (run.state, run.status) == ("handling", RunOutcome.ABORTED)
 
 
 class TestWildcard:
@@ -642,9 +642,9 @@ class TestParts:
         assert Transition("a", "GO", "b", unless="u").guarded
 
     def test_final_outcome(self):
-        assert State("a", handler="a").final_outcome is Outcome.ACTIVE
-        assert State("done", terminal=True).final_outcome is Outcome.SUCCEEDED
-        assert State("x", terminal=True, outcome="failed").final_outcome is Outcome.FAILED
+        assert State("a", handler="a").final_outcome is RunOutcome.ACTIVE
+        assert State("done", terminal=True).final_outcome is RunOutcome.SUCCEEDED
+        assert State("x", terminal=True, outcome="failed").final_outcome is RunOutcome.FAILED
 
     def test_retry_policy_backs_off_exponentially_up_to_the_maximum(self):
         policy = RetryPolicy(wait_initial=0.5, wait_max=3.0, wait_exp_base=2.0)

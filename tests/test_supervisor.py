@@ -10,10 +10,10 @@ from fsm_runner import (
     MachineSpec,
     MemoryJournal,
     PhaseContext,
+    PhaseStatus,
     RetryPolicy,
     RunEvent,
     RunRecord,
-    RunStatus,
     State,
     Transition,
 )
@@ -272,7 +272,7 @@ class TestReentry:
         clock = FakeClock()
         sup = supervisor(resource, clock, **options)
         sup.start()
-        a = ScriptedHandler(RunStatus.OK)
+        a = ScriptedHandler(PhaseStatus.OK)
         with MemoryJournal() as journal:
             engine = Engine(
                 self.SPEC,
@@ -284,7 +284,7 @@ class TestReentry:
         return run, transitions, a, sup
 
     def test_returns_to_the_failed_sub_phase(self):
-        b = ScriptedHandler(RunStatus.SERVER_UNREACHABLE, RunStatus.OK)
+        b = ScriptedHandler(PhaseStatus.SERVER_UNREACHABLE, PhaseStatus.OK)
         run, transitions, a, sup = self.run(FakeResource(), b)
         assert run.state == "done"
         assert [(t.from_state, t.event, t.to_state) for t in transitions] == [
@@ -300,7 +300,7 @@ class TestReentry:
         assert sup.restarts == 1
 
     def test_spent_budget_fails_the_run_with_the_reason(self):
-        b = ScriptedHandler(RunStatus.SERVER_UNREACHABLE)
+        b = ScriptedHandler(PhaseStatus.SERVER_UNREACHABLE)
         run, transitions, _a, _sup = self.run(FakeResource("ok", "exit"), b, max_restarts=1)
         assert (run.state, run.status.value) == ("failed", "failed")
         assert (

@@ -71,8 +71,8 @@ from fsm_runner import (
     Engine,
     JournalError,
     MachineSpec,
-    Outcome,
     RunEvent,
+    RunOutcome,
     SqliteJournal,
     State,
     Transition,
@@ -740,7 +740,7 @@ def check_executions(
             checked.taken_over.append(run_id)
         path = [(t.from_state, t.event, t.to_state) for t in transitions]
         want = expected_path(run_input)
-        want_status = Outcome.SUCCEEDED if want[-1][2] == "published" else Outcome.FAILED
+        want_status = RunOutcome.SUCCEEDED if want[-1][2] == "published" else RunOutcome.FAILED
         if (run.state, run.status) != (want[-1][2], want_status):
             problems.append(
                 f"run {run_id}: ended {run.state}/{run.status}, expected {want[-1][2]}/{want_status}"

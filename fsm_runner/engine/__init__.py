@@ -77,7 +77,7 @@ from fsm_runner.records import (
     positional_builder,
     utc_now,
 )
-from fsm_runner.spec import RETURN, MachineSpec, Outcome
+from fsm_runner.spec import RETURN, MachineSpec, RunOutcome
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
 
@@ -1342,7 +1342,7 @@ class Engine:
     def _committed(
         self, transition: TransitionRecord, after: RunRecord
     ) -> tuple[TransitionRecord, RunRecord]:
-        if after.status is not Outcome.ACTIVE or transition.event == _USER_ABORTED:
+        if after.status is not RunOutcome.ACTIVE or transition.event == _USER_ABORTED:
             with self._lock:
                 self._aborts.pop(after.run_id, None)
         if self.listeners:
@@ -1393,7 +1393,7 @@ class Engine:
         if iterations:
             return self._write(planned)
         self.journal.commit(after, transition)
-        if after.status is not Outcome.ACTIVE:
+        if after.status is not RunOutcome.ACTIVE:
             self._aborts.pop(after.run_id, None)
         if self.listeners:
             self._notify(transition, after)

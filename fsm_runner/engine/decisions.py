@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from fsm_runner._json import dumps_json, printable
-from fsm_runner.events import RunStatus
+from fsm_runner.events import PhaseStatus
 from fsm_runner.exceptions import HandlerResultError, PhaseTimeoutError, RunAbortedError
 from fsm_runner.phases import PhaseContext, PhaseResult, StatusEvent, to_phase_result
 from fsm_runner.records import ITERATION_FIELDS, RunRecord, unstructure
@@ -79,7 +79,7 @@ def phase_outcome(
     duration_ms = (clock() - step.started) * 1000.0
     if error is not None:
         return PhaseOutcome(None, error, duration_ms)
-    if isinstance(value, RunStatus):  # the spec says which event each status reports
+    if isinstance(value, PhaseStatus):  # the spec says which event each status reports
         result: PhaseResult | None = PhaseResult(spec.status_event(value))
     else:
         result = to_phase_result(value)
@@ -89,7 +89,7 @@ def phase_outcome(
     if result is None:
         detail = (
             f"returned {type(value).__name__} {value!r:.80}; expected a PhaseResult, an event"
-            " (str or str enum) or a RunStatus"
+            " (str or str enum) or a PhaseStatus"
         )
         return PhaseOutcome(
             None,

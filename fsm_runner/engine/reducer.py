@@ -32,7 +32,7 @@ from fsm_runner.records import (
     TransitionRecord,
     positional_builder,
 )
-from fsm_runner.spec import RETURN, MachineSpec, Outcome, State
+from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
 
 __all__ = [
     "StepKind",
@@ -105,7 +105,7 @@ def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> Ru
     return attrs.evolve(
         run,
         state=transition.to_state,
-        status=Outcome.ACTIVE if leaf is None else leaf.final_outcome,
+        status=RunOutcome.ACTIVE if leaf is None else leaf.final_outcome,
         seq=transition.seq,
         iteration=1 if leaf is not None and leaf.starts_iteration else 0,
         attempt=1,
@@ -165,11 +165,11 @@ def advance(  # noqa: PLR0912 - one flat derivation, field by field, reads best
     elif kind == "spec_change":
         attempt = run.attempt
     if kind == "stop":
-        status = Outcome.ABORTED
+        status = RunOutcome.ABORTED
     elif kind == "park":
-        status = Outcome.DEAD_LETTER
+        status = RunOutcome.DEAD_LETTER
     else:
-        status = Outcome.ACTIVE if leaf is None else leaf.final_outcome
+        status = RunOutcome.ACTIVE if leaf is None else leaf.final_outcome
     result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
     context = run.context
     update = result.get("context")
@@ -280,7 +280,7 @@ def advance_plain(  # noqa: PLR0917 - positional on purpose: the hot path
     run: RunRecord,
     event: str,
     dest: str,
-    status: Outcome,
+    status: RunOutcome,
     duration_ms: float,
     at: dt.datetime,
 ) -> tuple[TransitionRecord, RunRecord]:

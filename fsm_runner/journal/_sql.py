@@ -26,7 +26,7 @@ from fsm_runner.records import (
     TransitionRecord,
     structure,
 )
-from fsm_runner.spec import Outcome
+from fsm_runner.spec import RunOutcome
 
 __all__ = ["SqlJournal"]
 
@@ -274,7 +274,7 @@ class SqlJournal:
         self,
         *,
         machine: str | None = None,
-        status: Outcome | str | None = None,
+        status: RunOutcome | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
@@ -299,7 +299,7 @@ class SqlJournal:
             params += now_params
         for column, value in (
             ("machine", machine),
-            ("status", Outcome(status).value if status is not None else None),
+            ("status", RunOutcome(status).value if status is not None else None),
             ("parent_run_id", parent_run_id),
             ("state", state),
         ):

@@ -32,7 +32,7 @@ from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
 )
-from fsm_runner.spec import Outcome
+from fsm_runner.spec import RunOutcome
 
 __all__ = ["Commit", "Durability", "Journal", "PruneReport", "claim_each"]
 
@@ -195,7 +195,7 @@ class Journal(Protocol):
         self,
         *,
         machine: str | None = None,
-        status: Outcome | str | None = None,
+        status: RunOutcome | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,

@@ -34,7 +34,7 @@ from fsm_runner.records import (
     unstructure,
     utc_now,
 )
-from fsm_runner.spec import Outcome
+from fsm_runner.spec import RunOutcome
 
 __all__ = ["MemoryJournal"]
 
@@ -273,7 +273,7 @@ class MemoryJournal:
         self,
         *,
         machine: str | None = None,
-        status: Outcome | str | None = None,
+        status: RunOutcome | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
@@ -285,7 +285,7 @@ class MemoryJournal:
         ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
         lease has expired.
         """
-        wanted = Outcome(status) if status is not None else None
+        wanted = RunOutcome(status) if status is not None else None
         now = utc_now()
         with self._lock:
             self._check_open()

@@ -44,13 +44,13 @@ from fsm_runner import (
     Engine,
     Journal,
     MachineSpec,
-    Outcome,
     PhaseContext,
     PhaseResult,
+    PhaseStatus,
     RetryPolicy,
     RunEvent,
+    RunOutcome,
     RunRecord,
-    RunStatus,
     State,
     Transition,
     interrupt_on_sigterm,
@@ -161,7 +161,7 @@ class SubPhase:
     down or make it fail, for demos and tests: ``{"delays": {"1b": 5}, "fail": {"1c": "why"}}``
     (the server applies a delay only the first time it does that work for this run).
 
-    It reports the :class:`fsm_runner.RunStatus` events — ``OK``, ``SERVER_UNREACHABLE`` when
+    It reports the :class:`fsm_runner.PhaseStatus` events — ``OK``, ``SERVER_UNREACHABLE`` when
     the server does not answer, ``ERROR`` when it answers an error — as a
     :class:`fsm_runner.PhaseResult` so that the server's answer, or the reason for the failure,
     is journaled with the transition. It never touches the server's lifecycle: it cannot.
@@ -189,10 +189,10 @@ class SubPhase:
             )
         except ServerUnreachableError as exc:
             ctx.logger.warning("helper server unreachable: %s", exc.detail)
-            return PhaseResult(RunStatus.SERVER_UNREACHABLE.event, error=_error(exc))
+            return PhaseResult(PhaseStatus.SERVER_UNREACHABLE.event, error=_error(exc))
         except HelperServerError as exc:
-            return PhaseResult(RunStatus.ERROR.event, error=_error(exc))
-        return PhaseResult(RunStatus.OK.event, output=answer)
+            return PhaseResult(PhaseStatus.ERROR.event, error=_error(exc))
+        return PhaseResult(PhaseStatus.OK.event, output=answer)
 
 
 def _error(exc: FsmRunnerError) -> dict[str, str]:
@@ -445,7 +445,7 @@ def _drive(options: _Options, pick: Callable[[Harness], str], must_exist: bool) 
     finally:
         journal.close()
     click.echo(f"{run.state} {run.status.value}")
-    if run.status is not Outcome.SUCCEEDED:
+    if run.status is not RunOutcome.SUCCEEDED:
         reason = (run.error or {}).get("message") or run.status.value
         click.echo(f"Error: run {run.run_id} {run.status.value}: {reason}", err=True)
         sys.exit(EXIT_FAILURE)

@@ -51,9 +51,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import the repos
 from fsm_runner import (  # noqa: E402 - after the sys.path set-up above
     Engine,
     MachineSpec,
-    Outcome,
     PhaseContext,
     RunEvent,
+    RunOutcome,
     SqliteJournal,
     State,
     Transition,
@@ -274,7 +274,7 @@ def _drain(
     finally:
         journal.close()
     transitions = count_transitions(location, postgres)
-    succeeded = sum(1 for run in finished if run.status is Outcome.SUCCEEDED)
+    succeeded = sum(1 for run in finished if run.status is RunOutcome.SUCCEEDED)
     claimed_once = sum(1 for run in finished if (run.lease_token, run.recoveries) == (1, 0))
     return {
         "workers": workers,
