@@ -1,0 +1,302 @@
+"""Short runs: the per-run fixed cost (start, claim, release) against SQLite's commit limit.
+
+Run from the repository root::
+
+    python tests/bench/bench_short_runs.py [--runs 2000] [--concurrent 1000] [--starts 10000]
+                                           [--rounds 3]
+
+Most real runs are short (an agent loop is 5-10 transitions, a release 4), so what a run costs
+besides its steps decides their throughput. The machine here has four phases ``a`` -> ``b`` ->
+``c`` -> ``d`` -> ``done`` (plain sync or async no-op handlers): a run is started and driven to
+its end, four journaled steps. Figures (file journal, durability ``process``, medians of
+``--rounds`` interleaved rounds, each against a raw baseline measured in the same round):
+
+* **sync**: ``--runs`` runs one after another, ``Engine.start`` + ``Engine.run`` each, as
+  journaled steps per second over the whole loop (starts included). Baseline: raw ``sqlite3``
+  single-row commits of the journal's own ``transitions`` rows (one autocommit INSERT per row,
+  WAL + synchronous NORMAL). Target: >= 0.5x.
+* **async**: ``--concurrent`` runs at once, started then driven through
+  ``asyncio.gather(engine.arun(...))``, starts included in the time. Same baseline.
+  Target: >= 1.0x.
+* **start**: ``Engine.start`` of ``--starts`` runs, against the raw two-row insert a start is
+  at the least (a ``run_rows`` row and a ``transitions`` row in one transaction, the journal's
+  own tables without its triggers). Target: at most 2x the raw time.
+* **resume**: a fresh ``python`` process resuming one run, from the process's start to its first
+  handler call (import, engine, first load and claim), against ``python -c pass`` in the same
+  round. Reported, no target.
+
+Every drive checks its runs ended ``done`` at seq 4. Exit status 1 if a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import platform
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "tests" / "bench"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from bench_engine import raw_rate, transitions_ddl  # noqa: E402
+
+from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition  # noqa: E402
+
+PHASES = ["a", "b", "c", "d"]
+STEPS = len(PHASES)
+SPEC = MachineSpec(
+    "bench-short",
+    [*(State(n, handler="noop") for n in PHASES), State("done", terminal=True)],
+    [Transition(n, "NEXT", m) for n, m in zip(PHASES, [*PHASES[1:], "done"], strict=True)],
+)
+TARGETS = {"sync": 0.5, "async": 1.0}
+START_TARGET = 2.0  # at most this many times the raw two-row insert
+
+
+def noop(ctx: object) -> str:
+    return "NEXT"
+
+
+async def anoop(ctx: object) -> str:
+    return "NEXT"
+
+
+def _check(journal: SqliteJournal, run_ids: list[str]) -> None:
+    for run_id in run_ids[:: max(len(run_ids) // 20, 1)]:
+        run = journal.load(run_id)
+        assert run.state == "done", f"{run_id} ended in {run.state}"
+        assert run.seq == STEPS, f"{run_id} ended at seq {run.seq}"
+
+
+def sync_rate(path: Path, runs: int) -> float:
+    """Journaled steps per second of ``runs`` short runs, one after another, starts included."""
+    with SqliteJournal(path) as journal:
+        engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
+        engine.run(engine.start())  # warm: spec stored, code generated
+        run_ids = []
+        gc.collect()
+        started = time.perf_counter()
+        for _ in range(runs):
+            run_id = engine.start()
+            engine.run(run_id)
+            run_ids.append(run_id)
+        elapsed = time.perf_counter() - started
+        _check(journal, run_ids)
+        engine.close()
+    return runs * STEPS / elapsed
+
+
+def async_rate(path: Path, runs: int) -> float:
+    """Journaled steps per second of ``runs`` short runs driven at once, starts included."""
+    with SqliteJournal(path) as journal:
+        engine = Engine(SPEC, handlers={"noop": anoop}, journal=journal)
+
+        async def main() -> tuple[float, list[str]]:
+            await engine.arun(engine.start())  # warm
+            gc.collect()
+            started = time.perf_counter()
+            run_ids = [engine.start() for _ in range(runs)]
+            await asyncio.gather(*(engine.arun(run_id) for run_id in run_ids))
+            return time.perf_counter() - started, run_ids
+
+        elapsed, run_ids = asyncio.run(main())
+        _check(journal, run_ids)
+        engine.close()
+    return runs * STEPS / elapsed
+
+
+def start_seconds(path: Path, starts: int) -> float:
+    """Seconds ``Engine.start`` takes for ``starts`` runs."""
+    with SqliteJournal(path) as journal:
+        engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
+        engine.start()  # warm
+        gc.collect()
+        started = time.perf_counter()
+        for _ in range(starts):
+            engine.start()
+        elapsed = time.perf_counter() - started
+        engine.close()
+    return elapsed
+
+
+def raw_start_seconds(directory: Path, index: int, starts: int, ddls: list[str]) -> float:
+    """Seconds of ``starts`` raw two-row inserts (run row + seq-0 transition, one transaction)."""
+    conn = sqlite3.connect(directory / f"raw-start-{index}.db", isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    for ddl in ddls:
+        conn.execute(ddl)
+    with SqliteJournal(directory / "shape.db") as journal:
+        engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
+        shape = sqlite3.connect(directory / "shape.db")
+        engine.start()
+        run_row = shape.execute("SELECT * FROM run_rows").fetchone()
+        transition_row = shape.execute("SELECT * FROM transitions").fetchone()
+        run_columns = [d[0] for d in shape.execute("SELECT * FROM run_rows").description]
+        transition_columns = [d[0] for d in shape.execute("SELECT * FROM transitions").description]
+        shape.close()
+        engine.close()
+    key_at = run_columns.index("run_key")
+    run_id_at = run_columns.index("run_id")
+    insert_run = (
+        f"INSERT INTO run_rows ({', '.join(c for c in run_columns if c != 'run_key')})"
+        f" VALUES ({', '.join('?' for c in run_columns if c != 'run_key')})"
+    )
+    insert_transition = (
+        f"INSERT INTO transitions ({', '.join(transition_columns)})"
+        f" VALUES ({', '.join('?' for _ in transition_columns)})"
+    )
+    key_in_transition = transition_columns.index("run_key")
+    run_id_in_transition = transition_columns.index("run_id")
+    cursor = conn.cursor()
+    gc.collect()
+    started = time.perf_counter()
+    for number in range(starts):
+        run_id = f"{number:032x}"
+        row = [v for i, v in enumerate(run_row) if i != key_at]
+        row[run_id_at - (run_id_at > key_at)] = run_id
+        cursor.execute("BEGIN")
+        cursor.execute(insert_run, row)
+        first = list(transition_row)
+        first[key_in_transition] = cursor.lastrowid
+        first[run_id_in_transition] = run_id
+        cursor.execute(insert_transition, first)
+        cursor.execute("COMMIT")
+    elapsed = time.perf_counter() - started
+    conn.close()
+    return elapsed
+
+
+def table_ddls(directory: Path) -> list[str]:
+    """The journal's ``run_rows`` and ``transitions`` tables, without triggers, views or indexes."""
+    with SqliteJournal(directory / "ddl.db") as journal:
+        journal.close()
+    conn = sqlite3.connect(directory / "ddl.db")
+    ddls = [
+        sql
+        for (sql,) in conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name IN (?, ?)"
+            " ORDER BY name = 'transitions'",
+            ("run_rows", "transitions"),
+        )
+    ]
+    conn.close()
+    return ddls
+
+
+RESUME = """
+import time, sys
+import fsm_runner
+from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
+sys.path.insert(0, {bench!r})
+from bench_short_runs import SPEC
+def first(ctx):
+    print(time.time(), flush=True)
+    raise SystemExit(0)
+engine = Engine(SPEC, handlers={{"noop": first}}, journal=SqliteJournal({path!r}))
+engine.resume({run_id!r})
+"""
+
+
+def resume_ms(directory: Path, index: int) -> tuple[float, float]:
+    """Milliseconds from a fresh process's start to its first handler call, and of ``pass``."""
+    path = directory / f"resume-{index}.db"
+    with SqliteJournal(path) as journal:
+        engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
+        run_id = engine.start()
+        engine.run(run_id, max_steps=1)
+        engine.close()
+    code = RESUME.format(bench=str(ROOT / "tests" / "bench"), path=str(path), run_id=run_id)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    resumed = (float(out.split()[0]) - started) * 1000
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True, env=env)
+    bare = (time.perf_counter() - started) * 1000
+    return resumed, bare
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2000)
+    parser.add_argument("--concurrent", type=int, default=1000)
+    parser.add_argument("--starts", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(
+        f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version}, {platform.machine()}"
+    )
+    print(
+        f"{STEPS}-phase runs: {args.runs} sync, {args.concurrent} at once, {args.starts} starts;"
+        f" {args.rounds} interleaved rounds, medians\n"
+    )
+    figures: dict[str, list[float]] = {
+        k: [] for k in ("sync", "async", "raw", "start", "raw_start", "resume", "bare")
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        ddl = transitions_ddl(directory)
+        ddls = table_ddls(directory)
+        measures: list[tuple[str, Callable[[int], float | tuple[float, float]]]] = [
+            ("sync", lambda i: sync_rate(directory / f"sync-{i}.db", args.runs)),
+            ("raw", lambda i: raw_rate(directory, 20_000, "process", i, ddl)),
+            ("async", lambda i: async_rate(directory / f"async-{i}.db", args.concurrent)),
+            ("start", lambda i: start_seconds(directory / f"start-{i}.db", args.starts)),
+            ("raw_start", lambda i: raw_start_seconds(directory, i, args.starts, ddls)),
+        ]
+        for index in range(args.rounds):
+            for name, measure in measures:
+                value = measure(index)
+                assert isinstance(value, float)
+                figures[name].append(value)
+            resumed, bare = resume_ms(directory, index)
+            figures["resume"].append(resumed)
+            figures["bare"].append(bare)
+    raw = _median(figures["raw"])
+    failed = False
+    for name in ("sync", "async"):
+        rate = _median(figures[name])
+        ratio = rate / raw
+        ok = ratio >= TARGETS[name]
+        failed |= not ok
+        print(
+            f"  {name:<6} {rate:>9,.0f} journaled steps/s  ({rate / STEPS:>7,.0f} runs/s)"
+            f"  ratio {ratio:.2f}  target >= {TARGETS[name]}: {'PASS' if ok else 'FAIL'}"
+        )
+    print(f"  raw    {raw:>9,.0f} single-row commits/s")
+    start, raw_start = _median(figures["start"]), _median(figures["raw_start"])
+    times = start / raw_start
+    ok = times <= START_TARGET
+    failed |= not ok
+    print(
+        f"  start  {args.starts / start:>9,.0f} starts/s  raw two-row insert"
+        f" {args.starts / raw_start:,.0f}/s  {times:.2f}x the raw time"
+        f"  target <= {START_TARGET}x: {'PASS' if ok else 'FAIL'}"
+    )
+    print(
+        f"  resume in a fresh process: {_median(figures['resume']):.0f} ms to the first handler"
+        f" call (python -c pass: {_median(figures['bare']):.0f} ms)"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
