@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from fsm_runner import RETURN, MachineSpec, RunEvent, State, Transition
+from fsm_runner import RETURN, Engine, MachineSpec, RunEvent, State, Transition
 
 NEXT = "NEXT"
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
@@ -43,6 +43,40 @@ def linear_spec(*phases: str, name: str = "linear") -> MachineSpec:
         Transition("*", RunEvent.USER_ABORTED, "canceled"),
     ]
     return MachineSpec(name, states, transitions)
+
+
+def path_of(journal, run_id):
+    """(from_state, event, to_state) of every transition, seq order."""
+    return [(t.from_state, t.event, t.to_state) for t in journal.transitions(run_id)]
+
+
+def events_of(journal, run_id):
+    return [t.event for t in journal.transitions(run_id)]
+
+
+def noop(_ctx):
+    return NEXT
+
+
+def handlers_for(*names, **overrides):
+    handlers = dict.fromkeys(names, noop)
+    handlers.update(overrides)
+    return handlers
+
+
+def two_phase_engine(journal, **overrides):
+    return Engine(
+        linear_spec("a", "b"), handlers=handlers_for("a", "b", **overrides), journal=journal
+    )
+
+
+def no_exits_spec():
+    """a -> b -> done with no SYSTEM_ERROR, TIMEOUT or USER_ABORTED transitions at all."""
+    return MachineSpec(
+        "bare",
+        [State("a", handler="a"), State("b", handler="b"), State("done", terminal=True)],
+        [Transition("a", NEXT, "b"), Transition("b", NEXT, "done")],
+    )
 
 
 def loop_spec() -> MachineSpec:

@@ -1,18 +1,26 @@
-"""Acceptance: an abort acknowledged as requested ends the run aborted, whoever holds it.
+"""Abort: ``Engine.abort``, ``fsm-runner abort``, ``USER_ABORTED`` and the abort fence, in one place.
 
-Across processes: a real process holds the run inside a slow phase — an ``fsm-runner
-worker``, a sync ``Engine.run``, an async ``Engine.arun``, or ``fsm-runner agent-loop`` with an
-agent that waits — while ``fsm-runner abort RUN --reason ...`` runs in another process, on a
-SQLite file and on PostgreSQL. The abort command says the abort is requested, ``show`` shows the request while the
-phase still runs, and once the phase returns (ignoring the abort: its handler never looks at
-``ctx.cancelled``, and the holder's heartbeat is far off) the run ends aborted where it was: the
-journal refuses the phase's outcome, so the holder carries out the abort instead of finishing
-the run, and no later phase runs.
+Across processes (the acceptance test, ``TestAbortAcrossProcesses``): a real process holds the
+run inside a slow phase — an ``fsm-runner worker``, a sync ``Engine.run``, an async
+``Engine.arun``, or ``fsm-runner agent-loop`` with an agent that waits — while ``fsm-runner abort
+RUN --reason ...`` runs in another process, on a SQLite file and on PostgreSQL. The abort command
+says the abort is requested, ``show`` shows the request while the phase still runs, and once the
+phase returns (ignoring the abort: its handler never looks at ``ctx.cancelled``, and the holder's
+heartbeat is far off) the run ends aborted where it was: the journal refuses the phase's
+outcome, so the holder carries out the abort instead of finishing the run, and no later phase
+runs.
 
-In one process, every route a step can take meets the same refusal: the sync hot path and the
+In one process: ``abort()`` from any non-terminal state and from inside a handler
+(``TestAbortInProcess``); an abort requested of a run another writer holds, which the holder
+carries out, and of a run nobody holds, done at once (``TestAbortFromElsewhere``); every route a
+step can take meets the same refusal (``TestEveryRouteOfAStep``): the sync hot path and the
 general one (a timeout, a ``validate()``, a result with output), ``step``, ``work``,
 ``recover``, ``arun`` with and without group commit (and a group of runs committed together),
-``astep``, an interruption, and a run due to be parked.
+``astep``, an interruption, and a run due to be parked; reasons that are not UTF-8
+(``TestReasons``); and the ``abort`` command through click's CliRunner (``TestAbortCommand``).
+
+Other modules' view of an abort is tested with them: the journal's fence in
+``test_journal.py::TestAbort``, replay in ``test_replay.py::TestAborts`` (see tests/README.md).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Container, Iterator
@@ -38,6 +47,8 @@ from fsm_runner import (
     PhaseResult,
     RunOutcome,
     RunRecord,
+    RunTerminalError,
+    SqliteJournal,
     State,
     Transition,
     open_journal,
@@ -45,6 +56,18 @@ from fsm_runner import (
 from fsm_runner.engine import abort_run
 from fsm_runner.events import RunEvent
 from tests.abort_app import SPEC
+from tests.helpers import (
+    NEXT,
+    handlers_for,
+    linear_spec,
+    no_exits_spec,
+    noop,
+    one_line_error,
+    path_of,
+    snapshot,
+    start_release,
+    two_phase_engine,
+)
 
 ROOT = Path(__file__).parents[1]
 APP = "tests.abort_app:make_engine"
@@ -52,7 +75,7 @@ TIMEOUT = 60.0  # seconds any one wait may take before the test gives up (never 
 USER_ABORTED = RunEvent.USER_ABORTED.value
 T = TypeVar("T")
 
-pytestmark = pytest.mark.skipif(
+posix_processes = pytest.mark.skipif(
     not hasattr(signal, "SIGKILL"), reason="needs POSIX processes and pipes"
 )
 
@@ -219,27 +242,6 @@ HOLDERS = {
 }  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(HOLDERS))
-def test_an_acknowledged_abort_ends_the_held_run_aborted(kind, location, holders):
-    run_id = start_run(location)
-    env = {"FSM_ABORT_ASYNC": "1"} if kind == "arun" else {}
-    holder = holders(HOLDERS[kind](location, run_id), **env)
-    holder.wait_inside()
-
-    request_abort(location, run_id, "no longer needed")
-
-    code, out, err = holder.let_go()
-    assert code == 0, f"{out}\n{err}"
-    found = assert_aborted_in(location, run_id, "working", "no longer needed")
-    assert found["events"] == ["STARTED", USER_ABORTED]  # the phase's DONE was refused
-    assert holder.log.read_text() == ""  # and no later phase ran
-    if kind == "worker":
-        assert "--USER_ABORTED--> canceled" in out
-    else:
-        assert '"status": "aborted"' in out
-
-
 def git_workspace(path: Path) -> Path:
     path.mkdir()
     (path / "README").write_text("a project\n")
@@ -249,48 +251,275 @@ def git_workspace(path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
-def test_an_acknowledged_abort_ends_an_agent_loop_run_aborted(location, tmp_path):
-    workspace = git_workspace(tmp_path / "work")
-    entered, hold = tmp_path / "entered", tmp_path / "hold.fifo"
-    os.mkfifo(hold)
-    # The agent says it runs, then waits until the test writes to (and closes) the fifo.
-    agent = f"touch {entered} && cat {hold} > /dev/null && echo changed >> README"
-    loop = subprocess.Popen(
-        [
-            *fsm_runner(), "--journal", location, "agent-loop", "--workspace", str(workspace),
-            "--agent", agent, "--task", "change the README", "--verify", "L0=true",
-        ],
-        cwd=ROOT, env=environment(), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        wait_for(entered.exists, "the agent to start")
-        journal = open_journal(location)
+# -- across processes ---------------------------------------------------------------------------
+
+
+@posix_processes
+class TestAbortAcrossProcesses:
+    """The acceptance test: a real process holds the run; `fsm-runner abort` runs in another."""
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kind", sorted(HOLDERS))
+    def test_an_acknowledged_abort_ends_the_held_run_aborted(self, kind, location, holders):
+        run_id = start_run(location)
+        env = {"FSM_ABORT_ASYNC": "1"} if kind == "arun" else {}
+        holder = holders(HOLDERS[kind](location, run_id), **env)
+        holder.wait_inside()
+
+        request_abort(location, run_id, "no longer needed")
+
+        code, out, err = holder.let_go()
+        assert code == 0, f"{out}\n{err}"
+        found = assert_aborted_in(location, run_id, "working", "no longer needed")
+        assert found["events"] == ["STARTED", USER_ABORTED]  # the phase's DONE was refused
+        assert holder.log.read_text() == ""  # and no later phase ran
+        if kind == "worker":
+            assert "--USER_ABORTED--> canceled" in out
+        else:
+            assert '"status": "aborted"' in out
+
+    @pytest.mark.slow
+    def test_an_acknowledged_abort_ends_an_agent_loop_run_aborted(self, location, tmp_path):
+        workspace = git_workspace(tmp_path / "work")
+        entered, hold = tmp_path / "entered", tmp_path / "hold.fifo"
+        os.mkfifo(hold)
+        # The agent says it runs, then waits until the test writes to (and closes) the fifo.
+        agent = f"touch {entered} && cat {hold} > /dev/null && echo changed >> README"
+        loop = subprocess.Popen(
+            [
+                *fsm_runner(), "--journal", location, "agent-loop", "--workspace", str(workspace),
+                "--agent", agent, "--task", "change the README", "--verify", "L0=true",
+            ],
+            cwd=ROOT, env=environment(), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
         try:
-            (run,) = journal.runs()
-        finally:
-            journal.close()
-        assert run.state == "building"
-
-        request_abort(location, run.run_id, "stop the agent loop")
-
-        def open_hold() -> int | None:  # once the agent's cat reads it (never blocks)
+            wait_for(entered.exists, "the agent to start")
+            journal = open_journal(location)
             try:
-                return os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                return None
+                (run,) = journal.runs()
+            finally:
+                journal.close()
+            assert run.state == "building"
 
-        os.close(wait_for(open_hold, "the agent to wait"))  # its cat reads to end-of-file
-        out, err = loop.communicate(timeout=TIMEOUT)
-    finally:
-        if loop.poll() is None:
-            loop.kill()
-            loop.communicate()
-    assert loop.returncode == 1, f"{out}\n{err}"  # the run ended aborted
-    assert f"run {run.run_id} is aborted in state 'canceled'" in out
-    found = assert_aborted_in(location, run.run_id, "building", "stop the agent loop")
-    assert found["events"] == ["STARTED", "RUN_ACCEPTED", USER_ABORTED]
+            request_abort(location, run.run_id, "stop the agent loop")
+
+            def open_hold() -> int | None:  # once the agent's cat reads it (never blocks)
+                try:
+                    return os.open(hold, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:
+                    return None
+
+            os.close(wait_for(open_hold, "the agent to wait"))  # its cat reads to end-of-file
+            out, err = loop.communicate(timeout=TIMEOUT)
+        finally:
+            if loop.poll() is None:
+                loop.kill()
+                loop.communicate()
+        assert loop.returncode == 1, f"{out}\n{err}"  # the run ended aborted
+        assert f"run {run.run_id} is aborted in state 'canceled'" in out
+        found = assert_aborted_in(location, run.run_id, "building", "stop the agent loop")
+        assert found["events"] == ["STARTED", "RUN_ACCEPTED", USER_ABORTED]
+
+
+# -- in one process: Engine.abort ---------------------------------------------------------------
+
+
+class TestAbortInProcess:
+    """abort() from any non-terminal state; nothing journaled is removed."""
+
+    def test_idle_run_moves_at_once_through_user_aborted(self, journal):
+        seen = []
+        engine = Engine(
+            linear_spec("a", "b"),
+            handlers=handlers_for("a", "b"),
+            journal=journal,
+            listeners=[lambda t, run: seen.append((t.event, run.status))],
+        )
+        run_id = engine.start()
+        engine.step(run_id)
+        history = journal.transitions(run_id)
+        run = engine.abort(run_id, "operator said so")
+        assert (run.state, run.status, run.seq) == ("canceled", RunOutcome.ABORTED, 2)
+        assert run == journal.load(run_id)
+        transitions = journal.transitions(run_id)
+        assert transitions[: len(history)] == history
+        last = transitions[-1]
+        assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "canceled")
+        assert last.result["error"]["message"] == "operator said so"
+        assert seen[-1] == (USER_ABORTED, RunOutcome.ABORTED)
+        with pytest.raises(RunTerminalError):
+            engine.resume(run_id)
+
+    def test_without_user_aborted_transition_the_run_stays_put(self, journal):
+        engine = Engine(no_exits_spec(), handlers={"a": noop, "b": noop}, journal=journal)
+        run_id = engine.start()
+        engine.step(run_id)
+        run = engine.abort(run_id, "stop")
+        assert (run.state, run.status) == ("b", RunOutcome.ABORTED)
+        last = journal.transitions(run_id)[-1]
+        assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "b")
+        assert journal.load(run_id).status is RunOutcome.ABORTED
+        with pytest.raises(RunTerminalError) as info:
+            engine.resume(run_id)
+        assert info.value.status == "aborted"
+
+    def test_ended_run_cannot_be_aborted(self, journal):
+        engine = two_phase_engine(journal)
+        run_id = engine.start()
+        engine.run(run_id)
+        before = snapshot(journal, run_id)
+        with pytest.raises(RunTerminalError):
+            engine.abort(run_id, "too late")
+        assert snapshot(journal, run_id) == before
+
+    def test_abort_from_inside_the_running_handler(self, journal):
+        seen = {}
+        holder = {}
+
+        def phase(ctx):
+            holder["engine"].abort(ctx.run_id, "stop")
+            seen["cancelled"] = ctx.cancelled
+            try:
+                ctx.check()
+            except Exception as exc:
+                seen["check"] = type(exc).__name__
+                raise
+            return NEXT
+
+        b_calls = []
+        engine = two_phase_engine(journal, a=phase, b=lambda _ctx: b_calls.append(1) or NEXT)
+        holder["engine"] = engine
+        run_id = engine.start()
+        run = engine.run(run_id)
+        assert seen == {"cancelled": True, "check": "RunAbortedError"}
+        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert run.error["message"] == "stop"
+        assert b_calls == []
+        last = journal.transitions(run_id)[-1]
+        assert (last.from_state, last.event, last.to_state) == ("a", USER_ABORTED, "canceled")
+        assert last.result["error"]["message"] == "stop"
+        assert journal.load(run_id) == run
+        assert run.abort_reason is None
+
+    def test_handler_ignoring_the_abort_ends_aborted_where_it_ran(self, journal):
+        """Its outcome is not journaled (the journal refuses it): the abort is, from its state."""
+        holder = {}
+        calls = []
+
+        def phase(ctx):
+            calls.append(ctx.state)
+            if ctx.state == "a":
+                holder["engine"].abort(ctx.run_id, "enough")
+            return NEXT
+
+        engine = Engine(
+            linear_spec("a", "b", "c"),
+            handlers=handlers_for("a", "b", "c", a=phase, b=phase, c=phase),
+            journal=journal,
+        )
+        holder["engine"] = engine
+        run_id = engine.start()
+        run = engine.run(run_id)
+        assert calls == ["a"]
+        assert path_of(journal, run_id) == [
+            (None, "STARTED", "a"),
+            ("a", USER_ABORTED, "canceled"),
+        ]
+        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+
+
+# -- from elsewhere: a run another writer holds -------------------------------------------------
+
+
+class TestAbortFromElsewhere:
+    """An abort of a run another writer holds is only requested; the holder carries it out."""
+
+    def test_an_abort_from_elsewhere_reaches_the_worker_holding_the_run(self, tmp_path):
+        path = tmp_path / "journal.db"
+        b_calls = []
+        with SqliteJournal(path) as journal_a, SqliteJournal(path) as journal_ops:
+            operator = Engine(
+                linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal_ops
+            )
+
+            def slow_a(ctx):
+                requested = operator.abort(ctx.run_id, "operator")  # from "another process"
+                assert requested.abort_reason == "operator"  # A holds the run: only requested
+                assert requested.state == "a"
+                ctx_deadline = time.monotonic() + 30
+                while not ctx.cancelled and time.monotonic() < ctx_deadline:
+                    time.sleep(0.005)  # A's heartbeat brings the request to its phase
+                assert ctx.cancelled
+                return NEXT
+
+            engine_a = Engine(
+                linear_spec("a", "b"),
+                handlers={"a": slow_a, "b": lambda _ctx: b_calls.append(1) or NEXT},
+                journal=journal_a,
+                heartbeat_interval=0.01,
+            )
+            run_id = engine_a.start()
+            run = engine_a.run(run_id)
+            assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+            # the phase in progress was told and finished; the journal refused its outcome and
+            # took the abort from its state instead, before b ran
+            assert [(t.event, t.to_state) for t in journal_a.transitions(run_id)] == [
+                ("STARTED", "a"),
+                (USER_ABORTED, "canceled"),
+            ]
+            assert journal_a.load(run_id).abort_reason is None
+        assert b_calls == []
+
+    def test_a_run_nobody_holds_is_aborted_at_once(self, journal):
+        engine = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
+        run_id = engine.start()
+        other = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
+        run = other.abort(run_id, "not needed")
+        assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
+
+    def test_a_held_run_aborted_elsewhere_stops_at_its_next_step(self, journal):
+        """The holder sees a request journaled by another writer through its heartbeat."""
+        spec = linear_spec("a", "b")
+        seen = threading.Event()
+
+        def a_phase(ctx):
+            journal.request_abort(ctx.run_id, "from elsewhere")
+            deadline = time.monotonic() + 30
+            while not ctx.cancelled and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if ctx.cancelled:
+                seen.set()
+            return PhaseResult(NEXT)
+
+        engine = Engine(
+            spec, handlers={"a": a_phase, "b": noop}, journal=journal, heartbeat_interval=0.01
+        )
+        run = engine.run(engine.start())
+        engine.close()
+        assert seen.is_set()
+        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+
+    def test_abort_moves_the_run_itself_when_its_holder_lets_go_meanwhile(self, journal):
+        """The holder releases between the abort's refused claim and its request: nobody would
+        carry the request out, so the abort does it at once instead of saying it is requested."""
+        engine = route_engine(journal, "bare", [])
+        run_id = engine.start()
+        held = journal.claim(run_id, "holder", ttl=600)
+        request = journal.request_abort
+
+        def request_as_the_holder_lets_go(run_id: str, reason: str) -> RunRecord:
+            journal.release(run_id, "holder", held.lease_token)
+            return request(run_id, reason)
+
+        # the interleaving, on the real journal
+        journal.request_abort = request_as_the_holder_lets_go
+        try:
+            run = abort_run(journal, run_id, "stop it")
+        finally:
+            del journal.request_abort
+        assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
+        assert journal.load(run_id) == run
 
 
 # -- every route of a step, in one process ------------------------------------------------------
@@ -394,138 +623,168 @@ DRIVERS: dict[str, Callable[[Engine, str], Any]] = {
 }
 
 
-@pytest.mark.parametrize(
-    ("driver", "route"),
-    [
-        *[
-            (driver, route)
-            for driver in ("run", "step", "work", "recover")
-            for route in ("bare", "output")
+class TestEveryRouteOfAStep:
+    """Whatever route a step takes, the journal refuses its outcome and the abort is carried out."""
+
+    @pytest.mark.parametrize(
+        ("driver", "route"),
+        [
+            *[
+                (driver, route)
+                for driver in ("run", "step", "work", "recover")
+                for route in ("bare", "output")
+            ],
+            ("run", "timeout"),
+            ("run", "validate"),
+            *[
+                (driver, route)
+                for driver in ("arun", "arun-one-commit-a-step", "astep")
+                for route in ("bare", "output", "async", "timeout")
+            ],
         ],
-        ("run", "timeout"),
-        ("run", "validate"),
-        *[
-            (driver, route)
-            for driver in ("arun", "arun-one-commit-a-step", "astep")
-            for route in ("bare", "output", "async", "timeout")
-        ],
-    ],
-)
-def test_every_route_of_a_step_ends_aborted_where_the_abort_found_it(journal, driver, route):
-    calls: list[str] = []
-    engine = route_engine(journal, route, calls)
-    if driver == "arun-one-commit-a-step":
-        engine.group_commit = False
-    run_id = engine.start()
-    try:
-        DRIVERS["arun" if driver == "arun-one-commit-a-step" else driver](engine, run_id)
-    finally:
-        engine.close()
-    assert_aborted_while_working(journal, run_id, calls)
-
-
-@pytest.mark.parametrize("driver", ["run", "arun"])
-def test_an_interrupted_phase_carries_out_the_abort_requested_meanwhile(journal, driver):
-    calls: list[str] = []
-    engine = route_engine(journal, "interrupt", calls)
-    run_id = engine.start()
-    with pytest.raises(KeyboardInterrupt):
-        DRIVERS[driver](engine, run_id)
-    engine.close()
-    assert_aborted_while_working(journal, run_id, calls)
-
-
-def test_a_run_due_to_be_parked_is_aborted_as_requested(journal):
-    calls: list[str] = []
-    engine = route_engine(journal, "bare", calls)
-    engine.max_recoveries = 0
-    run_id = engine.start()
-    journal.claim(run_id, "gone:1:x", ttl=-1)  # its worker was lost: the next claim parks it
-    journal.request_abort(run_id, "stop it")
-    assert engine.work(max_runs=1, exit_when_idle=True) == 1
-    engine.close()
-    run = journal.load(run_id)
-    assert (run.state, run.status, run.recoveries) == ("canceled", RunOutcome.ABORTED, 1)
-    assert calls == []
-
-
-def test_abort_moves_the_run_itself_when_its_holder_lets_go_meanwhile(journal):
-    """The holder releases between the abort's refused claim and its request: nobody would
-    carry the request out, so the abort does it at once instead of saying it is requested."""
-    engine = route_engine(journal, "bare", [])
-    run_id = engine.start()
-    held = journal.claim(run_id, "holder", ttl=600)
-    request = journal.request_abort
-
-    def request_as_the_holder_lets_go(run_id: str, reason: str) -> RunRecord:
-        journal.release(run_id, "holder", held.lease_token)
-        return request(run_id, reason)
-
-    journal.request_abort = request_as_the_holder_lets_go  # the interleaving, on the real journal
-    try:
-        run = abort_run(journal, run_id, "stop it")
-    finally:
-        del journal.request_abort
-    assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
-    assert journal.load(run_id) == run
-
-
-def test_group_commit_refuses_only_the_run_whose_abort_was_requested(journal):
-    """Runs whose phases end in one turn share a transaction; the aborted one alone is refused."""
-    calls: list[str] = []
-    aborting: set[str] = set()
-    engine = route_engine(journal, "async", calls, aborting=aborting)
-    aborted = engine.start()
-    aborting.add(aborted)
-    others = [engine.start() for _ in range(3)]
-
-    async def drive() -> list[RunRecord]:
-        return await asyncio.gather(*(engine.arun(run_id) for run_id in [aborted, *others]))
-
-    ended = asyncio.run(drive())
-    engine.close()
-    assert [(run.state, run.status) for run in ended] == [
-        ("canceled", RunOutcome.ABORTED),
-        *[("done", RunOutcome.SUCCEEDED)] * 3,
-    ]
-    assert [t.event for t in journal.transitions(aborted)] == ["STARTED", USER_ABORTED]
-
-
-@pytest.mark.parametrize("held", [True, False], ids=["held", "not-held"])
-def test_a_reason_with_a_lone_surrogate_is_stored_escaped(journal, held):
-    """A reason from an argv byte that is not UTF-8 (a lone surrogate) is kept, escaped."""
-    engine = route_engine(journal, "bare", [])
-    run_id = engine.start()
-    if held:
-        journal.claim(run_id, "holder", ttl=600)
-    run = abort_run(journal, run_id, "stop \udcff now")
-    expected = "stop \\udcff now"
-    if held:
-        assert (run.status, run.abort_reason) == (RunOutcome.ACTIVE, expected)
-    else:
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
-        assert journal.transitions(run_id)[-1].result["error"]["message"] == expected
-    engine.close()
-
-
-@pytest.mark.slow
-def test_the_cli_takes_a_reason_that_is_not_utf8(tmp_path):
-    location = str(tmp_path / "journal.db")
-    run_id = start_run(location)
-    aborted = subprocess.run(
-        [*fsm_runner(), "--journal", location, "abort", run_id, "--reason", b"bad \xff byte"],
-        cwd=ROOT,
-        env=environment(),
-        capture_output=True,
-        timeout=TIMEOUT,
-        check=False,
     )
-    assert aborted.returncode == 0, aborted.stderr
-    assert b"Traceback" not in aborted.stderr
-    journal = open_journal(location)
-    try:
+    def test_every_route_of_a_step_ends_aborted_where_the_abort_found_it(
+        self, journal, driver, route
+    ):
+        calls: list[str] = []
+        engine = route_engine(journal, route, calls)
+        if driver == "arun-one-commit-a-step":
+            engine.group_commit = False
+        run_id = engine.start()
+        try:
+            DRIVERS["arun" if driver == "arun-one-commit-a-step" else driver](engine, run_id)
+        finally:
+            engine.close()
+        assert_aborted_while_working(journal, run_id, calls)
+
+    @pytest.mark.parametrize("driver", ["run", "arun"])
+    def test_an_interrupted_phase_carries_out_the_abort_requested_meanwhile(self, journal, driver):
+        calls: list[str] = []
+        engine = route_engine(journal, "interrupt", calls)
+        run_id = engine.start()
+        with pytest.raises(KeyboardInterrupt):
+            DRIVERS[driver](engine, run_id)
+        engine.close()
+        assert_aborted_while_working(journal, run_id, calls)
+
+    def test_a_run_due_to_be_parked_is_aborted_as_requested(self, journal):
+        calls: list[str] = []
+        engine = route_engine(journal, "bare", calls)
+        engine.max_recoveries = 0
+        run_id = engine.start()
+        journal.claim(run_id, "gone:1:x", ttl=-1)  # its worker was lost: the next claim parks it
+        journal.request_abort(run_id, "stop it")
+        assert engine.work(max_runs=1, exit_when_idle=True) == 1
+        engine.close()
         run = journal.load(run_id)
-        assert run.status is RunOutcome.ABORTED
-        assert journal.transitions(run_id)[-1].result["error"]["message"] == "bad \\udcff byte"
-    finally:
-        journal.close()
+        assert (run.state, run.status, run.recoveries) == ("canceled", RunOutcome.ABORTED, 1)
+        assert calls == []
+
+    def test_group_commit_refuses_only_the_run_whose_abort_was_requested(self, journal):
+        """Runs whose phases end in one turn share a transaction; the aborted one alone is refused."""
+        calls: list[str] = []
+        aborting: set[str] = set()
+        engine = route_engine(journal, "async", calls, aborting=aborting)
+        aborted = engine.start()
+        aborting.add(aborted)
+        others = [engine.start() for _ in range(3)]
+
+        async def drive() -> list[RunRecord]:
+            return await asyncio.gather(*(engine.arun(run_id) for run_id in [aborted, *others]))
+
+        ended = asyncio.run(drive())
+        engine.close()
+        assert [(run.state, run.status) for run in ended] == [
+            ("canceled", RunOutcome.ABORTED),
+            *[("done", RunOutcome.SUCCEEDED)] * 3,
+        ]
+        assert [t.event for t in journal.transitions(aborted)] == ["STARTED", USER_ABORTED]
+
+
+class TestReasons:
+    """A reason that is not UTF-8 is kept, escaped."""
+
+    @pytest.mark.parametrize("held", [True, False], ids=["held", "not-held"])
+    def test_a_reason_with_a_lone_surrogate_is_stored_escaped(self, journal, held):
+        """A reason from an argv byte that is not UTF-8 (a lone surrogate) is kept, escaped."""
+        engine = route_engine(journal, "bare", [])
+        run_id = engine.start()
+        if held:
+            journal.claim(run_id, "holder", ttl=600)
+        run = abort_run(journal, run_id, "stop \udcff now")
+        expected = "stop \\udcff now"
+        if held:
+            assert (run.status, run.abort_reason) == (RunOutcome.ACTIVE, expected)
+        else:
+            assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+            assert journal.transitions(run_id)[-1].result["error"]["message"] == expected
+        engine.close()
+
+    @posix_processes
+    @pytest.mark.slow
+    def test_the_cli_takes_a_reason_that_is_not_utf8(self, tmp_path):
+        location = str(tmp_path / "journal.db")
+        run_id = start_run(location)
+        aborted = subprocess.run(
+            [*fsm_runner(), "--journal", location, "abort", run_id, "--reason", b"bad \xff byte"],
+            cwd=ROOT,
+            env=environment(),
+            capture_output=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
+        assert aborted.returncode == 0, aborted.stderr
+        assert b"Traceback" not in aborted.stderr
+        journal = open_journal(location)
+        try:
+            run = journal.load(run_id)
+            assert run.status is RunOutcome.ABORTED
+            assert journal.transitions(run_id)[-1].result["error"]["message"] == "bad \\udcff byte"
+        finally:
+            journal.close()
+
+
+# -- the `fsm-runner abort` command -------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("in_tmp_path")
+class TestAbortCommand:
+    """`fsm-runner abort RUN --reason TEXT` through click's CliRunner."""
+
+    def test_aborts_through_the_spec(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        result = invoke("abort", run_id, "--reason", "not needed")
+        assert result.exit_code == 0, result.output
+        assert "aborted in state 'canceled'" in result.output
+        with SqliteJournal(journal_path) as journal:
+            run = journal.load(run_id)
+            last = journal.transitions(run_id)[-1]
+        assert (run.state, run.status.value) == ("canceled", "aborted")
+        assert last.event == "USER_ABORTED"
+        assert last.error == {"type": "USER_ABORTED", "message": "not needed"}
+
+    def test_reason_is_required(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, 2)
+        assert invoke("abort", run_id).exit_code == 2
+
+    def test_ended_run(self, invoke, journal_path, tmp_path):
+        run_id = start_release(journal_path, tmp_path, None)
+        assert "has ended" in one_line_error(invoke("abort", run_id, "--reason", "x"), code=4)
+
+    def test_abort_of_a_held_run_is_requested(self, invoke, journal_path):
+        path = journal_path
+        with SqliteJournal(path) as journal:
+            run_id = Engine(
+                linear_spec("a", "b", "c", name="leased"),
+                handlers=handlers_for("a", "b", "c"),
+                journal=journal,
+            ).start()
+            journal.claim(run_id, "elsewhere:1:x", ttl=600)
+        result = invoke("abort", run_id, "--reason", "stop it")
+        assert result.exit_code == 0, result.output
+        assert "abort requested; elsewhere:1:x, which holds the run, carries it out" in (
+            result.output
+        )
+        with SqliteJournal(path) as journal:
+            run = journal.load(run_id)
+        assert (run.state, run.abort_reason) == ("a", "stop it")

@@ -220,30 +220,6 @@ class TestResume:
         assert "failed in state 'failed'" in result.output
 
 
-class TestAbort:
-    """`fsm-runner abort RUN --reason TEXT`."""
-
-    def test_aborts_through_the_spec(self, invoke, journal_path, tmp_path):
-        run_id = start_release(journal_path, tmp_path, 2)
-        result = invoke("abort", run_id, "--reason", "not needed")
-        assert result.exit_code == 0, result.output
-        assert "aborted in state 'canceled'" in result.output
-        with SqliteJournal(journal_path) as journal:
-            run = journal.load(run_id)
-            last = journal.transitions(run_id)[-1]
-        assert (run.state, run.status.value) == ("canceled", "aborted")
-        assert last.event == "USER_ABORTED"
-        assert last.error == {"type": "USER_ABORTED", "message": "not needed"}
-
-    def test_reason_is_required(self, invoke, journal_path, tmp_path):
-        run_id = start_release(journal_path, tmp_path, 2)
-        assert invoke("abort", run_id).exit_code == 2
-
-    def test_ended_run(self, invoke, journal_path, tmp_path):
-        run_id = start_release(journal_path, tmp_path, None)
-        assert "has ended" in one_line_error(invoke("abort", run_id, "--reason", "x"), code=4)
-
-
 class TestShowSubphases:
     """`show` lists each sub-phase's attempts, restarts and interruptions."""
 

@@ -1,4 +1,6 @@
-"""Engine behaviour: starting, stepping, handler results, failures, retries, timeouts, abort."""
+"""Engine behaviour: starting, stepping, handler results, failures, retries, timeouts.
+
+Abort is tested in ``test_abort.py``."""
 
 from __future__ import annotations
 
@@ -35,7 +37,17 @@ from fsm_runner.exceptions import (
     SpecMismatchError,
 )
 from fsm_runner.testing import FakeClock, ScriptedHandler
-from tests.helpers import NEXT, linear_spec, snapshot
+from tests.helpers import (
+    NEXT,
+    events_of,
+    handlers_for,
+    linear_spec,
+    no_exits_spec,
+    noop,
+    path_of,
+    snapshot,
+    two_phase_engine,
+)
 
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 TIMEOUT = RunEvent.TIMEOUT.value
@@ -46,15 +58,6 @@ RETRIED = RunEvent.RETRIED.value
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def path_of(journal, run_id):
-    """(from_state, event, to_state) of every transition, seq order."""
-    return [(t.from_state, t.event, t.to_state) for t in journal.transitions(run_id)]
-
-
-def events_of(journal, run_id):
-    return [t.event for t in journal.transitions(run_id)]
-
-
 def assert_all_json(journal, run_id):
     """Everything journaled for the run is plain JSON (what the SQLite journal can store)."""
     run = journal.load(run_id)
@@ -63,22 +66,6 @@ def assert_all_json(journal, run_id):
     json.dumps(run.input)
     for transition in journal.transitions(run_id):
         json.dumps(transition.result)
-
-
-def noop(_ctx):
-    return NEXT
-
-
-def handlers_for(*names, **overrides):
-    handlers = dict.fromkeys(names, noop)
-    handlers.update(overrides)
-    return handlers
-
-
-def two_phase_engine(journal, **overrides):
-    return Engine(
-        linear_spec("a", "b"), handlers=handlers_for("a", "b", **overrides), journal=journal
-    )
 
 
 def approval_spec():
@@ -100,15 +87,6 @@ def approval_spec():
             Transition("publishing", NEXT, "published"),
             Transition("*", USER_ABORTED, "canceled"),
         ],
-    )
-
-
-def no_exits_spec():
-    """a -> b -> done with no SYSTEM_ERROR, TIMEOUT or USER_ABORTED transitions at all."""
-    return MachineSpec(
-        "bare",
-        [State("a", handler="a"), State("b", handler="b"), State("done", terminal=True)],
-        [Transition("a", NEXT, "b"), Transition("b", NEXT, "done")],
     )
 
 
@@ -1154,113 +1132,6 @@ class TestListeners:
         assert len(failures) == 3
         assert all(run_id in r.getMessage() for r in failures)
         assert all(r.exc_info and r.exc_info[0] is RuntimeError for r in failures)
-
-
-# -- abort -----------------------------------------------------------------------------------
-
-
-class TestAbort:
-    """abort() from any non-terminal state; nothing journaled is removed."""
-
-    def test_idle_run_moves_at_once_through_user_aborted(self, journal):
-        seen = []
-        engine = Engine(
-            linear_spec("a", "b"),
-            handlers=handlers_for("a", "b"),
-            journal=journal,
-            listeners=[lambda t, run: seen.append((t.event, run.status))],
-        )
-        run_id = engine.start()
-        engine.step(run_id)
-        history = journal.transitions(run_id)
-        run = engine.abort(run_id, "operator said so")
-        assert (run.state, run.status, run.seq) == ("canceled", RunOutcome.ABORTED, 2)
-        assert run == journal.load(run_id)
-        transitions = journal.transitions(run_id)
-        assert transitions[: len(history)] == history
-        last = transitions[-1]
-        assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "canceled")
-        assert last.result["error"]["message"] == "operator said so"
-        assert seen[-1] == (USER_ABORTED, RunOutcome.ABORTED)
-        with pytest.raises(RunTerminalError):
-            engine.resume(run_id)
-
-    def test_without_user_aborted_transition_the_run_stays_put(self, journal):
-        engine = Engine(no_exits_spec(), handlers={"a": noop, "b": noop}, journal=journal)
-        run_id = engine.start()
-        engine.step(run_id)
-        run = engine.abort(run_id, "stop")
-        assert (run.state, run.status) == ("b", RunOutcome.ABORTED)
-        last = journal.transitions(run_id)[-1]
-        assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "b")
-        assert journal.load(run_id).status is RunOutcome.ABORTED
-        with pytest.raises(RunTerminalError) as info:
-            engine.resume(run_id)
-        assert info.value.status == "aborted"
-
-    def test_ended_run_cannot_be_aborted(self, journal):
-        engine = two_phase_engine(journal)
-        run_id = engine.start()
-        engine.run(run_id)
-        before = snapshot(journal, run_id)
-        with pytest.raises(RunTerminalError):
-            engine.abort(run_id, "too late")
-        assert snapshot(journal, run_id) == before
-
-    def test_abort_from_inside_the_running_handler(self, journal):
-        seen = {}
-        holder = {}
-
-        def phase(ctx):
-            holder["engine"].abort(ctx.run_id, "stop")
-            seen["cancelled"] = ctx.cancelled
-            try:
-                ctx.check()
-            except Exception as exc:
-                seen["check"] = type(exc).__name__
-                raise
-            return NEXT
-
-        b_calls = []
-        engine = two_phase_engine(journal, a=phase, b=lambda _ctx: b_calls.append(1) or NEXT)
-        holder["engine"] = engine
-        run_id = engine.start()
-        run = engine.run(run_id)
-        assert seen == {"cancelled": True, "check": "RunAbortedError"}
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
-        assert run.error["message"] == "stop"
-        assert b_calls == []
-        last = journal.transitions(run_id)[-1]
-        assert (last.from_state, last.event, last.to_state) == ("a", USER_ABORTED, "canceled")
-        assert last.result["error"]["message"] == "stop"
-        assert journal.load(run_id) == run
-        assert run.abort_reason is None
-
-    def test_handler_ignoring_the_abort_ends_aborted_where_it_ran(self, journal):
-        """Its outcome is not journaled (the journal refuses it): the abort is, from its state."""
-        holder = {}
-        calls = []
-
-        def phase(ctx):
-            calls.append(ctx.state)
-            if ctx.state == "a":
-                holder["engine"].abort(ctx.run_id, "enough")
-            return NEXT
-
-        engine = Engine(
-            linear_spec("a", "b", "c"),
-            handlers=handlers_for("a", "b", "c", a=phase, b=phase, c=phase),
-            journal=journal,
-        )
-        holder["engine"] = engine
-        run_id = engine.start()
-        run = engine.run(run_id)
-        assert calls == ["a"]
-        assert path_of(journal, run_id) == [
-            (None, "STARTED", "a"),
-            ("a", USER_ABORTED, "canceled"),
-        ]
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
 
 
 # -- external events -------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 from collections import Counter
 
 import attrs
@@ -252,7 +251,8 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
     A worker claims a run's lease before advancing it; a second worker is refused while the
     lease is live, and a worker whose lease expired and was taken over is refused at its next
     commit by the fencing token, writing nothing. (The crash torture and multi-process race
-    tests are in tests/test_crash_torture.py and tests/test_race.py.)
+    tests are in tests/test_crash_torture.py and tests/test_race.py; an abort requested of a
+    held run, carried out by its holder, in tests/test_abort.py::TestAbortFromElsewhere.)
     """
 
     def test_a_live_lease_keeps_a_second_worker_out(self, tmp_path):
@@ -340,49 +340,6 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
             journal.commit(*reversed(_advance(spec, held, NEXT, "b", result=None, duration_ms=0)))
         assert info.value.expected_seq == 0
         assert journal.load(run_id).seq == 1
-
-    def test_an_abort_from_elsewhere_reaches_the_worker_holding_the_run(self, tmp_path):
-        path = tmp_path / "journal.db"
-        b_calls = []
-        with SqliteJournal(path) as journal_a, SqliteJournal(path) as journal_ops:
-            operator = Engine(
-                linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal_ops
-            )
-
-            def slow_a(ctx):
-                requested = operator.abort(ctx.run_id, "operator")  # from "another process"
-                assert requested.abort_reason == "operator"  # A holds the run: only requested
-                assert requested.state == "a"
-                ctx_deadline = time.monotonic() + 30
-                while not ctx.cancelled and time.monotonic() < ctx_deadline:
-                    time.sleep(0.005)  # A's heartbeat brings the request to its phase
-                assert ctx.cancelled
-                return NEXT
-
-            engine_a = Engine(
-                linear_spec("a", "b"),
-                handlers={"a": slow_a, "b": lambda _ctx: b_calls.append(1) or NEXT},
-                journal=journal_a,
-                heartbeat_interval=0.01,
-            )
-            run_id = engine_a.start()
-            run = engine_a.run(run_id)
-            assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
-            # the phase in progress was told and finished; the journal refused its outcome and
-            # took the abort from its state instead, before b ran
-            assert [(t.event, t.to_state) for t in journal_a.transitions(run_id)] == [
-                ("STARTED", "a"),
-                (USER_ABORTED, "canceled"),
-            ]
-            assert journal_a.load(run_id).abort_reason is None
-        assert b_calls == []
-
-    def test_a_run_nobody_holds_is_aborted_at_once(self, journal):
-        engine = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
-        run_id = engine.start()
-        other = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
-        run = other.abort(run_id, "not needed")
-        assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
 
 
 class TestInvariant5ARunIsBoundToItsSpecHash:

@@ -13,7 +13,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from fsm_runner import Engine, PhaseResult, RunOutcome, RunTerminalError, SqliteJournal
+from fsm_runner import Engine, RunOutcome, RunTerminalError, SqliteJournal
 from fsm_runner.cli import EXIT_CONFLICT, cli
 from fsm_runner.effects import MUTATE
 from fsm_runner.exceptions import LeaseHeldError, LeaseLostError
@@ -397,43 +397,6 @@ class TestCli:
         lines = result.output.strip().splitlines()
         assert len(lines) == 1
         assert "lease held by elsewhere:1:x until" in lines[0]
-
-    def test_abort_of_a_held_run_is_requested(self, tmp_path):
-        path = tmp_path / "j.db"
-        with SqliteJournal(path) as journal:
-            run_id = engine_for(journal).start()
-            journal.claim(run_id, "elsewhere:1:x", ttl=600)
-        result = self.invoke(path, "abort", run_id, "--reason", "stop it")
-        assert result.exit_code == 0, result.output
-        assert "abort requested; elsewhere:1:x, which holds the run, carries it out" in (
-            result.output
-        )
-        with SqliteJournal(path) as journal:
-            run = journal.load(run_id)
-        assert (run.state, run.abort_reason) == ("a", "stop it")
-
-
-def test_a_held_run_aborted_elsewhere_stops_at_its_next_step(journal):
-    """The holder sees a request journaled by another writer through its heartbeat."""
-    spec = linear_spec("a", "b")
-    seen = threading.Event()
-
-    def a_phase(ctx):
-        journal.request_abort(ctx.run_id, "from elsewhere")
-        deadline = time.monotonic() + 30
-        while not ctx.cancelled and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if ctx.cancelled:
-            seen.set()
-        return PhaseResult(NEXT)
-
-    engine = Engine(
-        spec, handlers={"a": a_phase, "b": noop}, journal=journal, heartbeat_interval=0.01
-    )
-    run = engine.run(engine.start())
-    engine.close()
-    assert seen.is_set()
-    assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
 
 
 def test_cli_lists_and_colours_dead_letter_runs(tmp_path, monkeypatch):
