@@ -1,6 +1,6 @@
-"""Engine behaviour: starting, stepping, handler results, failures, retries, timeouts.
+"""Engine behaviour: starting, stepping, handler results, failures, timeouts.
 
-Abort is tested in ``test_abort.py``."""
+Abort is tested in ``test_abort.py``, retries in ``test_retries.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from fsm_runner import (
     MemoryJournal,
     PhaseResult,
     PhaseStatus,
-    RetryPolicy,
     RunEvent,
     RunNotFoundError,
     RunOutcome,
@@ -36,10 +35,9 @@ from fsm_runner.exceptions import (
     RunExistsError,
     SpecMismatchError,
 )
-from fsm_runner.testing import FakeClock, ScriptedHandler
+from fsm_runner.testing import FakeClock
 from tests.helpers import (
     NEXT,
-    events_of,
     handlers_for,
     linear_spec,
     no_exits_spec,
@@ -52,7 +50,6 @@ from tests.helpers import (
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
 TIMEOUT = RunEvent.TIMEOUT.value
 USER_ABORTED = RunEvent.USER_ABORTED.value
-RETRIED = RunEvent.RETRIED.value
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -86,26 +83,6 @@ def approval_spec():
             Transition("awaiting_approval", "REJECTED", "rejected"),
             Transition("publishing", NEXT, "published"),
             Transition("*", USER_ABORTED, "canceled"),
-        ],
-    )
-
-
-def retry_spec(*, max_attempts=3, starts_iteration=False):
-    return MachineSpec(
-        "retrying",
-        [
-            State(
-                "calling",
-                handler="call",
-                retry=RetryPolicy(max_attempts=max_attempts, wait_initial=0.1, wait_exp_base=2.0),
-                starts_iteration=starts_iteration,
-            ),
-            State("done", terminal=True),
-            State("failed", terminal=True, outcome="failed"),
-        ],
-        [
-            Transition("calling", NEXT, "done"),
-            Transition("calling", RunEvent.SYSTEM_ERROR, "failed"),
         ],
     )
 
@@ -854,118 +831,6 @@ class TestHandlerFailures:
         with pytest.raises(SystemExit):
             engine.run(run_id)
         assert snapshot(journal, run_id) == before
-
-
-# -- retries ---------------------------------------------------------------------------------
-
-
-class TestRetryPolicy:
-    """Failed attempts are RETRIED self transitions, with backoff through the injected sleep."""
-
-    def test_retries_then_system_error(self, journal):
-        fc = FakeClock()
-        attempts = []
-
-        def flaky(ctx):
-            attempts.append(ctx.attempt)
-            raise ConnectionError(f"attempt {ctx.attempt}")
-
-        engine = Engine(
-            retry_spec(max_attempts=3),
-            handlers={"call": flaky},
-            journal=journal,
-            clock=fc,
-            sleep=fc.sleep,
-            async_sleep=fc.async_sleep,
-        )
-        run_id = engine.start()
-        run = engine.run(run_id)
-        assert attempts == [1, 2, 3]
-        assert fc.slept == [0.1, 0.2]
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
-        transitions = journal.transitions(run_id)
-        assert [(t.from_state, t.event, t.to_state, t.attempt) for t in transitions[1:]] == [
-            ("calling", RETRIED, "calling", 1),
-            ("calling", RETRIED, "calling", 2),
-            ("calling", SYSTEM_ERROR, "failed", 3),
-        ]
-        assert [t.result["error"]["message"] for t in transitions[1:]] == [
-            "attempt 1",
-            "attempt 2",
-            "attempt 3",
-        ]
-
-    def test_success_after_retries_resets_attempt(self, journal):
-        fc = FakeClock()
-        handler = ScriptedHandler(OSError("no"), OSError("no"), NEXT)
-        engine = Engine(
-            retry_spec(max_attempts=5),
-            handlers={"call": handler},
-            journal=journal,
-            clock=fc,
-            sleep=fc.sleep,
-        )
-        run_id = engine.start()
-        run = engine.run(run_id)
-        assert [ctx.attempt for ctx in handler.calls] == [1, 2, 3]
-        assert events_of(journal, run_id) == ["STARTED", RETRIED, RETRIED, NEXT]
-        assert (run.state, run.attempt) == ("done", 1)
-        assert fc.slept == [0.1, 0.2]
-
-    def test_attempt_survives_resume(self, journal):
-        fc = FakeClock()
-        handler = ScriptedHandler(OSError("no"), NEXT)
-        engine = Engine(
-            retry_spec(), handlers={"call": handler}, journal=journal, clock=fc, sleep=fc.sleep
-        )
-        run_id = engine.start()
-        engine.run(run_id, max_steps=1)
-        assert journal.load(run_id).attempt == 2
-        fresh = Engine(
-            retry_spec(), handlers={"call": handler}, journal=journal, clock=fc, sleep=fc.sleep
-        )
-        fresh.resume(run_id)
-        assert [ctx.attempt for ctx in handler.calls] == [1, 2]
-
-    def test_async_retries_wait_through_async_sleep(self, journal):
-        fc = FakeClock()
-
-        def no_sync_sleep(seconds):
-            raise AssertionError(f"the sync sleep was used in an async run ({seconds})")
-
-        async def flaky(_ctx):
-            await asyncio.sleep(0)
-            raise ConnectionError("down")
-
-        engine = Engine(
-            retry_spec(max_attempts=3),
-            handlers={"call": flaky},
-            journal=journal,
-            clock=fc,
-            sleep=no_sync_sleep,
-            async_sleep=fc.async_sleep,
-        )
-        run_id = engine.start()
-        run = asyncio.run(engine.arun(run_id))
-        assert fc.slept == [0.1, 0.2]
-        assert events_of(journal, run_id) == ["STARTED", RETRIED, RETRIED, SYSTEM_ERROR]
-        assert run.state == "failed"
-
-    def test_retry_is_not_a_new_iteration(self, journal):
-        # A retried attempt re-runs the same visit; only entering the state starts an iteration.
-        fc = FakeClock()
-        engine = Engine(
-            retry_spec(starts_iteration=True),
-            handlers={"call": ScriptedHandler(OSError("no"), NEXT)},
-            journal=journal,
-            clock=fc,
-            sleep=fc.sleep,
-        )
-        run_id = engine.start()
-        assert journal.load(run_id).iteration == 1
-        run = engine.run(run_id)
-        assert [t.iteration for t in journal.transitions(run_id)] == [1, 1, 1]
-        assert run.iteration == 1
 
 
 # -- timeouts --------------------------------------------------------------------------------

@@ -628,7 +628,7 @@ class TestHash:
 
 
 class TestParts:
-    """State, Transition and RetryPolicy on their own."""
+    """State and Transition on their own (RetryPolicy on its own: test_retries.py)."""
 
     def test_transition_normalises_source_event_and_guards(self):
         transition = Transition("a", RunEvent.SYSTEM_ERROR, "b", guards="g")
@@ -645,19 +645,6 @@ class TestParts:
         assert State("a", handler="a").final_outcome is RunOutcome.ACTIVE
         assert State("done", terminal=True).final_outcome is RunOutcome.SUCCEEDED
         assert State("x", terminal=True, outcome="failed").final_outcome is RunOutcome.FAILED
-
-    def test_retry_policy_backs_off_exponentially_up_to_the_maximum(self):
-        policy = RetryPolicy(wait_initial=0.5, wait_max=3.0, wait_exp_base=2.0)
-
-        assert [policy.wait(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
-
-    @pytest.mark.parametrize(
-        "policy",
-        [RetryPolicy(max_attempts=0), RetryPolicy(wait_initial=-1), RetryPolicy(wait_exp_base=0.5)],
-    )
-    def test_bad_retry_policy_is_a_problem(self, policy):
-        assert list(policy.problems())
-        assert not list(RetryPolicy().problems())
 
     def test_spec_lookups(self):
         spec = linear_spec("building", "verifying")
