@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from fsm_runner import RETURN, Engine, MachineSpec, RunEvent, State, Transition
+from fsm_runner import RETURN, Engine, MachineSpec, PhaseStatus, RunEvent, State, Transition
 
 NEXT = "NEXT"
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
@@ -349,6 +349,24 @@ def nested_spec(*, extra_transitions=(), initial="", status_events=None, inner=N
         initial=initial,
         status_events=status_events or {},
     )
+
+
+def recorder(calls, name, result=PhaseStatus.OK):
+    """A handler that records (name, attempt) and returns ``result`` (or result(call number))."""
+
+    def handler(ctx):
+        calls.append((name, ctx.attempt))
+        count = sum(1 for called, _ in calls if called == name)
+        return result(count) if callable(result) else result
+
+    return handler
+
+
+def nested_handlers(calls, **overrides):
+    handlers = {name: recorder(calls, name) for name in ("prepare", "a", "b", "c", "d")}
+    handlers["recover"] = recorder(calls, "recover", FOUND)
+    handlers.update(overrides)
+    return handlers
 
 
 def iteration_loop_spec() -> MachineSpec:

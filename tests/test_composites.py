@@ -1,12 +1,11 @@
-"""Composite states (sub-phases), RETURN history targets, PhaseStatus mapping and interruption."""
+"""Composite states (sub-phases), RETURN history targets and PhaseStatus mapping.
+
+Interruption (Ctrl-C, SIGTERM), in a composite's leaf too, is tested in ``test_interruption.py``."""
 
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
 import sqlite3
-import threading
 
 import pytest
 
@@ -22,15 +21,22 @@ from fsm_runner import (
     SqliteJournal,
     State,
     Transition,
-    interrupt_on_sigterm,
 )
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.machine import compile_spec
-from tests.helpers import FOUND, LOST, linear_spec, nested_spec, snapshot, undo_v4
+from tests.helpers import (
+    FOUND,
+    LOST,
+    linear_spec,
+    nested_handlers,
+    nested_spec,
+    recorder,
+    snapshot,
+    undo_v4,
+)
 
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
-INTERRUPTED = RunEvent.INTERRUPTED.value
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -38,24 +44,6 @@ INTERRUPTED = RunEvent.INTERRUPTED.value
 
 def completed(_ctx):
     return PhaseStatus.OK
-
-
-def recorder(calls, name, result=PhaseStatus.OK):
-    """A handler that records (name, attempt) and returns ``result`` (or result(call number))."""
-
-    def handler(ctx):
-        calls.append((name, ctx.attempt))
-        count = sum(1 for called, _ in calls if called == name)
-        return result(count) if callable(result) else result
-
-    return handler
-
-
-def nested_handlers(calls, **overrides):
-    handlers = {name: recorder(calls, name) for name in ("prepare", "a", "b", "c", "d")}
-    handlers["recover"] = recorder(calls, "recover", FOUND)
-    handlers.update(overrides)
-    return handlers
 
 
 def lost_once(count):
@@ -632,71 +620,6 @@ class TestStatusEvents:
         run_id = engine.start()
         assert engine.run(run_id).state == state
         assert journal.transitions(run_id)[-1].event == event
-
-
-class TestInterruption:
-    """Ctrl-C and SIGTERM inside a composite's leaf."""
-
-    def test_keyboard_interrupt_in_a_leaf_reruns_only_that_leaf(self, journal):
-        calls = []
-
-        def c(ctx):
-            calls.append(("c", ctx.attempt))
-            if ctx.attempt == 1:
-                raise KeyboardInterrupt
-            return PhaseStatus.OK
-
-        engine = Engine(nested_spec(), handlers=nested_handlers(calls, c=c), journal=journal)
-        run_id = engine.start()
-        with pytest.raises(KeyboardInterrupt):
-            engine.run(run_id)
-        run = journal.load(run_id)
-        assert (run.state, run.status.value, run.attempt) == ("c", "active", 2)
-        assert path_of(journal, run_id)[-1] == ("c", INTERRUPTED, "c")
-        assert engine.resume(run_id).state == "done"
-        assert calls == [("prepare", 1), ("a", 1), ("b", 1), ("c", 1), ("c", 2), ("d", 1)]
-
-    def test_sigterm_interrupts_inside_the_block_and_the_handler_is_restored(self, journal):
-        assert threading.current_thread() is threading.main_thread()
-        calls = []
-
-        def c(ctx):
-            calls.append(("c", ctx.attempt))
-            if ctx.attempt == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return PhaseStatus.OK
-
-        def previous(_signum, _frame):
-            raise AssertionError("the previous SIGTERM handler must not run inside the block")
-
-        original = signal.signal(signal.SIGTERM, previous)
-        try:
-            engine = Engine(nested_spec(), handlers=nested_handlers(calls, c=c), journal=journal)
-            run_id = engine.start()
-            with pytest.raises(KeyboardInterrupt, match="SIGTERM"), interrupt_on_sigterm():
-                engine.run(run_id)
-            assert signal.getsignal(signal.SIGTERM) is previous
-        finally:
-            signal.signal(signal.SIGTERM, original)
-        transitions = journal.transitions(run_id)
-        assert (transitions[-1].from_state, transitions[-1].event) == ("c", INTERRUPTED)
-        assert journal.load(run_id).error["message"] == "interrupted by SIGTERM in 'c'"
-        assert engine.resume(run_id).state == "done"
-        assert [name for name, _ in calls] == ["prepare", "a", "b", "c", "c", "d"]
-
-    def test_outside_the_main_thread_the_block_changes_nothing(self):
-        before = signal.getsignal(signal.SIGTERM)
-        seen = []
-
-        def body():
-            with interrupt_on_sigterm():
-                seen.append(signal.getsignal(signal.SIGTERM))
-
-        thread = threading.Thread(target=body)
-        thread.start()
-        thread.join()
-        assert seen == [before]
-        assert signal.getsignal(signal.SIGTERM) is before
 
 
 # -- the journal -----------------------------------------------------------------------------

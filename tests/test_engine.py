@@ -1,6 +1,7 @@
 """Engine behaviour: starting, stepping, handler results, failures, timeouts.
 
-Abort is tested in ``test_abort.py``, retries in ``test_retries.py``."""
+Abort is tested in ``test_abort.py``, retries in ``test_retries.py``, interruption (Ctrl-C,
+SIGTERM) in ``test_interruption.py``."""
 
 from __future__ import annotations
 
@@ -800,26 +801,6 @@ class TestHandlerFailures:
             engine.step(run_id)
         assert "int" in str(info.value)
         assert snapshot(journal, run_id) == before
-
-    def test_ctrl_c_journals_interrupted_and_stays_resumable(self, journal):
-        calls = []
-
-        def interrupted_once(ctx):
-            calls.append(ctx.attempt)
-            if len(calls) == 1:
-                raise KeyboardInterrupt
-            return NEXT
-
-        engine = two_phase_engine(journal, a=interrupted_once)
-        run_id = engine.start()
-        with pytest.raises(KeyboardInterrupt):
-            engine.run(run_id)
-        run = journal.load(run_id)
-        last = journal.transitions(run_id)[-1]
-        assert (last.from_state, last.event, last.to_state) == ("a", "INTERRUPTED", "a")
-        assert (run.state, run.status.value, run.attempt) == ("a", "active", 2)
-        assert engine.resume(run_id).status.value == "succeeded"
-        assert calls == [1, 2]  # the interrupted phase ran again, as its next attempt
 
     def test_other_base_exceptions_are_not_journaled(self, journal):
         def exiting(_ctx):
