@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 
 from fsm_runner import RETURN, Engine, MachineSpec, PhaseStatus, RunEvent, State, Transition
@@ -76,6 +78,38 @@ def no_exits_spec():
         "bare",
         [State("a", handler="a"), State("b", handler="b"), State("done", terminal=True)],
         [Transition("a", NEXT, "b"), Transition("b", NEXT, "done")],
+    )
+
+
+def assert_all_json(journal, run_id):
+    """Everything journaled for the run is plain JSON (what the SQLite journal can store)."""
+    run = journal.load(run_id)
+    json.dumps(run.context)
+    json.dumps(run.error)
+    json.dumps(run.input)
+    for transition in journal.transitions(run_id):
+        json.dumps(transition.result)
+
+
+def approval_spec():
+    """drafting -> awaiting_approval (no handler: waits for send) -> publishing -> published."""
+    return MachineSpec(
+        "approval",
+        [
+            State("drafting", handler="draft"),
+            State("awaiting_approval"),
+            State("publishing", handler="publish"),
+            State("published", terminal=True),
+            State("rejected", terminal=True, outcome="failed"),
+            State("canceled", terminal=True, outcome="aborted"),
+        ],
+        [
+            Transition("drafting", NEXT, "awaiting_approval"),
+            Transition("awaiting_approval", "APPROVED", "publishing"),
+            Transition("awaiting_approval", "REJECTED", "rejected"),
+            Transition("publishing", NEXT, "published"),
+            Transition("*", RunEvent.USER_ABORTED, "canceled"),
+        ],
     )
 
 

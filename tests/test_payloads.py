@@ -1,5 +1,6 @@
-"""Payloads: oversized ones, and ones that are not standard JSON, are refused before anything
-is written (a handler's: journaled as a payload problem, the run never left between states)."""
+"""Payloads: ones that are not JSON, oversized ones, and ones that are not standard JSON, are
+refused before anything is written (a handler's: journaled as a payload problem, the run never
+left between states)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,28 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsm_runner import Engine, MachineSpec, PhaseResult, RunOutcome, State, Transition
+from fsm_runner import (
+    Engine,
+    MachineSpec,
+    PhaseResult,
+    RunNotFoundError,
+    RunOutcome,
+    State,
+    Transition,
+)
 from fsm_runner._json import MAX_JSON_DEPTH
 from fsm_runner.exceptions import HandlerResultError, JournalError, PayloadError
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord, utc_now
-from tests.helpers import NEXT, linear_spec, snapshot
+from tests.helpers import (
+    NEXT,
+    SYSTEM_ERROR,
+    approval_spec,
+    assert_all_json,
+    linear_spec,
+    noop,
+    snapshot,
+    two_phase_engine,
+)
 
 SPEC = linear_spec("a", "b")
 LIMIT = 1000
@@ -27,6 +45,56 @@ def engine_for(journal, a) -> Engine:
         journal=journal,
         max_payload_bytes=LIMIT,
     )
+
+
+class TestNotJson:
+    """Values that are not JSON at all (an object, a set) in start, a handler's result, send."""
+
+    @pytest.mark.parametrize(
+        ("kwargs", "what"),
+        [({"input": {"when": object()}}, "input"), ({"context": {"s": {1, 2}}}, "context")],
+    )
+    def test_non_json_payload_writes_nothing(self, journal, kwargs, what):
+        engine = two_phase_engine(journal)
+        with pytest.raises(PayloadError) as info:
+            engine.start(run_id="r1", **kwargs)
+        assert info.value.what == what
+        assert "nothing was written" in str(info.value)
+        assert list(journal.runs()) == []
+        with pytest.raises(RunNotFoundError):
+            journal.load("r1")
+
+    def test_non_json_output_is_a_system_error_and_never_written(self, journal):
+        engine = two_phase_engine(
+            journal, a=lambda _ctx: PhaseResult(NEXT, output={"at": object()})
+        )
+        run_id = engine.start()
+        transition = engine.step(run_id)
+        assert (transition.event, transition.to_state) == (SYSTEM_ERROR, "failed")
+        error = transition.result["error"]
+        assert error["type"] == "HandlerResultError"
+        assert "output" in error["message"]
+        assert "JSON" in error["message"]
+        assert "output" not in transition.result
+        assert_all_json(journal, run_id)
+
+    def test_non_json_context_is_a_system_error_and_never_written(self, journal):
+        engine = two_phase_engine(journal, a=lambda _ctx: PhaseResult(NEXT, context={"s": {1}}))
+        run_id = engine.start(context={"keep": 1})
+        transition = engine.step(run_id)
+        assert transition.event == SYSTEM_ERROR
+        assert "context" in transition.result["error"]["message"]
+        assert journal.load(run_id).context == {"keep": 1}
+        assert_all_json(journal, run_id)
+
+    def test_non_json_output_changes_nothing(self, journal):
+        engine = Engine(approval_spec(), handlers={"draft": noop, "publish": noop}, journal=journal)
+        run_id = engine.start()
+        engine.run(run_id)
+        before = snapshot(journal, run_id)
+        with pytest.raises(PayloadError):
+            engine.send(run_id, "APPROVED", output=object())
+        assert snapshot(journal, run_id) == before
 
 
 class TestMaxPayloadBytes:
