@@ -7,9 +7,24 @@ Events are past-tense facts (``BUILD_FAILED``, ``VERIFY_PASSED``). Host apps may
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
-__all__ = ["ENGINE_EVENTS", "STATUS_EVENTS", "PhaseStatus", "RunEvent", "event_name"]
+__all__ = [
+    "DEAD_LETTERED",
+    "ENGINE_EVENTS",
+    "INTERRUPTED",
+    "RETRIED",
+    "REWOUND",
+    "SPEC_CHANGED",
+    "STARTED",
+    "STATUS_EVENTS",
+    "SYSTEM_ERROR",
+    "TIMEOUT",
+    "USER_ABORTED",
+    "PhaseStatus",
+    "RunEvent",
+    "event_name",
+]
 
 
 class RunEvent(str, enum.Enum):
@@ -41,6 +56,20 @@ class RunEvent(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# The events the engine, the reducer, replay, the journals and spec validation compare, once,
+# as the plain strings a transition holds (a str compared with a str enum member goes through
+# the enum's machinery; these are compared on every step).
+STARTED: Final = RunEvent.STARTED.value
+RETRIED: Final = RunEvent.RETRIED.value
+SYSTEM_ERROR: Final = RunEvent.SYSTEM_ERROR.value
+TIMEOUT: Final = RunEvent.TIMEOUT.value
+INTERRUPTED: Final = RunEvent.INTERRUPTED.value
+USER_ABORTED: Final = RunEvent.USER_ABORTED.value
+REWOUND: Final = RunEvent.REWOUND.value
+DEAD_LETTERED: Final = RunEvent.DEAD_LETTERED.value
+SPEC_CHANGED: Final = RunEvent.SPEC_CHANGED.value
 
 
 class PhaseStatus(enum.IntEnum):
@@ -75,15 +104,7 @@ STATUS_EVENTS: dict[PhaseStatus, RunEvent] = {
 #: ``dead_letter``), and a run continuing under another spec (``allow_spec_change``: a self
 #: transition of the same visit that records the switch).
 ENGINE_EVENTS: frozenset[str] = frozenset(
-    {
-        RunEvent.STARTED.value,
-        RunEvent.RETRIED.value,
-        RunEvent.USER_ABORTED.value,
-        RunEvent.INTERRUPTED.value,
-        RunEvent.REWOUND.value,
-        RunEvent.DEAD_LETTERED.value,
-        RunEvent.SPEC_CHANGED.value,
-    }
+    {STARTED, RETRIED, USER_ABORTED, INTERRUPTED, REWOUND, DEAD_LETTERED, SPEC_CHANGED}
 )
 
 

@@ -22,7 +22,18 @@ import attrs
 import cattrs.gen
 
 from fsm_runner._convert import by_value, converter
-from fsm_runner.events import STATUS_EVENTS, PhaseStatus, RunEvent, event_name
+from fsm_runner.events import (
+    DEAD_LETTERED,
+    INTERRUPTED,
+    RETRIED,
+    REWOUND,
+    SPEC_CHANGED,
+    STARTED,
+    STATUS_EVENTS,
+    PhaseStatus,
+    RunEvent,
+    event_name,
+)
 from fsm_runner.exceptions import SpecError
 
 __all__ = ["RETURN", "WILDCARD", "MachineSpec", "RetryPolicy", "RunOutcome", "State", "Transition"]
@@ -51,16 +62,7 @@ class RunOutcome(str, enum.Enum):
 
 #: Events only the engine journals: a spec transition on one would be indistinguishable from
 #: the engine's own in the journal, and replay (invariant 8) could not tell them apart.
-_ENGINE_ONLY_EVENTS = frozenset(
-    {
-        RunEvent.STARTED.value,
-        RunEvent.RETRIED.value,
-        RunEvent.REWOUND.value,
-        RunEvent.DEAD_LETTERED.value,
-        RunEvent.SPEC_CHANGED.value,
-    }
-)
-_INTERRUPTED = RunEvent.INTERRUPTED.value
+_ENGINE_ONLY_EVENTS = frozenset({STARTED, RETRIED, REWOUND, DEAD_LETTERED, SPEC_CHANGED})
 
 # The fields' converters never raise: a value of the wrong type is kept as it was given, and
 # validate() names it with every other problem of the spec in one SpecError.
@@ -624,7 +626,7 @@ class MachineSpec:
                 pass  # _type_problems() names it
             elif transition.event in _ENGINE_ONLY_EVENTS:
                 yield f"{label}: {transition.event} is journaled by the engine alone"
-            elif transition.event == _INTERRUPTED and transition.dest in (
+            elif transition.event == INTERRUPTED and transition.dest in (
                 *transition.source,
                 WILDCARD,
             ):

@@ -21,7 +21,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from fsm_runner.events import RunEvent
+from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import (
     JournalError,
     LeaseError,
@@ -110,7 +110,6 @@ _REFUSALS = (RunConflictError, LeaseError, RunExistsError)
 
 _dumps = _rows.dumps
 _UTC = dt.timezone.utc
-_USER_ABORTED = RunEvent.USER_ABORTED.value
 #: Seconds a write waits for a lost connection to come back before giving up.
 DEFAULT_RETRY_FOR = 15.0
 _FIRST_BACKOFF = 0.05
@@ -444,7 +443,7 @@ class PostgresWrites(SqlJournal):
         seq = transition.seq
         if run.seq != seq or run.state != transition.to_state or seq < 1:
             self._refuse_malformed(run, transition)
-        aborting = transition.event == _USER_ABORTED
+        aborting = transition.event == USER_ABORTED
         params: list[Any] = [
             transition.to_state,
             seq,

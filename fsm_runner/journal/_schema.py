@@ -12,7 +12,8 @@ import sqlite3
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from fsm_runner.journal._sqlite_writes import _NO_RUN_KEY, _STALE_SEQ, _USER_ABORTED
+from fsm_runner.events import USER_ABORTED
+from fsm_runner.journal._sqlite_writes import _NO_RUN_KEY, _STALE_SEQ
 
 __all__ = ["database", "migrate", "unknown_migrations"]
 
@@ -474,7 +475,7 @@ def m0008_abort_fence(db: sqlite_utils.Database) -> None:
                                 WHERE run_key = NEW.run_key AND run_id = NEW.run_id
                                   AND lease_token = NEW.lease_token
                                   AND (abort_token IS NULL OR abort_token < NEW.lease_token
-                                       OR NEW.event = '{_USER_ABORTED}'))
+                                       OR NEW.event = '{USER_ABORTED}'))
                 OR NOT EXISTS (SELECT 1 FROM transitions
                                 WHERE run_key = NEW.run_key AND seq = NEW.seq - 1);
         END

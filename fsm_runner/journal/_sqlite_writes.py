@@ -18,7 +18,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fsm_runner.events import RunEvent
+from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import JournalError, RunExistsError, RunNotFoundError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sql import SqlJournal
@@ -58,7 +58,6 @@ _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
 #: How much of a ``sqlite3`` error's own text a message quotes, at most.
 _DETAIL_CHARS = 160
 
-_USER_ABORTED = RunEvent.USER_ABORTED.value
 #: What the ``transitions_fence`` trigger raises when a transition does not follow the
 #: run's last one (a stale seq), its writer's lease token is not the run's (fencing), or it is
 #: not the USER_ABORTED that carries out the abort requested of the run.
@@ -432,7 +431,7 @@ class SqliteWrites(SqlJournal):
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
-            and transition.event != _USER_ABORTED
+            and transition.event != USER_ABORTED
         ):
             extra = None
         else:
@@ -518,7 +517,7 @@ class SqliteWrites(SqlJournal):
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
-            and transition.event != _USER_ABORTED
+            and transition.event != USER_ABORTED
         ):
             return None  # the hot path: the transition is all that changed
         columns = ["state", "seq", "iteration", "updated_at", "visit_seq"]
@@ -547,7 +546,7 @@ class SqliteWrites(SqlJournal):
         ):
             columns += ["return_to", "return_attempt", "return_visit"]
             params += [run.return_to, run.return_attempt, run.return_visit]
-        if transition.event == _USER_ABORTED:
+        if transition.event == USER_ABORTED:
             columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
             params += [None, None]
         key = tuple(columns)

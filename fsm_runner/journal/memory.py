@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from fsm_runner._json import dumps_json
-from fsm_runner.events import RunEvent
+from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import (
     JournalError,
     LeaseLostError,
@@ -128,7 +128,7 @@ class MemoryJournal:
             self._check_open()
             stored = self._runs.get(run.run_id)
             token, expected = transition.lease_token, transition.seq - 1
-            aborting = transition.event == RunEvent.USER_ABORTED.value
+            aborting = transition.event == USER_ABORTED
             fence = self._abort_tokens.get(run.run_id)
             if (
                 stored is None
