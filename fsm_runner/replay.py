@@ -11,16 +11,12 @@ Per transition the walk checks that
 * seq 0 is ``STARTED`` from no state into the spec's initial leaf;
 * each ``from_state`` is the state the run was in (the ``to_state`` before it), and nothing
   follows the run's end;
-* the event is one the state allows, and ``to_state`` one of the candidate destinations of
-  that (state, event) pair, a :data:`fsm_runner.spec.RETURN` candidate standing for the state
-  the run came from. Guards are not evaluated (they need the host app), so any candidate
-  counts; where several could have led to the same state, the first in the spec's order is
-  taken;
-* an engine event is used as the engine uses it: ``RETRIED`` (a self transition of a state
-  with a retry policy, within its attempts) and ``INTERRUPTED`` (a self transition) continue
-  the visit as its next attempt; ``USER_ABORTED`` from a state without a ``USER_ABORTED`` exit
-  stops the run where it is with status ``aborted``; ``REWOUND`` (an operator's ``resume
-  --from-state``) enters a non-terminal state the run was in before, as a new visit;
+* the transition follows one of the engine's rules: an edge of the spec from the state
+  (a :data:`fsm_runner.spec.RETURN` candidate standing for the state the run came from; guards
+  are not evaluated, they need the host app) or the engine's own use of an engine event
+  (``RETRIED``, ``INTERRUPTED``, ``USER_ABORTED`` without an exit, ``REWOUND``,
+  ``DEAD_LETTERED``, ``SPEC_CHANGED``). Which rule, and what breaks it, the pure classifier
+  says (:func:`fsm_runner.engine.classify.classify`, where the rules are spelled out);
 * the transition's ``attempt`` is the attempt the run was on, and its ``iteration`` the one the
   rules give (entering a ``starts_iteration`` state starts one, unless the entry continues a
   visit: a retry, an interruption, an in-place stop, a return).
@@ -31,10 +27,6 @@ Each step rebuilds the row the engine wrote with it, with the engine's own reduc
 ``updated_at``, visit and return target. What the engine does not derive from the
 transitions — input, ``created_at``, parent, fork origin, lease, a pending abort request — is
 taken from the run given.
-
-A ``RETRIED`` or ``INTERRUPTED`` self transition is always read as the engine's own (the next
-attempt of the visit), even where a spec declares such a self transition for a handler to take:
-the journal cannot tell the two apart.
 """
 
 from __future__ import annotations
@@ -47,8 +39,9 @@ from typing import Any
 import attrs
 
 from fsm_runner._convert import format_utc
-from fsm_runner.engine.reducer import StepKind, advance, begin
-from fsm_runner.events import RunEvent
+from fsm_runner.engine.classify import StepKind, classify, output_text
+from fsm_runner.engine.reducer import advance, begin
+from fsm_runner.events import SPEC_CHANGED, STARTED
 from fsm_runner.exceptions import (
     FsmRunnerError,
     JournalError,
@@ -58,7 +51,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import Journal
 from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
+from fsm_runner.spec import MachineSpec, RunOutcome, State
 
 __all__ = [
     "Replay",
@@ -73,13 +66,6 @@ __all__ = [
     "verify",
 ]
 
-_STARTED = RunEvent.STARTED.value
-_RETRIED = RunEvent.RETRIED.value
-_INTERRUPTED = RunEvent.INTERRUPTED.value
-_USER_ABORTED = RunEvent.USER_ABORTED.value
-_REWOUND = RunEvent.REWOUND.value
-_DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
-_SPEC_CHANGED = RunEvent.SPEC_CHANGED.value
 #: Finds a spec by its hash (the journal's ``specs`` table), for runs that changed spec.
 SpecSource = Callable[[str], MachineSpec]
 #: The row fields the engine derives from the transitions, in the order they are compared.
@@ -412,12 +398,6 @@ def _read_run(
     return timeline, run
 
 
-def _output_field(transition: TransitionRecord, name: str) -> str | None:
-    output = transition.output
-    value = output.get(name) if isinstance(output, Mapping) else None
-    return value if isinstance(value, str) else None
-
-
 def journal_specs(journal: Journal) -> SpecSource:
     """A :data:`SpecSource` reading (and caching) the specs a journal keeps by hash."""
     cache: dict[str, MachineSpec] = {}
@@ -475,14 +455,6 @@ def _show(name: str, value: Any) -> str:
     return f"{name} {value!r}"
 
 
-def _states(names: Sequence[str | None]) -> str:
-    shown = dict.fromkeys(
-        repr(name) if name is not None else "(a RETURN, with nowhere to return to)"
-        for name in names
-    )
-    return "state " + " or ".join(shown)
-
-
 class _Walker:
     """Walks one run's transitions, checking each and deriving its row with the reducer."""
 
@@ -510,8 +482,8 @@ class _Walker:
     def first_spec(self, timeline: Sequence[TransitionRecord]) -> None:
         """Start from the spec the run started with, if it changed spec on the way."""
         for transition in timeline:
-            if transition.event == _SPEC_CHANGED and self.specs is not None:
-                first = _output_field(transition, "from_spec")
+            if transition.event == SPEC_CHANGED and self.specs is not None:
+                first = output_text(transition, "from_spec")
                 if first is not None:
                     self.use(self.specs(first))
                     self.spec_hash = first
@@ -560,9 +532,9 @@ class _Walker:
 
     def start(self, transition: TransitionRecord) -> RunRecord:
         seq, event, dest = transition.seq, transition.event, transition.to_state
-        if transition.from_state is not None or event != _STARTED:
+        if transition.from_state is not None or event != STARTED:
             origin = f"state {transition.from_state!r}" if transition.from_state else "no state"
-            self.problem(seq, f"{_STARTED} from no state", f"{event} from {origin}")
+            self.problem(seq, f"{STARTED} from no state", f"{event} from {origin}")
         initial = self.spec.initial_leaf
         if dest != initial:
             self.problem(seq, f"state {initial!r}", f"state {dest!r}")
@@ -602,88 +574,24 @@ class _Walker:
             )
 
     def classify(self, prev: RunRecord, transition: TransitionRecord) -> StepKind:
-        """Which of the engine's rules the transition follows; report it if none allows it."""
-        if transition.lease_token < prev.lease_token:  # fencing: tokens never go back
-            self.problem(
-                transition.seq,
-                f"lease token {prev.lease_token} or later",
-                f"lease token {transition.lease_token}",
-            )
-        kind = self.engine_kind(prev, transition)
-        if kind is not None:
-            return kind
-        state, event, dest, seq = prev.state, transition.event, transition.to_state, transition.seq
-        candidates = self.spec.edges.get((state, event))
-        if not candidates:
-            self.problem(seq, f"an event that state {state!r} allows", f"event {event!r}")
-            return "transition"
-        targets = [prev.return_to if c.dest == RETURN else c.dest for c in candidates]
-        kinds: set[StepKind] = {
-            "return" if candidate.dest == RETURN else "transition"
-            for candidate, target in zip(candidates, targets, strict=True)
-            if target == dest
-        }
-        if len(kinds) > 1:  # a guarded edge and a RETURN to the same state: the journal says
-            returned = isinstance(transition.result, Mapping) and transition.result.get("returned")
-            return "return" if returned else "transition"
-        if kinds:
-            return kinds.pop()
-        self.problem(seq, _states(targets), f"state {dest!r}")
-        return "transition"
+        """Which of the engine's rules the transition follows; report what breaks them."""
+        reading = classify(self.spec, prev, transition, visited=self.visited)
+        for problem in reading.problems:
+            self.problem(transition.seq, problem.expected, problem.found)
+        if reading.kind == "spec_change":
+            self.change_spec(transition)
+        return reading.kind
 
-    def engine_kind(  # noqa: PLR0911 - one return per engine event reads best
-        self, prev: RunRecord, transition: TransitionRecord
-    ) -> StepKind | None:
-        """The engine's own use of an engine event, if the transition is one."""
-        state, event, dest, seq = prev.state, transition.event, transition.to_state, transition.seq
-        if event in (_RETRIED, _INTERRUPTED) and dest == state:
-            if event == _RETRIED:
-                self.check_retry(prev, seq)
-                return "retry"
-            return "interruption"
-        if event == _USER_ABORTED and (state, event) not in self.spec.edges:
-            if dest != state:
-                self.problem(
-                    seq, f"state {state!r} (it has no {_USER_ABORTED} exit)", f"state {dest!r}"
-                )
-            return "stop"
-        if event == _SPEC_CHANGED and dest == state:
-            new = _output_field(transition, "to_spec")
-            if self.specs is None or new is None:
-                self.problem(seq, "the journal's specs to follow a change of spec", "none given")
-            else:
-                self.use(self.specs(new))
-                self.spec_hash = new
-            return "spec_change"
-        if event == _DEAD_LETTERED:
-            if dest != state:
-                self.problem(
-                    seq, f"state {state!r} (a run is parked where it is)", f"state {dest!r}"
-                )
-            return "park"
-        if event == _REWOUND:
-            leaf = self.leaves.get(dest)
-            if leaf is None or leaf.terminal or dest not in self.visited:
-                self.problem(
-                    seq, "a rewind to a non-terminal state the run was in", f"state {dest!r}"
-                )
-            return "rewind"
-        return None
-
-    def check_retry(self, prev: RunRecord, seq: int) -> None:
-        leaf = self.leaves.get(prev.state)
-        policy = leaf.retry if leaf is not None else None
-        if policy is None:
-            if (prev.state, _RETRIED) not in self.spec.edges:
-                self.problem(
-                    seq, f"no {_RETRIED} (state {prev.state!r} has no retry policy)", _RETRIED
-                )
-        elif prev.attempt >= policy.max_attempts:
+    def change_spec(self, transition: TransitionRecord) -> None:
+        """Go on under the spec a ``SPEC_CHANGED`` names, read from the journal's specs."""
+        new = output_text(transition, "to_spec")
+        if self.specs is None or new is None:
             self.problem(
-                seq,
-                f"at most {policy.max_attempts} attempts of state {prev.state!r}",
-                f"{_RETRIED} after attempt {prev.attempt}",
+                transition.seq, "the journal's specs to follow a change of spec", "none given"
             )
+        else:
+            self.use(self.specs(new))
+            self.spec_hash = new
 
     def own(self, row: RunRecord, transition: TransitionRecord) -> RunRecord:
         """The reducer's row, with what the transitions do not say taken from the run given.

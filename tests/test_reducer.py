@@ -1,17 +1,28 @@
-"""The reducer (fsm_runner.engine.reducer): pure, and the one place a run row is derived.
+"""The reducer (fsm_runner.engine.reducer) and its classifier (fsm_runner.engine.classify).
 
-That the engine and replay agree with it on random runs is tests/test_properties.py's
-TestReducer; here, each rule on a hand-built row.
+The reducer is pure, and the one place a run row is derived; the classifier, the one place a
+journaled transition is read as a kind. That the engine and replay agree with them on random
+runs is tests/test_properties.py's TestReducer; here, each rule on a hand-built row.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
+import attrs
 import pytest
 
-from fsm_runner import RETURN, InvalidTransitionError, MachineSpec, RunEvent, RunOutcome, State
+from fsm_runner import (
+    RETURN,
+    InvalidTransitionError,
+    MachineSpec,
+    RetryPolicy,
+    RunEvent,
+    RunOutcome,
+    State,
+)
 from fsm_runner import Transition as Edge
+from fsm_runner.engine.classify import Problem, abort_stops, classify
 from fsm_runner.engine.reducer import (
     abort_records,
     advance,
@@ -159,3 +170,50 @@ class TestIterationsAndAborts:
         transition, after = abort_records(no_exit, row(no_exit), "enough", None, at=AT)
         assert (transition.to_state, after.state, after.status) == ("a", "a", RunOutcome.ABORTED)
         assert after.error == {"type": RunEvent.USER_ABORTED.value, "message": "enough"}
+
+
+class TestClassify:
+    """classify reads a journaled transition by the engine's rules, naming what breaks them."""
+
+    def read(self, spec: MachineSpec, run: RunRecord, event: str, dest: str, **fields):
+        transition = take(spec, run, event, dest, result=None, duration_ms=0, at=AT)[0]
+        return classify(spec, run, attrs.evolve(transition, **fields), visited={"a"})
+
+    def test_a_spec_edge_is_a_transition(self):
+        assert self.read(SPEC, row(), NEXT, "b").kind == "transition"
+
+    def test_a_return_is_told_from_its_candidate(self):
+        run = row(RECOVERING, state="fix", return_to="a", return_attempt=1)
+        reading = self.read(RECOVERING, run, "FOUND", RETURN)
+        assert (reading.kind, reading.problems) == ("return", ())
+
+    def test_a_retry_beyond_the_policy_is_named(self):
+        spec = MachineSpec(
+            "retrying",
+            [State("a", handler="a", retry=RetryPolicy(max_attempts=2)), State("z", terminal=True)],
+            [Edge("a", NEXT, "z")],
+        )
+        reading = self.read(spec, row(spec, attempt=2), RunEvent.RETRIED.value, "a")
+        assert reading.kind == "retry"
+        assert reading.problems == (
+            Problem("at most 2 attempts of state 'a'", "RETRIED after attempt 2"),
+        )
+
+    def test_an_abort_stops_in_place_only_where_the_state_has_no_exit(self):
+        assert not abort_stops(SPEC, "a")
+        assert self.read(SPEC, row(), RunEvent.USER_ABORTED.value, "canceled").kind == "transition"
+        no_exit = MachineSpec("no-exit", [State("a", handler="a"), State("z", terminal=True)],
+                              [Edge("a", NEXT, "z")])  # fmt: skip
+        assert abort_stops(no_exit, "a")
+        reading = self.read(no_exit, row(no_exit), RunEvent.USER_ABORTED.value, "z")
+        assert reading.kind == "stop"
+        assert reading.problems == (
+            Problem("state 'a' (it has no USER_ABORTED exit)", "state 'z'"),
+        )
+
+    def test_a_lease_token_going_back_and_an_unknown_event_are_named(self):
+        reading = self.read(SPEC, row(), "NOPE", "b", lease_token=6)
+        assert reading.problems == (
+            Problem("lease token 7 or later", "lease token 6"),
+            Problem("an event that state 'a' allows", "event 'NOPE'"),
+        )

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
-from fsm_runner.events import RunEvent
+from fsm_runner.engine.classify import StepKind, abort_stops, leaf
+from fsm_runner.events import SYSTEM_ERROR, TIMEOUT, USER_ABORTED
 from fsm_runner.exceptions import InvalidTransitionError, SpecError
 from fsm_runner.machine import Guard, compile_spec
 from fsm_runner.records import (
@@ -46,27 +47,6 @@ __all__ = [
     "writes_iterations",
 ]
 
-#: How a transition is read: the ``start`` (seq 0); a spec ``transition``; a ``return`` (a
-#: RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
-#: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
-#: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
-#: recovery gave up on the run where it stood); a ``spec_change`` (``SPEC_CHANGED``: the run
-#: goes on under another spec).
-StepKind = Literal[
-    "start",
-    "transition",
-    "return",
-    "retry",
-    "interruption",
-    "stop",
-    "rewind",
-    "park",
-    "spec_change",
-]
-
-_SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
-_TIMEOUT = RunEvent.TIMEOUT.value
-_USER_ABORTED = RunEvent.USER_ABORTED.value
 #: Kinds that continue the visit the run is on (no new visit, no new iteration).
 _SAME_VISIT: frozenset[str] = frozenset({"retry", "interruption", "stop", "park", "spec_change"})
 #: Kinds that are the next attempt of the visit.
@@ -77,14 +57,6 @@ _EMPTY: Mapping[str, Any] = {}
 # The plain step's record constructors: every field, positionally (see positional_builder).
 _new_run = positional_builder(RunRecord)
 _new_transition = positional_builder(TransitionRecord)
-
-
-def _leaf(spec: MachineSpec, name: str) -> State | None:
-    """The leaf state called ``name``, or ``None`` (a journal may name what a spec lacks)."""
-    if not spec.has_state(name):
-        return None
-    state = spec.state(name)
-    return None if state.composite else state
 
 
 def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> RunRecord:
@@ -99,15 +71,15 @@ def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> Ru
     Returns:
         The derived row.
     """
-    leaf = _leaf(spec, transition.to_state)
+    entered = leaf(spec, transition.to_state)
     result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
     context = result.get("context")
     return attrs.evolve(
         run,
         state=transition.to_state,
-        status=RunOutcome.ACTIVE if leaf is None else leaf.final_outcome,
+        status=RunOutcome.ACTIVE if entered is None else entered.final_outcome,
         seq=transition.seq,
-        iteration=1 if leaf is not None and leaf.starts_iteration else 0,
+        iteration=1 if entered is not None and entered.starts_iteration else 0,
         attempt=1,
         context=dict(context) if isinstance(context, Mapping) else {},
         error=None,
@@ -119,13 +91,13 @@ def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> Ru
     )
 
 
-def _iteration(run: RunRecord, leaf: State | None, kind: StepKind) -> int:
-    """The iteration after entering ``leaf``: a new one where a new visit of a starter begins."""
-    starts = leaf is not None and leaf.starts_iteration and kind != "return"
+def _iteration(run: RunRecord, entered: State | None, kind: StepKind) -> int:
+    """The iteration after entering ``entered``: a new one where a new visit of a starter begins."""
+    starts = entered is not None and entered.starts_iteration and kind != "return"
     return run.iteration + (starts and kind not in _SAME_VISIT)
 
 
-def advance(  # noqa: PLR0912 - one flat derivation, field by field, reads best
+def advance(
     spec: MachineSpec, run: RunRecord, transition: TransitionRecord, kind: StepKind
 ) -> RunRecord:
     """The run row ``transition`` leads ``run`` to, read as ``kind``.
@@ -144,57 +116,23 @@ def advance(  # noqa: PLR0912 - one flat derivation, field by field, reads best
     Returns:
         The row after the transition.
     """
-    dest, seq, event = transition.to_state, transition.seq, transition.event
-    leaf = _leaf(spec, dest)
-    return_to, return_attempt = run.return_to, run.return_attempt
-    return_visit, visit_seq = run.return_visit, run.visit_seq
-    attempt = 1
-    if kind == "return":
-        attempt, visit_seq = return_attempt + 1, return_visit
-        return_to, return_attempt, return_visit = None, 0, 0
-    elif kind not in _SAME_VISIT:
-        visit_seq = seq  # a new visit begins (a spec's own self transition too)
-        if dest == run.state:
-            pass  # a self transition keeps where to return to
-        elif dest in spec.returning_states:  # remember where to come back to
-            return_to, return_attempt, return_visit = run.state, run.attempt, run.visit_seq
-        else:
-            return_to, return_attempt, return_visit = None, 0, 0
-    if kind in _NEXT_ATTEMPT:
-        attempt = run.attempt + 1
-    elif kind == "spec_change":
-        attempt = run.attempt
-    if kind == "stop":
-        status = RunOutcome.ABORTED
-    elif kind == "park":
-        status = RunOutcome.DEAD_LETTER
+    dest, seq = transition.to_state, transition.seq
+    entered = leaf(spec, dest)
+    attempt, visit_seq, return_to, return_attempt, return_visit = _visit(spec, run, dest, seq, kind)
+    result = transition.result
+    if isinstance(result, Mapping) and result:
+        spec_hash, context, error = _from_result(run, result, transition.event, kind)
     else:
-        status = RunOutcome.ACTIVE if leaf is None else leaf.final_outcome
-    result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
-    context = run.context
-    update = result.get("context")
-    if isinstance(update, Mapping) and update:
-        context = {**context, **update}
-    error: Any = result.get("error")
-    if error is None and kind in _SPEC_KINDS:
-        reason = result.get("reason")
-        if reason:
-            error = {"type": event, "message": reason}
-    spec_hash = run.spec_hash
-    if kind == "spec_change":
-        output = result.get("output")
-        new = output.get("to_spec") if isinstance(output, Mapping) else None
-        if isinstance(new, str):
-            spec_hash = new
+        spec_hash, context, error = run.spec_hash, run.context, None
     # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
     return RunRecord(
         run.run_id,
         run.machine,
         spec_hash,
         dest,
-        status,
+        _status(entered, kind),
         seq,
-        _iteration(run, leaf, kind),
+        _iteration(run, entered, kind),
         attempt,
         run.input,
         context,
@@ -203,7 +141,7 @@ def advance(  # noqa: PLR0912 - one flat derivation, field by field, reads best
         transition.at,
         run.parent_run_id,
         run.forked_from,
-        None if event == _USER_ABORTED else run.abort_reason,
+        None if transition.event == USER_ABORTED else run.abort_reason,
         run.lease_owner,
         run.lease_expires_at,
         transition.lease_token,
@@ -213,6 +151,67 @@ def advance(  # noqa: PLR0912 - one flat derivation, field by field, reads best
         return_visit,
         run.recoveries,
     )
+
+
+def _visit(
+    spec: MachineSpec, run: RunRecord, dest: str, seq: int, kind: StepKind
+) -> tuple[int, int, str | None, int, int]:
+    """The attempt, visit seq and return target (state, attempt, visit) after the step.
+
+    A ``return`` is the next attempt of the visit it returns to; a kind that continues the
+    visit keeps it (a retry or an interruption as its next attempt, a spec change as the same
+    one); anything else begins a new visit at ``seq`` (a spec's own self transition too),
+    remembering where to come back to when ``dest`` has a RETURN exit.
+    """
+    if kind == "return":
+        return run.return_attempt + 1, run.return_visit, None, 0, 0
+    if kind in _SAME_VISIT:
+        if kind in _NEXT_ATTEMPT:
+            attempt = run.attempt + 1
+        else:
+            attempt = run.attempt if kind == "spec_change" else 1
+        return attempt, run.visit_seq, run.return_to, run.return_attempt, run.return_visit
+    if dest == run.state:  # a self transition keeps where to return to
+        return 1, seq, run.return_to, run.return_attempt, run.return_visit
+    if dest in spec.returning_states:  # remember where to come back to
+        return 1, seq, run.state, run.attempt, run.visit_seq
+    return 1, seq, None, 0, 0
+
+
+def _status(entered: State | None, kind: StepKind) -> RunOutcome:
+    """The run's status after the step: a stop or a park ends it where it stands."""
+    if kind == "stop":
+        return RunOutcome.ABORTED
+    if kind == "park":
+        return RunOutcome.DEAD_LETTER
+    return RunOutcome.ACTIVE if entered is None else entered.final_outcome
+
+
+def _from_result(
+    run: RunRecord, result: Mapping[str, Any], event: str, kind: StepKind
+) -> tuple[str, Mapping[str, Any], Any]:
+    """The spec hash, context and error after a step whose transition has a result.
+
+    A ``spec_change`` names its new spec (``result["output"]["to_spec"]``); the phase's
+    ``result["context"]`` is merged into the run's; the error is the phase's
+    ``result["error"]``, or else a spec transition's ``reason``.
+    """
+    spec_hash = run.spec_hash
+    if kind == "spec_change":
+        output = result.get("output")
+        new = output.get("to_spec") if isinstance(output, Mapping) else None
+        if isinstance(new, str):
+            spec_hash = new
+    context = run.context
+    update = result.get("context")
+    if isinstance(update, Mapping) and update:
+        context = {**context, **update}
+    error = result.get("error")
+    if error is None and kind in _SPEC_KINDS:
+        reason = result.get("reason")
+        if reason:
+            error = {"type": event, "message": reason}
+    return spec_hash, context, error
 
 
 def take(
@@ -266,7 +265,7 @@ def take(
         run.state,
         event,
         dest,
-        _iteration(run, _leaf(spec, dest), kind),
+        _iteration(run, leaf(spec, dest), kind),
         run.attempt,
         at,
         duration_ms,
@@ -334,7 +333,7 @@ def writes_iterations(
         updates
         or after.iteration != run.iteration
         or after.ended
-        or event in (_SYSTEM_ERROR, _TIMEOUT)
+        or event in (SYSTEM_ERROR, TIMEOUT)
     )
 
 
@@ -378,11 +377,11 @@ def iteration_rows(
         if current is None:
             current = IterationRecord(run.run_id, run.iteration, started_at=run.updated_at)
         changes = dict(updates)
-        if transition.event in (_SYSTEM_ERROR, _TIMEOUT) and "error_type" not in changes:
+        if transition.event in (SYSTEM_ERROR, TIMEOUT) and "error_type" not in changes:
             error = transition.result.get("error") if transition.result else None
             error = error if isinstance(error, Mapping) else {}
             changes["error_type"] = (
-                ErrorType.TIMEOUT if transition.event == _TIMEOUT else ErrorType.SYSTEM_ERROR
+                ErrorType.TIMEOUT if transition.event == TIMEOUT else ErrorType.SYSTEM_ERROR
             )
             changes["error_message"] = f"{error.get('type')}: {error.get('message')}"
         if changes:
@@ -427,11 +426,11 @@ def abort_records(
         SpecError: the exit needs a guard that ``guards`` lacks.
     """
     machine = compile_spec(spec)
-    error = {"type": _USER_ABORTED, "message": reason}
+    error = {"type": USER_ABORTED, "message": reason}
     kind: StepKind = "transition"
-    if machine.allows(run.state, _USER_ABORTED):
+    if not abort_stops(spec, run.state):
         try:
-            dest = machine.resolve(run.state, _USER_ABORTED, run, guards or {}, run_id=run.run_id)
+            dest = machine.resolve(run.state, USER_ABORTED, run, guards or {}, run_id=run.run_id)
         except KeyError as exc:
             raise SpecError(
                 [
@@ -443,5 +442,5 @@ def abort_records(
     else:
         dest, kind = run.state, "stop"  # no abort exit: the run stops where it is
     return take(
-        spec, run, _USER_ABORTED, dest, result={"error": error}, duration_ms=0.0, at=at, kind=kind
+        spec, run, USER_ABORTED, dest, result={"error": error}, duration_ms=0.0, at=at, kind=kind
     )

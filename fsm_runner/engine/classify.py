@@ -1,0 +1,225 @@
+"""Which of the engine's rules a transition follows: its :data:`StepKind`, or what is wrong with it.
+
+The engine knows the kind of each transition it builds (it retries, aborts, parks, rewinds);
+a journaled transition has to be read back. The rules for both live here, once, as pure
+functions of the spec, the run row before the transition and the transition: no journal, no
+I/O. :mod:`fsm_runner.replay` reads every journaled transition with :func:`classify`; the
+reducer asks :func:`abort_stops` where an abort ends.
+
+The rules, per transition:
+
+* ``RETRIED`` and ``INTERRUPTED`` self transitions are the engine's own (the next attempt of
+  the visit: a ``retry``, an ``interruption``); a ``RETRIED`` needs a retry policy with
+  attempts left (or a spec edge on ``RETRIED``);
+* ``USER_ABORTED`` from a state without a ``USER_ABORTED`` exit is a ``stop`` where the run is;
+* ``SPEC_CHANGED`` in place is a ``spec_change`` (the run goes on under another spec);
+* ``DEAD_LETTERED`` is a ``park`` where the run is;
+* ``REWOUND`` is a ``rewind`` to a non-terminal state the run was in before;
+* anything else follows a spec edge of the state: a ``transition``, or a ``return`` where the
+  edge's destination is RETURN and leads to the state the run came from. Guards are not
+  evaluated (they need the host app), so any candidate counts; where a guarded edge and a
+  RETURN lead to the same state, the transition's ``result["returned"]`` tells them apart.
+
+A ``RETRIED`` or ``INTERRUPTED`` self transition is always read as the engine's own, even where
+a spec declares such a self transition for a handler to take: the journal cannot tell the two
+apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Literal
+
+import attrs
+
+from fsm_runner.events import (
+    DEAD_LETTERED,
+    INTERRUPTED,
+    RETRIED,
+    REWOUND,
+    SPEC_CHANGED,
+    USER_ABORTED,
+)
+from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.spec import RETURN, MachineSpec, State
+
+__all__ = ["Problem", "Reading", "StepKind", "abort_stops", "classify", "leaf", "output_text"]
+
+#: How a transition is read: the ``start`` (seq 0); a spec ``transition``; a ``return`` (a
+#: RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
+#: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
+#: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
+#: recovery gave up on the run where it stood); a ``spec_change`` (``SPEC_CHANGED``: the run
+#: goes on under another spec).
+StepKind = Literal[
+    "start",
+    "transition",
+    "return",
+    "retry",
+    "interruption",
+    "stop",
+    "rewind",
+    "park",
+    "spec_change",
+]
+
+
+@attrs.frozen
+class Problem:
+    """What the rules expected of a transition, and what it holds instead.
+
+    Attributes:
+        expected: what the rules expected (``state 'b'``).
+        found: what the transition holds (``state 'c'``).
+    """
+
+    expected: str
+    found: str
+
+
+@attrs.frozen
+class Reading:
+    """How a transition is read, and every rule it breaks (none when it is as the engine writes).
+
+    Attributes:
+        kind: the rule it is read by (the nearest one, when it breaks them).
+        problems: what is wrong with it, in the order the rules are checked.
+    """
+
+    kind: StepKind
+    problems: tuple[Problem, ...] = ()
+
+
+def leaf(spec: MachineSpec, name: str) -> State | None:
+    """The leaf state called ``name``, or ``None`` (a journal may name what a spec lacks)."""
+    if not spec.has_state(name):
+        return None
+    state = spec.state(name)
+    return None if state.composite else state
+
+
+def abort_stops(spec: MachineSpec, state: str) -> bool:
+    """Whether ``USER_ABORTED`` stops a run in ``state`` where it is (no exit for it there)."""
+    return (state, USER_ABORTED) not in spec.edges
+
+
+def output_text(transition: TransitionRecord, name: str) -> str | None:
+    """The string the transition's ``output`` holds under ``name`` (``to_spec``), if any."""
+    output = transition.output
+    value = output.get(name) if isinstance(output, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
+def classify(
+    spec: MachineSpec, prev: RunRecord, transition: TransitionRecord, *, visited: Collection[str]
+) -> Reading:
+    """Read a journaled transition (not seq 0) the way the engine would have written it.
+
+    Args:
+        spec: the spec the run was under before the transition.
+        prev: the run row before the transition.
+        transition: the transition.
+        visited: the states the run entered before it (a rewind goes back to one of them).
+
+    Returns:
+        Its kind, and the problems found (a lease token going back, an event the state does not
+        allow, a destination no rule leads to, a retry beyond the policy's attempts, ...).
+    """
+    problems: list[Problem] = []
+    if transition.lease_token < prev.lease_token:  # fencing: tokens never go back
+        problems.append(
+            Problem(
+                f"lease token {prev.lease_token} or later", f"lease token {transition.lease_token}"
+            )
+        )
+    kind = _engine_kind(spec, prev, transition, visited, problems)
+    if kind is None:
+        kind = _spec_kind(spec, prev, transition, problems)
+    return Reading(kind, tuple(problems))
+
+
+def _engine_kind(  # noqa: PLR0911 - one return per engine event reads best
+    spec: MachineSpec,
+    prev: RunRecord,
+    transition: TransitionRecord,
+    visited: Collection[str],
+    problems: list[Problem],
+) -> StepKind | None:
+    """The engine's own use of an engine event, if the transition is one."""
+    state, event, dest = prev.state, transition.event, transition.to_state
+    if event in (RETRIED, INTERRUPTED) and dest == state:
+        if event == RETRIED:
+            problems.extend(_retry_problems(spec, prev))
+            return "retry"
+        return "interruption"
+    if event == USER_ABORTED and abort_stops(spec, state):
+        if dest != state:
+            problems.append(
+                Problem(f"state {state!r} (it has no {USER_ABORTED} exit)", f"state {dest!r}")
+            )
+        return "stop"
+    if event == SPEC_CHANGED and dest == state:
+        return "spec_change"
+    if event == DEAD_LETTERED:
+        if dest != state:
+            problems.append(
+                Problem(f"state {state!r} (a run is parked where it is)", f"state {dest!r}")
+            )
+        return "park"
+    if event == REWOUND:
+        target = leaf(spec, dest)
+        if target is None or target.terminal or dest not in visited:
+            problems.append(
+                Problem("a rewind to a non-terminal state the run was in", f"state {dest!r}")
+            )
+        return "rewind"
+    return None
+
+
+def _retry_problems(spec: MachineSpec, prev: RunRecord) -> list[Problem]:
+    """What is wrong with a ``RETRIED`` from ``prev``: no policy, or no attempts left."""
+    state = leaf(spec, prev.state)
+    policy = state.retry if state is not None else None
+    if policy is None:
+        if (prev.state, RETRIED) not in spec.edges:
+            return [Problem(f"no {RETRIED} (state {prev.state!r} has no retry policy)", RETRIED)]
+    elif prev.attempt >= policy.max_attempts:
+        return [
+            Problem(
+                f"at most {policy.max_attempts} attempts of state {prev.state!r}",
+                f"{RETRIED} after attempt {prev.attempt}",
+            )
+        ]
+    return []
+
+
+def _spec_kind(
+    spec: MachineSpec, prev: RunRecord, transition: TransitionRecord, problems: list[Problem]
+) -> StepKind:
+    """The spec edge the transition follows: a ``transition`` or a ``return``."""
+    state, event, dest = prev.state, transition.event, transition.to_state
+    candidates = spec.edges.get((state, event))
+    if not candidates:
+        problems.append(Problem(f"an event that state {state!r} allows", f"event {event!r}"))
+        return "transition"
+    targets = [prev.return_to if c.dest == RETURN else c.dest for c in candidates]
+    kinds: set[StepKind] = {
+        "return" if candidate.dest == RETURN else "transition"
+        for candidate, target in zip(candidates, targets, strict=True)
+        if target == dest
+    }
+    if len(kinds) > 1:  # a guarded edge and a RETURN to the same state: the journal says
+        returned = isinstance(transition.result, Mapping) and transition.result.get("returned")
+        return "return" if returned else "transition"
+    if kinds:
+        return kinds.pop()
+    problems.append(Problem(_states(targets), f"state {dest!r}"))
+    return "transition"
+
+
+def _states(names: Sequence[str | None]) -> str:
+    shown = dict.fromkeys(
+        repr(name) if name is not None else "(a RETURN, with nowhere to return to)"
+        for name in names
+    )
+    return "state " + " or ".join(shown)
