@@ -23,7 +23,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.records import RunRecord, format_utc
 
-__all__ = ["claimed", "commit_refusal", "grant"]
+__all__ = ["admits", "claimed", "commit_refusal", "grant"]
 
 
 def grant(run: RunRecord, owner: str, now: dt.datetime, *, take_over: str | None = None) -> bool:
@@ -60,6 +60,24 @@ def claimed(run: RunRecord, owner: str, expires: dt.datetime, *, takeover: bool)
         lease_expires_at=expires,
         lease_token=run.lease_token + 1,
         recoveries=run.recoveries + int(takeover),
+    )
+
+
+def admits(found: Sequence[Any] | None, expected_seq: int, token: int, *, aborting: bool) -> bool:
+    """Whether the fence admits a commit of the run at ``expected_seq`` under lease ``token``.
+
+    ``found`` is the run as stored, as for :func:`commit_refusal`. Admitted when the run is at
+    ``expected_seq`` under ``token`` and no abort was requested under that token or a later
+    one, unless the commit is the ``USER_ABORTED`` that carries the abort out. (The SQL
+    journals state the same rule in their fence: SQLite's trigger, PostgreSQL's UPDATE.)
+    """
+    if found is None:
+        return False
+    seq, stored_token, _abort_reason, abort_token = found
+    return (
+        stored_token == token
+        and seq == expected_seq
+        and (abort_token is None or token > abort_token or aborting)
     )
 
 

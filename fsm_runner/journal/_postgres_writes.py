@@ -77,22 +77,20 @@ _INSERT_SPEC = (
     " ON CONFLICT (spec_hash) DO NOTHING"
 )
 
-_ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
-_UPSERT_ITERATION = (
-    f"INSERT INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
-    f" VALUES ({', '.join(['%s'] * len(_ITERATION_COLUMNS))})"
-    " ON CONFLICT (run_id, iteration) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _ITERATION_COLUMNS[2:])
-)
-_ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
+
+def _upsert(table: str, columns: Sequence[str], *, also: str = "") -> str:
+    """An INSERT of ``columns`` that updates the row keyed by the first two where there is one."""
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))})"
+        f" ON CONFLICT ({', '.join(columns[:2])}) DO UPDATE SET "
+        + ", ".join(f"{c} = EXCLUDED.{c}" for c in columns[2:])
+        + also
+    )
+
+
+_UPSERT_ITERATION = _upsert("iterations", _rows.ITERATION_COLUMNS)
 # A replaced artifact takes a new id, so artifacts stay ordered as committed (SQLite's REPLACE).
-_UPSERT_ARTIFACT = (
-    f"INSERT INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
-    f" VALUES ({', '.join(['%s'] * len(_ARTIFACT_COLUMNS))})"
-    " ON CONFLICT (run_id, name) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _ARTIFACT_COLUMNS[2:])
-    + ", id = DEFAULT"
-)
+_UPSERT_ARTIFACT = _upsert("artifacts", _rows.ARTIFACT_COLUMNS, also=", id = DEFAULT")
 
 
 class _RefusedError(Exception):

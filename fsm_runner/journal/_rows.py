@@ -2,7 +2,8 @@
 
 SQLite stores timestamps as fixed-width UTC text (:func:`fsm_runner.records.format_utc`);
 PostgreSQL as ``timestamptz`` (aware datetimes). Everything else — which columns hold JSON, how
-enums are written — is the same, and lives here once.
+enums are written — is the same, and lives here once, with the checks every journal makes of
+a fork's rows.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ __all__ = [
     "TRANSITION_COLUMNS",
     "Stamp",
     "artifact_params",
+    "check_fork",
+    "check_fork_source",
     "checked_spec_json",
     "decode_effect",
     "decode_iteration",
@@ -225,3 +228,23 @@ def decode_effect(data: dict[str, Any], loads: Loads) -> dict[str, Any]:
         data[column] = loads(data[column])
     data["idempotent"] = bool(data["idempotent"])
     return data
+
+
+def check_fork(run: RunRecord, at_seq: int) -> None:
+    """Refuse a forked run that is not at ``at_seq``, the seq it forks at.
+
+    Raises:
+        ValueError: ``run.seq`` is not ``at_seq``.
+    """
+    if run.seq != at_seq:
+        raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+
+
+def check_fork_source(source_run_id: str, last_seq: int, at_seq: int) -> None:
+    """Refuse a fork at a seq the source run (at ``last_seq``) does not have.
+
+    Raises:
+        ValueError: ``at_seq`` is negative or beyond ``last_seq``.
+    """
+    if not 0 <= at_seq <= last_seq:
+        raise ValueError(f"run {source_run_id} has seqs 0..{last_seq}; there is no seq {at_seq}")

@@ -128,6 +128,15 @@ class SqlJournal:
         if found is None:
             raise RunNotFoundError(run_id)
 
+    def _lease_lost(self, conn: Any, run_id: str, token: int) -> LeaseLostError:
+        """The error for a lease no longer held with ``token`` (read on ``conn``).
+
+        Raises:
+            RunNotFoundError: there is no such run.
+        """
+        self._require_run(conn, run_id)
+        return LeaseLostError(run_id, token=token)
+
     def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
         """Refuse a commit whose run row does not follow from its transition, or of seq 0."""
         if run.seq != transition.seq or run.state != transition.to_state:

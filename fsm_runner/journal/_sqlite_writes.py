@@ -496,8 +496,11 @@ class SqliteWrites(SqlJournal):
 
     def _extra_update(
         self, run: RunRecord, transition: TransitionRecord
-    ) -> tuple[str, tuple[Any, ...]] | None:
+    ) -> tuple[str, tuple[Any, ...]]:
         """The UPDATE of the stored run row, when more than the run's head changed.
+
+        Called off the hot path only: :meth:`_statements` has found that more than the head
+        changed, or that this journal does not know the row as stored at ``seq - 1``.
 
         The head (state, seq, iteration, updated_at and a new visit) is the last transition, read
         through the ``runs`` view, so a plain step writes no run row at all. Any other change
@@ -508,18 +511,8 @@ class SqliteWrites(SqlJournal):
         ``seq - 1``.
         """
         known = self._written.get(run.run_id)
-        if known is None or known.seq != transition.seq - 1:
+        if known is not None and known.seq != transition.seq - 1:
             known = None
-        elif (
-            run.visit_seq == transition.seq
-            and run.status is known.status
-            and run.attempt == known.attempt
-            and run.context is known.context
-            and run.error is known.error
-            and run.return_to == known.return_to
-            and transition.event != USER_ABORTED
-        ):
-            return None  # the hot path: the transition is all that changed
         columns = ["state", "seq", "iteration", "updated_at", "visit_seq"]
         params: list[Any] = [
             run.state,

@@ -130,18 +130,12 @@ class MemoryJournal:
             token, expected = transition.lease_token, transition.seq - 1
             aborting = transition.event == USER_ABORTED
             fence = self._abort_tokens.get(run.run_id)
-            if (
-                stored is None
-                or stored.lease_token != token
-                or stored.seq != expected
-                # its writer has not seen the abort requested since
-                or (fence is not None and token <= fence and not aborting)
-            ):
-                found = (
-                    None
-                    if stored is None
-                    else (stored.seq, stored.lease_token, stored.abort_reason, fence)
-                )
+            found = (
+                None
+                if stored is None
+                else (stored.seq, stored.lease_token, stored.abort_reason, fence)
+            )
+            if stored is None or not _lease.admits(found, expected, token, aborting=aborting):
                 raise _lease.commit_refusal(found, run.run_id, expected, token, path=":memory:")
             if aborting:
                 self._abort_tokens.pop(run.run_id, None)
@@ -410,14 +404,9 @@ class MemoryJournal:
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
-        if run.seq != at_seq:
-            raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+        _rows.check_fork(run, at_seq)
         with self._lock:
-            source = self.load(source_run_id)
-            if not 0 <= at_seq <= source.seq:
-                raise ValueError(
-                    f"run {source_run_id} has seqs 0..{source.seq}; there is no seq {at_seq}"
-                )
+            _rows.check_fork_source(source_run_id, self.load(source_run_id).seq, at_seq)
             if run.run_id in self._runs:
                 raise RunExistsError(run.run_id)
             new_id = run.run_id

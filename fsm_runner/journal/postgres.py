@@ -45,7 +45,6 @@ from psycopg.conninfo import conninfo_to_dict
 
 from fsm_runner.exceptions import (
     JournalError,
-    LeaseLostError,
     RunExistsError,
     RunNotFoundError,
     RunTerminalError,
@@ -340,8 +339,7 @@ class PostgresJournal(PostgresOpening):
                 (expires, run_id, owner, token),
             ).rowcount
             if not changed:
-                self._require_run(conn, run_id)
-                raise LeaseLostError(run_id, token=token)
+                raise self._lease_lost(conn, run_id, token)
             return expires
 
         return self._call(work)  # setting an expiry again is harmless
@@ -372,8 +370,7 @@ class PostgresJournal(PostgresOpening):
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
-        if run.seq != at_seq:
-            raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+        _rows.check_fork(run, at_seq)
         row = self._run_params(run)
         rest = [column for column in _TRANSITION_COLUMNS if column not in ("run_id", "lease_token")]
         copy_transitions = (
@@ -394,10 +391,7 @@ class PostgresJournal(PostgresOpening):
                 ).fetchone()
                 if found is None:
                     raise RunNotFoundError(source_run_id)
-                if not 0 <= at_seq <= found[0]:
-                    raise ValueError(
-                        f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
-                    )
+                _rows.check_fork_source(source_run_id, found[0], at_seq)
                 try:
                     with conn.transaction():
                         conn.execute(_INSERT_RUN, row)

@@ -25,7 +25,6 @@ import attrs
 
 from fsm_runner.exceptions import (
     JournalError,
-    LeaseLostError,
     RunNotFoundError,
     RunTerminalError,
 )
@@ -350,8 +349,7 @@ class SqliteJournal(SqliteChecks):
                 (format_utc(expires), run_id, owner, token),
             ).rowcount
             if not changed:
-                self._require_run(conn, run_id)
-                raise LeaseLostError(run_id, token=token)
+                raise self._lease_lost(conn, run_id, token)
         return expires
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
@@ -368,8 +366,7 @@ class SqliteJournal(SqliteChecks):
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
-        if run.seq != at_seq:
-            raise ValueError(f"the forked run must be at seq {at_seq}, not {run.seq}")
+        _rows.check_fork(run, at_seq)
         first = self._run_params(attrs.evolve(run, seq=0))
         with refused_if_exists(run.run_id), self._write() as conn:
             found = conn.execute(
@@ -377,10 +374,7 @@ class SqliteJournal(SqliteChecks):
             ).fetchone()
             if found is None:
                 raise RunNotFoundError(source_run_id)
-            if not 0 <= at_seq <= found[0]:
-                raise ValueError(
-                    f"run {source_run_id} has seqs 0..{found[0]}; there is no seq {at_seq}"
-                )
+            _rows.check_fork_source(source_run_id, found[0], at_seq)
             key = _inserted_key(conn.execute(_INSERT_RUN, first))
             # In seq order: the fence trigger admits each on top of the one before.
             conn.execute(
