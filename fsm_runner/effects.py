@@ -68,7 +68,7 @@ def _canonical(value: Any, *, run_id: str, what: str) -> str:
     return text
 
 
-def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect's arguments
+def perform(  # noqa: PLR0917 - ctx.effect's arguments
     ctx: PhaseContext,
     journal: Journal | None,
     state: State | None,
@@ -96,23 +96,7 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
     run = ctx.run
     if journal is None or state is None or ctx.closed:
         raise CapabilityError(state=None, operation=kind, detail=f" (effect {name!r})")
-    if state.allows is not None and kind not in state.allows:
-        allowed = ", ".join(state.allows) or "nothing"
-        raise CapabilityError(
-            state=state.name, operation=kind, detail=f" (effect {name!r}; it allows {allowed})"
-        )
-    if name in ctx.effect_names:
-        raise EffectMismatchError(
-            run_id=run.run_id, state=state.name, effect=name, detail="is used twice in one visit"
-        )
-    if kind == MUTATE and state.max_mutations is not None:
-        done = sum(1 for k in ctx.effect_names.values() if k == MUTATE)
-        if done >= state.max_mutations:
-            raise CapabilityError(
-                state=state.name,
-                operation=kind,
-                detail=f" more than {state.max_mutations} time(s) per visit (effect {name!r})",
-            )
+    _check_capability(ctx, state, name, kind)
     params = {"args": list(args), "kwargs": kwargs}
     canonical = _canonical(params, run_id=run.run_id, what=f"effect {name!r} parameters")
     visit = run.visit_seq
@@ -123,26 +107,12 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
     ctx.effect_names[name] = kind
     found = journal.effect(run.run_id, visit, name)
     if found is not None:
-        if found.kind != kind or _canonical(found.params, run_id=run.run_id, what="") != canonical:
-            raise EffectMismatchError(
-                run_id=run.run_id,
-                state=state.name,
-                effect=name,
-                detail="was recorded with another kind or other parameters in this visit",
-            )
-        key = found.idempotency_key
+        _check_recorded(
+            found, ctx, state, kind, canonical, idempotent=idempotent, retry_failed=retry_failed
+        )
         if found.status is EffectStatus.DONE:
             return found.result  # exactly once: never called again
-        if found.status is EffectStatus.FAILED and not retry_failed:
-            error = found.error or {}
-            raise EffectFailedError(
-                run_id=run.run_id,
-                effect=name,
-                error_type=str(error.get("type")),
-                message=str(error.get("message")),
-            )
-        if found.status is EffectStatus.IN_FLIGHT and not (idempotent or found.idempotent):
-            raise EffectOutcomeUnknownError(run_id=run.run_id, state=state.name, effect=name)
+        key = found.idempotency_key
     record = EffectRecord(
         run_id=run.run_id,
         visit_seq=visit,
@@ -154,36 +124,118 @@ def perform(  # noqa: PLR0912, PLR0917 - the cases of the ledger, and ctx.effect
         idempotent=idempotent,
         started_at=utc_now(),
     )
+    return _carry_out(ctx, journal, record, fn, args, kwargs)
+
+
+def _check_capability(ctx: PhaseContext, state: State, name: str, kind: str) -> None:
+    """Refuse an effect the state may not perform, or a name already used in the visit.
+
+    Raises:
+        CapabilityError: a kind the state does not allow, or a mutation past its limit.
+        EffectMismatchError: the name was used before in this visit.
+    """
+    if state.allows is not None and kind not in state.allows:
+        allowed = ", ".join(state.allows) or "nothing"
+        raise CapabilityError(
+            state=state.name, operation=kind, detail=f" (effect {name!r}; it allows {allowed})"
+        )
+    if name in ctx.effect_names:
+        raise EffectMismatchError(
+            run_id=ctx.run.run_id,
+            state=state.name,
+            effect=name,
+            detail="is used twice in one visit",
+        )
+    if kind == MUTATE and state.max_mutations is not None:
+        done = sum(1 for k in ctx.effect_names.values() if k == MUTATE)
+        if done >= state.max_mutations:
+            raise CapabilityError(
+                state=state.name,
+                operation=kind,
+                detail=f" more than {state.max_mutations} time(s) per visit (effect {name!r})",
+            )
+
+
+def _check_recorded(
+    found: EffectRecord,
+    ctx: PhaseContext,
+    state: State,
+    kind: str,
+    canonical: str,
+    *,
+    idempotent: bool,
+    retry_failed: bool,
+) -> None:
+    """Refuse to go on from the visit's record of the effect where the ledger says not to.
+
+    A record that is done is fine (its result is returned); a failed one is fine with
+    ``retry_failed``, and one in flight when the effect is idempotent (called again).
+
+    Raises:
+        EffectMismatchError: the record has another kind or other parameters.
+        EffectFailedError: it failed (and ``retry_failed`` is not set).
+        EffectOutcomeUnknownError: it was caught in flight and is not idempotent.
+    """
+    run_id, name = ctx.run.run_id, found.name
+    if found.kind != kind or _canonical(found.params, run_id=run_id, what="") != canonical:
+        raise EffectMismatchError(
+            run_id=run_id,
+            state=state.name,
+            effect=name,
+            detail="was recorded with another kind or other parameters in this visit",
+        )
+    if found.status is EffectStatus.FAILED and not retry_failed:
+        error = found.error or {}
+        raise EffectFailedError(
+            run_id=run_id,
+            effect=name,
+            error_type=str(error.get("type")),
+            message=str(error.get("message")),
+        )
+    if found.status is EffectStatus.IN_FLIGHT and not (idempotent or found.idempotent):
+        raise EffectOutcomeUnknownError(run_id=run_id, state=state.name, effect=name)
+
+
+def _carry_out(  # noqa: PLR0917 - the record, and the call to make
+    ctx: PhaseContext,
+    journal: Journal,
+    record: EffectRecord,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Record the effect in flight, call ``fn``, and record how it ended; return its result."""
+    run = ctx.run
     # Committed before the effect happens, and only while this worker still holds the lease.
     journal.put_effect(record, run_seq=run.seq, lease_token=run.lease_token)
     call_kwargs = dict(kwargs)
     if _takes_key(fn) and "idempotency_key" not in call_kwargs:
-        call_kwargs["idempotency_key"] = key
+        call_kwargs["idempotency_key"] = record.idempotency_key
     try:
         result = fn(*args, **call_kwargs)
     except Exception as exc:
-        failed = EffectRecord(
-            **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
-            error={"type": type(exc).__name__, "message": exception_message(exc)},
-        )
+        error = {"type": type(exc).__name__, "message": exception_message(exc)}
+        failed = _ended(record, EffectStatus.FAILED, error=error)
         journal.put_effect(failed, run_seq=run.seq, lease_token=run.lease_token)
         raise
     try:
-        _canonical(result, run_id=run.run_id, what=f"effect {name!r} result")
+        _canonical(result, run_id=run.run_id, what=f"effect {record.name!r} result")
     except PayloadError as exc:
         # It happened, but its result cannot be kept: record that plainly, not "unknown".
-        unreadable = EffectRecord(
-            **{**_fields(record), "status": EffectStatus.FAILED, "completed_at": utc_now()},
-            error={"type": "PayloadError", "message": str(exc)},
-        )
+        error = {"type": "PayloadError", "message": str(exc)}
+        unreadable = _ended(record, EffectStatus.FAILED, error=error)
         journal.put_effect(unreadable, run_seq=run.seq, lease_token=run.lease_token)
         raise
-    done_record = EffectRecord(
-        **{**_fields(record), "status": EffectStatus.DONE, "completed_at": utc_now()},
-        result=result,
-    )
-    journal.put_effect(done_record, run_seq=run.seq, lease_token=run.lease_token)
+    done = _ended(record, EffectStatus.DONE, result=result)
+    journal.put_effect(done, run_seq=run.seq, lease_token=run.lease_token)
     return result
+
+
+def _ended(record: EffectRecord, status: EffectStatus, **outcome: Any) -> EffectRecord:
+    """The in-flight ``record`` as it ended: ``status``, now, and its result or error."""
+    return EffectRecord(
+        **{**_fields(record), "status": status, "completed_at": utc_now()}, **outcome
+    )
 
 
 def _fields(record: EffectRecord) -> dict[str, Any]:
