@@ -655,25 +655,6 @@ class CommandAgentDriver:
                 "no agent command: give CommandAgentDriver a command, or put one in the "
                 "run's agent options ({'agent': {'command': '...'}})"
             )
-        payload = {
-            "task": request.task,
-            "feedback": request.feedback,
-            "session_id": request.session_id,
-            "iteration": request.iteration,
-            "workspace": request.workspace,
-        }
-        variables = {
-            "FSM_TASK": request.task,
-            "FSM_FEEDBACK": request.feedback or "",
-            "FSM_SESSION_ID": request.session_id or "",
-            "FSM_ITERATION": str(request.iteration),
-            "FSM_WORKSPACE": request.workspace,
-        }
-        environment = {
-            **os.environ,
-            **self.env,
-            **{name: value.replace("\0", "") for name, value in variables.items()},
-        }
         timeout = _min_timeout(self.timeout, request.timeout)
         started = time.monotonic()
         try:
@@ -685,65 +666,124 @@ class CommandAgentDriver:
                 duration_ms=_ms_since(started),
                 timed_out=True,
             )
-        # Files, not pipes: a large request cannot block on a command that never reads stdin.
-        with (
-            claim,
-            tempfile.TemporaryFile() as stdin,
-            tempfile.TemporaryFile() as stdout,
-            tempfile.TemporaryFile() as stderr,
-        ):
-            stdin.write(json.dumps(payload).encode() + b"\n")
-            stdin.seek(0)
-            try:
-                process = subprocess.Popen(  # noqa: S603 - running the configured agent is the point
-                    command,
-                    shell=isinstance(command, str),
-                    cwd=request.workspace,
-                    env=environment,
-                    stdin=stdin,
-                    stdout=stdout,
-                    stderr=stderr,
-                    start_new_session=True,
-                    preexec_fn=die_with_runner(),  # noqa: PLW1509 - only prctl and getppid run in it
-                )
-            except OSError as exc:
-                return AgentResult(
-                    success=False,
-                    exit_code=_NOT_STARTED,
-                    stderr=f"could not start the agent command {command!r}: "
-                    f"{type(exc).__name__}: {exc}",
-                    duration_ms=_ms_since(started),
-                )
-            claim.started(process.pid)
-            with process:
-                timed_out = _wait_or_kill(process, _left(timeout, started))
-            duration_ms = _ms_since(started)
-            scanned = _read_tail(stdout, _RESULT_SCAN_CHARS)
-            errors = _read_tail(stderr, _AGENT_OUTPUT_TAIL)
-        exit_code = _KILLED if timed_out else process.returncode
-        reported = _result_line(scanned)
-        tokens_input = _int_or_none(reported.get("tokens_input"))
-        tokens_output = _int_or_none(reported.get("tokens_output"))
-        tokens_total = _int_or_none(reported.get("tokens_total"))
-        if tokens_total is None and tokens_input is not None and tokens_output is not None:
-            tokens_total = tokens_input + tokens_output
-        success = reported.get("success")
-        if not isinstance(success, bool):
-            success = exit_code == 0
-        return AgentResult(
-            success=success and not timed_out,
-            exit_code=exit_code,
-            session_id=_str_or_none(reported.get("session_id")),
-            stdout=scanned[-_AGENT_OUTPUT_TAIL:],
-            stderr=errors,
-            model=_str_or_none(reported.get("model")),
-            tokens_input=tokens_input,
-            tokens_output=tokens_output,
-            tokens_total=tokens_total,
-            cost_usd=_float_or_none(reported.get("cost_usd")),
-            duration_ms=duration_ms,
+        with claim:
+            ran = _run_command(
+                claim, command, request, self._environment(request), timeout, started
+            )
+        return ran if isinstance(ran, AgentResult) else _reported(ran)
+
+    def _environment(self, request: AgentRequest) -> dict[str, str]:
+        """The command's environment: the parent's, the driver's ``env``, then the request."""
+        variables = {
+            "FSM_TASK": request.task,
+            "FSM_FEEDBACK": request.feedback or "",
+            "FSM_SESSION_ID": request.session_id or "",
+            "FSM_ITERATION": str(request.iteration),
+            "FSM_WORKSPACE": request.workspace,
+        }
+        return {
+            **os.environ,
+            **self.env,
+            **{name: value.replace("\0", "") for name, value in variables.items()},
+        }
+
+
+@attrs.frozen
+class _Ran:
+    """How an agent command that started ended: what :func:`_reported` reads."""
+
+    exit_code: int
+    timed_out: bool
+    duration_ms: float
+    stdout: str  # its last _RESULT_SCAN_CHARS characters
+    stderr: str  # its last _AGENT_OUTPUT_TAIL characters
+
+
+def _run_command(  # noqa: PLR0917 - one private call, from CommandAgentDriver.run
+    claim: WorkspaceClaim,
+    command: str | tuple[str, ...],
+    request: AgentRequest,
+    environment: Mapping[str, str],
+    timeout: float | None,
+    started: float,
+) -> _Ran | AgentResult:
+    """Run the agent command in the claimed workspace until it ends or its time is up.
+
+    Returns:
+        How it ended, or the unsuccessful result of a command that could not be started.
+    """
+    payload = {
+        "task": request.task,
+        "feedback": request.feedback,
+        "session_id": request.session_id,
+        "iteration": request.iteration,
+        "workspace": request.workspace,
+    }
+    # Files, not pipes: a large request cannot block on a command that never reads stdin.
+    with (
+        tempfile.TemporaryFile() as stdin,
+        tempfile.TemporaryFile() as stdout,
+        tempfile.TemporaryFile() as stderr,
+    ):
+        stdin.write(json.dumps(payload).encode() + b"\n")
+        stdin.seek(0)
+        try:
+            process = subprocess.Popen(  # noqa: S603 - running the configured agent is the point
+                command,
+                shell=isinstance(command, str),
+                cwd=request.workspace,
+                env=environment,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                preexec_fn=die_with_runner(),  # noqa: PLW1509 - only prctl and getppid run in it
+            )
+        except OSError as exc:
+            return AgentResult(
+                success=False,
+                exit_code=_NOT_STARTED,
+                stderr=f"could not start the agent command {command!r}: "
+                f"{type(exc).__name__}: {exc}",
+                duration_ms=_ms_since(started),
+            )
+        claim.started(process.pid)
+        with process:
+            timed_out = _wait_or_kill(process, _left(timeout, started))
+        return _Ran(
+            exit_code=_KILLED if timed_out else process.returncode,
             timed_out=timed_out,
+            duration_ms=_ms_since(started),
+            stdout=_read_tail(stdout, _RESULT_SCAN_CHARS),
+            stderr=_read_tail(stderr, _AGENT_OUTPUT_TAIL),
         )
+
+
+def _reported(ran: _Ran) -> AgentResult:
+    """The result of a command that ran, with what its last JSON line on stdout reported."""
+    reported = _result_line(ran.stdout)
+    tokens_input = _int_or_none(reported.get("tokens_input"))
+    tokens_output = _int_or_none(reported.get("tokens_output"))
+    tokens_total = _int_or_none(reported.get("tokens_total"))
+    if tokens_total is None and tokens_input is not None and tokens_output is not None:
+        tokens_total = tokens_input + tokens_output
+    success = reported.get("success")
+    if not isinstance(success, bool):
+        success = ran.exit_code == 0
+    return AgentResult(
+        success=success and not ran.timed_out,
+        exit_code=ran.exit_code,
+        session_id=_str_or_none(reported.get("session_id")),
+        stdout=ran.stdout[-_AGENT_OUTPUT_TAIL:],
+        stderr=ran.stderr,
+        model=_str_or_none(reported.get("model")),
+        tokens_input=tokens_input,
+        tokens_output=tokens_output,
+        tokens_total=tokens_total,
+        cost_usd=_float_or_none(reported.get("cost_usd")),
+        duration_ms=ran.duration_ms,
+        timed_out=ran.timed_out,
+    )
 
 
 # -- feedback ----------------------------------------------------------------------------------
