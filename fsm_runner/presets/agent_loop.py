@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from fsm_runner import (
+    ArtifactRecord,
     Engine,
     Journal,
     Listener,
@@ -45,7 +46,11 @@ from fsm_runner import (
     State,
     Transition,
 )
-from fsm_runner.records import ArtifactRecord, ErrorType, converter, unstructure, utc_now
+
+# Not yet public, and needed as they are: ErrorType (the type of IterationRecord.error_type,
+# compared by identity) and the records' converter (the shape of the artifacts and context
+# the loop has always journaled).
+from fsm_runner.records import ErrorType, converter, unstructure
 
 __all__ = [
     "AGENT_LOOP",
@@ -143,7 +148,7 @@ def _time_left(run: RunRecord) -> bool:
     limit = run.input.get("max_seconds")
     if limit is None:
         return True
-    return (utc_now() - run.created_at) < dt.timedelta(seconds=float(limit))
+    return (dt.datetime.now(dt.timezone.utc) - run.created_at) < dt.timedelta(seconds=float(limit))
 
 
 #: The guards :data:`AGENT_LOOP` names, to pass as ``Engine(guards=...)``.

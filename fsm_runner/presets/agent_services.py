@@ -47,6 +47,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
+from fsm_runner import ArtifactRecord
 from fsm_runner.exceptions import FsmRunnerError
 from fsm_runner.presets._children import WorkspaceBusyError, WorkspaceClaim, die_with_runner
 from fsm_runner.presets.agent_loop import (
@@ -58,7 +59,6 @@ from fsm_runner.presets.agent_loop import (
     VerificationReport,
 )
 from fsm_runner.presets.gitcli import run_git, text_tail
-from fsm_runner.records import ArtifactRecord
 
 if TYPE_CHECKING:
     from fsm_runner.presets.agent_loop import (
