@@ -22,7 +22,7 @@ from fsm_runner import (
     State,
 )
 from fsm_runner import Transition as Edge
-from fsm_runner.engine.classify import Problem, abort_stops, classify
+from fsm_runner.engine.classify import Problem, abort_stops, classify, retries_left
 from fsm_runner.engine.reducer import (
     abort_records,
     advance,
@@ -193,6 +193,8 @@ class TestClassify:
             [State("a", handler="a", retry=RetryPolicy(max_attempts=2)), State("z", terminal=True)],
             [Edge("a", NEXT, "z")],
         )
+        assert retries_left(spec.state("a"), 1)
+        assert not retries_left(spec.state("a"), 2)
         reading = self.read(spec, row(spec, attempt=2), RunEvent.RETRIED.value, "a")
         assert reading.kind == "retry"
         assert reading.problems == (

@@ -4,7 +4,8 @@ The engine knows the kind of each transition it builds (it retries, aborts, park
 a journaled transition has to be read back. The rules for both live here, once, as pure
 functions of the spec, the run row before the transition and the transition: no journal, no
 I/O. :mod:`fsm_runner.replay` reads every journaled transition with :func:`classify`; the
-reducer asks :func:`abort_stops` where an abort ends.
+reducer asks :func:`abort_stops` where an abort ends; :func:`retries_left` is the rule by which
+the engine retries a failed attempt (``engine.decisions.retry_wait``).
 
 The rules, per transition:
 
@@ -43,7 +44,16 @@ from fsm_runner.events import (
 from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import RETURN, MachineSpec, State
 
-__all__ = ["Problem", "Reading", "StepKind", "abort_stops", "classify", "leaf", "output_text"]
+__all__ = [
+    "Problem",
+    "Reading",
+    "StepKind",
+    "abort_stops",
+    "classify",
+    "leaf",
+    "output_text",
+    "retries_left",
+]
 
 #: How a transition is read: the ``start`` (seq 0); a spec ``transition``; a ``return`` (a
 #: RETURN candidate); the engine's ``retry`` (``RETRIED``) or ``interruption``
@@ -101,6 +111,11 @@ def leaf(spec: MachineSpec, name: str) -> State | None:
 def abort_stops(spec: MachineSpec, state: str) -> bool:
     """Whether ``USER_ABORTED`` stops a run in ``state`` where it is (no exit for it there)."""
     return (state, USER_ABORTED) not in spec.edges
+
+
+def retries_left(state: State, attempt: int) -> bool:
+    """Whether ``state``'s retry policy allows another attempt after attempt ``attempt``."""
+    return state.retry is not None and attempt < state.retry.max_attempts
 
 
 def output_text(transition: TransitionRecord, name: str) -> str | None:
@@ -179,18 +194,18 @@ def _engine_kind(  # noqa: PLR0911 - one return per engine event reads best
 def _retry_problems(spec: MachineSpec, prev: RunRecord) -> list[Problem]:
     """What is wrong with a ``RETRIED`` from ``prev``: no policy, or no attempts left."""
     state = leaf(spec, prev.state)
-    policy = state.retry if state is not None else None
-    if policy is None:
-        if (prev.state, RETRIED) not in spec.edges:
-            return [Problem(f"no {RETRIED} (state {prev.state!r} has no retry policy)", RETRIED)]
-    elif prev.attempt >= policy.max_attempts:
-        return [
-            Problem(
-                f"at most {policy.max_attempts} attempts of state {prev.state!r}",
-                f"{RETRIED} after attempt {prev.attempt}",
-            )
-        ]
-    return []
+    if state is None or state.retry is None:
+        if (prev.state, RETRIED) in spec.edges:
+            return []
+        return [Problem(f"no {RETRIED} (state {prev.state!r} has no retry policy)", RETRIED)]
+    if retries_left(state, prev.attempt):
+        return []
+    return [
+        Problem(
+            f"at most {state.retry.max_attempts} attempts of state {prev.state!r}",
+            f"{RETRIED} after attempt {prev.attempt}",
+        )
+    ]
 
 
 def _spec_kind(
