@@ -23,7 +23,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.records import RunRecord, format_utc
 
-__all__ = ["admits", "claimed", "commit_refusal", "grant"]
+__all__ = ["admits", "claimed", "commit_refusal", "grant", "holds", "unheld"]
 
 
 def grant(run: RunRecord, owner: str, now: dt.datetime, *, take_over: str | None = None) -> bool:
@@ -50,6 +50,19 @@ def grant(run: RunRecord, owner: str, now: dt.datetime, *, take_over: str | None
             run.run_id, owner=str(run.lease_owner), expires_at=format_utc(expires or now)
         )
     return held and (not live or run.lease_owner != owner)  # a lost lease, found
+
+
+def holds(run: RunRecord, owner: str, token: int) -> bool:
+    """Whether ``owner`` still holds ``run``'s lease with ``token`` (to renew or release it)."""
+    return run.lease_owner == owner and run.lease_token == token
+
+
+def unheld(run: RunRecord, now: dt.datetime) -> bool:
+    """Whether nobody holds ``run``'s lease at ``now``: there is none, or it expired before.
+
+    The runs ``claim_next`` may choose (the SQL journals state it in their ``WHERE``).
+    """
+    return run.lease_owner is None or run.lease_expires_at is None or run.lease_expires_at < now
 
 
 def claimed(run: RunRecord, owner: str, expires: dt.datetime, *, takeover: bool) -> RunRecord:

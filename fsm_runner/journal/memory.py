@@ -372,11 +372,7 @@ class MemoryJournal:
                 and run.machine == machine
                 and run.state in states
                 and (spec_hash is None or run.spec_hash == spec_hash)
-                and (
-                    run.lease_owner is None
-                    or run.lease_expires_at is None
-                    or run.lease_expires_at < now
-                )
+                and _lease.unheld(run, now)
             ]
             if not runnable:
                 return None
@@ -388,7 +384,7 @@ class MemoryJournal:
         expires = utc_now() + dt.timedelta(seconds=ttl)
         with self._lock:
             run = self.load(run_id)
-            if run.lease_owner != owner or run.lease_token != token:
+            if not _lease.holds(run, owner, token):
                 raise LeaseLostError(run_id, token=token)
             self._runs[run_id] = attrs.evolve(run, lease_expires_at=expires)
         return expires
@@ -397,7 +393,7 @@ class MemoryJournal:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
         with self._lock:
             run = self.load(run_id)
-            if run.lease_owner != owner or run.lease_token != token:
+            if not _lease.holds(run, owner, token):
                 return False
             self._runs[run_id] = attrs.evolve(run, lease_owner=None, lease_expires_at=None)
         return True
