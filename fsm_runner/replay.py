@@ -39,9 +39,15 @@ from typing import Any
 import attrs
 
 from fsm_runner._convert import format_utc
-from fsm_runner.engine.classify import StepKind, classify, output_text
+from fsm_runner.engine.classify import (
+    Problem,
+    StepKind,
+    classify,
+    classify_start,
+    output_text,
+)
 from fsm_runner.engine.reducer import advance, begin
-from fsm_runner.events import SPEC_CHANGED, STARTED
+from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
     FsmRunnerError,
     JournalError,
@@ -496,6 +502,11 @@ class _Walker:
             )
         )
 
+    def problems(self, seq: int, found: Iterable[Problem]) -> None:
+        """Report what the classifier found wrong with the transition ``seq``."""
+        for problem in found:
+            self.problem(seq, problem.expected, problem.found)
+
     def walk(
         self, timeline: Iterable[TransitionRecord], *, to_seq: int | None
     ) -> Iterator[ReplayStep]:
@@ -531,13 +542,7 @@ class _Walker:
                 self.problem(row.seq, *_shown(name, expected, found))
 
     def start(self, transition: TransitionRecord) -> RunRecord:
-        seq, event, dest = transition.seq, transition.event, transition.to_state
-        if transition.from_state is not None or event != STARTED:
-            origin = f"state {transition.from_state!r}" if transition.from_state else "no state"
-            self.problem(seq, f"{STARTED} from no state", f"{event} from {origin}")
-        initial = self.spec.initial_leaf
-        if dest != initial:
-            self.problem(seq, f"state {initial!r}", f"state {dest!r}")
+        self.problems(transition.seq, classify_start(self.spec, transition).problems)
         base = attrs.evolve(self.run, spec_hash=self.spec_hash, lease_token=transition.lease_token)
         row = self.own(begin(self.spec, base, transition), transition)
         self.check_counts(transition, attempt=1, iteration=row.iteration)
@@ -576,8 +581,7 @@ class _Walker:
     def classify(self, prev: RunRecord, transition: TransitionRecord) -> StepKind:
         """Which of the engine's rules the transition follows; report what breaks them."""
         reading = classify(self.spec, prev, transition, visited=self.visited)
-        for problem in reading.problems:
-            self.problem(transition.seq, problem.expected, problem.found)
+        self.problems(transition.seq, reading.problems)
         if reading.kind == "spec_change":
             self.change_spec(transition)
         return reading.kind

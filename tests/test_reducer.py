@@ -22,7 +22,13 @@ from fsm_runner import (
     State,
 )
 from fsm_runner import Transition as Edge
-from fsm_runner.engine.classify import Problem, abort_stops, classify, retries_left
+from fsm_runner.engine.classify import (
+    Problem,
+    abort_stops,
+    classify,
+    classify_start,
+    retries_left,
+)
 from fsm_runner.engine.reducer import (
     abort_records,
     advance,
@@ -31,7 +37,7 @@ from fsm_runner.engine.reducer import (
     take,
     writes_iterations,
 )
-from fsm_runner.records import ErrorType, IterationRecord, RunRecord
+from fsm_runner.records import ErrorType, IterationRecord, RunRecord, TransitionRecord
 from tests.helpers import NEXT, iteration_loop_spec, linear_spec
 
 AT = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
@@ -218,4 +224,13 @@ class TestClassify:
         assert reading.problems == (
             Problem("lease token 7 or later", "lease token 6"),
             Problem("an event that state 'a' allows", "event 'NOPE'"),
+        )
+
+    def test_seq_0_is_started_from_no_state_into_the_initial_leaf(self):
+        started = TransitionRecord("r", 0, None, RunEvent.STARTED.value, "a", 0, 1, AT, 0.0)
+        assert classify_start(SPEC, started).problems == ()
+        wrong = attrs.evolve(started, from_state="b", to_state="b")
+        assert classify_start(SPEC, wrong).problems == (
+            Problem("STARTED from no state", "STARTED from state 'b'"),
+            Problem("state 'a'", "state 'b'"),
         )

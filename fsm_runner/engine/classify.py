@@ -7,7 +7,8 @@ I/O. :mod:`fsm_runner.replay` reads every journaled transition with :func:`class
 reducer asks :func:`abort_stops` where an abort ends; :func:`retries_left` is the rule by which
 the engine retries a failed attempt (``engine.decisions.retry_wait``).
 
-The rules, per transition:
+The rules: seq 0 is ``STARTED`` from no state into the spec's initial leaf; then, per
+transition:
 
 * ``RETRIED`` and ``INTERRUPTED`` self transitions are the engine's own (the next attempt of
   the visit: a ``retry``, an ``interruption``); a ``RETRIED`` needs a retry policy with
@@ -39,6 +40,7 @@ from fsm_runner.events import (
     RETRIED,
     REWOUND,
     SPEC_CHANGED,
+    STARTED,
     USER_ABORTED,
 )
 from fsm_runner.records import RunRecord, TransitionRecord
@@ -50,6 +52,7 @@ __all__ = [
     "StepKind",
     "abort_stops",
     "classify",
+    "classify_start",
     "leaf",
     "output_text",
     "retries_left",
@@ -123,6 +126,24 @@ def output_text(transition: TransitionRecord, name: str) -> str | None:
     output = transition.output
     value = output.get(name) if isinstance(output, Mapping) else None
     return value if isinstance(value, str) else None
+
+
+def classify_start(spec: MachineSpec, transition: TransitionRecord) -> Reading:
+    """Read a run's transition seq 0: ``STARTED`` from no state into the spec's initial leaf.
+
+    Returns:
+        The kind ``start``, and the problems found (another event or a source state, another
+        destination).
+    """
+    problems: list[Problem] = []
+    event, dest = transition.event, transition.to_state
+    if transition.from_state is not None or event != STARTED:
+        origin = f"state {transition.from_state!r}" if transition.from_state else "no state"
+        problems.append(Problem(f"{STARTED} from no state", f"{event} from {origin}"))
+    initial = spec.initial_leaf
+    if dest != initial:
+        problems.append(Problem(f"state {initial!r}", f"state {dest!r}"))
+    return Reading("start", tuple(problems))
 
 
 def classify(
