@@ -563,14 +563,21 @@ class SqliteWrites(SqlJournal):
     def _run_key(self, run_id: str) -> int:
         """The run's ``run_key`` (when this journal has not read or written the run yet)."""
         with self._read() as conn:
-            row = conn.execute(
-                "SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)
-            ).fetchone()
-        if row is None:
-            raise RunNotFoundError(run_id)
-        key = int(row[0])
+            key = self._stored_key(conn, run_id)
         self._remember_key(run_id, key)
         return key
+
+    @staticmethod
+    def _stored_key(conn: sqlite3.Connection, run_id: str) -> int:
+        """The run's ``run_key`` as stored (read on ``conn``).
+
+        Raises:
+            RunNotFoundError: there is no such run.
+        """
+        row = conn.execute("SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return int(row[0])
 
     def _refusal(
         self, exc: sqlite3.IntegrityError, run_id: str, expected_seq: int, token: int

@@ -202,15 +202,10 @@ class SqliteJournal(SqliteChecks):
     ) -> list[TransitionRecord]:
         """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
         with self._read() as conn:
-            found = conn.execute(
-                "SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)
-            ).fetchone()
-            if found is None:
-                raise RunNotFoundError(run_id)
             cursor = conn.execute(
                 "SELECT * FROM transitions WHERE run_key = ? AND seq >= ? AND seq <= ?"
                 " ORDER BY seq",
-                (found[0], from_seq, to_seq if to_seq is not None else 2**62),
+                (self._stored_key(conn, run_id), from_seq, 2**62 if to_seq is None else to_seq),
             )
             names = [column[0] for column in cursor.description]
             rows = cursor.fetchall()
