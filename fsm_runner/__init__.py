@@ -35,9 +35,13 @@ if typing.TYPE_CHECKING:  # the names, for type checkers; at run time they load 
     from fsm_runner.records import (
         ArtifactRecord,
         EffectRecord,
+        EffectStatus,
+        ErrorType,
         IterationRecord,
         RunRecord,
         TransitionRecord,
+        structure,
+        unstructure,
     )
     from fsm_runner.spec import (
         RETURN,
@@ -54,7 +58,9 @@ __all__ = [
     "WILDCARD",
     "ArtifactRecord",
     "EffectRecord",
+    "EffectStatus",
     "Engine",
+    "ErrorType",
     "FsmRunnerError",
     "InvalidTransitionError",
     "IterationRecord",
@@ -81,6 +87,8 @@ __all__ = [
     "TransitionRecord",
     "interrupt_on_sigterm",
     "open_journal",
+    "structure",
+    "unstructure",
 ]
 
 __version__ = "0.1.0"
@@ -95,6 +103,8 @@ _OPTIONAL = frozenset({"PostgresJournal"})
 _EXPORTS: dict[str, str] = {
     "ArtifactRecord": "fsm_runner.records",
     "EffectRecord": "fsm_runner.records",
+    "EffectStatus": "fsm_runner.records",
+    "ErrorType": "fsm_runner.records",
     "Engine": "fsm_runner.engine",
     "FsmRunnerError": "fsm_runner.exceptions",
     "InvalidTransitionError": "fsm_runner.exceptions",
@@ -125,6 +135,8 @@ _EXPORTS: dict[str, str] = {
     "WILDCARD": "fsm_runner.spec",
     "interrupt_on_sigterm": "fsm_runner.engine",
     "open_journal": "fsm_runner.journal",
+    "structure": "fsm_runner.records",
+    "unstructure": "fsm_runner.records",
 }
 
 

@@ -296,11 +296,9 @@ PRESETS = Path(fsm_runner.__file__).parent.joinpath("presets")
 
 @pytest.mark.parametrize(
     "path",
-    # agent_loop.py is not here yet: it needs ErrorType and the records' converter, not public
     [
         *sorted(PRESETS.glob("coordinator*.py")),
-        PRESETS / "agent_commands.py",
-        PRESETS / "agent_services.py",
+        *sorted(PRESETS.glob("agent_*.py")),
     ],
     ids=lambda path: path.name,
 )

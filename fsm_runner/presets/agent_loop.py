@@ -36,6 +36,7 @@ import attrs
 from fsm_runner import (
     ArtifactRecord,
     Engine,
+    ErrorType,
     Journal,
     Listener,
     MachineSpec,
@@ -45,12 +46,9 @@ from fsm_runner import (
     RunRecord,
     State,
     Transition,
+    structure,
+    unstructure,
 )
-
-# Not yet public, and needed as they are: ErrorType (the type of IterationRecord.error_type,
-# compared by identity) and the records' converter (the shape of the artifacts and context
-# the loop has always journaled).
-from fsm_runner.records import ErrorType, converter, unstructure
 
 __all__ = [
     "AGENT_LOOP",
@@ -568,7 +566,7 @@ class FeedbackPhase:
         if build_failure:
             text = f"The previous attempt failed before verification: {build_failure}"
         else:
-            report = converter.structure(ctx.context["verification"], VerificationReport)
+            report = structure(ctx.context["verification"], VerificationReport)
             generator: FeedbackGenerator | None = ctx.services.get("feedback")
             text, fallback = fallback_feedback(report), True
             if generator is not None:
