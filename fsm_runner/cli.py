@@ -1472,6 +1472,9 @@ def agent_loop(
     _run_agent_loop(state, run_input)
 
 
+cli.add_command(importlib.import_module("fsm_runner.ui.command").ui)  # the run inspector
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``fsm-runner`` console script."""
     cli.main(args=list(argv) if argv is not None else None, prog_name="fsm-runner")

@@ -289,11 +289,14 @@ class SqlJournal:
         effect_in_flight: bool = False,
         state: str | None = None,
         stale: bool = False,
+        run_id_prefix: str | None = None,
+        before: str | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
         ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
-        lease has expired.
+        lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
+        listed after that run (a keyset page: the index is read from there, whatever page).
         """
         m = self._MARK
         where: list[str] = []
@@ -315,6 +318,13 @@ class SqlJournal:
             if value is not None:
                 where.append(f"{column} = {m}")
                 params.append(value)
+        if run_id_prefix:
+            where.append(f"run_id >= {m} AND run_id < {m}")
+            params += [run_id_prefix, run_id_prefix + "\U0010ffff"]
+        if before is not None:
+            order = f"created_at, {self._ROW_ORDER}"
+            where.append(f"({order}) < (SELECT {order} FROM {self._RUN_TABLE} WHERE run_id = {m})")
+            params.append(before)
         query = f"SELECT {self._RUN_SELECT} FROM runs"
         if where:
             query += " WHERE " + " AND ".join(where)
@@ -324,6 +334,15 @@ class SqlJournal:
             params.append(int(limit))
         names, rows = self._select(query, params)
         return [self._decode_run(dict(zip(names, row, strict=True))) for row in rows]
+
+    def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
+        """Return how many runs of ``machine`` there are per (state, status), now."""
+        _, rows = self._select(
+            f"SELECT state, status, count(*) FROM runs WHERE machine = {self._MARK}"
+            " GROUP BY state, status",
+            (machine,),
+        )
+        return {(str(state), str(status)): int(count) for state, status, count in rows}
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""

@@ -20,7 +20,7 @@ contract, and the journal test suite runs against each of them:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
 import attrs
@@ -201,12 +201,19 @@ class Journal(Protocol):
         effect_in_flight: bool = False,
         state: str | None = None,
         stale: bool = False,
+        run_id_prefix: str | None = None,
+        before: str | None = None,
     ) -> Sequence[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
         ``effect_in_flight`` keeps runs with an effect whose outcome is unknown; ``stale`` keeps
-        active runs whose lease has expired (their worker is gone).
+        active runs whose lease has expired (their worker is gone); ``run_id_prefix`` keeps
+        runs whose id starts with it. ``before`` (a run id) keeps only the runs listed after
+        that run: the next page of a listing, read from an index whatever page it is.
         """
+
+    def run_counts(self, *, machine: str) -> Mapping[tuple[str, str], int]:
+        """Return how many runs of ``machine`` there are per (state, status), now."""
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> Sequence[str]:
         """Return up to ``limit`` run ids that start with ``prefix`` (for abbreviated ids)."""

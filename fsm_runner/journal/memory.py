@@ -273,11 +273,14 @@ class MemoryJournal:
         effect_in_flight: bool = False,
         state: str | None = None,
         stale: bool = False,
+        run_id_prefix: str | None = None,
+        before: str | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
         ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
-        lease has expired.
+        lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
+        listed after that run.
         """
         wanted = RunOutcome(status) if status is not None else None
         now = utc_now()
@@ -286,6 +289,11 @@ class MemoryJournal:
             ordered = list(self._runs.values())
         ordered.reverse()  # insertion order is creation order; newest first
         ordered.sort(key=lambda run: run.created_at, reverse=True)
+        if before is not None:
+            ids = [run.run_id for run in ordered]
+            ordered = ordered[ids.index(before) + 1 :] if before in ids else []
+        if run_id_prefix:
+            ordered = [run for run in ordered if run.run_id.startswith(run_id_prefix)]
         selected = [
             run
             for run in ordered
@@ -311,6 +319,16 @@ class MemoryJournal:
             )
         ]
         return selected if limit is None else selected[:limit]
+
+    def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
+        """Return how many runs of ``machine`` there are per (state, status), now."""
+        with self._lock:
+            self._check_open()
+            found = [(r.state, r.status.value) for r in self._runs.values() if r.machine == machine]
+        counts: dict[tuple[str, str], int] = {}
+        for key in found:
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""

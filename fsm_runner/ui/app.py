@@ -1,0 +1,346 @@
+"""The run inspector's web application: Starlette routes over one journal, Jinja2 pages.
+
+Read-mostly: every page reads the journal through :mod:`fsm_runner.ui.views`. The only writes
+are the two actions, ``abort`` and ``fork``, which exist only when the server was started with
+``allow_actions=True``, answer only ``POST`` and only with the server's CSRF token (a secret
+made when the app is built, compared in constant time).
+
+Errors never reach the browser as a traceback: an unknown run is a 404 page, a journal that
+cannot be opened or read (missing, damaged, an unreachable server) a clear error page naming
+the journal and what is wrong, anything else a plain 500 page (the traceback goes to the
+server's log). Every template is autoescaped, so run data (inputs, errors, outputs) is text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote
+
+import attrs
+import click
+import jinja2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from fsm_runner.cli import open_cli_journal, resolve_run_id
+from fsm_runner.engine import abort_run, fork_run
+from fsm_runner.exceptions import FsmRunnerError, JournalError, RunNotFoundError
+from fsm_runner.journal import Journal
+from fsm_runner.ui import views
+
+__all__ = ["Inspector", "create_app"]
+
+_HERE = Path(__file__).parent
+_LOG = logging.getLogger("fsm_runner.ui")
+#: How often an active run's page asks for new transitions, in milliseconds.
+POLL_MS = 1000
+
+
+class _PageError(Exception):
+    """An error page: its HTTP status, a title and a one-line detail."""
+
+    def __init__(self, status: int, title: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.title = title
+        self.detail = detail
+
+
+class Inspector:
+    """One journal, opened on first use, and what the pages share (templates, CSRF secret).
+
+    The journal is opened with the CLI's own rules (:func:`fsm_runner.cli.open_cli_journal`):
+    a missing or damaged journal is an error page, not a server that refuses to start, and it
+    is opened again on the next request once it was refused. Requests are served one at a time
+    (a lock around each use of the journal), as one CLI command would read it.
+    """
+
+    def __init__(self, location: str, *, allow_actions: bool = False) -> None:
+        self.location = location
+        self.allow_actions = allow_actions
+        self.csrf_token = secrets.token_urlsafe(32)
+        self._journal: Journal | None = None
+        self._lock = threading.Lock()
+        self.templates = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(_HERE / "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.templates.globals.update(
+            allow_actions=allow_actions,
+            csrf_token=self.csrf_token,
+            location=location,
+            poll_ms=POLL_MS,
+            statuses=views.STATUSES,
+        )
+
+    @contextmanager
+    def journal(self) -> Iterator[Journal]:
+        """The open journal, for one request; a journal error closes it (reopened next time)."""
+        with self._lock:
+            if self._journal is None:
+                self._journal = self._open()
+            try:
+                yield self._journal
+            except JournalError:
+                self.close_journal()
+                raise
+
+    def _open(self) -> Journal:
+        try:
+            return open_cli_journal(self.location)
+        except click.ClickException as exc:
+            raise _PageError(503, "The journal cannot be opened", exc.format_message()) from None
+
+    def close_journal(self) -> None:
+        """Close the journal (the server stops, or the journal was refused)."""
+        if self._journal is not None:
+            journal, self._journal = self._journal, None
+            journal.close()
+
+    def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        """Render ``template`` with ``context``."""
+        html = self.templates.get_template(template).render(**context)
+        return HTMLResponse(html, status_code=status)
+
+    def check_csrf(self, form: Mapping[str, list[str]]) -> None:
+        """Refuse a form without this server's CSRF token (403)."""
+        given = (form.get("csrf_token") or [""])[0]
+        if not hmac.compare_digest(given.encode(), self.csrf_token.encode()):
+            raise _PageError(403, "Refused", "the form's CSRF token is missing or wrong")
+
+
+def _resolve(journal: Journal, run_id: str) -> str:
+    try:
+        return resolve_run_id(journal, run_id)
+    except click.ClickException as exc:  # an ambiguous prefix
+        raise _PageError(400, "Ambiguous run id", exc.format_message()) from None
+
+
+def _inspector(request: Request) -> Inspector:
+    inspector: Inspector = request.app.state.inspector
+    return inspector
+
+
+async def _home(request: Request) -> Response:
+    return RedirectResponse("/runs", status_code=302)
+
+
+async def _runs(request: Request) -> Response:
+    inspector = _inspector(request)
+    query = views.RunsQuery.from_params(request.query_params)
+    with inspector.journal() as journal:
+        if query.parent:
+            query = views.RunsQuery(**{**_fields(query), "parent": _resolve(journal, query.parent)})
+        context = views.runs_page(journal, query)
+    return inspector.page("runs.html", **context)
+
+
+def _fields(query: views.RunsQuery) -> dict[str, str]:
+    return attrs.asdict(query)
+
+
+def _int(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise _PageError(400, "Bad request", f"{name} must be a whole number") from None
+
+
+async def _run(request: Request) -> Response:
+    inspector = _inspector(request)
+    from_seq = _int(request.query_params.get("from"), "from")
+    with inspector.journal() as journal:
+        run_id = _resolve(journal, request.path_params["run_id"])
+        if run_id != request.path_params["run_id"]:
+            return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=302)
+        context = views.run_page(journal, run_id, from_seq=from_seq)
+    return inspector.page("run.html", **context)
+
+
+async def _live(request: Request) -> Response:
+    inspector = _inspector(request)
+    after = _int(request.query_params.get("after"), "after") or 0
+    with inspector.journal() as journal:
+        update = views.live_update(journal, request.path_params["run_id"], after)
+    run = update["run"]
+    rows = inspector.templates.get_template("timeline_rows.html").render(rows=update["rows"])
+    return JSONResponse(
+        {
+            "seq": run.seq,
+            "state": run.state,
+            "status": run.status.value,
+            "ended": run.ended,
+            "rows": rows,
+            "diagram": update["diagram"],
+        }
+    )
+
+
+async def _artifact(request: Request) -> Response:
+    inspector = _inspector(request)
+    name = request.path_params["name"]
+    with inspector.journal() as journal:
+        run_id = request.path_params["run_id"]
+        found = [a for a in journal.artifacts(run_id) if a.name == name]
+        if not found:
+            journal.load(run_id)  # an unknown run is a 404 of its own
+            raise _PageError(404, "No such artifact", f"run {run_id} has no artifact {name!r}")
+    artifact = found[0]
+    body = json.dumps(artifact.content, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    filename = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "artifact"
+    return Response(
+        body,
+        media_type="application/json",
+        headers={"Content-Disposition": f'attachment; filename="{filename}.json"'},
+    )
+
+
+async def _machine(request: Request) -> Response:
+    inspector = _inspector(request)
+    name = request.path_params["name"]
+    with inspector.journal() as journal:
+        context = views.machine_page(journal, name)
+    if context is None:
+        raise _PageError(404, "No such machine", f"the journal has no runs of machine {name!r}")
+    return inspector.page("machine.html", **context)
+
+
+async def _check(request: Request) -> Response:
+    inspector = _inspector(request)
+    with inspector.journal() as journal:
+        context = views.check_page(journal)
+    return inspector.page("check.html", **context)
+
+
+async def _form(request: Request) -> dict[str, list[str]]:
+    inspector = _inspector(request)
+    if not inspector.allow_actions:
+        raise _PageError(
+            403, "Actions are off", "start the inspector with --allow-actions to abort or fork"
+        )
+    body = (await request.body()).decode("utf-8", errors="replace")
+    form = parse_qs(body, keep_blank_values=True)
+    inspector.check_csrf(form)
+    return form
+
+
+async def _abort(request: Request) -> Response:
+    form = await _form(request)
+    reason = (form.get("reason") or [""])[0].strip()
+    if not reason:
+        raise _PageError(400, "A reason is needed", "say why the run is aborted")
+    inspector = _inspector(request)
+    with inspector.journal() as journal:
+        run_id = _resolve(journal, request.path_params["run_id"])
+        abort_run(journal, run_id, reason)
+    return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=303)
+
+
+async def _fork(request: Request) -> Response:
+    form = await _form(request)
+    at_seq = _int((form.get("at") or [""])[0], "at")
+    inspector = _inspector(request)
+    with inspector.journal() as journal:
+        run_id = _resolve(journal, request.path_params["run_id"])
+        try:
+            forked = fork_run(journal, run_id, at_seq=at_seq)
+        except ValueError as exc:
+            raise _PageError(400, "Cannot fork there", str(exc)) from None
+    return RedirectResponse(f"/runs/{quote(forked.run_id, safe='')}", status_code=303)
+
+
+def _error_page(request: Request, status: int, title: str, detail: str) -> Response:
+    inspector = _inspector(request)
+    if request.url.path.endswith("/live"):
+        return JSONResponse({"error": title, "detail": detail}, status_code=status)
+    return inspector.page("error.html", status=status, title=title, detail=detail)
+
+
+async def _on_page_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, _PageError)
+    return _error_page(request, exc.status, exc.title, exc.detail)
+
+
+async def _on_not_found(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RunNotFoundError)
+    return _error_page(request, 404, "No such run", f"the journal has no run {exc.run_id!r}")
+
+
+async def _on_journal_error(request: Request, exc: Exception) -> Response:
+    _LOG.warning("journal error: %s", exc)
+    return _error_page(request, 503, "The journal cannot be read", " ".join(str(exc).split()))
+
+
+async def _on_refused(request: Request, exc: Exception) -> Response:
+    return _error_page(request, 409, "Refused", " ".join(str(exc).split()))
+
+
+async def _on_http(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    titles = {404: "Not found", 405: "Method not allowed"}
+    title = titles.get(exc.status_code, "Error")
+    return _error_page(request, exc.status_code, title, str(exc.detail))
+
+
+async def _on_crash(request: Request, exc: Exception) -> Response:
+    # Starlette raises it again once this page is sent, and uvicorn logs its traceback.
+    return _error_page(
+        request, 500, "Internal error", "the inspector failed on this page; its log says why"
+    )
+
+
+def create_app(location: str, *, allow_actions: bool = False) -> Starlette:
+    """The inspector's ASGI app over the journal at ``location`` (a path or a PostgreSQL URL).
+
+    Args:
+        location: the journal, as ``fsm-runner --journal`` takes it.
+        allow_actions: serve the abort and fork forms (POST, with the CSRF token).
+
+    Returns:
+        The Starlette app; its ``state.inspector`` holds the :class:`Inspector`.
+    """
+    inspector = Inspector(location, allow_actions=allow_actions)
+    routes = [
+        Route("/", _home),
+        Route("/runs", _runs),
+        Route("/runs/{run_id:path}/live", _live),
+        Route("/runs/{run_id:path}/artifacts/{name}", _artifact),
+        Route("/runs/{run_id:path}/abort", _abort, methods=["POST"]),
+        Route("/runs/{run_id:path}/fork", _fork, methods=["POST"]),
+        Route("/runs/{run_id:path}", _run),
+        Route("/machines/{name:path}", _machine),
+        Route("/check", _check),
+        Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
+    ]
+    handlers: dict[Any, Callable[[Request, Exception], Any]] = {
+        _PageError: _on_page_error,
+        RunNotFoundError: _on_not_found,
+        JournalError: _on_journal_error,
+        FsmRunnerError: _on_refused,
+        HTTPException: _on_http,
+        Exception: _on_crash,
+    }
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        inspector.close_journal()
+
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.inspector = inspector
+    return app

@@ -1,0 +1,113 @@
+"""``fsm-runner ui``: serve the run inspector over the journal, on loopback by default.
+
+Nothing web-related is imported at the top of this module: ``fsm-runner --help`` imports it to
+list the command and must stay fast; Starlette, uvicorn and Jinja2 (``pip install
+'fsm-runner[ui]'``) are imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import socket
+
+import click
+
+__all__ = ["is_loopback", "ui"]
+
+_MISSING = (
+    "the run inspector needs the ui extra: pip install 'fsm-runner[ui]' ({name} is not installed)"
+)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+@click.command("ui")
+@click.option(
+    "--journal",
+    "journal_path",
+    metavar="PATH",
+    help="The journal (default: fsm-runner's --journal, $FSM_RUNNER_JOURNAL, ./fsm-runner.db).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
+@click.option("--open", "open_browser", is_flag=True, help="Open the inspector in a browser.")
+@click.option(
+    "--allow-remote",
+    is_flag=True,
+    help="Allow a --host that is not loopback (anyone who reaches it can read the journal).",
+)
+@click.option(
+    "--allow-actions",
+    is_flag=True,
+    help="Offer abort and fork on run pages (POST with a CSRF token); off by default.",
+)
+@click.pass_context
+def ui(  # noqa: PLR0917 - click passes each option by keyword
+    ctx: click.Context,
+    journal_path: str | None,
+    host: str,
+    port: int,
+    open_browser: bool,
+    allow_remote: bool,
+    allow_actions: bool,
+) -> None:
+    """Serve the run inspector: runs, a run's timeline and diagram, machines, check.
+
+    Read-only unless --allow-actions. Listens on 127.0.0.1 unless --host names another
+    address together with --allow-remote. Stop it with Ctrl-C.
+    """
+    location = journal_path or getattr(ctx.obj, "journal_path", None) or "fsm-runner.db"
+    if not is_loopback(host):
+        if not allow_remote:
+            raise click.UsageError(
+                f"--host {host} is not a loopback address: anyone who can reach it could read "
+                "the journal; add --allow-remote to do it anyway"
+            )
+        click.echo(
+            f"Warning: serving the journal on {host}, beyond this machine, without "
+            "authentication: anyone who can reach it can read every run"
+            + (" and abort or fork them" if allow_actions else ""),
+            err=True,
+        )
+    missing = [n for n in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(n) is None]
+    if missing:
+        raise click.ClickException(_MISSING.format(name=", ".join(missing)))
+    _serve(location, host, port, open_browser=open_browser, allow_actions=allow_actions)
+
+
+def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_actions: bool) -> None:
+    # Imported here, not at the top: `fsm-runner --help` loads this module to list the command.
+    import threading  # noqa: PLC0415
+    import webbrowser  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+
+    from fsm_runner.ui.app import create_app  # noqa: PLC0415
+
+    app = create_app(location, allow_actions=allow_actions)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/runs"
+    click.echo(
+        f"fsm-runner inspector on {url} (journal {location}"
+        + (", actions on" if allow_actions else "")
+        + "); Ctrl-C stops it",
+        err=True,
+    )
+    if open_browser:
+        threading.Timer(0.5, webbrowser.open, args=(url,)).start()
+    server.run()

@@ -1,0 +1,73 @@
+// fsm-runner inspector: copy buttons, and live updates of an active run's page.
+// Plain JavaScript, no build step, nothing loaded from elsewhere.
+"use strict";
+
+function setupCopyButtons() {
+  for (const button of document.querySelectorAll("button.copy")) {
+    button.addEventListener("click", async () => {
+      const text = document.getElementById(button.dataset.copy).textContent;
+      try {
+        await navigator.clipboard.writeText(text);
+        button.textContent = "copied";
+      } catch (err) {
+        // no clipboard (not a secure context): select the text for Ctrl-C instead
+        const range = document.createRange();
+        range.selectNodeContents(document.getElementById(button.dataset.copy));
+        const selection = window.getSelection();
+        selection.removeAllRanges();
+        selection.addRange(range);
+        button.textContent = "selected";
+      }
+    });
+  }
+}
+
+function setupLive() {
+  const run = document.getElementById("run");
+  if (!run || run.dataset.live !== "true") {
+    return;
+  }
+  const pollMs = Number(run.dataset.pollMs) || 1000;
+  const url = "/runs/" + encodeURIComponent(run.dataset.runId) + "/live";
+  let seq = Number(run.dataset.seq);
+  let timer = null;
+
+  async function poll() {
+    try {
+      const response = await fetch(url + "?after=" + seq, { headers: { Accept: "application/json" } });
+      if (!response.ok) {
+        throw new Error("HTTP " + response.status);
+      }
+      const update = await response.json();
+      if (update.rows) {
+        document.getElementById("timeline-rows").insertAdjacentHTML("beforeend", update.rows);
+      }
+      if (update.diagram) {
+        document.getElementById("diagram").innerHTML = update.diagram;
+      }
+      seq = update.seq;
+      run.dataset.seq = String(seq);
+      document.getElementById("run-seq").textContent = String(seq);
+      document.getElementById("run-state").textContent = update.state;
+      const status = document.getElementById("run-status");
+      status.textContent = update.status;
+      status.className = "status " + update.status;
+      if (update.ended) {
+        run.dataset.ended = "true";
+        run.dataset.live = "false";
+        document.getElementById("live-badge").hidden = true;
+        return; // the run has ended: no more polling
+      }
+    } catch (err) {
+      document.getElementById("live-badge").textContent = "live (retrying)";
+    }
+    timer = window.setTimeout(poll, pollMs);
+  }
+  timer = window.setTimeout(poll, pollMs);
+  window.addEventListener("pagehide", () => window.clearTimeout(timer));
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  setupCopyButtons();
+  setupLive();
+});

@@ -1,0 +1,253 @@
+"""What each page of the run inspector shows, read from a journal: plain data for the templates.
+
+Every read goes through the :class:`~fsm_runner.journal.Journal` API (``runs``, ``load``,
+``transitions``, ``iterations``, ``effects``, ``artifacts``, ``run_counts``, ``spec_json``)
+and the library's own functions (:func:`fsm_runner.diagrams.extract`,
+:func:`fsm_runner.replay.check_journal`), exactly as ``fsm-runner runs``, ``show``,
+``diagram --run`` and ``check`` read them. Nothing here writes, and nothing knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+import attrs
+
+from fsm_runner.cli import _subphase_visits
+from fsm_runner.diagrams import extract
+from fsm_runner.journal import Journal
+from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord
+from fsm_runner.replay import check_journal
+from fsm_runner.spec import MachineSpec
+from fsm_runner.ui.svg import render_svg
+
+__all__ = [
+    "RUNS_PAGE",
+    "STATUSES",
+    "TIMELINE_PAGE",
+    "RunsQuery",
+    "check_page",
+    "live_update",
+    "machine_page",
+    "run_page",
+    "runs_page",
+    "timeline_rows",
+]
+
+#: Runs a page of the runs table lists.
+RUNS_PAGE = 50
+#: Transitions a page of a run's timeline lists.
+TIMELINE_PAGE = 200
+#: The statuses the runs table filters on.
+STATUSES = ("active", "succeeded", "failed", "aborted", "dead_letter")
+
+
+@attrs.frozen
+class RunsQuery:
+    """The runs table's filters, as the query string gives them (empty: no filter)."""
+
+    machine: str = ""
+    state: str = ""
+    status: str = ""
+    parent: str = ""
+    q: str = ""
+    before: str = ""
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str]) -> RunsQuery:
+        """Read the filters from a query string's parameters (unknown ones are ignored)."""
+        values = {f.name: params.get(f.name, "").strip() for f in attrs.fields(cls)}
+        if values["status"] not in STATUSES:
+            values["status"] = ""
+        return cls(**values)
+
+    def link(self, **changes: str) -> str:
+        """The query string of these filters with ``changes``, leaving out empty ones."""
+        values = attrs.asdict(self) | changes
+        return urlencode({k: v for k, v in values.items() if v})
+
+
+def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
+    """The runs table: newest first, filtered, one page (keyset: ``before`` the last one shown)."""
+    found = list(
+        journal.runs(
+            machine=query.machine or None,
+            state=query.state or None,
+            status=query.status or None,
+            parent_run_id=query.parent or None,
+            run_id_prefix=query.q or None,
+            before=query.before or None,
+            limit=RUNS_PAGE + 1,
+        )
+    )
+    more = len(found) > RUNS_PAGE
+    found = found[:RUNS_PAGE]
+    older = query.link(before=found[-1].run_id) if more and found else None
+    newest = query.link(before="") if query.before else None
+    return {"runs": found, "query": query, "older": older, "newest": newest}
+
+
+def _error_text(error: Mapping[str, Any] | None) -> str:
+    if not error:
+        return ""
+    return f"{error.get('type')}: {error.get('message')}"
+
+
+def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
+    """A timeline's rows: seq, time, states, event, duration, error and its traceback."""
+    return [
+        {
+            "seq": t.seq,
+            "at": t.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            "from_state": t.from_state or "-",
+            "event": t.event,
+            "to_state": t.to_state,
+            "duration_ms": t.duration_ms,
+            "attempt": t.attempt,
+            "iteration": t.iteration,
+            "error": _error_text(t.error),
+            "traceback": (t.error or {}).get("traceback") or "",
+            "output": json.dumps(t.output, ensure_ascii=False) if t.output is not None else "",
+        }
+        for t in timeline
+    ]
+
+
+def _totals(iterations: Sequence[IterationRecord]) -> dict[str, Any]:
+    tokens = [i.tokens_total for i in iterations if i.tokens_total is not None]
+    costs = [i.cost_usd for i in iterations if i.cost_usd is not None]
+    durations = [i.duration_ms for i in iterations if i.duration_ms is not None]
+    return {
+        "tokens_input": sum(i.tokens_input or 0 for i in iterations),
+        "tokens_output": sum(i.tokens_output or 0 for i in iterations),
+        "tokens_total": sum(tokens) if tokens else None,
+        "cost_usd": sum(costs) if costs else None,
+        "duration_ms": sum(durations) if durations else None,
+    }
+
+
+def _children(journal: Journal, run_id: str, depth: int = 0) -> list[dict[str, Any]]:
+    """The run's child runs as a tree (each with its own children), oldest first."""
+    if depth > 8:  # a cycle cannot happen (a child is made after its parent); depth is a guard
+        return []
+    return [
+        {"run": child, "children": _children(journal, child.run_id, depth + 1)}
+        for child in reversed(journal.runs(parent_run_id=run_id))
+    ]
+
+
+def _spec(journal: Journal, run: RunRecord) -> MachineSpec:
+    return MachineSpec.from_json(journal.spec_json(run.spec_hash))
+
+
+def diagram(journal: Journal, run: RunRecord, spec: MachineSpec | None = None) -> str:
+    """The run's machine as SVG with its path drawn on it, as ``fsm-runner diagram --run``."""
+    spec = spec or _spec(journal, run)
+    return render_svg(extract(spec, run=run, timeline=journal.transitions(run.run_id)))
+
+
+def _commands(run: RunRecord, journal_location: str) -> dict[str, str]:
+    option = f"--journal {shlex.quote(journal_location)} "
+    short = run.run_id[:12]
+    app = run.input.get("app") if isinstance(run.input, Mapping) else None
+    commands = {"fork": f"fsm-runner {option}fork {short} --at {run.seq}"}
+    if not run.ended:
+        commands["resume"] = f"fsm-runner {option}resume {short}" + (
+            "" if app else " --app MODULE:ATTR"
+        )
+    return commands
+
+
+def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str, Any]:
+    """Everything the run page shows; the timeline one page long (the last one by default)."""
+    run = journal.load(run_id)
+    spec = _spec(journal, run)
+    last = max(run.seq - TIMELINE_PAGE + 1, 0)
+    start = last if from_seq is None else min(max(from_seq, 0), last)
+    timeline = journal.transitions(run.run_id, from_seq=start, to_seq=start + TIMELINE_PAGE - 1)
+    whole = timeline if start == 0 and len(timeline) == run.seq + 1 else None
+    whole = whole if whole is not None else journal.transitions(run.run_id)
+    iterations = journal.iterations(run.run_id)
+    effects = journal.effects(run.run_id)
+    return {
+        "run": run,
+        "spec": spec,
+        "timeline": timeline_rows(timeline),
+        "page": {
+            "start": start,
+            "earlier": max(start - TIMELINE_PAGE, 0) if start > 0 else None,
+            "later": start + TIMELINE_PAGE if start + TIMELINE_PAGE <= run.seq else None,
+            "last": last,
+            "is_last": start == last,
+        },
+        "diagram": render_svg(extract(spec, run=run, timeline=whole)),
+        "iterations": iterations,
+        "totals": _totals(iterations),
+        "subphases": _subphase_visits(spec, whole),
+        "effects": effects,
+        "in_flight": sum(1 for e in effects if e.status.value == "in_flight"),
+        "children": _children(journal, run.run_id),
+        "artifacts": journal.artifacts(run.run_id),
+        "commands": _commands(run, journal.location),
+        "error": _error_text(run.error),
+        "input": json.dumps(run.input, ensure_ascii=False, indent=1),
+        "context": json.dumps(dict(run.context), ensure_ascii=False, indent=1),
+    }
+
+
+def live_update(journal: Journal, run_id: str, after: int) -> dict[str, Any]:
+    """What changed in a run since seq ``after``: new timeline rows, its state, the diagram."""
+    run = journal.load(run_id)
+    new = journal.transitions(run.run_id, from_seq=after + 1) if run.seq > after else []
+    return {
+        "run": run,
+        "rows": timeline_rows(new),
+        "diagram": diagram(journal, run) if new else None,
+    }
+
+
+def machine_page(journal: Journal, machine: str) -> dict[str, Any] | None:
+    """A machine's diagram (its newest run's spec) with how many runs are in each state now."""
+    newest = journal.runs(machine=machine, limit=1)
+    if not newest:
+        return None
+    spec = _spec(journal, newest[0])
+    counts = journal.run_counts(machine=machine)
+    per_state: dict[str, dict[str, int]] = {}
+    for (state, status), count in counts.items():
+        per_state.setdefault(state, {})[status] = count
+    terminal = set(spec.terminal_states)
+    leaves = [s.name for s in spec.leaves]
+    rows: list[dict[str, Any]] = [
+        {
+            "state": state,
+            "terminal": state in terminal,
+            "counts": per_state.get(state, {}),
+            "total": sum(per_state.get(state, {}).values()),
+        }
+        for state in [*leaves, *sorted(set(per_state) - set(leaves))]
+    ]
+    badges = {str(row["state"]): int(row["total"]) for row in rows if row["total"]}
+    return {
+        "machine": machine,
+        "spec": spec,
+        "rows": rows,
+        "total": sum(counts.values()),
+        "diagram": render_svg(extract(spec), counts=badges),
+        "spec_hash": newest[0].spec_hash,
+    }
+
+
+def check_page(journal: Journal) -> dict[str, Any]:
+    """What ``fsm-runner check`` reports: the runs checked and every problem found."""
+    problems = check_journal(journal)
+    return {
+        "location": journal.location,
+        "count": len(journal.run_ids("", limit=sys.maxsize)),
+        "problems": problems,
+    }
