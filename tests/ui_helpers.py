@@ -1,0 +1,92 @@
+"""Shared by the run inspector's tests: a real `fsm-runner ui` server on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+#: Debian's chromium: Playwright drives it (its own browser downloads are not possible here).
+CHROMIUM = os.environ.get("FSM_RUNNER_TEST_CHROMIUM", "/usr/bin/chromium")
+#: Where the tests leave their screenshots (ignored by git; CI prints the paths).
+ARTIFACTS = ROOT / "tests" / "ui-artifacts"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Response:
+    def __init__(self, status: int, headers, body: str) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+
+def fetch(url: str, *, data: bytes | None = None, method: str | None = None) -> Response:
+    """One HTTP request; an error status is a response too. Redirects are not followed."""
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    request = urllib.request.Request(url, data=data, method=method)
+    try:
+        with opener.open(request, timeout=30) as answer:
+            return Response(answer.status, answer.headers, answer.read().decode())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return Response(exc.code, exc.headers, exc.read().decode())
+
+
+class Server:
+    """`python -m fsm_runner --journal LOCATION ui --port P ...` in a process of its own."""
+
+    def __init__(self, location: str, *options: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fsm_runner", "--journal", location, "ui",
+             "--port", str(self.port), *options],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the ui server exited: {self.proc.communicate()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError("the ui server did not start listening in 20 s")
+            time.sleep(0.05)
+
+    def get(self, path: str) -> Response:
+        return fetch(self.url + path)
+
+    def post(self, path: str, data: bytes) -> Response:
+        return fetch(self.url + path, data=data, method="POST")
+
+    def stop(self) -> tuple[str, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                return self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.communicate()
