@@ -38,9 +38,10 @@ from fsm_runner.cli import open_cli_journal, resolve_run_id
 from fsm_runner.engine import abort_run, fork_run
 from fsm_runner.exceptions import FsmRunnerError, JournalError, RunNotFoundError
 from fsm_runner.journal import Journal
+from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.ui import views
 
-__all__ = ["Inspector", "create_app"]
+__all__ = ["Inspector", "create_app", "shown_location"]
 
 _HERE = Path(__file__).parent
 _LOG = logging.getLogger("fsm_runner.ui")
@@ -81,7 +82,7 @@ class Inspector:
         self.templates.globals.update(
             allow_actions=allow_actions,
             csrf_token=self.csrf_token,
-            location=location,
+            location=shown_location(location),
             poll_ms=POLL_MS,
             statuses=views.STATUSES,
         )
@@ -103,6 +104,9 @@ class Inspector:
             return open_cli_journal(self.location)
         except click.ClickException as exc:
             raise _PageError(503, "The journal cannot be opened", exc.format_message()) from None
+        except JournalError as exc:  # there, but damaged, foreign, or its server unreachable
+            detail = " ".join(str(exc).split())
+            raise _PageError(503, "The journal cannot be opened", detail) from None
 
     def close_journal(self) -> None:
         """Close the journal (the server stops, or the journal was refused)."""
@@ -120,6 +124,11 @@ class Inspector:
         given = (form.get("csrf_token") or [""])[0]
         if not hmac.compare_digest(given.encode(), self.csrf_token.encode()):
             raise _PageError(403, "Refused", "the form's CSRF token is missing or wrong")
+
+
+def shown_location(location: str) -> str:
+    """The journal's location as pages and messages show it: a URL's password hidden."""
+    return redact(location) if is_postgres_url(location) else location
 
 
 def _resolve(journal: Journal, run_id: str) -> str:

@@ -95,7 +95,7 @@ def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_act
 
     import uvicorn  # noqa: PLC0415
 
-    from fsm_runner.ui.app import create_app  # noqa: PLC0415
+    from fsm_runner.ui.app import create_app, shown_location  # noqa: PLC0415
 
     app = create_app(location, allow_actions=allow_actions)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
@@ -103,7 +103,7 @@ def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_act
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/runs"
     click.echo(
-        f"fsm-runner inspector on {url} (journal {location}"
+        f"fsm-runner inspector on {url} (journal {shown_location(location)}"
         + (", actions on" if allow_actions else "")
         + "); Ctrl-C stops it",
         err=True,

@@ -36,8 +36,8 @@ _CHAR = 7.2  # width of a character of the 12px monospace labels
 _NODE_H = 32.0
 _PAD = 14.0  # inside a composite box
 _HEADER = 20.0  # a composite's title
-_GAP_X = 36.0
-_GAP_Y = 54.0
+_GAP_X = 56.0
+_GAP_Y = 62.0
 _MARGIN = 30.0
 
 _STYLE = """
@@ -60,6 +60,9 @@ _STYLE = """
 .fsm .badge circle{fill:#8250df}
 .fsm .badge text{fill:#fff;font-size:10px;font-weight:bold}
 """
+
+
+_Point = tuple[float, float]
 
 
 @attrs.define
@@ -252,16 +255,18 @@ def _node_svg(node: Node, box: _Box) -> str:
     return f"{head}{shape}{label}</g>"
 
 
-def _edge_path(
-    source: _Box, dest: _Box, bend: float, *, loop: bool
-) -> tuple[str, tuple[float, float]]:
-    """The path of an edge and where its label goes."""
+#: Where along an edge its label may sit, in order of preference (0: source, 1: destination).
+_LABEL_AT = (0.5, 0.38, 0.62, 0.27, 0.73, 0.18, 0.82)
+
+
+def _edge_path(source: _Box, dest: _Box, bend: float, *, loop: bool) -> tuple[str, list[_Point]]:
+    """The path of an edge and the places its label may go (best first)."""
     if loop:
         x, y = source.x + source.w, source.cy
         r = 14 + bend
         path = f"M{x:.1f},{y - 6:.1f} C{x + 2 * r:.1f},{y - 2 * r:.1f} {x + 2 * r:.1f},"
         path += f"{y + 2 * r:.1f} {x:.1f},{y + 6:.1f}"
-        return path, (x + 2 * r, y)
+        return path, [(x + 2 * r, y)]
     mx, my = (source.cx + dest.cx) / 2, (source.cy + dest.cy) / 2
     dx, dy = dest.cx - source.cx, dest.cy - source.cy
     length = math.hypot(dx, dy) or 1.0
@@ -269,32 +274,52 @@ def _edge_path(
     x1, y1 = source.clip(cx, cy)
     x2, y2 = dest.clip(cx, cy)
     path = f"M{x1:.1f},{y1:.1f} Q{cx:.1f},{cy:.1f} {x2:.1f},{y2:.1f}"
-    return path, ((x1 + 2 * cx + x2) / 4, (y1 + 2 * cy + y2) / 4)
+    places = [
+        (
+            (1 - t) ** 2 * x1 + 2 * (1 - t) * t * cx + t**2 * x2,
+            (1 - t) ** 2 * y1 + 2 * (1 - t) * t * cy + t**2 * y2,
+        )
+        for t in _LABEL_AT
+    ]
+    return path, places
 
 
-def _edge_svg(edge: Edge, path: str, at: tuple[float, float]) -> str:
+def _label_box(edge: Edge, at: _Point) -> _Box:
+    width = len(edge.counted_label) * 6.0 + 4
+    return _Box(at[0] - width / 2, at[1] - 8, width, 12)
+
+
+def _overlaps(box: _Box, others: Iterable[_Box]) -> bool:
+    return any(
+        box.x < o.x + o.w and o.x < box.x + box.w and box.y < o.y + o.h and o.y < box.y + box.h
+        for o in others
+    )
+
+
+def _edge_svg(edge: Edge, path: str, label: _Box) -> str:
     classes = _classes(
         "edge",
         edge.kind,
         "traversed" if edge.count else None,
         "wildcard" if edge.wildcard else None,
     )
-    label = escape(edge.counted_label)
-    width = len(edge.counted_label) * 6.0 + 4
-    x, y = at
     return (
         f'<g class="{classes}" data-event="{escape(edge.event)}"'
         f' data-source="{escape(edge.source)}" data-dest="{escape(edge.dest)}">'
         f'<path d="{path}" marker-end="url(#arrow{"-on" if edge.count else ""})"/>'
-        f'<rect x="{x - width / 2:.1f}" y="{y - 8:.1f}" width="{width:.1f}" height="12"/>'
-        f'<text x="{x:.1f}" y="{y + 1:.1f}" text-anchor="middle">{label}</text></g>'
+        f'<rect x="{label.x:.1f}" y="{label.y:.1f}" width="{label.w:.1f}" height="12"/>'
+        f'<text x="{label.cx:.1f}" y="{label.y + 9:.1f}" text-anchor="middle">'
+        f"{escape(edge.counted_label)}</text></g>"
     )
 
 
 def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
+    """Each edge, its label where it overlaps no state and no label placed before it."""
     seen: dict[tuple[str, str], int] = {}
+    taken = [box for name, box in layout.boxes.items() if layout.graph.node(name) is not None]
     parts = []
-    for edge in edges:
+    # The run's edges first: their labels get the best places.
+    for edge in sorted(edges, key=lambda e: not e.count):
         source = layout.boxes.get(edge.source)
         dest = layout.boxes.get(edge.dest)
         if source is None or dest is None:
@@ -307,8 +332,11 @@ def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
         bend = 0.0 if (not rows_apart and index == 0) else 28.0 * (index + 1)
         if edge.dest < edge.source:
             bend = -bend
-        path, at = _edge_path(source, dest, 12.0 * index if loop else bend, loop=loop)
-        parts.append(_edge_svg(edge, path, at))
+        path, places = _edge_path(source, dest, 12.0 * index if loop else bend, loop=loop)
+        boxes = [_label_box(edge, at) for at in places]
+        label = next((b for b in boxes if not _overlaps(b, taken)), boxes[0])
+        taken.append(label)
+        parts.append(_edge_svg(edge, path, label))
     return parts
 
 
