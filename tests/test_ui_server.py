@@ -88,7 +88,8 @@ class TestPages:
         update = server.get(f"/runs/{failed}/live?after=0")
         assert update.status == 200
         assert '"ended":true' in update.body.replace(" ", "")
-        assert "&lt;script&gt;" in update.body and SCRIPT not in update.body
+        assert "&lt;script&gt;" in update.body
+        assert SCRIPT not in update.body
         assert server.get("/runs/nope/live").status == 404
 
 
@@ -141,7 +142,8 @@ class TestActions:
     def test_off_by_default(self, server, journal_file):
         _, _, waiting = journal_file
         page = server.get(f"/runs/{waiting}")
-        assert "csrf_token" not in page.body and '<form method="post"' not in page.body
+        assert "csrf_token" not in page.body
+        assert '<form method="post"' not in page.body
         answer = server.post(f"/runs/{waiting}/abort", urlencode({"reason": "x"}).encode())
         assert answer.status == 403
         assert "--allow-actions" in answer.body
@@ -285,13 +287,15 @@ class TestSvg:
                 Edge("a<b>", "GO", "box", count=2),
                 Edge("x&y", "<EV>", "end"),
                 Edge("*", "STOP", "end", wildcard=True),
-            ],  # fmt: skip
+            ],
             composites=[Composite("box", children=["x&y"])],
             initial="a<b>",
             has_run=True,
         )
         svg = render_svg(graph, counts={"end": 3})
-        assert "<b>" not in svg and "<m>" not in svg and "<EV>" not in svg
+        assert "<b>" not in svg
+        assert "<m>" not in svg
+        assert "<EV>" not in svg
         assert 'data-state="a&lt;b&gt;"' in svg
         assert re.search(r'<g class="node state visited current" data-state="x&amp;y">', svg)
         assert 'class="edge transition traversed" data-event="GO"' in svg
