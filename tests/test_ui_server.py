@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from fsm_runner import Engine, SqliteJournal
 from fsm_runner.cli import cli
 from fsm_runner.diagrams import Composite, Edge, Graph, Node
-from fsm_runner.ui import command
+from fsm_runner.ui import command, views
 from fsm_runner.ui.svg import render_svg
-from tests.helpers import linear_spec
+from tests.helpers import NEXT, linear_spec, loop_spec
 from tests.ui_helpers import ROOT, Server
 from tests.ui_journals import SCRIPT, XSS_SPEC, _parse
 
@@ -269,6 +269,36 @@ class TestJournalReads:
             ("a", "active"): 5, ("b", "active"): 1, ("done", "succeeded"): 1
         }  # fmt: skip
         assert journal.run_counts(machine="other") == {}
+
+    def test_transition_counts(self, journal):
+        engine = Engine(loop_spec(), handlers={"noop": lambda ctx: NEXT}, journal=journal)
+        run_id = engine.start()
+        engine.run(run_id, max_steps=9)
+        moves = {m[:3]: m[3:] for m in journal.transition_counts(run_id)}
+        assert moves == {
+            (None, "STARTED", "a"): (1, 0),
+            ("a", NEXT, "b"): (3, 9),
+            ("b", NEXT, "c"): (2, 6),
+            ("c", NEXT, "d"): (2, 7),
+            ("d", NEXT, "a"): (2, 8),
+        }
+        assert [m[4] for m in journal.transition_counts(run_id)] == [0, 6, 7, 8, 9]
+        assert journal.transition_counts("no-such-run") == []
+
+    def test_a_long_run_is_drawn_from_its_counted_moves(self, journal):
+        """The diagram and sub-phase visits of a long run equal those read from every transition."""
+        looping = Engine(loop_spec(), handlers={"noop": lambda ctx: NEXT}, journal=journal)
+        loop_run = looping.start()
+        looping.run(loop_run, max_steps=41)
+        failing = Engine(XSS_SPEC, handlers={"parse": _parse}, journal=journal)
+        failed = failing.start({"document": SCRIPT})
+        failing.run(failed)
+        for run_id, spec in ((loop_run, loop_spec()), (failed, XSS_SPEC)):
+            run = journal.load(run_id)
+            exact = views.run_path(journal, spec, run, exact_up_to=10**9)
+            counted = views.run_path(journal, spec, run, exact_up_to=0)
+            assert counted == exact
+            assert render_svg(counted[0]) == render_svg(exact[0])
 
 
 class TestSvg:

@@ -53,6 +53,9 @@ class SqlJournal:
     _RUN_SELECT: ClassVar[str]
     #: The column that orders rows inserted in the same microsecond (insertion order).
     _ROW_ORDER: ClassVar[str]
+    #: The condition that selects one run's transitions through their key (one parameter: the
+    #: run id).
+    _RUN_TRANSITIONS: ClassVar[str]
     #: The dialect's INSERT (or replace) of an effect, only while its run is at a seq (and,
     #: if given, a lease token): parameters are the effect's columns, run id, seq, token, token.
     _PUT_EFFECT: ClassVar[str]
@@ -343,6 +346,16 @@ class SqlJournal:
             (machine,),
         )
         return {(str(state), str(status)): int(count) for state, status, count in rows}
+
+    def transition_counts(self, run_id: str) -> list[tuple[str | None, str, str, int, int]]:
+        """How often the run took each move: ``(from, event, to, count, last seq)``, by last seq."""
+        _, rows = self._select(
+            "SELECT from_state, event, to_state, count(*), max(seq) FROM transitions"
+            f" WHERE {self._RUN_TRANSITIONS} GROUP BY from_state, event, to_state"
+            " ORDER BY max(seq)",
+            (run_id,),
+        )
+        return [(a, str(e), str(b), int(n), int(last)) for a, e, b, n, last in rows]
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""

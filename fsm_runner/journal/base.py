@@ -215,6 +215,13 @@ class Journal(Protocol):
     def run_counts(self, *, machine: str) -> Mapping[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""
 
+    def transition_counts(self, run_id: str) -> Sequence[tuple[str | None, str, str, int, int]]:
+        """Return how often the run took each move, as ``(from, event, to, count, last seq)``.
+
+        Ordered by each move's last seq: what a diagram of a long run needs, without reading
+        every transition. An unknown run has none.
+        """
+
     def run_ids(self, prefix: str, *, limit: int = 2) -> Sequence[str]:
         """Return up to ``limit`` run ids that start with ``prefix`` (for abbreviated ids)."""
 

@@ -330,6 +330,16 @@ class MemoryJournal:
             counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def transition_counts(self, run_id: str) -> list[tuple[str | None, str, str, int, int]]:
+        """How often the run took each move: ``(from, event, to, count, last seq)``, by last seq."""
+        counts: dict[tuple[str | None, str, str], list[int]] = {}
+        for t in self.transitions(run_id) if run_id in self._runs else ():
+            found = counts.setdefault((t.from_state, t.event, t.to_state), [0, 0])
+            found[0] += 1
+            found[1] = t.seq
+        moves = [(*key, n, last) for key, (n, last) in counts.items()]
+        return sorted(moves, key=lambda move: move[4])
+
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""
         with self._lock:

@@ -136,6 +136,7 @@ class PostgresJournal(PostgresOpening):
     _RUN_TABLE = "runs"
     _RUN_SELECT = _RUN_SELECT
     _ROW_ORDER = "rowid"
+    _RUN_TRANSITIONS = "run_id = %s"
     _PUT_EFFECT = _PUT_EFFECT
     _stamp = staticmethod(_utc)
 

@@ -92,6 +92,7 @@ class SqliteJournal(SqliteChecks):
     _RUN_TABLE = "run_rows"
     _RUN_SELECT = "*"  # the runs view, with run_key (remembered for commits)
     _ROW_ORDER = "run_key"
+    _RUN_TRANSITIONS = "run_key = (SELECT run_key FROM run_rows WHERE run_id = ?)"
     _stamp = staticmethod(format_utc)
 
     def __init__(

@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 import attrs
 
 from fsm_runner.cli import _subphase_visits
-from fsm_runner.diagrams import extract
+from fsm_runner.diagrams import Graph, extract
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord
 from fsm_runner.replay import check_journal
@@ -27,14 +27,17 @@ from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
 
 __all__ = [
+    "EXACT_UP_TO",
     "RUNS_PAGE",
     "STATUSES",
     "TIMELINE_PAGE",
     "RunsQuery",
     "check_page",
+    "diagram",
     "live_update",
     "machine_page",
     "run_page",
+    "run_path",
     "runs_page",
     "timeline_rows",
 ]
@@ -43,6 +46,8 @@ __all__ = [
 RUNS_PAGE = 50
 #: Transitions a page of a run's timeline lists.
 TIMELINE_PAGE = 200
+#: Runs with fewer transitions are read whole for their diagram; longer ones as counted moves.
+EXACT_UP_TO = 1000
 #: The statuses the runs table filters on.
 STATUSES = ("active", "succeeded", "failed", "aborted", "dead_letter")
 
@@ -145,10 +150,50 @@ def _spec(journal: Journal, run: RunRecord) -> MachineSpec:
     return MachineSpec.from_json(journal.spec_json(run.spec_hash))
 
 
-def diagram(journal: Journal, run: RunRecord, spec: MachineSpec | None = None) -> str:
+def run_path(
+    journal: Journal, spec: MachineSpec, run: RunRecord, *, exact_up_to: int | None = None
+) -> tuple[Graph, list[dict[str, Any]]]:
+    """The run's path on its machine (as ``fsm-runner diagram --run``), and its sub-phase visits.
+
+    A run of up to ``exact_up_to`` transitions is read whole, as the CLI reads it. A longer one
+    is read as its moves and how often it took each (:meth:`Journal.transition_counts`: one
+    grouped query instead of thousands of records): the same states visited, edges taken and
+    counts, the same sub-phase attempts and restarts, from a few rows. (One difference: two
+    guarded transitions with the same source, event and destination share their count.)
+    """
+    limit = EXACT_UP_TO if exact_up_to is None else exact_up_to
+    if run.seq < limit:
+        whole = journal.transitions(run.run_id)
+        return extract(spec, run=run, timeline=whole), _subphase_visits(spec, whole)
+    moves = journal.transition_counts(run.run_id)
+    records = [
+        TransitionRecord(run.run_id, last, source, event, dest)
+        for source, event, dest, _count, last in moves
+    ]
+    counts = [move[3] for move in moves]
+    graph = extract(spec, run=run, timeline=records)
+    weights = [0] * len(graph.edges)
+    for record, count in zip(records, counts, strict=True):
+        if record.from_state is not None:
+            single = extract(spec, timeline=[record]).edges
+            for index, edge in enumerate(single):
+                if edge.count and edge.kind != "engine":
+                    weights[index] += count
+    engine = {(r.from_state, r.event, r.to_state): n for r, n in zip(records, counts, strict=True)}
+    edges = [
+        attrs.evolve(edge, count=engine.get((edge.source, edge.event, edge.dest), 0))
+        if edge.kind == "engine"
+        else attrs.evolve(edge, count=weights[index])
+        for index, edge in enumerate(graph.edges)
+    ]
+    repeated = [record for record, n in zip(records, counts, strict=True) for _ in range(n)]
+    return attrs.evolve(graph, edges=edges), _subphase_visits(spec, repeated)
+
+
+def diagram(journal: Journal, run: RunRecord) -> str:
     """The run's machine as SVG with its path drawn on it, as ``fsm-runner diagram --run``."""
-    spec = spec or _spec(journal, run)
-    return render_svg(extract(spec, run=run, timeline=journal.transitions(run.run_id)))
+    spec = _spec(journal, run)
+    return render_svg(run_path(journal, spec, run)[0])
 
 
 def _commands(run: RunRecord, journal_location: str) -> dict[str, str]:
@@ -170,8 +215,7 @@ def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str
     last = max(run.seq - TIMELINE_PAGE + 1, 0)
     start = last if from_seq is None else min(max(from_seq, 0), last)
     timeline = journal.transitions(run.run_id, from_seq=start, to_seq=start + TIMELINE_PAGE - 1)
-    whole = timeline if start == 0 and len(timeline) == run.seq + 1 else None
-    whole = whole if whole is not None else journal.transitions(run.run_id)
+    graph, visits = run_path(journal, spec, run)
     iterations = journal.iterations(run.run_id)
     effects = journal.effects(run.run_id)
     return {
@@ -185,10 +229,10 @@ def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str
             "last": last,
             "is_last": start == last,
         },
-        "diagram": render_svg(extract(spec, run=run, timeline=whole)),
+        "diagram": render_svg(graph),
         "iterations": iterations,
         "totals": _totals(iterations),
-        "subphases": _subphase_visits(spec, whole),
+        "subphases": visits,
         "effects": effects,
         "in_flight": sum(1 for e in effects if e.status.value == "in_flight"),
         "children": _children(journal, run.run_id),
