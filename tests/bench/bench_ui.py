@@ -152,7 +152,7 @@ def measure(location: str, long_run: str, repeat: int) -> bool:
          'class="run'),
         ("runs page, machine=bench", "/runs?machine=bench", "runs --machine bench",
          ("runs", "--machine", "bench"), 'class="run'),
-        ("runs page, state=a (a scan of the view)", "/runs?state=a", "runs --state a",
+        ("runs page, state=a", "/runs?state=a", "runs --state a",
          ("runs", "--state", "a"), 'class="run'),
         ("runs page, id prefix", f"/runs?q={some[:6]}", "(runs has no prefix)", None, some[:12]),
         (f"run page, {long_run[:8]} (last 200 of its timeline)", f"/runs/{long_run}",
