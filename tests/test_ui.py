@@ -115,7 +115,7 @@ class TestRunsPage:
         shown = [row.get_attribute("data-run-id") for row in page.locator("tr.run").all()]
         with site.journal() as journal:
             assert shown == [run.run_id for run in journal.runs()]
-        assert len(shown) == 8  # agent loop, session + 3 tasks, sub-phases, 2 xss
+        assert len(shown) == 9  # agent loop, session + 3 tasks, sub-phases, effects, 2 xss
         first = rows(page, "tr.run")[0]
         assert first[:4] == [site.ids["waiting"][:12], "xss", "parsing", "active"]
 
@@ -234,6 +234,18 @@ class TestRunPage:
         assert svg.locator("g.composite[data-state='analysis']").count() == 1
         assert svg.locator("g.node.current").get_attribute("data-state") == "done"
         assert svg.locator("g.node.visited[data-state='recovering']").count() == 1
+
+    def test_effects_caught_in_flight_are_highlighted(self, site, page):
+        page.goto(f"{site.url}/runs/{site.ids['effects']}")
+        assert page.locator("section h2 .warn").inner_text() == "1 in flight"
+        effects = {r[0]: r[4] for r in rows(page, "table.effects tbody tr")}
+        assert effects == {"notify": "done", "upload": "in_flight"}
+        highlighted = page.locator("tr.effect.in_flight td").first
+        assert highlighted.evaluate("cell => getComputedStyle(cell).backgroundColor") == (
+            "rgb(255, 248, 197)"
+        )
+        resume = page.locator("#cmd-resume").inner_text()
+        assert resume.endswith(f"resume {site.ids['effects'][:12]} --app MODULE:ATTR")
 
     def test_check_page(self, site, page):
         page.goto(f"{site.url}/check")

@@ -68,6 +68,25 @@ class TestPages:
         assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in page.body
         assert server.get("/").status == 302
 
+    def test_runs_are_paged(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            engine = Engine(linear_spec("a"), handlers={"a": lambda ctx: NEXT}, journal=journal)
+            ids = [engine.start({"n": n}) for n in range(57)]
+        server = Server(str(path))
+        try:
+            first = server.get("/runs?machine=linear")
+            shown = re.findall(r'data-run-id="([^"]+)"', first.body)
+            assert shown == ids[::-1][:50]
+            older = re.search(r'class="older" href="([^"]+)"', first.body)
+            assert older, "no link to the older runs"
+            second = server.get(older.group(1).replace("&amp;", "&"))
+            assert re.findall(r'data-run-id="([^"]+)"', second.body) == ids[::-1][50:]
+            assert 'class="older"' not in second.body
+            assert "machine=linear" in older.group(1)  # the filters stay
+        finally:
+            server.stop()
+
     def test_unknown_run_is_a_404_page(self, server):
         for path in ("/runs/no-such-run", "/runs/no-such-run/artifacts/x"):
             answer = server.get(path)

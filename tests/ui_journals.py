@@ -8,18 +8,22 @@ Usage (from the repository root)::
 (its scripted agent and pytest verification as subprocesses, snapshots in a git project), a
 coordinator session whose tasks are child runs (scripted agents, real ``git apply``), the
 sub-phases preset beside its real helper server, which is SIGKILLed in ``1b`` and restarted
-by the supervisor, a run whose handler raises with ``<script>`` in its message, and one run
+by the supervisor, a run whose process died inside a side effect (caught in flight), a run
+whose handler raises with ``<script>`` in its message, and one run
 started and left waiting in its first state (for the abort action). Prints one JSON object:
 the run ids by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 from fsm_runner import Engine, MachineSpec, RetryPolicy, RunEvent, State, Transition
 from fsm_runner.journal import Journal, open_journal
@@ -51,6 +55,34 @@ XSS_SPEC = MachineSpec(
 
 def _parse(ctx: object) -> str:
     raise ValueError(f"cannot parse {SCRIPT}")
+
+
+EFFECTS_SPEC = MachineSpec(
+    "publish",
+    states=[
+        State("pushing", handler="push", allows=["notify", "mutate"]),
+        State("pushed", terminal=True),
+        State("failed", terminal=True, outcome="failed"),
+    ],
+    transitions=[
+        Transition("pushing", "PUSHED", "pushed"),
+        Transition("pushing", RunEvent.SYSTEM_ERROR, "failed"),
+    ],
+)
+
+
+class Crash(BaseException):
+    """The process dies while an effect runs (as test_effects.py simulates a kill)."""
+
+
+def _push(ctx: Any) -> str:
+    ctx.effect("notify", lambda: {"sent": True}, kind="notify")
+    ctx.effect("upload", _die, {"key": "release-1.2"}, kind="mutate")
+    return "PUSHED"
+
+
+def _die(params: object) -> None:
+    raise Crash
 
 
 def agent_loop(journal: Journal, workdir: Path) -> str:
@@ -102,14 +134,35 @@ def failing_and_waiting(journal: Journal) -> tuple[str, str]:
     return failed, waiting
 
 
+def effect_in_flight(journal: Journal) -> str:
+    """A run whose process died inside an effect: one effect done, one caught in flight."""
+    engine = Engine(EFFECTS_SPEC, handlers={"push": _push}, journal=journal)
+    run_id = engine.start({"release": "1.2"})
+    with contextlib.suppress(Crash):
+        engine.run(run_id)
+    engine.close()
+    return run_id
+
+
 def main(argv: list[str]) -> int:
     """Make every run in the journal ``argv[0]``, working in directory ``argv[1]``."""
     location, workdir = argv[0], Path(argv[1])
     workdir.mkdir(parents=True, exist_ok=True)
+    ids: dict[str, str] = {}
+
+    def demo() -> None:  # mostly waits on its agent and pytest: beside the others, in a thread
+        with open_journal(location) as own:
+            ids["agent_loop"] = agent_loop(own, workdir)
+
     with open_journal(location) as journal:
-        ids = {"agent_loop": agent_loop(journal, workdir)}
+        thread = threading.Thread(target=demo)
+        thread.start()
         ids["session"] = coordinator_session(journal, workdir)
         ids["subphases"] = subphases_with_restart(journal, workdir)
+        thread.join()
+        if "agent_loop" not in ids:
+            return 1
+        ids["effects"] = effect_in_flight(journal)
         ids["failed"], ids["waiting"] = failing_and_waiting(journal)
     print(json.dumps(ids), flush=True)
     return 0
