@@ -88,15 +88,21 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser):
+@pytest.fixture(scope="session")
+def browser_context(browser):
     context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
+    yield context
+    context.close()
+
+
+@pytest.fixture
+def page(browser_context):
+    page = browser_context.new_page()
     dialogs: list[str] = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     page.dialogs = dialogs
     yield page
-    context.close()
+    page.close()
     assert dialogs == [], "a script from run data ran in the page"
 
 
@@ -293,7 +299,7 @@ class TestLive:
         assert last - loaded >= 3  # transitions journaled after the page was loaded
         assert len(polls) >= 2
         ended = len(polls)
-        time.sleep(1.6)  # the run has ended: no more polls (one a second while it ran)
+        time.sleep(1.3)  # the run has ended: no more polls (one a second while it ran)
         assert len(polls) == ended
 
 
