@@ -289,9 +289,11 @@ def _label_box(edge: Edge, at: _Point) -> _Box:
     return _Box(at[0] - width / 2, at[1] - 8, width, 12)
 
 
-def _overlaps(box: _Box, others: Iterable[_Box]) -> bool:
-    return any(
-        box.x < o.x + o.w and o.x < box.x + box.w and box.y < o.y + o.h and o.y < box.y + box.h
+def _overlap(box: _Box, others: Iterable[_Box]) -> float:
+    """How much of ``box`` the ``others`` cover (areas added up)."""
+    return sum(
+        max(0.0, min(box.x + box.w, o.x + o.w) - max(box.x, o.x))
+        * max(0.0, min(box.y + box.h, o.y + o.h) - max(box.y, o.y))
         for o in others
     )
 
@@ -328,13 +330,16 @@ def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
         index = seen.get(key, 0)
         seen[key] = index + 1
         loop = edge.source == edge.dest
+        # Straight between adjacent rows; otherwise bowed, more the longer the edge: edges
+        # going down bow to the left, edges going back up to the right, so a loop's way back
+        # does not lie on its way there.
         rows_apart = abs(dest.cy - source.cy) > _NODE_H + _GAP_Y + 1 or dest.cy == source.cy
-        bend = 0.0 if (not rows_apart and index == 0) else 28.0 * (index + 1)
-        if edge.dest < edge.source:
-            bend = -bend
+        length = math.hypot(dest.cx - source.cx, dest.cy - source.cy)
+        bend = max(28.0, 0.16 * length) if rows_apart else 0.0
+        bend += 24.0 * index
         path, places = _edge_path(source, dest, 12.0 * index if loop else bend, loop=loop)
         boxes = [_label_box(edge, at) for at in places]
-        label = next((b for b in boxes if not _overlaps(b, taken)), boxes[0])
+        label = min(boxes, key=lambda b: _overlap(b, taken))  # the first free, or least covered
         taken.append(label)
         parts.append(_edge_svg(edge, path, label))
     return parts
