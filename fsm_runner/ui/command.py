@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import os
 import socket
 
 import click
@@ -69,7 +70,12 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     Read-only unless --allow-actions. Listens on 127.0.0.1 unless --host names another
     address together with --allow-remote. Stop it with Ctrl-C.
     """
-    location = journal_path or getattr(ctx.obj, "journal_path", None) or "fsm-runner.db"
+    location = (
+        journal_path
+        or getattr(ctx.obj, "journal_path", None)  # fsm-runner's own --journal
+        or os.environ.get("FSM_RUNNER_JOURNAL")
+        or "fsm-runner.db"
+    )
     if not is_loopback(host):
         if not allow_remote:
             raise click.UsageError(
