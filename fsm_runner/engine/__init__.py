@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from fsm_runner._group import GroupClaimer, GroupCommitter
+from fsm_runner._group import GroupCommitter
 from fsm_runner._json import dumps_json, error_info, storable_text
 from fsm_runner.engine.decisions import (
     PhaseOutcome,
@@ -35,6 +35,7 @@ from fsm_runner.engine.decisions import (
     phase_outcome,
     retry_wait,
 )
+from fsm_runner.engine.leases import LeaseKeeper, new_worker_id, unleased
 from fsm_runner.engine.reducer import (
     StepKind,
     abort_records,
@@ -50,7 +51,6 @@ from fsm_runner.exceptions import (
     HandlerResultError,
     InvalidTransitionError,
     LeaseHeldError,
-    LeaseLostError,
     PayloadError,
     PhaseError,
     PhaseTimeoutError,
@@ -226,19 +226,17 @@ class Engine:
             state.name: f"fsm_runner.phase.{spec.name}.{state.name}" for state in spec.leaves
         }
         self._aborts: dict[str, str] = {}
-        self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.worker_id = worker_id or _worker_id()
+        self.worker_id = worker_id or new_worker_id()
         self.lease_ttl = lease_ttl
         self.heartbeat_interval = heartbeat_interval or lease_ttl / 3
         self.max_recoveries = max_recoveries
         self.max_payload_bytes = max_payload_bytes
         self.group_commit = group_commit
         self._committer: GroupCommitter | None = None
-        self._claimer: GroupClaimer | None = None
-        self._held: dict[str, int] = {}  # run id -> the lease token this engine holds
-        self._heartbeat: threading.Thread | None = None
-        self._stop_heartbeat = threading.Event()
+        self._leases = LeaseKeeper(self)
+        # One lock for the leases held and for what the heartbeat shares with the steps.
+        self._lock = self._leases.lock
 
     def __repr__(self) -> str:
         """``Engine('spec-name', journal=SqliteJournal('/abs/fsm-runner.db', ...))``.
@@ -275,13 +273,8 @@ class Engine:
         A journal passed to the engine is the host's to close; the default one the engine
         opened itself (no ``journal`` given) is closed here, after everything else.
         """
-        self._stop_heartbeat.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
-            self._heartbeat = None
-        self._stop_heartbeat.clear()
+        self._leases.stop()
         self._committer = None
-        self._claimer = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -289,78 +282,6 @@ class Engine:
             self.journal.close()
 
     # -- leases --------------------------------------------------------------------------------
-
-    def _claim(self, run_id: str) -> RunRecord:
-        """Load the run, check it may run here, and take its lease (the heartbeat renews it)."""
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
-        self._reserve(run_id)
-        try:
-            try:
-                claimed = self.journal.claim(run_id, self.worker_id, ttl=self.lease_ttl)
-            except LeaseHeldError as exc:
-                if not _holder_is_dead(exc.owner):
-                    raise
-                # Its holder was a process on this host that is gone (killed): no need to
-                # wait for the lease to expire.
-                _log.warning("run %s: taking over the lease of dead %s", run_id, exc.owner)
-                claimed = self.journal.claim(
-                    run_id, self.worker_id, ttl=self.lease_ttl, take_over=exc.owner
-                )
-        except BaseException:
-            with self._lock:
-                self._held.pop(run_id, None)
-            raise
-        return self._take(claimed)
-
-    async def _aclaim(self, run_id: str) -> RunRecord:
-        """:meth:`_claim` for :meth:`arun`: the runs a loop starts in one turn, claimed at once.
-
-        With group commit, every run whose ``arun`` begins in the same turn of the loop is
-        claimed by one :meth:`Journal.claim_many` (one transaction on SQLite), each checked by
-        :meth:`_check_runnable` and granted or refused on its own.
-        """
-        if not self.group_commit:
-            return self._claim(run_id)
-        loop = asyncio.get_running_loop()
-        claimer = self._claimer
-        if claimer is None or claimer.loop is not loop:
-            journal, worker_id, ttl = self.journal, self.worker_id, self.lease_ttl
-            check = self._check_runnable
-            claimer = self._claimer = GroupClaimer(
-                loop, lambda run_ids: journal.claim_many(run_ids, worker_id, ttl=ttl, check=check)
-            )
-        self._reserve(run_id)
-        future = claimer.submit(run_id)
-        try:
-            claimed = await future
-        except BaseException as exc:
-            with self._lock:
-                self._held.pop(run_id, None)
-            if future.done() and not future.cancelled() and future.exception() is None:
-                # Claimed, but this task was cancelled before it resumed: give the lease back.
-                self._hold(future.result())
-                self._let_go(run_id)
-            if isinstance(exc, LeaseHeldError) and _holder_is_dead(exc.owner):
-                return self._claim(run_id)  # its holder is gone: take the lease over now
-            raise
-        return self._take(claimed)
-
-    def _reserve(self, run_id: str) -> None:
-        """Mark the run as being claimed here: one engine advances a run in one place at a time."""
-        with self._lock:
-            if run_id in self._held:
-                raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
-            self._held[run_id] = -1  # reserved while the claim is in flight
-
-    def _take(self, claimed: RunRecord) -> RunRecord:
-        """Hold a lease just claimed and bring the run to this engine's spec."""
-        self._hold(claimed)
-        try:
-            return self._adopt_spec(claimed)
-        except BaseException:
-            self._let_go(claimed.run_id)
-            raise
 
     def _adopt_spec(self, run: RunRecord) -> RunRecord:
         """Move a run that started under another spec to this one (``allow_spec_change``).
@@ -382,63 +303,6 @@ class Engine:
         self.journal.commit(after, transition, spec_json=self._spec_json)
         self._notify(transition, after)
         return after
-
-    def _hold(self, claimed: RunRecord) -> None:
-        """Remember a lease this engine took, and make sure the heartbeat renews it."""
-        with self._lock:
-            self._held[claimed.run_id] = claimed.lease_token
-            if self._heartbeat is None or not self._heartbeat.is_alive():
-                self._heartbeat = threading.Thread(
-                    target=self._beat, name=f"fsm-runner-heartbeat-{self.worker_id}", daemon=True
-                )
-                self._heartbeat.start()
-
-    def _let_go(self, run_id: str) -> None:
-        """Release the lease this engine holds on the run (at its end, or on a clean stop)."""
-        with self._lock:
-            token = self._held.pop(run_id, None)
-        if token is None or token < 0:
-            return
-        try:
-            self.journal.release(run_id, self.worker_id, token)
-        except FsmRunnerError as exc:  # the lease will expire; nothing is lost
-            _log.warning("run %s: could not release its lease: %s", run_id, exc)
-
-    def _beat(self) -> None:
-        """Renew every lease held, until none is held or the engine closes.
-
-        A lease found taken over cancels the phase running under it (its commit would be
-        refused anyway); an abort requested from elsewhere is carried out at the next step.
-        """
-        while not self._stop_heartbeat.wait(self.heartbeat_interval):
-            with self._lock:
-                held = [(run_id, token) for run_id, token in self._held.items() if token >= 0]
-                if not held:
-                    self._heartbeat = None
-                    return
-            for run_id, token in held:
-                lost = False
-                try:
-                    self.journal.renew(run_id, self.worker_id, token, ttl=self.lease_ttl)
-                    reason = self.journal.load(run_id).abort_reason
-                except LeaseLostError:
-                    lost, reason = True, "the run's lease was taken over by another worker"
-                except FsmRunnerError as exc:
-                    _log.warning("run %s: could not renew its lease: %s", run_id, exc)
-                    continue
-                if reason is None:
-                    continue
-                with self._lock:
-                    if self._held.get(run_id) != token:
-                        continue  # let go, or claimed again, since the snapshot: not news
-                    if not lost:  # an abort requested elsewhere: carried out at the next step
-                        self._aborts.setdefault(run_id, reason)
-                    ctx = self._active.get(run_id)
-                if lost:
-                    # Not an abort: the phase is told to stop, and its commit will be refused.
-                    _log.warning("run %s: %s", run_id, reason)
-                if ctx is not None:
-                    ctx.request_cancel(reason)
 
     def work(
         self,
@@ -468,44 +332,12 @@ class Engine:
         Returns:
             How many runs this worker took.
         """
-        stop = stop or threading.Event()
-        states = sorted(self._by_state)
-        spec_hash = None if self.allow_spec_change else self.spec.spec_hash
-        taken = 0
-        while not stop.is_set() and (max_runs is None or taken < max_runs):
-            claimed = self.journal.claim_next(
-                self.worker_id,
-                ttl=self.lease_ttl,
-                machine=self.spec.name,
-                states=states,
-                spec_hash=spec_hash,
-            )
-            if claimed is None:
-                if exit_when_idle:
-                    break
-                stop.wait(idle_wait)
-                continue
-            taken += 1
-            self._hold(claimed)
-            keep_lease = False
-            try:
-                claimed = self._adopt_spec(claimed)
-                if claimed.recoveries > self.max_recoveries and claimed.abort_reason is None:
-                    self._park(claimed)
-                else:
-                    self._drive(claimed, None)
-            except LeaseLostError as exc:
-                _log.warning("%s; the run is left to its new holder", exc)
-            except FsmRunnerError as exc:
-                keep_lease = True  # back off: the run waits for the lease to expire
-                _log.error("run %s failed in this worker: %s", claimed.run_id, exc)
-            finally:
-                if keep_lease:
-                    with self._lock:
-                        self._held.pop(claimed.run_id, None)
-                else:
-                    self._let_go(claimed.run_id)
-        return taken
+        return self._leases.work(
+            max_runs=max_runs,
+            stop=stop or threading.Event(),
+            idle_wait=idle_wait,
+            exit_when_idle=exit_when_idle,
+        )
 
     def recover(self, *, limit: int | None = None) -> list[RunRecord]:
         """Take over this machine's runs whose lease expired (their worker is gone) and run them.
@@ -522,22 +354,7 @@ class Engine:
         Returns:
             The recovered runs as they ended up (parked ones included).
         """
-        recovered: list[RunRecord] = []
-        for stale in self.journal.runs(machine=self.spec.name, stale=True, limit=limit):
-            try:
-                claimed = self._claim(stale.run_id)
-            except (LeaseHeldError, RunTerminalError, SpecMismatchError) as exc:
-                _log.info("run %s not recovered here: %s", stale.run_id, exc)
-                continue
-            try:
-                if claimed.recoveries > self.max_recoveries and claimed.abort_reason is None:
-                    ended = self._park(claimed)
-                else:
-                    ended = self._drive(claimed, None)
-            finally:
-                self._let_go(claimed.run_id)
-            recovered.append(_unleased(ended))
-        return recovered
+        return self._leases.recover(limit=limit)
 
     def _park(self, run: RunRecord) -> RunRecord:
         message = (
@@ -631,7 +448,7 @@ class Engine:
             PhaseError: the phase failed and the spec has no transition for that failure.
             RunConflictError: another writer advanced the run while the phase ran.
         """
-        run = self._claim(run_id)
+        run = self._leases.claim(run_id)
         try:
             try:
                 return self._step(run)[0]
@@ -643,7 +460,7 @@ class Engine:
                 # outcome, and this step carries the abort out instead.
                 return self._commit_abort(run, run.abort_reason)[0]
         finally:
-            self._let_go(run_id)
+            self._leases.let_go(run_id)
 
     def run(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """Step the run until it ends, waits for an event, or ``max_steps`` steps were taken.
@@ -665,12 +482,12 @@ class Engine:
             run = self.journal.load(run_id)
             self._check_runnable(run)
             return run
-        run = self._claim(run_id)
+        run = self._leases.claim(run_id)
         try:
             run = self._drive(run, max_steps)
         finally:
-            self._let_go(run_id)
-        return _unleased(run)
+            self._leases.let_go(run_id)
+        return unleased(run)
 
     def _drive(self, run: RunRecord, max_steps: int | None) -> RunRecord:
         steps = 0
@@ -746,15 +563,15 @@ class Engine:
         result: Callable[[RunRecord], Mapping[str, Any] | None],
     ) -> RunRecord:
         """Claim the run, commit one transition decided on the claimed row, and release it."""
-        run = self._claim(run_id)
+        run = self._leases.claim(run_id)
         try:
             planned = self._plan(
                 run, event, dest(run), result=result(run), duration_ms=0.0, kind=kind
             )
             run = self._write(planned)[1]
         finally:
-            self._let_go(run_id)
-        return _unleased(run)
+            self._leases.let_go(run_id)
+        return unleased(run)
 
     def _rewind_target(self, run: RunRecord, state: str) -> str:
         """The leaf ``run`` can be rewound to for ``state``, or InvalidTransitionError."""
@@ -914,7 +731,7 @@ class Engine:
 
     async def astep(self, run_id: str) -> TransitionRecord | None:
         """Async :meth:`step`: async handlers are awaited (and cancelled at their deadline)."""
-        run = self._claim(run_id)
+        run = self._leases.claim(run_id)
         try:
             try:
                 return (await self._astep(run))[0]
@@ -924,7 +741,7 @@ class Engine:
                     raise
                 return (await self._awrite(self._plan_abort(run, run.abort_reason)))[0]
         finally:
-            self._let_go(run_id)
+            self._leases.let_go(run_id)
 
     async def arun(  # noqa: PLR0912, PLR0915 - the hot path is inlined (see below)
         self, run_id: str, *, max_steps: int | None = None
@@ -938,7 +755,7 @@ class Engine:
         group commit (~9 % of the Python per step). Any other outcome of such a handler is
         settled by :meth:`_afinish_fast`; other states take :meth:`_astep`.
         """
-        run = await self._aclaim(run_id)
+        run = await self._leases.aclaim(run_id)
         try:
             steps = 0
             fast_states = self._fast
@@ -1016,8 +833,8 @@ class Engine:
                 run = after
                 steps += 1
         finally:
-            self._let_go(run_id)
-        return _unleased(run)
+            self._leases.let_go(run_id)
+        return unleased(run)
 
     async def aresume(
         self, run_id: str, *, max_steps: int | None = None, from_state: str | None = None
@@ -1151,7 +968,7 @@ class Engine:
         """
         reason = storable_text(reason)  # a lone surrogate (an argv byte that is not UTF-8)
         with self._lock:
-            held = run_id in self._held
+            held = self._leases.holds(run_id)
             if held:
                 self._aborts[run_id] = reason
                 ctx = self._active.get(run_id)
@@ -1442,36 +1259,6 @@ class Engine:
             )
 
 
-def _worker_id() -> str:
-    """A new worker id: ``host:pid:random`` (unique per engine, and tells where it ran)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def _holder_is_dead(owner: str) -> bool:
-    """Whether a lease ``owner`` (``host:pid:...``) was a process on this host that is gone."""
-    host, _, rest = owner.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, but someone else's
-        return False
-    return False
-
-
-def _unleased(run: RunRecord) -> RunRecord:
-    """The run row as it stands once its lease is released."""
-    if run.lease_owner is None:
-        return run
-    return attrs.evolve(run, lease_owner=None, lease_expires_at=None)
-
-
 def _advance(
     spec: MachineSpec,
     run: RunRecord,
@@ -1543,7 +1330,7 @@ def abort_run(
             journal.release(run_id, owner, run.lease_token)
         if _notify is not None:
             _notify(transition, after)
-        return _unleased(after)
+        return unleased(after)
     raise RunConflictError(run_id=run_id, expected_seq=-1, path=journal.location)
 
 

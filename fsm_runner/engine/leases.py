@@ -1,0 +1,355 @@
+"""The lease keeper: which runs an engine holds, and for how long it keeps holding them.
+
+An engine claims a run before it advances it, renews the lease from a heartbeat thread while
+it holds it, and lets go of it at the end (or on a clean stop). :class:`LeaseKeeper` owns all
+of that: one :class:`_Hold` per run (its fencing token, or none yet while the claim is in
+flight), the heartbeat, the group claims of async runs, and the two loops that take runs from
+the journal (:meth:`LeaseKeeper.work`, :meth:`LeaseKeeper.recover`). What a run does once held
+is the engine's (its drivers and commits); the keeper reaches it through :class:`LeaseOwner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import uuid
+from typing import Protocol
+
+import attrs
+
+from fsm_runner._group import GroupClaimer
+from fsm_runner.exceptions import (
+    FsmRunnerError,
+    LeaseHeldError,
+    LeaseLostError,
+    RunTerminalError,
+    SpecMismatchError,
+)
+from fsm_runner.journal import Journal
+from fsm_runner.phases import PhaseContext
+from fsm_runner.records import RunRecord
+from fsm_runner.spec import MachineSpec
+
+__all__ = ["LeaseKeeper", "LeaseOwner", "holder_is_dead", "new_worker_id", "unleased"]
+
+_log = logging.getLogger("fsm_runner.engine")
+
+
+class LeaseOwner(Protocol):
+    """What the keeper reads of its engine: settings (read live: users change some), and steps."""
+
+    journal: Journal
+    spec: MachineSpec
+    worker_id: str
+    lease_ttl: float
+    heartbeat_interval: float
+    max_recoveries: int
+    allow_spec_change: bool
+    group_commit: bool
+    #: abort requests to carry out at a run's next step, by run id (the heartbeat adds to it)
+    _aborts: dict[str, str]
+    #: the contexts of the phases running in this process, by run id
+    _active: dict[str, PhaseContext]
+
+    def _check_runnable(self, run: RunRecord) -> None: ...
+
+    def _adopt_spec(self, run: RunRecord) -> RunRecord: ...
+
+    def _drive(self, run: RunRecord, max_steps: int | None) -> RunRecord: ...
+
+    def _park(self, run: RunRecord) -> RunRecord: ...
+
+
+@attrs.frozen
+class _Hold:
+    """A run this engine holds: its lease's fencing token, ``None`` while the claim is in flight."""
+
+    token: int | None = None
+
+
+_RESERVED = _Hold()
+
+
+class LeaseKeeper:
+    """Claims, holds, renews and lets go of the leases of one engine's runs.
+
+    Args:
+        owner: the engine; its settings are read each time (a changed ``journal`` or
+            ``lease_ttl`` applies from the next claim), its steps run the runs held.
+    """
+
+    def __init__(self, owner: LeaseOwner) -> None:
+        self._owner = owner
+        #: guards the holds, and the owner's aborts and active phases the heartbeat reads
+        self.lock = threading.Lock()
+        self._held: dict[str, _Hold] = {}
+        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = threading.Event()
+        self._claimer: GroupClaimer | None = None
+
+    def holds(self, run_id: str) -> bool:
+        """Whether this engine holds the run, or is claiming it (read under :attr:`lock`)."""
+        return run_id in self._held
+
+    def stop(self) -> None:
+        """Stop the heartbeat (leases still held then expire) and forget the group claimer."""
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        self._stop_heartbeat.clear()
+        self._claimer = None
+
+    # -- claiming ------------------------------------------------------------------------------
+
+    def claim(self, run_id: str) -> RunRecord:
+        """Load the run, check it may run here, and take its lease (the heartbeat renews it)."""
+        owner = self._owner
+        journal, worker_id, ttl = owner.journal, owner.worker_id, owner.lease_ttl
+        run = journal.load(run_id)
+        owner._check_runnable(run)
+        self.reserve(run_id)
+        try:
+            try:
+                claimed = journal.claim(run_id, worker_id, ttl=ttl)
+            except LeaseHeldError as exc:
+                if not holder_is_dead(exc.owner):
+                    raise
+                # Its holder was a process on this host that is gone (killed): no need to
+                # wait for the lease to expire.
+                _log.warning("run %s: taking over the lease of dead %s", run_id, exc.owner)
+                claimed = journal.claim(run_id, worker_id, ttl=ttl, take_over=exc.owner)
+        except BaseException:
+            self.forget(run_id)
+            raise
+        return self.take(claimed)
+
+    async def aclaim(self, run_id: str) -> RunRecord:
+        """:meth:`claim` for ``arun``: the runs a loop starts in one turn, claimed at once.
+
+        With group commit, every run whose ``arun`` begins in the same turn of the loop is
+        claimed by one :meth:`Journal.claim_many` (one transaction on SQLite), each checked by
+        the engine's ``_check_runnable`` and granted or refused on its own.
+        """
+        owner = self._owner
+        if not owner.group_commit:
+            return self.claim(run_id)
+        loop = asyncio.get_running_loop()
+        claimer = self._claimer
+        if claimer is None or claimer.loop is not loop:
+            journal, worker_id, ttl = owner.journal, owner.worker_id, owner.lease_ttl
+            check = owner._check_runnable
+            claimer = self._claimer = GroupClaimer(
+                loop, lambda run_ids: journal.claim_many(run_ids, worker_id, ttl=ttl, check=check)
+            )
+        self.reserve(run_id)
+        future = claimer.submit(run_id)
+        try:
+            claimed = await future
+        except BaseException as exc:
+            self.forget(run_id)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                # Claimed, but this task was cancelled before it resumed: give the lease back.
+                self.hold(future.result())
+                self.let_go(run_id)
+            if isinstance(exc, LeaseHeldError) and holder_is_dead(exc.owner):
+                return self.claim(run_id)  # its holder is gone: take the lease over now
+            raise
+        return self.take(claimed)
+
+    def reserve(self, run_id: str) -> None:
+        """Mark the run as being claimed here: one engine advances a run in one place at a time."""
+        with self.lock:
+            if run_id in self._held:
+                raise LeaseHeldError(run_id, owner=self._owner.worker_id, expires_at="its release")
+            self._held[run_id] = _RESERVED
+
+    def take(self, claimed: RunRecord) -> RunRecord:
+        """Hold a lease just claimed and bring the run to the engine's spec."""
+        self.hold(claimed)
+        try:
+            return self._owner._adopt_spec(claimed)
+        except BaseException:
+            self.let_go(claimed.run_id)
+            raise
+
+    def hold(self, claimed: RunRecord) -> None:
+        """Remember a lease this engine took, and make sure the heartbeat renews it."""
+        with self.lock:
+            self._held[claimed.run_id] = _Hold(claimed.lease_token)
+            if self._heartbeat is None or not self._heartbeat.is_alive():
+                self._heartbeat = threading.Thread(
+                    target=self._beat,
+                    name=f"fsm-runner-heartbeat-{self._owner.worker_id}",
+                    daemon=True,
+                )
+                self._heartbeat.start()
+
+    def let_go(self, run_id: str) -> None:
+        """Release the lease held on the run in the journal (at its end, or on a clean stop)."""
+        with self.lock:
+            hold = self._held.pop(run_id, None)
+        if hold is None or hold.token is None:
+            return
+        owner = self._owner
+        try:
+            owner.journal.release(run_id, owner.worker_id, hold.token)
+        except FsmRunnerError as exc:  # the lease will expire; nothing is lost
+            _log.warning("run %s: could not release its lease: %s", run_id, exc)
+
+    def forget(self, run_id: str) -> None:
+        """Stop holding the run without releasing its lease: it is left to expire."""
+        with self.lock:
+            self._held.pop(run_id, None)
+
+    # -- the heartbeat -------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        """Renew every lease held, until none is held or the engine closes.
+
+        A lease found taken over cancels the phase running under it (its commit would be
+        refused anyway); an abort requested from elsewhere is carried out at the next step.
+        """
+        owner = self._owner
+        while not self._stop_heartbeat.wait(owner.heartbeat_interval):
+            with self.lock:
+                held = [
+                    (run_id, hold.token)
+                    for run_id, hold in self._held.items()
+                    if hold.token is not None
+                ]
+                if not held:
+                    self._heartbeat = None
+                    return
+            for run_id, token in held:
+                self._renew(run_id, token)
+
+    def _renew(self, run_id: str, token: int) -> None:
+        """Renew one lease; pass on an abort requested elsewhere, or a lease found taken over."""
+        owner = self._owner
+        journal = owner.journal
+        lost = False
+        try:
+            journal.renew(run_id, owner.worker_id, token, ttl=owner.lease_ttl)
+            reason = journal.load(run_id).abort_reason
+        except LeaseLostError:
+            lost, reason = True, "the run's lease was taken over by another worker"
+        except FsmRunnerError as exc:
+            _log.warning("run %s: could not renew its lease: %s", run_id, exc)
+            return
+        if reason is None:
+            return
+        with self.lock:
+            hold = self._held.get(run_id)
+            if hold is None or hold.token != token:
+                return  # let go, or claimed again, since the snapshot: not news
+            if not lost:  # an abort requested elsewhere: carried out at the next step
+                owner._aborts.setdefault(run_id, reason)
+            ctx = owner._active.get(run_id)
+        if lost:
+            # Not an abort: the phase is told to stop, and its commit will be refused.
+            _log.warning("run %s: %s", run_id, reason)
+        if ctx is not None:
+            ctx.request_cancel(reason)
+
+    # -- taking runs from the journal ----------------------------------------------------------
+
+    def work(
+        self, *, max_runs: int | None, stop: threading.Event, idle_wait: float, exit_when_idle: bool
+    ) -> int:
+        """Claim runnable runs one at a time and run each (``Engine.work``); how many were taken."""
+        owner = self._owner
+        states = sorted(state.name for state in owner.spec.leaves if state.handler)
+        spec_hash = None if owner.allow_spec_change else owner.spec.spec_hash
+        taken = 0
+        while not stop.is_set() and (max_runs is None or taken < max_runs):
+            claimed = owner.journal.claim_next(
+                owner.worker_id,
+                ttl=owner.lease_ttl,
+                machine=owner.spec.name,
+                states=states,
+                spec_hash=spec_hash,
+            )
+            if claimed is None:
+                if exit_when_idle:
+                    break
+                stop.wait(idle_wait)
+                continue
+            taken += 1
+            self.hold(claimed)
+            self._work_on(claimed)
+        return taken
+
+    def _work_on(self, claimed: RunRecord) -> None:
+        """Run (or park) one run :meth:`work` claimed, then let go of it or leave it to expire."""
+        owner = self._owner
+        keep_lease = False
+        try:
+            claimed = owner._adopt_spec(claimed)
+            if claimed.recoveries > owner.max_recoveries and claimed.abort_reason is None:
+                owner._park(claimed)
+            else:
+                owner._drive(claimed, None)
+        except LeaseLostError as exc:
+            _log.warning("%s; the run is left to its new holder", exc)
+        except FsmRunnerError as exc:
+            keep_lease = True  # back off: the run waits for the lease to expire
+            _log.error("run %s failed in this worker: %s", claimed.run_id, exc)
+        finally:
+            if keep_lease:
+                self.forget(claimed.run_id)
+            else:
+                self.let_go(claimed.run_id)
+
+    def recover(self, *, limit: int | None) -> list[RunRecord]:
+        """Take over the runs whose lease expired and run or park each (``Engine.recover``)."""
+        owner = self._owner
+        recovered: list[RunRecord] = []
+        for stale in owner.journal.runs(machine=owner.spec.name, stale=True, limit=limit):
+            try:
+                claimed = self.claim(stale.run_id)
+            except (LeaseHeldError, RunTerminalError, SpecMismatchError) as exc:
+                _log.info("run %s not recovered here: %s", stale.run_id, exc)
+                continue
+            try:
+                if claimed.recoveries > owner.max_recoveries and claimed.abort_reason is None:
+                    ended = owner._park(claimed)
+                else:
+                    ended = owner._drive(claimed, None)
+            finally:
+                self.let_go(claimed.run_id)
+            recovered.append(unleased(ended))
+        return recovered
+
+
+def new_worker_id() -> str:
+    """A new worker id: ``host:pid:random`` (unique per engine, and tells where it ran)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def holder_is_dead(owner: str) -> bool:
+    """Whether a lease ``owner`` (``host:pid:...``) was a process on this host that is gone."""
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, but someone else's
+        return False
+    return False
+
+
+def unleased(run: RunRecord) -> RunRecord:
+    """The run row as it stands once its lease is released."""
+    if run.lease_owner is None:
+        return run
+    return attrs.evolve(run, lease_owner=None, lease_expires_at=None)
