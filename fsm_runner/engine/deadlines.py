@@ -1,0 +1,43 @@
+"""A phase's deadline applied to an awaitable handler (async runs; async handlers in sync runs)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+from fsm_runner.engine.decisions import PhaseStep
+from fsm_runner.exceptions import PhaseTimeoutError
+
+__all__ = ["with_deadline"]
+
+
+class _HandlerTimeoutError(Exception):
+    """Carries a ``TimeoutError`` the handler raised itself past ``asyncio.wait_for``."""
+
+    def __init__(self, error: TimeoutError) -> None:
+        self.error = error
+
+
+async def _own_timeouts(awaitable: Awaitable[Any]) -> Any:
+    try:
+        return await awaitable
+    except TimeoutError as exc:
+        raise _HandlerTimeoutError(exc) from exc
+
+
+async def with_deadline(awaitable: Awaitable[Any], step: PhaseStep) -> Any:
+    """Await a handler's ``awaitable``, cancelled at ``step``'s deadline (if its state has one).
+
+    Raises:
+        PhaseTimeoutError: the deadline passed first.
+    """
+    remaining = step.ctx.remaining
+    if remaining is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(_own_timeouts(awaitable), timeout=max(remaining, 0.0))
+    except _HandlerTimeoutError as own:
+        raise own.error from None  # the handler's own TimeoutError, not the deadline's
+    except asyncio.TimeoutError:
+        raise PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout) from None
