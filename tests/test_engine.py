@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import threading
 
 import pytest
 
@@ -1087,7 +1088,7 @@ class TestConstruction:
 
 
 class TestDefaultJournal:
-    """Without a journal, the engine opens ./fsm-runner.db, shows it, and closes it itself."""
+    """Without a journal, the engine opens ./fsm-runner.db, shows it, and closes it itself (``with``)."""
 
     def test_the_default_journal_is_fsm_runner_db_in_the_current_directory(
         self, tmp_path, monkeypatch
@@ -1127,3 +1128,59 @@ class TestDefaultJournal:
 
         assert journal.load(run_id).state == "a"
         assert repr(engine) == f"Engine('linear', journal={journal!r})"
+
+    @staticmethod
+    def _engine_with_loop_and_heartbeat(journal):
+        """An engine (in a ``with``) that ran an async handler in a sync run: loop and heartbeat."""
+        loops = []
+
+        async def a_phase(ctx):
+            loops.append(asyncio.get_running_loop())
+            return NEXT
+
+        engine = Engine(linear_spec("a", "b"), handlers={"a": a_phase, "b": noop}, journal=journal)
+        return engine, loops
+
+    @staticmethod
+    def _heartbeats(engine):
+        name = f"fsm-runner-heartbeat-{engine.worker_id}"
+        return [thread for thread in threading.enumerate() if thread.name == name]
+
+    def test_with_closes_thread_loop_and_the_journal_the_engine_opened(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        engine, loops = self._engine_with_loop_and_heartbeat(None)
+        with engine as entered:
+            assert entered is engine
+            run_id = engine.start()
+            assert engine.run(run_id, max_steps=1).state == "b"
+            assert self._heartbeats(engine)  # renewing nothing now, until its next beat
+
+        assert self._heartbeats(engine) == []
+        assert len(loops) == 1
+        assert loops[0].is_closed()
+        with pytest.raises(JournalError, match="closed"):
+            engine.journal.load(run_id)
+
+    def test_with_leaves_a_journal_passed_in_open(self, journal):
+        engine, loops = self._engine_with_loop_and_heartbeat(journal)
+        with engine:
+            run_id = engine.start()
+            engine.run(run_id, max_steps=1)
+
+        assert self._heartbeats(engine) == []
+        assert loops[0].is_closed()
+        assert journal.load(run_id).state == "b"
+
+    def test_with_closes_when_the_block_raises(self, journal):
+        engine, loops = self._engine_with_loop_and_heartbeat(journal)
+
+        def host():
+            with engine:
+                engine.run(engine.start(), max_steps=1)
+                raise RuntimeError("host failure")
+
+        with pytest.raises(RuntimeError, match="host failure"):
+            host()
+
+        assert self._heartbeats(engine) == []
+        assert loops[0].is_closed()
