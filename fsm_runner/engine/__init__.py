@@ -25,7 +25,7 @@ from typing import Any
 
 from fsm_runner._json import storable_text
 from fsm_runner.engine.async_driver import AsyncDriver
-from fsm_runner.engine.commits import Listener, advance
+from fsm_runner.engine.commits import Listener, take_now
 from fsm_runner.engine.interruption import interrupt_on_sigterm
 from fsm_runner.engine.leases import LeaseKeeper, new_worker_id
 from fsm_runner.engine.operations import abort_run, fork_run
@@ -41,8 +41,8 @@ from fsm_runner.spec import MachineSpec
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
 
-#: Kept under its old name for tests that build expected rows (the reducer's ``take``, now).
-_advance = advance
+#: The reducer's ``take`` at the time it is now, under the name tests import it by.
+_advance = take_now
 _REWOUND = RunEvent.REWOUND.value
 
 

@@ -71,7 +71,7 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
 
-__all__ = ["PLAIN_RETURNS", "Listener", "Planned", "StepWriter", "advance", "new_commit"]
+__all__ = ["PLAIN_RETURNS", "Listener", "Planned", "StepWriter", "new_commit", "take_now"]
 
 #: Called with each transition after it is committed, and the run row it produced.
 Listener = Callable[[TransitionRecord, RunRecord], None]
@@ -147,7 +147,7 @@ class StepWriter:
         """
         if run.spec_hash == self.spec.spec_hash:
             return run
-        transition, after = advance(
+        transition, after = take_now(
             self.spec,
             run,
             _SPEC_CHANGED,
@@ -431,7 +431,7 @@ class StepWriter:
         artifacts: Sequence[ArtifactRecord] = (),
     ) -> Planned:
         """Build the transition, the run row it leads to and the rows written with it."""
-        transition, after = advance(
+        transition, after = take_now(
             self.spec, run, event, dest, result=result, duration_ms=duration_ms, kind=kind
         )
         iterations: Sequence[IterationRecord] = ()
@@ -487,7 +487,7 @@ class StepWriter:
             )
 
 
-def advance(
+def take_now(
     spec: MachineSpec,
     run: RunRecord,
     event: str,

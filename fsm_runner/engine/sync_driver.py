@@ -97,7 +97,7 @@ class SyncDriver(StepWriter):
                 transition, after = self._step(run)
             except RunConflictError as refused:
                 run = self._after_refusal(run.run_id, refused)
-                continue  # refused for an abort requested meanwhile: the next step carries it out
+                continue  # ended elsewhere (the loop stops), or an abort the next step carries out
             if transition is None:
                 break
             run = after
