@@ -31,7 +31,7 @@ from fsm_runner.engine.leases import LeaseKeeper, new_worker_id
 from fsm_runner.engine.operations import abort_run, fork_run
 from fsm_runner.engine.reducer import begin
 from fsm_runner.engine.sync_driver import SyncDriver
-from fsm_runner.events import RunEvent, event_name
+from fsm_runner.events import REWOUND, STARTED, event_name
 from fsm_runner.exceptions import InvalidTransitionError, SpecError
 from fsm_runner.journal import Journal, SqliteJournal
 from fsm_runner.machine import Guard, compile_spec
@@ -43,7 +43,6 @@ __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"
 
 #: The reducer's ``take`` at the time it is now, under the name tests import it by.
 _advance = take_now
-_REWOUND = RunEvent.REWOUND.value
 
 
 class Engine(SyncDriver, AsyncDriver):
@@ -296,7 +295,7 @@ class Engine(SyncDriver, AsyncDriver):
             run_id=run_id,
             seq=0,
             from_state=None,
-            event=RunEvent.STARTED.value,
+            event=STARTED,
             to_state=initial.name,
             iteration=iteration,
             at=now,
@@ -373,7 +372,7 @@ class Engine(SyncDriver, AsyncDriver):
         self._rewind_target(self.journal.load(run_id), state)  # refused before the lease
         return self._commit_held(
             run_id,
-            _REWOUND,
+            REWOUND,
             "rewind",
             lambda run: self._rewind_target(run, state),
             lambda run: {"output": {"rewound_from": run.state}},

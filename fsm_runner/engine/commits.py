@@ -26,6 +26,7 @@ import attrs
 
 from fsm_runner._group import GroupCommitter
 from fsm_runner._json import dumps_json, error_info
+from fsm_runner.engine.classify import StepKind
 from fsm_runner.engine.decisions import (
     PhaseOutcome,
     PhaseStep,
@@ -36,7 +37,6 @@ from fsm_runner.engine.decisions import (
 from fsm_runner.engine.interruption import interruption_cause
 from fsm_runner.engine.leases import LeaseKeeper, unleased
 from fsm_runner.engine.reducer import (
-    StepKind,
     abort_records,
     advance_plain,
     artifact_rows,
@@ -44,7 +44,16 @@ from fsm_runner.engine.reducer import (
     take,
     writes_iterations,
 )
-from fsm_runner.events import RunEvent
+from fsm_runner.events import (
+    DEAD_LETTERED,
+    INTERRUPTED,
+    RETRIED,
+    REWOUND,
+    SPEC_CHANGED,
+    SYSTEM_ERROR,
+    TIMEOUT,
+    USER_ABORTED,
+)
 from fsm_runner.exceptions import (
     FsmRunnerError,
     HandlerResultError,
@@ -79,14 +88,6 @@ Listener = Callable[[TransitionRecord, RunRecord], None]
 HandlerParts = tuple[Callable[[PhaseContext], Any], Callable[[PhaseContext], Any] | None]
 
 _log = logging.getLogger("fsm_runner.engine")
-_SYSTEM_ERROR = RunEvent.SYSTEM_ERROR.value
-_TIMEOUT = RunEvent.TIMEOUT.value
-_USER_ABORTED = RunEvent.USER_ABORTED.value
-_RETRIED = RunEvent.RETRIED.value
-_INTERRUPTED = RunEvent.INTERRUPTED.value
-_DEAD_LETTERED = RunEvent.DEAD_LETTERED.value
-_SPEC_CHANGED = RunEvent.SPEC_CHANGED.value
-_REWOUND = RunEvent.REWOUND.value
 # The hot path's record constructors: every field, positionally (see positional_builder).
 new_commit = positional_builder(Commit)
 #: What handlers return most; checked before the much slower inspect.isawaitable.
@@ -150,7 +151,7 @@ class StepWriter:
         transition, after = take_now(
             self.spec,
             run,
-            _SPEC_CHANGED,
+            SPEC_CHANGED,
             run.state,
             result={"output": {"from_spec": run.spec_hash, "to_spec": self.spec.spec_hash}},
             duration_ms=0.0,
@@ -165,7 +166,7 @@ class StepWriter:
             f"its worker was lost {run.recoveries} times (more than max_recoveries="
             f"{self.max_recoveries}); fork it to try again"
         )
-        return self._write(self._plan_in_place(run, _DEAD_LETTERED, message, kind="park"))[1]
+        return self._write(self._plan_in_place(run, DEAD_LETTERED, message, kind="park"))[1]
 
     def _commit_held(
         self,
@@ -204,21 +205,21 @@ class StepWriter:
         if not self.spec.has_state(state):
             reason = f"not possible: machine {self.spec.name!r} has no state {state!r},"
             raise InvalidTransitionError(
-                run_id=run_id, state=run.state, event=_REWOUND, reason=reason
+                run_id=run_id, state=run.state, event=REWOUND, reason=reason
             )
         leaf = self.spec.entry_leaf(state) if self.spec.state(state).composite else state
         if self.spec.state(leaf).terminal:
             raise InvalidTransitionError(
                 run_id=run_id,
                 state=run.state,
-                event=_REWOUND,
+                event=REWOUND,
                 reason=f"not possible: {state!r} is a terminal state,",
             )
         if not any(t.to_state == leaf for t in self.journal.transitions(run_id)):
             raise InvalidTransitionError(
                 run_id=run_id,
                 state=run.state,
-                event=_REWOUND,
+                event=REWOUND,
                 reason=f"not possible: the run has never been in {leaf!r},",
             )
         return leaf
@@ -282,7 +283,7 @@ class StepWriter:
         message = f"interrupted {interruption_cause(exc)} in {run.state!r}"
         try:
             try:
-                self._write(self._plan_in_place(run, _INTERRUPTED, message, kind="interruption"))
+                self._write(self._plan_in_place(run, INTERRUPTED, message, kind="interruption"))
             except RunConflictError as refused:
                 if refused.abort_reason is None:
                     raise
@@ -305,7 +306,7 @@ class StepWriter:
         error = _error_info(outcome.error)
         return self._plan(
             step.run,
-            _RETRIED,
+            RETRIED,
             step.state.name,
             result={"error": error},
             duration_ms=outcome.duration_ms,
@@ -319,9 +320,9 @@ class StepWriter:
             return self._plan_abort(run, outcome.error.reason)
         if outcome.error is not None:
             error = _error_info(outcome.error)
-            event = _TIMEOUT if isinstance(outcome.error, PhaseTimeoutError) else _SYSTEM_ERROR
-            if event == _TIMEOUT and not self._machine.allows(run.state, _TIMEOUT):
-                event = _SYSTEM_ERROR
+            event = TIMEOUT if isinstance(outcome.error, PhaseTimeoutError) else SYSTEM_ERROR
+            if event == TIMEOUT and not self._machine.allows(run.state, TIMEOUT):
+                event = SYSTEM_ERROR
             if not self._machine.allows(run.state, event):
                 if isinstance(outcome.error, HandlerResultError):
                     raise outcome.error
@@ -402,7 +403,7 @@ class StepWriter:
     def _committed(
         self, transition: TransitionRecord, after: RunRecord
     ) -> tuple[TransitionRecord, RunRecord]:
-        if after.status is not RunOutcome.ACTIVE or transition.event == _USER_ABORTED:
+        if after.status is not RunOutcome.ACTIVE or transition.event == USER_ABORTED:
             with self._lock:
                 self._aborts.pop(after.run_id, None)
         if self.listeners:
