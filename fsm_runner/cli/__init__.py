@@ -1478,7 +1478,3 @@ cli.add_command(importlib.import_module("fsm_runner.ui.command").ui)  # the run 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``fsm-runner`` console script."""
     cli.main(args=list(argv) if argv is not None else None, prog_name="fsm-runner")
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
