@@ -18,7 +18,7 @@ from urllib.parse import urlencode
 
 import attrs
 
-from fsm_runner.cli import _subphase_visits
+from fsm_runner.cli.report import _subphase_visits
 from fsm_runner.diagrams import Graph, extract
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord

@@ -1,0 +1,106 @@
+"""Exit codes, and how the CLI turns errors into them: one ``Error:`` line, never a traceback.
+
+The CLI is the only place where errors become exit codes (see the ``EXIT_*`` constants).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import click
+
+#: Everything went as asked.
+EXIT_OK = 0
+#: The command failed (also: the run it drove ended failed or aborted, a check found problems).
+EXIT_FAILURE = 1
+#: The command line was wrong (click's own code for usage errors).
+EXIT_USAGE = 2
+#: The run (or the journal file) does not exist.
+EXIT_NOT_FOUND = 3
+#: The run is not in a state that allows it: ended, held by another worker, moved meanwhile.
+EXIT_CONFLICT = 4
+#: A run was interrupted (Ctrl-C, SIGTERM) by the preset CLIs; the run stays resumable.
+EXIT_INTERRUPTED = 130
+#: How long an ``Error:`` line may be (a terminal or two of text).
+_MESSAGE_CHARS = 300
+
+
+class CliError(click.ClickException):
+    """A one-line error; its subclasses carry the other exit codes.
+
+    The message is made one line (a corrupt schema's SQLite message, say, quotes the rest of
+    the object's SQL: twenty lines and more) and its detail cut, keeping the first part.
+    """
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str) -> None:
+        text = " ".join(message.split())
+        if len(text) > _MESSAGE_CHARS:
+            text = text[: _MESSAGE_CHARS - 1] + "…"
+        super().__init__(text)
+
+
+class _UsageError(CliError):
+    exit_code = EXIT_USAGE
+
+
+class _NotFoundError(CliError):
+    exit_code = EXIT_NOT_FOUND
+
+
+class _ConflictError(CliError):
+    exit_code = EXIT_CONFLICT
+
+
+_ERRORS: dict[int, type[CliError]] = {
+    EXIT_FAILURE: CliError,
+    EXIT_USAGE: _UsageError,
+    EXIT_NOT_FOUND: _NotFoundError,
+    EXIT_CONFLICT: _ConflictError,
+}
+
+
+def fail(message: str, exit_code: int = EXIT_FAILURE) -> NoReturn:
+    """Stop the command with one ``Error:`` line and ``exit_code`` (an ``EXIT_*`` constant)."""
+    raise _ERRORS[exit_code](message)
+
+
+def _exit_code(exc: Exception) -> int:
+    from fsm_runner.exceptions import (
+        LeaseError,
+        RunConflictError,
+        RunExistsError,
+        RunNotFoundError,
+        RunTerminalError,
+    )
+
+    if isinstance(exc, RunNotFoundError):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, LeaseError | RunConflictError | RunExistsError | RunTerminalError):
+        return EXIT_CONFLICT
+    return EXIT_FAILURE
+
+
+class _MapsErrors(click.Command):
+    """Turns library errors into one-line messages and their exit codes."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from fsm_runner.exceptions import FsmRunnerError
+
+        try:
+            return super().invoke(ctx)
+        except FsmRunnerError as exc:
+            raise _ERRORS[_exit_code(exc)](str(exc)) from None
+
+
+class ExitCodeCommand(_MapsErrors):
+    """A click command with ``fsm-runner``'s error handling, for the presets' own CLIs.
+
+    An ``fsm_runner`` error raised by the command prints one ``Error: ...`` line on stderr and
+    exits with the code ``fsm-runner`` uses for it (see the ``EXIT_*`` constants).
+    """
+
+
+class ExitCodeGroup(_MapsErrors, click.Group):
+    """A click group with ``fsm-runner``'s error handling (see :class:`ExitCodeCommand`)."""

@@ -1,0 +1,213 @@
+"""Commands that move runs: ``resume`` (and rewind), ``recover``, ``worker``, ``abort``, ``fork``.
+
+``resume``, ``recover`` and ``worker`` run the phases with the handlers of ``--app``;
+``abort`` needs an app only for guards, ``fork`` none.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from fsm_runner.cli.apps import load_app
+from fsm_runner.cli.errors import EXIT_USAGE, fail
+from fsm_runner.cli.journals import CliState, resolve_run_id
+from fsm_runner.cli.output import echo_transition, json_dump, styled_status
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--app",
+    metavar="MODULE:ATTR",
+    help="The host app: an Engine, or a zero-argument factory returning one, as MODULE:ATTR or"
+    " FILE.py:ATTR. Optional for runs whose input names their app (as `demo` and `agent-loop`"
+    " runs do).",
+)
+@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many steps.")
+@click.option(
+    "--from-state",
+    metavar="STATE",
+    help="Continue from this earlier state of the run instead (journaled as REWOUND).",
+)
+@click.pass_obj
+def resume(
+    state: CliState, run_id: str, app: str | None, max_steps: int | None, from_state: str | None
+) -> None:
+    """Resume a run from its last journaled state, with the handlers of --app.
+
+    The run continues in the journal given to fsm-runner (--journal), whatever journal the
+    app's engine was built with. Prints each transition as it is committed. With
+    --from-state, the run first goes back to that state (one it has been in, not a terminal
+    one) and its phase runs again; the move is journaled as a REWOUND transition.
+    """
+    journal = state.journal()
+    run_id = resolve_run_id(journal, run_id)
+    if app is None:
+        run_input = journal.load(run_id).input
+        app = run_input.get("app") if isinstance(run_input, dict) else None
+        if not isinstance(app, str):
+            raise click.UsageError("this run's input names no app; pass --app MODULE:ATTR")
+    from fsm_runner.engine import interrupt_on_sigterm
+    from fsm_runner.exceptions import InvalidTransitionError
+
+    engine = load_app(app).with_journal(journal)
+    engine.listeners.append(echo_transition)
+    try:
+        with interrupt_on_sigterm():
+            run = engine.resume(run_id, max_steps=max_steps, from_state=from_state)
+    except InvalidTransitionError as exc:
+        if from_state is None or exc.event != "REWOUND":
+            raise
+        fail(f"--from-state: {exc}", EXIT_USAGE)  # a state the run cannot go back to
+    except KeyboardInterrupt:
+        fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
+    finally:
+        engine.close()
+    click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
+    if run.status.value in ("failed", "aborted", "dead_letter"):
+        sys.exit(1)
+
+
+@click.command()
+@click.option(
+    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
+)
+@click.option("--limit", type=click.IntRange(min=1), help="Recover at most this many runs.")
+@click.pass_obj
+def recover(state: CliState, app: str, limit: int | None) -> None:
+    """Take over the app's runs whose worker is gone (lease expired) and run them.
+
+    A run taken over more often than the engine's max_recoveries is parked as dead_letter
+    with the reason instead. Prints one line per run recovered.
+    """
+    from fsm_runner.engine import interrupt_on_sigterm
+
+    journal = state.journal()
+    engine = load_app(app).with_journal(journal)
+    engine.listeners.append(echo_transition)
+    try:
+        with interrupt_on_sigterm():
+            recovered = engine.recover(limit=limit)
+    except KeyboardInterrupt:
+        fail("interrupted; the runs not finished stay recoverable")
+    finally:
+        engine.close()
+    for run in recovered:
+        click.echo(
+            styled_status(
+                f"run {run.run_id} is {run.status.value} in state {run.state!r}", run.status.value
+            )
+        )
+    click.echo(f"recovered {len(recovered)} runs")
+
+
+@click.command()
+@click.option(
+    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
+)
+@click.option("--max-runs", type=click.IntRange(min=1), help="Stop after this many runs.")
+@click.option("--exit-when-idle", is_flag=True, help="Stop when no run is runnable.")
+@click.option(
+    "--idle-wait",
+    type=click.FloatRange(min=0.01),
+    default=0.5,
+    show_default=True,
+    metavar="S",
+    help="Seconds between looks for work while idle.",
+)
+@click.pass_obj
+def worker(
+    state: CliState, app: str, max_runs: int | None, exit_when_idle: bool, idle_wait: float
+) -> None:
+    """Be a worker: claim the app's runnable runs one at a time and run them.
+
+    Any number of workers may share one journal; each run is advanced by one worker at a time
+    (leases with fencing). Runs whose worker died are taken over once their lease expires.
+    Stops on Ctrl-C or SIGTERM, leaving the run in progress resumable.
+    """
+    from fsm_runner.engine import interrupt_on_sigterm
+
+    journal = state.journal()
+    engine = load_app(app).with_journal(journal)
+    engine.listeners.append(
+        lambda transition, run: click.echo(
+            f"{run.run_id[:12]} {transition.seq:>4}  {transition.from_state or '-'} "
+            f"--{transition.event}--> {transition.to_state}"
+        )
+    )
+    try:
+        with interrupt_on_sigterm():
+            taken = engine.work(
+                max_runs=max_runs, exit_when_idle=exit_when_idle, idle_wait=idle_wait
+            )
+    except KeyboardInterrupt:
+        fail(f"worker {engine.worker_id} stopped; its run in progress stays resumable")
+    finally:
+        engine.close()
+    click.echo(f"worker {engine.worker_id} ran {taken} runs")
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--reason", required=True, help="Why the run is aborted (journaled).")
+@click.option(
+    "--app",
+    metavar="MODULE:ATTR",
+    help="The host app, needed only when the spec's USER_ABORTED transition has guards.",
+)
+@click.pass_obj
+def abort(state: CliState, run_id: str, reason: str, app: str | None) -> None:
+    """Abort a run: it follows its USER_ABORTED transition, or stops where it is."""
+    from fsm_runner.engine import abort_run
+
+    journal = state.journal()
+    run_id = resolve_run_id(journal, run_id)
+    guards = load_app(app).guards if app else None
+    run = abort_run(journal, run_id, reason, guards=guards)
+    if run.ended:
+        click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")
+    else:  # a live worker holds it: the request is journaled, the worker carries it out
+        click.echo(
+            f"run {run.run_id}: abort requested; {run.lease_owner}, which holds the run, "
+            "carries it out at its next step"
+        )
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--at",
+    "at_seq",
+    type=click.IntRange(min=0),
+    help="The last seq the fork keeps (default: the run's last; required for an ended run).",
+)
+@click.option("--run-id", "new_run_id", metavar="ID", help="The fork's id (default: random).")
+@click.option("--json", "as_json", is_flag=True, help="Print the fork's run row as JSON.")
+@click.pass_obj
+def fork(
+    state: CliState, run_id: str, at_seq: int | None, new_run_id: str | None, as_json: bool
+) -> None:
+    """Fork a run: a new run with RUN's history up to --at SEQ.
+
+    The fork records where it came from (RUN@SEQ); the original is untouched. The fork stands
+    in the state the original was in at SEQ, and that state's phase runs when it is resumed
+    (fsm-runner resume FORK --app ...). Ended runs can be forked at any earlier seq.
+    """
+    from fsm_runner.engine import fork_run
+    from fsm_runner.records import unstructure
+
+    journal = state.journal()
+    run_id = resolve_run_id(journal, run_id)
+    try:
+        forked = fork_run(journal, run_id, at_seq=at_seq, new_run_id=new_run_id)
+    except ValueError as exc:
+        fail(f"--at: {exc}", EXIT_USAGE)
+    if as_json:
+        json_dump(unstructure(forked))
+        return
+    click.echo(
+        f"forked {forked.forked_from} as run {forked.run_id}: state {forked.state!r}, "
+        f"seq {forked.seq}; continue it with: fsm-runner resume {forked.run_id[:12]} --app ..."
+    )
