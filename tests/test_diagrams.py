@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
+import pkgutil
 import re
 import shutil
 import stat
@@ -1562,32 +1564,40 @@ class TestRenderImage:
 
 
 class TestModule:
-    """The module's public names."""
+    """The package's public names (fsm_runner.diagrams and the modules it is made of)."""
 
     def test_all_is_sorted_and_complete(self):
         public = {
             name
-            for name, value in vars(diagrams_module).items()
-            if not name.startswith("_")
-            and getattr(value, "__module__", None) == diagrams_module.__name__
+            for module in package_modules()
+            for name, value in vars(module).items()
+            if not name.startswith("_") and getattr(value, "__module__", None) == module.__name__
         }
 
         assert diagrams_module.__all__ == sorted(diagrams_module.__all__, key=isort_style_key)
         assert public <= set(diagrams_module.__all__)
 
     def test_every_public_function_and_class_has_a_docstring(self):
+        modules = {module.__name__ for module in package_modules()}
         for name in diagrams_module.__all__:
             value = getattr(diagrams_module, name)
-            if (
-                callable(value)
-                and hasattr(value, "__module__")
-                and value.__module__ == diagrams_module.__name__
-            ):
+            if callable(value) and hasattr(value, "__module__") and value.__module__ in modules:
                 assert value.__doc__, name
 
     def test_does_not_import_transitions(self):
-        source = diagrams_module.__file__
-        with open(source) as handle:
-            text = handle.read()
+        for module in package_modules():
+            with open(module.__file__) as handle:
+                text = handle.read()
 
-        assert not re.search(r"^\s*(import|from) transitions\b", text, flags=re.MULTILINE)
+            assert not re.search(r"^\s*(import|from) transitions\b", text, flags=re.MULTILINE)
+
+
+def package_modules():
+    """fsm_runner.diagrams and every module of the package."""
+    return [
+        diagrams_module,
+        *(
+            importlib.import_module(f"{diagrams_module.__name__}.{info.name}")
+            for info in pkgutil.iter_modules(diagrams_module.__path__)
+        ),
+    ]
