@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from fsm_runner.cli.errors import fail
+from fsm_runner.cli.apps import driving, interrupted_run
+from fsm_runner.cli.errors import exit_if_failed
 from fsm_runner.cli.journals import DEFAULT_JOURNAL, ENV_JOURNAL, CliState
-from fsm_runner.cli.output import echo_transition
+from fsm_runner.cli.output import echo_transition, run_standing
 from fsm_runner.cli.report import print_iterations
 
 
@@ -39,19 +39,12 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
     click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")
     click.echo(f"snapshots: {snapshots} (each build's changes are committed there)")
     run_id = engine.start(run_input)
-    from fsm_runner.engine import interrupt_on_sigterm
-
-    try:
-        with interrupt_on_sigterm():
-            run = engine.run(run_id)
-    except KeyboardInterrupt:
-        fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
-    finally:
-        engine.close()
+    with driving(engine, interrupted=interrupted_run(run_id)):
+        run = engine.run(run_id)
     click.echo("")
     print_iterations(journal.iterations(run_id))
     click.echo("")
-    click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
+    click.echo(run_standing(run))
     if run.error and run.ended:
         click.echo(f"reason: {run.error.get('message')}")
     short, journal_option = run_id[:12], _journal_option(state)
@@ -59,8 +52,7 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
         f"see it with: fsm-runner {journal_option}show {short}   "
         f"export it with: fsm-runner {journal_option}export {short} fsm-runner-export-{short}"
     )
-    if run.status.value in ("failed", "aborted", "dead_letter"):
-        sys.exit(1)
+    exit_if_failed(run)
 
 
 @click.command()

@@ -1,4 +1,4 @@
-"""The host app a command names: ``--app``, ``--spec`` and ``SPEC_IMPORT_PATH`` imported.
+"""The host app a command names (``--app``, ``--spec``, ``SPEC_IMPORT_PATH``), and running it.
 
 Each is ``MODULE:ATTR`` (an importable module; the current directory is on the path) or
 ``FILE.py:ATTR`` (a path to a Python file). A path the user got wrong is a usage error (exit
@@ -7,11 +7,12 @@ Each is ``MODULE:ATTR`` (an importable module; the current directory is on the p
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,3 +164,27 @@ def load_spec(path: str, param_hint: str) -> MachineSpec:  # noqa: RET503 - fail
         f"{path} is {type(target).__name__}, not a MachineSpec, an Engine or a factory of one",
         EXIT_USAGE,
     )
+
+
+@contextlib.contextmanager
+def driving(engine: Engine, *, interrupted: str) -> Iterator[None]:
+    """Run the block with SIGTERM taken as Ctrl-C, then close ``engine``.
+
+    Args:
+        engine: the app's engine, which the block drives.
+        interrupted: the one line a Ctrl-C or SIGTERM stops the command with (exit 1).
+    """
+    from fsm_runner.engine import interrupt_on_sigterm
+
+    try:
+        with interrupt_on_sigterm():
+            yield
+    except KeyboardInterrupt:
+        fail(interrupted)
+    finally:
+        engine.close()
+
+
+def interrupted_run(run_id: str) -> str:
+    """What a command says when the run it drove was interrupted."""
+    return f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}"

@@ -5,9 +5,13 @@ The CLI is the only place where errors become exit codes (see the ``EXIT_*`` con
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import sys
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
+
+if TYPE_CHECKING:
+    from fsm_runner.records import RunRecord
 
 #: Everything went as asked.
 EXIT_OK = 0
@@ -64,6 +68,12 @@ _ERRORS: dict[int, type[CliError]] = {
 def fail(message: str, exit_code: int = EXIT_FAILURE) -> NoReturn:
     """Stop the command with one ``Error:`` line and ``exit_code`` (an ``EXIT_*`` constant)."""
     raise _ERRORS[exit_code](message)
+
+
+def exit_if_failed(run: RunRecord) -> None:
+    """Exit 1 when the run a command drove or followed ended failed, aborted or dead_letter."""
+    if run.status.value in ("failed", "aborted", "dead_letter"):
+        sys.exit(EXIT_FAILURE)
 
 
 def _exit_code(exc: Exception) -> int:

@@ -11,9 +11,17 @@ import sys
 import click
 
 from fsm_runner.cli.apps import load_spec
-from fsm_runner.cli.errors import EXIT_FAILURE, EXIT_USAGE, fail
+from fsm_runner.cli.errors import EXIT_USAGE, exit_if_failed, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
-from fsm_runner.cli.output import echo_transition, format_time, json_dump, styled_status, table
+from fsm_runner.cli.output import (
+    echo_transition,
+    format_time,
+    format_time_ms,
+    json_dump,
+    run_standing,
+    styled_status,
+    table,
+)
 
 
 @click.command()
@@ -133,13 +141,8 @@ def watch(state: CliState, run_id: str, interval: float, as_json: bool) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     if not as_json:
-        click.echo(
-            styled_status(
-                f"run {run.run_id} is {run.status.value} in state {run.state!r}", run.status.value
-            )
-        )
-    if run.status.value in ("failed", "aborted", "dead_letter"):
-        sys.exit(EXIT_FAILURE)
+        click.echo(styled_status(run_standing(run), run.status.value))
+    exit_if_failed(run)
 
 
 @click.command()
@@ -200,7 +203,7 @@ def replay(
     rows = [
         (
             str(step.seq),
-            step.transition.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            format_time_ms(step.transition.at),
             step.from_state or "-",
             step.event,
             step.to_state,

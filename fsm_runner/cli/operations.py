@@ -6,14 +6,17 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from fsm_runner.cli.apps import load_app
-from fsm_runner.cli.errors import EXIT_USAGE, fail
+from fsm_runner.cli.apps import driving, interrupted_run, load_app
+from fsm_runner.cli.errors import EXIT_USAGE, exit_if_failed, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
-from fsm_runner.cli.output import echo_transition, json_dump, styled_status
+from fsm_runner.cli.output import echo_transition, json_dump, run_standing, styled_status
+
+#: ``--app`` of the commands that run phases for any run of the app.
+_required_app = click.option(
+    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
+)
 
 
 @click.command()
@@ -49,31 +52,23 @@ def resume(
         app = run_input.get("app") if isinstance(run_input, dict) else None
         if not isinstance(app, str):
             raise click.UsageError("this run's input names no app; pass --app MODULE:ATTR")
-    from fsm_runner.engine import interrupt_on_sigterm
     from fsm_runner.exceptions import InvalidTransitionError
 
     engine = load_app(app).with_journal(journal)
     engine.listeners.append(echo_transition)
     try:
-        with interrupt_on_sigterm():
+        with driving(engine, interrupted=interrupted_run(run_id)):
             run = engine.resume(run_id, max_steps=max_steps, from_state=from_state)
     except InvalidTransitionError as exc:
         if from_state is None or exc.event != "REWOUND":
             raise
         fail(f"--from-state: {exc}", EXIT_USAGE)  # a state the run cannot go back to
-    except KeyboardInterrupt:
-        fail(f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}")
-    finally:
-        engine.close()
-    click.echo(f"run {run.run_id} is {run.status.value} in state {run.state!r}")
-    if run.status.value in ("failed", "aborted", "dead_letter"):
-        sys.exit(1)
+    click.echo(run_standing(run))
+    exit_if_failed(run)
 
 
 @click.command()
-@click.option(
-    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
-)
+@_required_app
 @click.option("--limit", type=click.IntRange(min=1), help="Recover at most this many runs.")
 @click.pass_obj
 def recover(state: CliState, app: str, limit: int | None) -> None:
@@ -82,31 +77,18 @@ def recover(state: CliState, app: str, limit: int | None) -> None:
     A run taken over more often than the engine's max_recoveries is parked as dead_letter
     with the reason instead. Prints one line per run recovered.
     """
-    from fsm_runner.engine import interrupt_on_sigterm
-
     journal = state.journal()
     engine = load_app(app).with_journal(journal)
     engine.listeners.append(echo_transition)
-    try:
-        with interrupt_on_sigterm():
-            recovered = engine.recover(limit=limit)
-    except KeyboardInterrupt:
-        fail("interrupted; the runs not finished stay recoverable")
-    finally:
-        engine.close()
+    with driving(engine, interrupted="interrupted; the runs not finished stay recoverable"):
+        recovered = engine.recover(limit=limit)
     for run in recovered:
-        click.echo(
-            styled_status(
-                f"run {run.run_id} is {run.status.value} in state {run.state!r}", run.status.value
-            )
-        )
+        click.echo(styled_status(run_standing(run), run.status.value))
     click.echo(f"recovered {len(recovered)} runs")
 
 
 @click.command()
-@click.option(
-    "--app", required=True, metavar="MODULE:ATTR", help="The host app: an Engine or a factory."
-)
+@_required_app
 @click.option("--max-runs", type=click.IntRange(min=1), help="Stop after this many runs.")
 @click.option("--exit-when-idle", is_flag=True, help="Stop when no run is runnable.")
 @click.option(
@@ -127,8 +109,6 @@ def worker(
     (leases with fencing). Runs whose worker died are taken over once their lease expires.
     Stops on Ctrl-C or SIGTERM, leaving the run in progress resumable.
     """
-    from fsm_runner.engine import interrupt_on_sigterm
-
     journal = state.journal()
     engine = load_app(app).with_journal(journal)
     engine.listeners.append(
@@ -137,15 +117,9 @@ def worker(
             f"--{transition.event}--> {transition.to_state}"
         )
     )
-    try:
-        with interrupt_on_sigterm():
-            taken = engine.work(
-                max_runs=max_runs, exit_when_idle=exit_when_idle, idle_wait=idle_wait
-            )
-    except KeyboardInterrupt:
-        fail(f"worker {engine.worker_id} stopped; its run in progress stays resumable")
-    finally:
-        engine.close()
+    stopped = f"worker {engine.worker_id} stopped; its run in progress stays resumable"
+    with driving(engine, interrupted=stopped):
+        taken = engine.work(max_runs=max_runs, exit_when_idle=exit_when_idle, idle_wait=idle_wait)
     click.echo(f"worker {engine.worker_id} ran {taken} runs")
 
 

@@ -43,6 +43,11 @@ def format_time(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
 
 
+def format_time_ms(value: Any) -> str:
+    """A timestamp to the millisecond, as timelines show it."""
+    return str(value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3])
+
+
 def plural(number: int, noun: str) -> str:
     """``1 run``, ``2 runs``, ``0 runs``."""
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
@@ -110,3 +115,8 @@ def echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
         f"{transition.seq:>4}  {transition.from_state or '-'} --{transition.event}--> "
         f"{transition.to_state}{note}"
     )
+
+
+def run_standing(run: RunRecord) -> str:
+    """Where a run stands: ``run ID is STATUS in state 'STATE'``."""
+    return f"run {run.run_id} is {run.status.value} in state {run.state!r}"

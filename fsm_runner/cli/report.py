@@ -15,6 +15,7 @@ import click
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import (
     format_time,
+    format_time_ms,
     json_dump,
     styled_status,
     table,
@@ -193,7 +194,7 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
         rows.append(
             (
                 str(t.seq),
-                t.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+                format_time_ms(t.at),
                 t.from_state or "-",
                 t.event,
                 t.to_state,

@@ -121,23 +121,64 @@ def _mermaid_title(title: str) -> str:
     return json.dumps(title, ensure_ascii=False)  # a YAML double-quoted string
 
 
-def _mermaid_links(edges: Iterable[Edge]) -> list[tuple[str, str, str]]:
-    """(source, dest, label) of each link, a state's self-loops merged into one link.
+@attrs.frozen
+class _Link:
+    source: str
+    dest: str
+    label: str
+    traversed: bool
+    engine: bool
+
+
+def _links(edges: Iterable[Edge]) -> list[_Link]:
+    """The links of a scope, a state's self-loops merged into one link.
 
     Mermaid (11.x) keeps only the last of several self-loops on one state, so they are drawn
-    as one, at the place of the first, labelled with each one's label.
+    as one, at the place of the first, labelled with each one's label. A merged loop is
+    traversed when any of its edges is, and dotted (in a flowchart) when all are engine events.
     """
-    links: list[tuple[str, str, list[str]]] = []
-    loops: dict[str, list[str]] = {}
+    links: list[tuple[Edge, list[Edge]]] = []
+    loops: dict[str, list[Edge]] = {}
     for edge in edges:
-        label = _mermaid_text(edge.counted_label)
         if edge.source == edge.dest and edge.source in loops:
-            loops[edge.source].append(label)
+            loops[edge.source].append(edge)
             continue
-        links.append((edge.source, edge.dest, [label]))
+        links.append((edge, [edge]))
         if edge.source == edge.dest:
-            loops[edge.source] = links[-1][2]
-    return [(source, dest, ", ".join(labels)) for source, dest, labels in links]
+            loops[edge.source] = links[-1][1]
+    return [
+        _Link(
+            first.source,
+            first.dest,
+            ", ".join(_mermaid_text(edge.counted_label) for edge in merged),
+            traversed=any(edge.count for edge in merged),
+            engine=all(edge.kind == "engine" for edge in merged),
+        )
+        for first, merged in links
+    ]
+
+
+def _header(graph: Graph, diagram: str) -> list[str]:
+    """The front matter with the machine's name as the title, then the diagram's type."""
+    return ["---", f"title: {_mermaid_title(graph.title)}", "---", diagram]
+
+
+def _scoped(graph: Graph) -> dict[str | None, list[Edge]]:
+    """The edges by the innermost composite holding both their ends (``None``: top level)."""
+    scoped: dict[str | None, list[Edge]] = {}
+    for edge in graph.edges:
+        scoped.setdefault(graph.scope(edge), []).append(edge)
+    return scoped
+
+
+def _class_lines(graph: Graph, ids: _MermaidIds) -> list[str]:
+    """``class`` lines giving the run's states their classes (``visited``, ...)."""
+    lines = []
+    for name, _style in _MERMAID_CLASSES:
+        members = [ids(n.name) for n in graph.nodes if getattr(n, name)]
+        if members:
+            lines.append(f"    class {','.join(members)} {name}")
+    return lines
 
 
 def render_mermaid(graph: Graph) -> str:
@@ -157,10 +198,8 @@ def render_mermaid(graph: Graph) -> str:
         The diagram's text, ending with a newline.
     """
     ids = _MermaidIds(graph)
-    lines = ["---", f"title: {_mermaid_title(graph.title)}", "---", "stateDiagram-v2"]
-    scoped: dict[str | None, list[Edge]] = {}
-    for edge in graph.edges:
-        scoped.setdefault(graph.scope(edge), []).append(edge)
+    lines = _header(graph, "stateDiagram-v2")
+    scoped = _scoped(graph)
 
     def block(scope: str | None, indent: str) -> None:
         # Declare every member first: a state belongs to the block it is first named in.
@@ -180,17 +219,14 @@ def render_mermaid(graph: Graph) -> str:
             lines.append(f"{indent}[*] --> {ids(composite.children[0])}")
         elif scope is None and graph.initial:
             lines.append(f"{indent}[*] --> {ids(graph.initial)}")
-        for source, dest, label in _mermaid_links(scoped.get(scope, ())):
-            lines.append(f"{indent}{ids(source)} --> {ids(dest)} : {label}")
+        for link in _links(scoped.get(scope, ())):
+            lines.append(f"{indent}{ids(link.source)} --> {ids(link.dest)} : {link.label}")
 
     block(None, "    ")
     lines.extend(f"    {ids(n.name)} --> [*]" for n in graph.nodes if n.terminal)
     if graph.has_run:
         lines.extend(f"    classDef {name} {style}" for name, style in _MERMAID_CLASSES)
-        for name, _style in _MERMAID_CLASSES:
-            members = [ids(n.name) for n in graph.nodes if getattr(n, name)]
-            if members:
-                lines.append(f"    class {','.join(members)} {name}")
+        lines.extend(_class_lines(graph, ids))
     return "\n".join(lines) + "\n"
 
 
@@ -202,41 +238,6 @@ _FLOW_START = "start_"
 _FLOW_START_CLASS = ("initial", "fill:#212121,stroke:#212121")
 _FLOW_TRAVERSED = f"stroke:{TRAVERSED},stroke-width:3px"
 _FLOW_UNTRAVERSED = f"stroke:{UNTRAVERSED}"
-
-
-@attrs.frozen
-class _FlowLink:
-    source: str
-    dest: str
-    label: str
-    traversed: bool
-    engine: bool
-
-
-def _flow_links(edges: Iterable[Edge]) -> list[_FlowLink]:
-    """The links of a scope, a state's self-loops merged into one (as :func:`_mermaid_links`).
-
-    A merged loop is traversed when any of its edges is, and dotted when all are engine events.
-    """
-    links: list[tuple[Edge, list[Edge]]] = []
-    loops: dict[str, list[Edge]] = {}
-    for edge in edges:
-        if edge.source == edge.dest and edge.source in loops:
-            loops[edge.source].append(edge)
-            continue
-        links.append((edge, [edge]))
-        if edge.source == edge.dest:
-            loops[edge.source] = links[-1][1]
-    return [
-        _FlowLink(
-            first.source,
-            first.dest,
-            ", ".join(_mermaid_text(edge.counted_label) for edge in merged),
-            traversed=any(edge.count for edge in merged),
-            engine=all(edge.kind == "engine" for edge in merged),
-        )
-        for first, merged in links
-    ]
 
 
 def _flow_node(ident: str, node: Node) -> str:
@@ -269,10 +270,8 @@ def render_mermaid_flowchart(graph: Graph) -> str:
         The diagram's text, ending with a newline.
     """
     ids = _MermaidIds(graph, alias_all=True)
-    lines = ["---", f"title: {_mermaid_title(graph.title)}", "---", "flowchart TD"]
-    scoped: dict[str | None, list[Edge]] = {}
-    for edge in graph.edges:
-        scoped.setdefault(graph.scope(edge), []).append(edge)
+    lines = _header(graph, "flowchart TD")
+    scoped = _scoped(graph)
     traversed: list[int] = []
     untraversed: list[int] = []
     links = 0
@@ -295,7 +294,7 @@ def render_mermaid_flowchart(graph: Graph) -> str:
                 lines.append(f"{indent}end")
         if scope is None and graph.initial:
             link(indent, _FLOW_START, graph.initial)
-        for flow in _flow_links(scoped.get(scope, ())):
+        for flow in _links(scoped.get(scope, ())):
             (traversed if flow.traversed else untraversed).append(links)
             link(indent, flow.source, flow.dest, flow.label, dotted=flow.engine)
 
@@ -306,10 +305,7 @@ def render_mermaid_flowchart(graph: Graph) -> str:
         lines.append(f"    classDef {name} {style}")
     if graph.initial:
         lines.append(f"    class {_FLOW_START} {_FLOW_START_CLASS[0]}")
-    for name, _style in _MERMAID_CLASSES:
-        members = [ids(n.name) for n in graph.nodes if getattr(n, name)]
-        if members:
-            lines.append(f"    class {','.join(members)} {name}")
+    lines.extend(_class_lines(graph, ids))
     for indexes, style in ((traversed, _FLOW_TRAVERSED), (untraversed, _FLOW_UNTRAVERSED)):
         if indexes:
             lines.append(f"    linkStyle {','.join(map(str, indexes))} {style}")
