@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -38,16 +38,23 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-class _Shown(NamedTuple):
-    """Everything ``show`` prints about a run, read from the journal."""
+class _Shown:
+    """Everything ``show`` prints about a run, read from the journal.
 
-    run: RunRecord
-    timeline: Sequence[TransitionRecord]
-    iterations: Sequence[IterationRecord]
-    artifacts: Sequence[ArtifactRecord]
-    visits: list[dict[str, Any]]
-    children: list[RunRecord]
-    effects: Sequence[EffectRecord]
+    A plain class: a ``NamedTuple`` would cost ``fsm-runner --help`` its creation.
+    """
+
+    def __init__(self, journal: Journal, run_id: str) -> None:
+        from fsm_runner.spec import MachineSpec
+
+        self.run = run = journal.load(run_id)
+        self.timeline = journal.transitions(run.run_id)
+        self.iterations = journal.iterations(run.run_id)
+        self.artifacts = journal.artifacts(run.run_id)
+        spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
+        self.visits = _subphase_visits(spec, self.timeline)
+        self.children = list(reversed(journal.runs(parent_run_id=run.run_id)))
+        self.effects = journal.effects(run.run_id)
 
 
 @click.command()
@@ -57,7 +64,7 @@ class _Shown(NamedTuple):
 def show(state: CliState, run_id: str, as_json: bool) -> None:
     """Show a run: its summary and its timeline of transitions."""
     journal = state.journal()
-    shown = _read(journal, resolve_run_id(journal, run_id))
+    shown = _Shown(journal, resolve_run_id(journal, run_id))
     if as_json:
         _print_json(shown)
         return
@@ -76,19 +83,6 @@ def _print_section(records: Sequence[_T], print_records: Callable[[Sequence[_T]]
     if records:
         click.echo("")
         print_records(records)
-
-
-def _read(journal: Journal, run_id: str) -> _Shown:
-    from fsm_runner.spec import MachineSpec
-
-    run = journal.load(run_id)
-    timeline = journal.transitions(run.run_id)
-    iterations = journal.iterations(run.run_id)
-    artifacts = journal.artifacts(run.run_id)
-    visits = _subphase_visits(MachineSpec.from_json(journal.spec_json(run.spec_hash)), timeline)
-    children = list(reversed(journal.runs(parent_run_id=run.run_id)))
-    effects = journal.effects(run.run_id)
-    return _Shown(run, timeline, iterations, artifacts, visits, children, effects)
 
 
 def _print_json(shown: _Shown) -> None:
