@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -22,6 +23,10 @@ from fsm_runner.cli.output import (
     styled_status,
     table,
 )
+
+if TYPE_CHECKING:
+    from fsm_runner.records import RunRecord
+    from fsm_runner.replay import Replay
 
 
 @click.command()
@@ -168,7 +173,6 @@ def replay(
     transitions lead to. Prints the reconstructed timeline; on a mismatch, exits 1 naming
     the first one (seq, expected, found).
     """
-    from fsm_runner.records import unstructure
     from fsm_runner.replay import journal_specs
     from fsm_runner.replay import replay as replay_through
 
@@ -188,18 +192,29 @@ def replay(
         specs=None if spec_path is not None else specs,
     )
     if as_json:
-        json_dump(
-            {
-                "run": unstructure(replayed.run),
-                "steps": [
-                    {**unstructure(step.transition), "kind": step.kind,
-                     "run": unstructure(step.run)}
-                    for step in replayed.steps
-                ],
-                "matches": True,
-            }
-        )  # fmt: skip
-        return
+        _print_replay_json(replayed)
+    else:
+        _print_replay(run, replayed, to_seq)
+
+
+def _print_replay_json(replayed: Replay) -> None:
+    from fsm_runner.records import unstructure
+
+    json_dump(
+        {
+            "run": unstructure(replayed.run),
+            "steps": [
+                {**unstructure(step.transition), "kind": step.kind,
+                 "run": unstructure(step.run)}
+                for step in replayed.steps
+            ],
+            "matches": True,
+        }
+    )  # fmt: skip
+
+
+def _print_replay(run: RunRecord, replayed: Replay, to_seq: int | None) -> None:
+    """The replayed steps as a table, then whether they match the run (or where it stood)."""
     rows = [
         (
             str(step.seq),
