@@ -52,7 +52,7 @@ class _Shown:
         self.iterations = journal.iterations(run.run_id)
         self.artifacts = journal.artifacts(run.run_id)
         spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
-        self.visits = _subphase_visits(spec, self.timeline)
+        self.visits = subphase_visits(spec, self.timeline)
         self.children = list(reversed(journal.runs(parent_run_id=run.run_id)))
         self.effects = journal.effects(run.run_id)
 
@@ -105,7 +105,7 @@ def _print_json(shown: _Shown) -> None:
     )  # fmt: skip
 
 
-def _subphase_visits(
+def subphase_visits(
     spec: MachineSpec, timeline: Sequence[TransitionRecord]
 ) -> list[dict[str, Any]]:
     """Per sub-phase the run entered: attempts, restarts, interruptions, last event.

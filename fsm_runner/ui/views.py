@@ -18,7 +18,7 @@ from urllib.parse import urlencode
 
 import attrs
 
-from fsm_runner.cli.report import _subphase_visits
+from fsm_runner.cli.report import subphase_visits
 from fsm_runner.diagrams import Graph, extract
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord
@@ -164,7 +164,7 @@ def run_path(
     limit = EXACT_UP_TO if exact_up_to is None else exact_up_to
     if run.seq < limit:
         whole = journal.transitions(run.run_id)
-        return extract(spec, run=run, timeline=whole), _subphase_visits(spec, whole)
+        return extract(spec, run=run, timeline=whole), subphase_visits(spec, whole)
     moves = journal.transition_counts(run.run_id)
     records = [
         TransitionRecord(run.run_id, last, source, event, dest)
@@ -187,7 +187,7 @@ def run_path(
         for index, edge in enumerate(graph.edges)
     ]
     repeated = [record for record, n in zip(records, counts, strict=True) for _ in range(n)]
-    return attrs.evolve(graph, edges=edges), _subphase_visits(spec, repeated)
+    return attrs.evolve(graph, edges=edges), subphase_visits(spec, repeated)
 
 
 def diagram(journal: Journal, run: RunRecord) -> str:
