@@ -320,6 +320,7 @@ class Engine(SyncDriver, AsyncDriver):
             [IterationRecord(run_id, 1, state=initial.name, started_at=now)] if iteration else []
         )
         self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
+        self._leases.started(run)
         self._notify(first, run)
         return run_id
 

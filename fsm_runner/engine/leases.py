@@ -11,16 +11,18 @@ is the engine's (its drivers and commits); the keeper reaches it through :class:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import threading
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
 from fsm_runner._group import GroupClaimer
+from fsm_runner._json import dumps_json
 from fsm_runner.exceptions import (
     FsmRunnerError,
     LeaseHeldError,
@@ -72,6 +74,10 @@ class _Hold:
 
 _RESERVED = _Hold()
 
+#: How many runs this engine started and has not yet claimed it remembers (see
+#: :meth:`LeaseKeeper.started`); past that the oldest are forgotten and claimed the usual way.
+_REMEMBERED_STARTS = 10_000
+
 
 class LeaseKeeper:
     """Claims, holds, renews and lets go of the leases of one engine's runs.
@@ -89,6 +95,8 @@ class LeaseKeeper:
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
         self._claimer: GroupClaimer | None = None
+        #: runs this engine started, as it wrote them, until it claims them (by run id)
+        self._started: dict[str, tuple[Journal, RunRecord]] = {}
 
     def holds(self, run_id: str) -> bool:
         """Whether this engine holds the run, or is claiming it (read under :attr:`lock`)."""
@@ -102,13 +110,42 @@ class LeaseKeeper:
             self._heartbeat = None
         self._stop_heartbeat.clear()
         self._claimer = None
+        with self.lock:
+            self._started.clear()
 
     # -- claiming ------------------------------------------------------------------------------
 
+    def started(self, run: RunRecord) -> None:
+        """Remember a run this engine just started: its first claim here need not read it.
+
+        The run is stored without a lease, so any worker may claim it at once; this engine,
+        claiming it next, asks the journal to take the lease only if the stored run is still
+        the one it wrote (:meth:`claim`), which needs neither a load nor a transaction of its own
+        beyond that one conditional UPDATE.
+        """
+        # As a load would read it back: the handlers see JSON values, never the caller's objects.
+        if not _plain(run.input) or run.context:
+            run = attrs.evolve(run, input=_as_read(run.input), context=_as_read(run.context))
+        with self.lock:
+            if len(self._started) >= _REMEMBERED_STARTS:
+                self._started.clear()
+            self._started[run.run_id] = (self._owner.journal, run)
+
     def claim(self, run_id: str) -> RunRecord:
-        """Load the run, check it may run here, and take its lease (the heartbeat renews it)."""
+        """Load the run, check it may run here, and take its lease (the heartbeat renews it).
+
+        A run this engine started and has not claimed since (:meth:`started`) is claimed
+        without a load when the journal can (``claim_unchanged``: one conditional UPDATE) and
+        the stored run is still as written; otherwise, the usual way.
+        """
         owner = self._owner
         journal, worker_id, ttl = owner.journal, owner.worker_id, owner.lease_ttl
+        with self.lock:
+            fresh = self._started.pop(run_id, None)
+        if fresh is not None and fresh[0] is journal:
+            claimed = self._claim_unchanged(journal, fresh[1])
+            if claimed is not None:
+                return self.take(claimed)
         run = journal.load(run_id)
         owner._check_runnable(run)
         self.reserve(run_id)
@@ -127,6 +164,22 @@ class LeaseKeeper:
             raise
         return self.take(claimed)
 
+    def _claim_unchanged(self, journal: Journal, run: RunRecord) -> RunRecord | None:
+        """Claim a run this engine started if the journal still holds it as written, or ``None``."""
+        claim_unchanged = getattr(journal, "claim_unchanged", None)
+        if claim_unchanged is None:  # a journal without it: claimed the usual way
+            return None
+        owner = self._owner
+        self.reserve(run.run_id)
+        try:
+            claimed: RunRecord | None = claim_unchanged(run, owner.worker_id, ttl=owner.lease_ttl)
+        except BaseException:
+            self.forget(run.run_id)
+            raise
+        if claimed is None:
+            self.forget(run.run_id)
+        return claimed
+
     async def aclaim(self, run_id: str) -> RunRecord:
         """:meth:`claim` for ``arun``: the runs a loop starts in one turn, claimed at once.
 
@@ -137,6 +190,8 @@ class LeaseKeeper:
         owner = self._owner
         if not owner.group_commit:
             return self.claim(run_id)
+        with self.lock:  # claimed with the loop's others, by claim_many (a load each)
+            self._started.pop(run_id, None)
         loop = asyncio.get_running_loop()
         claimer = self._claimer
         if claimer is None or claimer.loop is not loop:
@@ -323,6 +378,16 @@ class LeaseKeeper:
                 self.let_go(claimed.run_id)
             recovered.append(unleased(ended))
         return recovered
+
+
+def _plain(value: object) -> bool:
+    """Whether ``value`` reads back from JSON as itself (and is immutable)."""
+    return value is None or type(value) in (str, int, float, bool)
+
+
+def _as_read(value: Any) -> Any:
+    """``value`` as the journal gives it back: its JSON text, read."""
+    return value if _plain(value) else json.loads(dumps_json(value))
 
 
 def new_worker_id() -> str:

@@ -368,6 +368,26 @@ class MemoryJournal:
             claimed = self._runs[run_id] = _lease.claimed(run, owner, expires, takeover=takeover)
             return claimed
 
+    def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
+        """Claim ``run``'s lease if the stored run is still as ``run`` shows it; else ``None``."""
+        expires = utc_now() + dt.timedelta(seconds=ttl)
+        with self._lock:
+            self._check_open()
+            stored = self._runs.get(run.run_id)
+            if (
+                stored is None
+                or stored.ended
+                or stored.seq != run.seq
+                or stored.lease_token != run.lease_token
+                or stored.lease_owner is not None
+                or stored.abort_reason is not None
+            ):
+                return None
+            claimed = self._runs[run.run_id] = _lease.claimed(
+                stored, owner, expires, takeover=False
+            )
+            return claimed
+
     def claim_many(
         self,
         run_ids: Sequence[str],

@@ -266,6 +266,36 @@ class PostgresJournal(PostgresOpening):
 
         return self._call(work, resolve=resolve)
 
+    def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
+        """Claim ``run``'s lease if the stored run is still as ``run`` shows it; else ``None``.
+
+        One UPDATE (its expiry by the server's clock), no read beyond its ``RETURNING``:
+        granted only while the run is active at ``run.seq`` with ``run``'s lease token, no
+        lease held and no abort requested. ``None``: nothing was written.
+        """
+
+        def work(conn: _Connection) -> RunRecord | None:
+            cursor = conn.execute(
+                "UPDATE runs SET lease_owner = %s,"
+                " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
+                " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
+                " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
+                f" AND status = 'active' RETURNING {_RUN_SELECT}",
+                (owner, ttl, run.run_id, run.seq, run.lease_token),
+            )
+            row = cursor.fetchone()
+            return None if row is None else self._run_from_row(row)
+
+        def resolve(conn: _Connection) -> RunRecord | _Unresolved | None:
+            stored = self._load(conn, run.run_id)
+            if stored.lease_owner == owner and stored.lease_token == run.lease_token + 1:
+                return stored  # the lease this very claim set
+            if stored.lease_token == run.lease_token and stored.lease_owner is None:
+                return _UNRESOLVED  # not written: try again
+            return None
+
+        return self._call(work, resolve=resolve)
+
     def claim_many(
         self,
         run_ids: Sequence[str],

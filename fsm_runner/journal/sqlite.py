@@ -300,6 +300,30 @@ class SqliteJournal(SqliteChecks):
         # The row as just written (read inside the same write transaction): no second read.
         return _lease.claimed(run, owner, expires, takeover=takeover)
 
+    def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
+        """Claim ``run``'s lease if the stored run is still as ``run`` shows it; else ``None``.
+
+        One UPDATE, no read: granted only while the run is active with no abort requested, no
+        lease held, the lease token ``run`` has and no transition after ``run.seq``. Then the
+        stored row is ``run``'s (every write to a run moves its seq, its token or its status),
+        so the claim returns ``run`` as claimed. ``None``: nothing was written.
+        """
+        expires = utc_now() + dt.timedelta(seconds=ttl)
+        with self._write() as conn:
+            changed = conn.execute(
+                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+                " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
+                " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
+                " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
+                " WHERE t.run_key = run_rows.run_key AND t.seq > ?)",
+                (owner, format_utc(expires), run.run_id, run.lease_token, run.seq),
+            ).rowcount
+        if not changed:
+            return None
+        claimed = _lease.claimed(run, owner, expires, takeover=False)
+        self._remember(claimed)
+        return claimed
+
     def claim_next(
         self,
         owner: str,
