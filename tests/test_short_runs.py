@@ -1,8 +1,8 @@
 """The per-run fixed cost of short runs (issue 20): what a run costs besides its steps.
 
 A run this engine just started is claimed without a load, by one conditional UPDATE, and only
-while the journal still holds it as written; anything else is claimed the usual way. On every
-journal."""
+while the journal still holds it as written; anything else is claimed the usual way. The commit
+that ends a run ends its lease too, so no release follows it. On every journal."""
 
 from __future__ import annotations
 
@@ -112,3 +112,58 @@ class TestStartedRunsClaim:
         run_id = engine.start(given)
         engine.run(run_id)
         assert seen == [journal.load(run_id).input]  # SQL journals: {"items": [1, 2]}
+
+
+class TestTheLastCommitEndsTheLease:
+    """The commit that ends a run clears its lease: no release transaction after it."""
+
+    def test_a_run_to_its_end_writes_no_release(self, journal):
+        counting = Counting(journal)
+        engine = engine_for(counting)
+        run_id = engine.start()
+        counting.calls.clear()
+        assert engine.run(run_id).status is RunOutcome.SUCCEEDED
+        assert "release" not in counting.calls
+        stored = journal.load(run_id)
+        assert (stored.lease_owner, stored.lease_expires_at, stored.lease_token) == (None, None, 1)
+
+    def test_a_run_that_stops_before_its_end_is_released(self, journal):
+        counting = Counting(journal)
+        engine = engine_for(counting)
+        run_id = engine.start()
+        assert engine.run(run_id, max_steps=1).state == "b"
+        assert counting.calls[-1] == "release"
+        assert journal.load(run_id).lease_owner is None
+        assert engine_for(journal, worker_id="elsewhere").run(run_id).seq == 3
+
+    def test_an_abort_carried_out_ends_the_lease(self, journal):
+        engine = engine_for(journal)
+        run_id = engine.start()
+        held = journal.claim(run_id, "w1", ttl=60)
+        journal.request_abort(run_id, "stop")
+        engine_for(journal, worker_id="w1").run(run_id)
+        stored = journal.load(run_id)
+        assert stored.status is RunOutcome.ABORTED
+        assert (stored.lease_owner, stored.lease_token) == (None, held.lease_token + 1)
+
+    def test_workers_leave_no_lease_on_the_runs_they_end(self, journal):
+        engine = engine_for(journal)
+        run_ids = [engine.start() for _ in range(3)]
+        counting = Counting(journal)
+        assert engine_for(counting, worker_id="w").work(exit_when_idle=True) == 3
+        assert "release" not in counting.calls
+        assert all(journal.load(r).lease_owner is None for r in run_ids)
+
+    def test_a_heartbeat_after_the_last_commit_reports_no_lost_lease(self, journal, caplog):
+        engine = engine_for(journal)
+        run_id = engine.start()
+        claimed = journal.claim(run_id, engine.worker_id, ttl=60)
+        engine._leases.hold(claimed)
+        journal.request_abort(run_id, "stop")
+        # the run ends (aborted) by a commit under the lease the heartbeat renews
+        after = engine_for(journal, worker_id=engine.worker_id)._drive(claimed, None)
+        assert after.ended
+        engine._leases._renew(run_id, claimed.lease_token)
+        assert "taken over" not in caplog.text
+        engine._leases.let_go(run_id, ended=True)
+        engine.close()

@@ -126,7 +126,7 @@ class AsyncDriver(StepWriter):
                 run = after
                 steps += 1
         finally:
-            self._leases.let_go(run_id)
+            self._leases.let_go(run_id, ended=run.ended)  # ended: its last commit let go
         return unleased(run)
 
     def _interrupted(self, run: RunRecord, exc: BaseException) -> None:

@@ -11,6 +11,7 @@ is the engine's (its drivers and commits); the keeper reaches it through :class:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -243,11 +244,16 @@ class LeaseKeeper:
                 )
                 self._heartbeat.start()
 
-    def let_go(self, run_id: str) -> None:
-        """Release the lease held on the run in the journal (at its end, or on a clean stop)."""
+    def let_go(self, run_id: str, *, ended: bool = False) -> None:
+        """Release the lease held on the run in the journal (at its end, or on a clean stop).
+
+        With ``ended`` (the run has ended) the journal is not asked: the commit that ended the
+        run cleared its lease (and a lease left on an ended run holds nothing back: no claim
+        takes an ended run).
+        """
         with self.lock:
             hold = self._held.pop(run_id, None)
-        if hold is None or hold.token is None:
+        if hold is None or hold.token is None or ended:
             return
         owner = self._owner
         try:
@@ -292,6 +298,9 @@ class LeaseKeeper:
             reason = journal.load(run_id).abort_reason
         except LeaseLostError:
             lost, reason = True, "the run's lease was taken over by another worker"
+            with contextlib.suppress(FsmRunnerError):
+                if journal.load(run_id).ended:  # its last commit cleared the lease: not lost
+                    return
         except FsmRunnerError as exc:
             _log.warning("run %s: could not renew its lease: %s", run_id, exc)
             return
@@ -341,13 +350,13 @@ class LeaseKeeper:
     def _work_on(self, claimed: RunRecord) -> None:
         """Run (or park) one run :meth:`work` claimed, then let go of it or leave it to expire."""
         owner = self._owner
-        keep_lease = False
+        keep_lease = ended = False
         try:
             claimed = owner._adopt_spec(claimed)
             if claimed.recoveries > owner.max_recoveries and claimed.abort_reason is None:
-                owner._park(claimed)
+                ended = owner._park(claimed).ended
             else:
-                owner._drive(claimed, None)
+                ended = owner._drive(claimed, None).ended
         except LeaseLostError as exc:
             _log.warning("%s; the run is left to its new holder", exc)
         except FsmRunnerError as exc:
@@ -357,7 +366,7 @@ class LeaseKeeper:
             if keep_lease:
                 self.forget(claimed.run_id)
             else:
-                self.let_go(claimed.run_id)
+                self.let_go(claimed.run_id, ended=ended)
 
     def recover(self, *, limit: int | None) -> list[RunRecord]:
         """Take over the runs whose lease expired and run or park each (``Engine.recover``)."""
@@ -369,13 +378,14 @@ class LeaseKeeper:
             except (LeaseHeldError, RunTerminalError, SpecMismatchError) as exc:
                 _log.info("run %s not recovered here: %s", stale.run_id, exc)
                 continue
+            ended: RunRecord | None = None
             try:
                 if claimed.recoveries > owner.max_recoveries and claimed.abort_reason is None:
                     ended = owner._park(claimed)
                 else:
                     ended = owner._drive(claimed, None)
             finally:
-                self.let_go(claimed.run_id)
+                self.let_go(claimed.run_id, ended=ended is not None and ended.ended)
             recovered.append(unleased(ended))
         return recovered
 

@@ -84,10 +84,12 @@ class SyncDriver(StepWriter):
             self._check_runnable(run)
             return run
         run = self._leases.claim(run_id)
+        ended = False
         try:
             run = self._drive(run, max_steps)
+            ended = run.ended  # its last commit cleared the lease: no release to write
         finally:
-            self._leases.let_go(run_id)
+            self._leases.let_go(run_id, ended=ended)
         return unleased(run)
 
     def _drive(self, run: RunRecord, max_steps: int | None) -> RunRecord:

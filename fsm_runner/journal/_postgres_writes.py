@@ -55,13 +55,16 @@ _INSERT_TRANSITION = (
 #: The hot path, one statement: move the run row from seq N-1 to N — only if it is at N-1 and
 #: the writer holds its current lease token (fencing), and, when an abort was requested under
 #: that token, only for the USER_ABORTED that carries it out — and insert transition N from it.
+#: A transition that ends the run also ends its lease (owner and expiry; the token stays).
 _COMMIT_TEMPLATE = """
 WITH moved AS (
     UPDATE runs SET state = %s, seq = %s, iteration = %s, updated_at = %s, status = %s,
                     attempt = %s, context = %s, error = %s, return_to = %s, return_attempt = %s,
                     return_visit = %s, visit_seq = %s,
                     abort_reason = CASE WHEN %s THEN NULL ELSE abort_reason END,
-                    abort_token = CASE WHEN %s THEN NULL ELSE abort_token END{spec}
+                    abort_token = CASE WHEN %s THEN NULL ELSE abort_token END,
+                    lease_owner = CASE WHEN %s THEN NULL ELSE lease_owner END,
+                    lease_expires_at = CASE WHEN %s THEN NULL ELSE lease_expires_at END{spec}
      WHERE run_id = %s AND seq = %s AND lease_token = %s
        AND (abort_token IS NULL OR abort_token < lease_token OR %s)
     RETURNING run_id
@@ -457,6 +460,8 @@ class PostgresWrites(SqlJournal):
             run.visit_seq,
             aborting,  # the abort carried out clears the request ...
             aborting,
+            run.ended,  # a run that ends lets go of its lease (its token stays)
+            run.ended,
         ]
         before: list[tuple[str, Sequence[Any]]] = []
         if spec_json is not None:

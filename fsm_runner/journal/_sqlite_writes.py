@@ -542,6 +542,10 @@ class SqliteWrites(SqlJournal):
         if transition.event == USER_ABORTED:
             columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
             params += [None, None]
+        if run.ended:
+            # The run ends: its lease ends with it (the token stays, as a release leaves it).
+            columns += ["lease_owner", "lease_expires_at"]
+            params += [None, None]
         key = tuple(columns)
         sql = self._update_sql.get(key)
         if sql is None:

@@ -159,6 +159,9 @@ class MemoryJournal:
                 return_visit=run.return_visit,
                 # an abort request stays until the USER_ABORTED commit that carries it out
                 abort_reason=None if aborting else stored.abort_reason,
+                # a run that ends lets go of its lease (its token stays, as a release leaves it)
+                lease_owner=None if run.ended else stored.lease_owner,
+                lease_expires_at=None if run.ended else stored.lease_expires_at,
             )
             self._transitions[run.run_id].append(transition)
             for record in iterations:
