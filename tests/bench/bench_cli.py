@@ -28,22 +28,27 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fsm_runner import Engine, SqliteJournal  # noqa: E402 - after the path set-up
+from fsm_runner import Engine, Journal, SqliteJournal  # noqa: E402 - after the path set-up
 from tests.helpers import NEXT, linear_spec  # noqa: E402
 
 TARGET_MS = 250.0
 
 
+def add_runs(journal: Journal, runs: int) -> None:
+    """Add ``runs`` runs of a 3-phase machine to ``journal``, a third of them finished."""
+    spec = linear_spec("a", "b", "c", name="bench")
+    engine = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
+    for index in range(runs):
+        run_id = engine.start({"n": index})
+        if index % 3 == 0:
+            engine.run(run_id)
+    engine.close()
+
+
 def fill(path: Path, runs: int) -> None:
     """A journal of ``runs`` runs of a 3-phase machine, a third of them finished."""
-    spec = linear_spec("a", "b", "c", name="bench")
     with SqliteJournal(path) as journal:
-        engine = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
-        for index in range(runs):
-            run_id = engine.start({"n": index})
-            if index % 3 == 0:
-                engine.run(run_id)
-        engine.close()
+        add_runs(journal, runs)
 
 
 def wall_ms(command: list[str], repeat: int, env: dict[str, str]) -> float:

@@ -39,7 +39,8 @@ from fsm_runner import Engine  # noqa: E402
 from fsm_runner.cli import cli  # noqa: E402
 from fsm_runner.journal import open_journal  # noqa: E402
 from fsm_runner.ui.app import create_app  # noqa: E402
-from tests.helpers import NEXT, linear_spec, loop_spec  # noqa: E402
+from tests.bench.bench_cli import add_runs  # noqa: E402
+from tests.helpers import NEXT, loop_spec  # noqa: E402
 
 TARGET_RATIO = 2.0
 TARGET_MS = 100.0
@@ -47,14 +48,8 @@ TARGET_MS = 100.0
 
 def fill(location: str, runs: int, transitions: int) -> str:
     """``runs`` runs of a 3-phase machine, then one loop run with ``transitions`` transitions."""
-    spec = linear_spec("a", "b", "c", name="bench")
     with open_journal(location) as journal:
-        engine = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
-        for index in range(runs):
-            run_id = engine.start({"n": index})
-            if index % 3 == 0:
-                engine.run(run_id)
-        engine.close()
+        add_runs(journal, runs)
         looping = Engine(loop_spec(), handlers={"noop": lambda _ctx: NEXT}, journal=journal)
         long_run = looping.start({"long": True})
         looping.run(long_run, max_steps=transitions - 1)
