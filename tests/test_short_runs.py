@@ -2,20 +2,36 @@
 
 A run this engine just started is claimed without a load, by one conditional UPDATE, and only
 while the journal still holds it as written; anything else is claimed the usual way. The commit
-that ends a run ends its lease too, so no release follows it. On every journal."""
+that ends a run ends its lease too, so no release follows it. A run started with
+``claim=True`` is stored holding the lease and written no claim at all; ``start_many`` stores a
+batch in one transaction. On every journal."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from fsm_runner import Engine, RunOutcome
-from fsm_runner.exceptions import LeaseHeldError
+from fsm_runner import Engine, RunOutcome, SqliteJournal
+from fsm_runner.engine import abort_run
+from fsm_runner.exceptions import LeaseHeldError, PayloadError, RunExistsError
+from fsm_runner.replay import verify
 from tests.helpers import NEXT, linear_spec
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SPEC = linear_spec("a", "b", "c", name="short")
 
 
 def noop(_ctx):
+    return NEXT
+
+
+async def anoop(_ctx):
     return NEXT
 
 
@@ -167,3 +183,172 @@ class TestTheLastCommitEndsTheLease:
         assert "taken over" not in caplog.text
         engine._leases.let_go(run_id, ended=True)
         engine.close()
+
+
+class TestStartedHolding:
+    """``start(claim=True)``: the run is stored holding this engine's lease; its first drive
+    here writes no claim. Nobody else takes it meanwhile; close() lets go of it."""
+
+    def test_the_run_is_stored_holding_the_lease_and_driven_without_a_claim(self, journal):
+        counting = Counting(journal)
+        engine = engine_for(counting)
+        run_id = engine.start(claim=True)
+        stored = journal.load(run_id)
+        assert (stored.lease_owner, stored.lease_token) == (engine.worker_id, 1)
+        assert stored.lease_expires_at is not None
+        counting.calls.clear()
+        ended = engine.run(run_id)
+        assert (ended.status, ended.seq) == (RunOutcome.SUCCEEDED, 3)
+        assert counting.calls == ["commit", "commit", "commit"]  # no claim, load or release
+        stored = journal.load(run_id)
+        assert (stored.lease_owner, stored.lease_expires_at, stored.lease_token) == (None, None, 1)
+        assert verify(SPEC, stored, journal.transitions(run_id)) == []
+        engine.close()
+
+    def test_no_other_worker_takes_it_while_held(self, journal):
+        engine = engine_for(journal)
+        run_id = engine.start(claim=True)
+        other = engine_for(journal, worker_id="elsewhere")
+        with pytest.raises(LeaseHeldError):
+            other.run(run_id)
+        assert other.work(exit_when_idle=True) == 0
+        assert engine.run(run_id).status is RunOutcome.SUCCEEDED
+        engine.close()
+
+    def test_one_engine_drives_it_in_one_place_at_a_time(self, journal):
+        engine = engine_for(journal)
+        run_id = engine.start(claim=True)
+        engine._leases._take_fresh(run_id)  # as a drive in another thread would, first
+        with pytest.raises(LeaseHeldError):
+            engine.run(run_id)
+        engine.close()
+
+    def test_close_lets_go_of_runs_never_driven(self, journal):
+        engine = engine_for(journal)
+        run_ids = [engine.start(claim=True) for _ in range(2)]
+        engine.close()
+        assert all(journal.load(r).lease_owner is None for r in run_ids)
+        assert engine_for(journal, worker_id="elsewhere").work(exit_when_idle=True) == 2
+
+    def test_an_abort_here_is_carried_out_at_once(self, journal):
+        engine = engine_for(journal)
+        run_id = engine.start(claim=True)
+        aborted = engine.abort(run_id, "not needed")
+        assert (aborted.status, aborted.state, aborted.lease_owner) == (
+            RunOutcome.ABORTED,
+            "canceled",
+            None,
+        )
+        assert journal.load(run_id).status is RunOutcome.ABORTED
+        engine.close()
+
+    def test_an_abort_from_elsewhere_is_carried_out_when_driven(self, journal):
+        engine = engine_for(journal)
+        run_id = engine.start(claim=True)
+        requested = abort_run(journal, run_id, "operator")  # the holder's to carry out
+        assert requested.lease_owner == engine.worker_id
+        ended = engine.run(run_id)
+        assert (ended.status, ended.state) == (RunOutcome.ABORTED, "canceled")
+        engine.close()
+
+    def test_an_abort_from_elsewhere_is_carried_out_by_close(self, journal):
+        engine = engine_for(journal)
+        run_id = engine.start(claim=True)
+        abort_run(journal, run_id, "operator")
+        engine.close()  # never driven: close carries the abort out rather than leave it asked
+        stored = journal.load(run_id)
+        assert (stored.status, stored.state, stored.lease_owner) == (
+            RunOutcome.ABORTED,
+            "canceled",
+            None,
+        )
+
+    def test_a_run_held_by_a_killed_process_is_taken_over(self, tmp_path):
+        path = tmp_path / "journal.db"
+        code = (
+            "import os, signal, sys\n"
+            "from fsm_runner import Engine, SqliteJournal\n"
+            "from tests.test_short_runs import SPEC, noop\n"
+            f"engine = Engine(SPEC, handlers={{'a': noop, 'b': noop, 'c': noop}},"
+            f" journal=SqliteJournal({str(path)!r}), lease_ttl=600)\n"
+            "print(engine.start(claim=True), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+        )
+        assert done.returncode == -signal.SIGKILL
+        run_id = done.stdout.strip()
+        with SqliteJournal(path) as journal:
+            assert journal.load(run_id).lease_owner is not None  # held by the dead process
+            recovered = engine_for(journal).run(run_id)  # its holder is gone: taken over
+            assert (recovered.status, recovered.seq) == (RunOutcome.SUCCEEDED, 3)
+
+
+class TestStartMany:
+    """``start_many``: one journal transaction for a batch of runs; all are stored, or none."""
+
+    def test_runs_are_stored_in_order_with_their_inputs(self, journal):
+        engine = engine_for(journal)
+        run_ids = engine.start_many([{"n": n} for n in range(5)])
+        assert [journal.load(r).input for r in run_ids] == [{"n": n} for n in range(5)]
+        assert all(journal.load(r).lease_owner is None for r in run_ids)
+        assert engine.work(exit_when_idle=True) == 5
+        engine.close()
+
+    def test_held_runs_are_driven_at_once_without_claims(self, journal):
+        counting = Counting(journal)
+        engine = Engine(SPEC, handlers={"a": anoop, "b": anoop, "c": anoop}, journal=counting)
+        run_ids = engine.start_many(range(20), claim=True)
+        assert counting.calls == ["create_runs"]
+
+        async def drive():
+            return await asyncio.gather(*(engine.arun(r) for r in run_ids))
+
+        ended = asyncio.run(drive())
+        assert {(run.status, run.seq) for run in ended} == {(RunOutcome.SUCCEEDED, 3)}
+        assert not {"claim", "claim_many", "claim_unchanged", "load", "release"} & set(
+            counting.calls
+        )
+        for run_id in run_ids[::7]:
+            assert verify(SPEC, journal.load(run_id), journal.transitions(run_id)) == []
+        engine.close()
+
+    def test_a_bad_input_stores_none_of_them(self, journal):
+        engine = engine_for(journal)
+        with pytest.raises(PayloadError):
+            engine.start_many([1, 2, float("nan"), 4])
+        assert list(journal.runs()) == []
+
+    def test_an_existing_id_refuses_the_whole_batch(self, journal):
+        engine = engine_for(journal)
+        runs = [engine._new_run(n, f"run-{n}", None, None, False) for n in range(3)]
+        engine.journal.create_run(*runs[1][:2], spec_json=SPEC.to_json())
+        with pytest.raises(RunExistsError) as raised:
+            journal.create_runs(runs, spec_json=SPEC.to_json())
+        assert raised.value.run_id == "run-1"
+        assert [run.run_id for run in journal.runs()] == ["run-1"]
+
+    def test_runs_under_two_specs_are_refused(self, journal):
+        other = linear_spec("x", name="other")
+        batch = [
+            engine_for(journal)._new_run(None, None, None, None, False),
+            Engine(other, handlers={"x": noop}, journal=journal)._new_run(
+                None, None, None, None, False
+            ),
+        ]
+        with pytest.raises(ValueError, match="one spec"):
+            journal.create_runs(batch, spec_json=SPEC.to_json())
+        assert list(journal.runs()) == []
+
+    def test_a_journal_without_create_runs_stores_them_one_by_one(self, journal):
+        class Plain(Counting):
+            def __getattr__(self, name):
+                if name == "create_runs":
+                    raise AttributeError(name)
+                return super().__getattr__(name)
+
+        plain = Plain(journal)
+        run_ids = engine_for(plain).start_many(["x", "y"])
+        assert plain.calls == ["create_run", "create_run"]
+        assert [journal.load(r).input for r in run_ids] == ["x", "y"]

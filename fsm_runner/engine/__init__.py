@@ -16,6 +16,8 @@ without an engine; ``deadlines.py`` and ``interruption.py`` are small helpers of
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import logging
 import threading
 import time
 import types
@@ -32,7 +34,7 @@ from fsm_runner.engine.operations import abort_run, fork_run
 from fsm_runner.engine.reducer import begin
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.events import REWOUND, STARTED, event_name
-from fsm_runner.exceptions import InvalidTransitionError, SpecError
+from fsm_runner.exceptions import FsmRunnerError, InvalidTransitionError, SpecError
 from fsm_runner.journal import Journal, SqliteJournal
 from fsm_runner.machine import Guard, compile_spec
 from fsm_runner.phases import PhaseContext, PhaseHandler, split_handler
@@ -40,6 +42,8 @@ from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord, utc
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
+
+_log = logging.getLogger("fsm_runner.engine")
 
 #: The reducer's ``take`` at the time it is now, under the name tests import it by.
 _advance = take_now
@@ -127,6 +131,7 @@ class Engine(SyncDriver, AsyncDriver):
         self.async_sleep = async_sleep
         self.allow_spec_change = allow_spec_change
         self._spec_json = spec.to_json()
+        self._initial = spec.state(spec.initial_leaf)
         self._active: dict[str, PhaseContext] = {}  # runs whose phase runs in this process
         self._by_state = {
             state.name: self._handlers[state.handler] for state in spec.leaves if state.handler
@@ -192,6 +197,7 @@ class Engine(SyncDriver, AsyncDriver):
         A journal passed to the engine is the host's to close; the default one the engine
         opened itself (no ``journal`` given) is closed here, after everything else.
         """
+        self._let_go_undriven()
         self._leases.stop()
         self._committer = None
         if self._loop is not None:
@@ -199,6 +205,21 @@ class Engine(SyncDriver, AsyncDriver):
             self._loop = None
         if self._owns_journal:
             self.journal.close()
+
+    def _let_go_undriven(self) -> None:
+        """Let go of the runs started holding and never driven; carry out aborts asked of them."""
+        for run_id in self._leases.undriven():
+            if not self._leases.let_go_fresh(run_id):
+                continue  # driven meanwhile
+            with self._lock:
+                reason = self._aborts.pop(run_id, None)
+            try:
+                if reason is None:  # asked from elsewhere since the last heartbeat?
+                    reason = self.journal.load(run_id).abort_reason
+                if reason is not None:
+                    self.abort(run_id, reason)
+            except FsmRunnerError as exc:  # a request stays journaled for the next holder
+                _log.warning("run %s: could not carry out its abort: %s", run_id, exc)
 
     def __enter__(self) -> Engine:
         return self
@@ -265,6 +286,7 @@ class Engine(SyncDriver, AsyncDriver):
         run_id: str | None = None,
         context: Mapping[str, Any] | None = None,
         parent_run_id: str | None = None,
+        claim: bool = False,
     ) -> str:
         """Start a run in the initial state and journal its transition seq 0.
 
@@ -273,6 +295,12 @@ class Engine(SyncDriver, AsyncDriver):
             run_id: the run's id; a new random one when not given.
             context: the run's initial JSON context.
             parent_run_id: the run that starts this one, if any.
+            claim: store the run holding this engine's lease, in the same transaction, for a
+                run this engine drives next (:meth:`run`, :meth:`arun`, :meth:`resume`): its
+                first drive here then writes no claim. Until then the heartbeat renews the
+                lease, so no other worker takes the run; :meth:`close` lets go of it (an abort
+                requested meanwhile is carried out there), and :meth:`abort` aborts it at once.
+                Without it the run is stored unleased, for any worker to take.
 
         Returns:
             The run's id.
@@ -285,7 +313,58 @@ class Engine(SyncDriver, AsyncDriver):
                 was written.
             JournalError: the journal failed; nothing was written.
         """
-        initial = self.spec.state(self.spec.initial_leaf)
+        run, first, opened = self._new_run(input, run_id, context, parent_run_id, claim)
+        self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
+        self._started(run, first)
+        return run.run_id
+
+    def start_many(
+        self,
+        inputs: Iterable[Any],
+        *,
+        parent_run_id: str | None = None,
+        claim: bool = False,
+    ) -> list[str]:
+        """Start one run per input, all in one journal transaction: all are stored, or none.
+
+        What :meth:`start` does for each input (new random run ids, no initial context), at
+        the cost of one write for the whole batch where the journal can (``create_runs``; a
+        journal without it stores the runs one transaction each, in order).
+
+        Args:
+            inputs: the runs' JSON inputs.
+            parent_run_id: the run that starts these, if any.
+            claim: store each run holding this engine's lease (see :meth:`start`).
+
+        Returns:
+            The new runs' ids, in the order of ``inputs``.
+
+        Raises:
+            PayloadError: an input is not standard JSON or is over ``max_payload_bytes``;
+                nothing was written.
+            JournalError: the journal failed; nothing was written.
+        """
+        batch = [self._new_run(given, None, None, parent_run_id, claim) for given in inputs]
+        create_runs = getattr(self.journal, "create_runs", None)
+        if create_runs is not None:
+            create_runs(batch, spec_json=self._spec_json)
+        else:
+            for run, first, opened in batch:
+                self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
+        for run, first, _ in batch:
+            self._started(run, first)
+        return [run.run_id for run, _, _ in batch]
+
+    def _new_run(
+        self,
+        input: Any,  # noqa: A002 - as in start()
+        run_id: str | None,
+        context: Mapping[str, Any] | None,
+        parent_run_id: str | None,
+        claim: bool,
+    ) -> tuple[RunRecord, TransitionRecord, list[IterationRecord]]:
+        """A new run's row, its transition seq 0 and its opened iteration, checked for storage."""
+        initial = self._initial
         run_id = run_id or uuid.uuid4().hex
         if not run_id.isascii():  # SQL journals store it as text: UTF-8 must hold it
             self._check_json(storable_text(run_id), "run id", run_id)
@@ -303,6 +382,7 @@ class Engine(SyncDriver, AsyncDriver):
             result={"context": dict(context)} if context else None,
         )
         # What the transition does not say; the reducer derives the rest from seq 0.
+        held = claim and not initial.terminal
         given = RunRecord(
             run_id=run_id,
             machine=self.spec.name,
@@ -312,6 +392,10 @@ class Engine(SyncDriver, AsyncDriver):
             created_at=now,
             updated_at=now,
             parent_run_id=parent_run_id,
+            # as a claim would leave it: the first claim's token, this engine's lease
+            lease_owner=self.worker_id if held else None,
+            lease_expires_at=now + dt.timedelta(seconds=self.lease_ttl) if held else None,
+            lease_token=1 if held else 0,
         )
         run = begin(self.spec, given, first)
         self._check_json(run_id, "input", input)
@@ -319,10 +403,15 @@ class Engine(SyncDriver, AsyncDriver):
         opened = (
             [IterationRecord(run_id, 1, state=initial.name, started_at=now)] if iteration else []
         )
-        self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
-        self._leases.started(run)
+        return run, first, opened
+
+    def _started(self, run: RunRecord, first: TransitionRecord) -> None:
+        """Tell the lease keeper and the listeners about a run just stored."""
+        if run.lease_owner is not None:
+            self._leases.started_holding(run)
+        else:
+            self._leases.started(run)
         self._notify(first, run)
-        return run_id
 
     def resume(
         self, run_id: str, *, max_steps: int | None = None, from_state: str | None = None
@@ -433,6 +522,7 @@ class Engine(SyncDriver, AsyncDriver):
             RunTerminalError: the run has already ended.
         """
         reason = storable_text(reason)  # a lone surrogate (an argv byte that is not UTF-8)
+        self._leases.let_go_fresh(run_id)  # started holding, not driven: aborted at once below
         with self._lock:
             held = self._leases.holds(run_id)
             if held:

@@ -68,9 +68,15 @@ class LeaseOwner(Protocol):
 
 @attrs.frozen
 class _Hold:
-    """A run this engine holds: its lease's fencing token, ``None`` while the claim is in flight."""
+    """A run this engine holds: its lease's fencing token, ``None`` while the claim is in flight.
+
+    ``fresh``: a run this engine started holding its lease (``Engine.start(claim=True)``) and
+    has not driven since: the journal it was written to and the row as written, which the run's
+    first drive here takes instead of claiming it.
+    """
 
     token: int | None = None
+    fresh: tuple[Journal, RunRecord] | None = None
 
 
 _RESERVED = _Hold()
@@ -132,6 +138,41 @@ class LeaseKeeper:
                 self._started.clear()
             self._started[run.run_id] = (self._owner.journal, run)
 
+    def started_holding(self, run: RunRecord) -> None:
+        """Hold a run this engine just started with its lease (``Engine.start(claim=True)``).
+
+        The heartbeat renews the lease from now on; the run's first drive here takes the row
+        as written (:meth:`claim`, :meth:`aclaim`) and writes no claim.
+        """
+        journal = self._owner.journal
+        if not _plain(run.input) or run.context:
+            run = attrs.evolve(run, input=_as_read(run.input), context=_as_read(run.context))
+        self.hold(run, fresh=(journal, run))
+
+    def _take_fresh(self, run_id: str) -> RunRecord | None:
+        """A run this engine started holding and has not driven, as written, now driven; or None."""
+        with self.lock:
+            hold = self._held.get(run_id)
+            if hold is None or hold.fresh is None or hold.fresh[0] is not self._owner.journal:
+                return None
+            self._held[run_id] = _Hold(hold.token)
+            return hold.fresh[1]
+
+    def undriven(self) -> list[str]:
+        """The runs this engine started holding and has not driven."""
+        with self.lock:
+            return [run_id for run_id, hold in self._held.items() if hold.fresh is not None]
+
+    def let_go_fresh(self, run_id: str) -> bool:
+        """Let go of a run this engine started holding and has not driven; whether it was one."""
+        with self.lock:
+            hold = self._held.get(run_id)
+            if hold is None or hold.fresh is None:
+                return False
+            self._held[run_id] = _Hold(hold.token)
+        self.let_go(run_id)
+        return True
+
     def claim(self, run_id: str) -> RunRecord:
         """Load the run, check it may run here, and take its lease (the heartbeat renews it).
 
@@ -139,6 +180,9 @@ class LeaseKeeper:
         without a load when the journal can (``claim_unchanged``: one conditional UPDATE) and
         the stored run is still as written; otherwise, the usual way.
         """
+        held = self._take_fresh(run_id)
+        if held is not None:
+            return held
         owner = self._owner
         journal, worker_id, ttl = owner.journal, owner.worker_id, owner.lease_ttl
         with self.lock:
@@ -188,6 +232,9 @@ class LeaseKeeper:
         claimed by one :meth:`Journal.claim_many` (one transaction on SQLite), each checked by
         the engine's ``_check_runnable`` and granted or refused on its own.
         """
+        held = self._take_fresh(run_id)
+        if held is not None:
+            return held
         owner = self._owner
         if not owner.group_commit:
             return self.claim(run_id)
@@ -232,10 +279,10 @@ class LeaseKeeper:
             self.let_go(claimed.run_id)
             raise
 
-    def hold(self, claimed: RunRecord) -> None:
+    def hold(self, claimed: RunRecord, *, fresh: tuple[Journal, RunRecord] | None = None) -> None:
         """Remember a lease this engine took, and make sure the heartbeat renews it."""
         with self.lock:
-            self._held[claimed.run_id] = _Hold(claimed.lease_token)
+            self._held[claimed.run_id] = _Hold(claimed.lease_token, fresh)
             if self._heartbeat is None or not self._heartbeat.is_alive():
                 self._heartbeat = threading.Thread(
                     target=self._beat,

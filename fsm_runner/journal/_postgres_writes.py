@@ -30,7 +30,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sql import SqlJournal
-from fsm_runner.journal.base import Commit
+from fsm_runner.journal.base import Commit, NewRun, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
     IterationRecord,
@@ -94,6 +94,15 @@ def _upsert(table: str, columns: Sequence[str], *, also: str = "") -> str:
 _UPSERT_ITERATION = _upsert("iterations", _rows.ITERATION_COLUMNS)
 # A replaced artifact takes a new id, so artifacts stay ordered as committed (SQLite's REPLACE).
 _UPSERT_ARTIFACT = _upsert("artifacts", _rows.ARTIFACT_COLUMNS, also=", id = DEFAULT")
+
+
+def _existing(exc: pg_errors.UniqueViolation, runs: Sequence[NewRun]) -> str:
+    """The id of the run that already exists, from the server's detail, else the first one's."""
+    detail = exc.diag.message_detail or ""
+    for run, _, _ in runs:
+        if f"=({run.run_id})" in detail:
+            return run.run_id
+    return runs[0][0].run_id
 
 
 class _RefusedError(Exception):
@@ -320,34 +329,47 @@ class PostgresWrites(SqlJournal):
         iterations: Sequence[IterationRecord] = (),
     ) -> None:
         """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
-        run_row = self._run_params(run)
-        transition_row = self._transition_params(first)
-        iteration_rows = [self._iteration_params(record) for record in iterations]
-        spec_row = (run.spec_hash, run.machine, spec_json, utc_now())
+        self.create_runs([(run, first, iterations)], spec_json=spec_json)
+
+    def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
+        """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
+
+        All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``).
+        """
+        if not new_runs(runs):
+            return
+        run_rows = [self._run_params(run) for run, _, _ in runs]
+        transition_rows = [self._transition_params(first) for _, first, _ in runs]
+        iteration_rows = [
+            self._iteration_params(record) for _, _, iterations in runs for record in iterations
+        ]
+        last, last_first = runs[-1][0], runs[-1][1]
+        spec_row = (last.spec_hash, last.machine, spec_json, utc_now())
 
         def work(conn: _Connection) -> None:
             try:
-                with conn.transaction():
-                    conn.execute(_INSERT_SPEC, spec_row)
-                    conn.execute(_INSERT_RUN, run_row)
-                    conn.execute(_INSERT_TRANSITION, transition_row)
-                    for row in iteration_rows:
-                        conn.execute(_UPSERT_ITERATION, row)
+                with conn.transaction(), conn.cursor() as cursor:
+                    cursor.execute(_INSERT_SPEC, spec_row)
+                    cursor.executemany(_INSERT_RUN, run_rows)
+                    cursor.executemany(_INSERT_TRANSITION, transition_rows)
+                    if iteration_rows:
+                        cursor.executemany(_UPSERT_ITERATION, iteration_rows)
             except pg_errors.UniqueViolation as exc:
                 if exc.diag.constraint_name == "runs_pkey":
-                    raise RunExistsError(run.run_id) from None
+                    raise RunExistsError(_existing(exc, runs)) from None
                 raise
 
         def resolve(conn: _Connection) -> _Unresolved | None:
+            # One transaction: the batch is stored if its last run is, as written.
             row = conn.execute(
                 "SELECT r.created_at, t.at, t.event FROM runs AS r JOIN transitions AS t"
                 " ON t.run_id = r.run_id AND t.seq = 0 WHERE r.run_id = %s",
-                (run.run_id,),
+                (last.run_id,),
             ).fetchone()
             if row is not None and (row[0], row[1], row[2]) == (
-                _utc(run.created_at),
-                _utc(first.at),
-                first.event,
+                _utc(last.created_at),
+                _utc(last_first.at),
+                last_first.event,
             ):
                 return None
             return _UNRESOLVED

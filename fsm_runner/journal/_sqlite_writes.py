@@ -22,7 +22,7 @@ from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import JournalError, RunExistsError, RunNotFoundError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sql import SqlJournal
-from fsm_runner.journal.base import Commit
+from fsm_runner.journal.base import Commit, NewRun, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
     IterationRecord,
@@ -237,20 +237,43 @@ class SqliteWrites(SqlJournal):
         iterations: Sequence[IterationRecord] = (),
     ) -> None:
         """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
-        run_row = self._run_params(run)
-        transition_row = self._transition_params(first)
-        with refused_if_exists(run.run_id), self._write() as conn:
+        self.create_runs([(run, first, iterations)], spec_json=spec_json)
+
+    def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
+        """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
+
+        All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``).
+        Every run is under the one spec ``spec_json`` holds.
+        """
+        if not runs:
+            return
+        rows = [
+            (
+                run.run_id,
+                self._run_params(run),
+                self._transition_params(first),
+                [self._iteration_params(record) for record in iterations],
+            )
+            for run, first, iterations in new_runs(runs)
+        ]
+        spec = (runs[0][0].spec_hash, runs[0][0].machine, spec_json, format_utc(utc_now()))
+        keys: list[int] = []
+        with self._write() as conn:
             conn.execute(
                 "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
                 " VALUES (?, ?, ?, ?)",
-                (run.spec_hash, run.machine, spec_json, format_utc(utc_now())),
+                spec,
             )
-            key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
-            conn.execute(_INSERT_TRANSITION, (*transition_row, key))
-            for record in iterations:
-                conn.execute(_UPSERT_ITERATION, self._iteration_params(record))
-        self._remember(run)
-        self._remember_key(run.run_id, key)
+            for run_id, run_row, transition_row, iteration_rows in rows:
+                with refused_if_exists(run_id), self._errors():
+                    key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
+                conn.execute(_INSERT_TRANSITION, (*transition_row, key))
+                for row in iteration_rows:
+                    conn.execute(_UPSERT_ITERATION, row)
+                keys.append(key)
+        for (run, _, _), key in zip(runs, keys, strict=True):
+            self._remember(run)
+            self._remember_key(run.run_id, key)
 
     def commit(
         self,

@@ -34,7 +34,7 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RunOutcome
 
-__all__ = ["Commit", "Durability", "Journal", "PruneReport", "claim_each"]
+__all__ = ["Commit", "Durability", "Journal", "NewRun", "PruneReport", "claim_each", "new_runs"]
 
 #: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
 #: ``power``: it also survives power loss (synchronous=FULL).
@@ -58,6 +58,22 @@ class Commit:
     iterations: Sequence[IterationRecord] = ()
     artifacts: Sequence[ArtifactRecord] = ()
     spec_json: str | None = None
+
+
+#: A new run for :meth:`create_runs`: its row, its transition seq 0 and its iterations.
+NewRun = tuple[RunRecord, TransitionRecord, Sequence[IterationRecord]]
+
+
+def new_runs(runs: Sequence[NewRun]) -> Sequence[NewRun]:
+    """``runs``, checked to be under one spec (``create_runs`` stores one spec with them).
+
+    Raises:
+        ValueError: two of them are under different specs.
+    """
+    hashes = {run.spec_hash for run, _, _ in runs}
+    if len(hashes) > 1:
+        raise ValueError(f"runs created together are under one spec, not {len(hashes)}")
+    return runs
 
 
 @attrs.frozen
@@ -96,6 +112,10 @@ class Journal(Protocol):
         iterations: Sequence[IterationRecord] = (),
     ) -> None:
         """Store a new run with its transition seq 0, its spec and iterations, in one transaction.
+
+        A journal may also offer ``create_runs(runs: Sequence[NewRun], *, spec_json)``: many
+        new runs under one spec in ONE transaction, all or nothing (the built-in journals do;
+        ``Engine.start_many`` uses it, else calls this once per run).
 
         Raises:
             RunExistsError: a run with that id exists.

@@ -24,7 +24,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal.base import Commit, PruneReport, claim_each
+from fsm_runner.journal.base import Commit, NewRun, PruneReport, claim_each, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -101,15 +101,24 @@ class MemoryJournal:
         iterations: Sequence[IterationRecord] = (),
     ) -> None:
         """Store a new run with its transition seq 0, its spec and iterations."""
-        _check_json(run.input, run.context, run.error, first.result)
+        self.create_runs([(run, first, iterations)], spec_json=spec_json)
+
+    def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
+        """Store new runs, each with its transition seq 0 and iterations: all or none."""
+        for run, first, _ in new_runs(runs):
+            _check_json(run.input, run.context, run.error, first.result)
         with self._lock:
             self._check_open()
-            if run.run_id in self._runs:
-                raise RunExistsError(run.run_id)
-            self._specs.setdefault(run.spec_hash, spec_json)
-            self._runs[run.run_id] = run
-            self._transitions[run.run_id] = [first]
-            self._iterations[run.run_id] = {record.iteration: record for record in iterations}
+            seen: set[str] = set()
+            for run, _, _ in runs:
+                if run.run_id in self._runs or run.run_id in seen:
+                    raise RunExistsError(run.run_id)
+                seen.add(run.run_id)
+            for run, first, iterations in runs:
+                self._specs.setdefault(run.spec_hash, spec_json)
+                self._runs[run.run_id] = run
+                self._transitions[run.run_id] = [first]
+                self._iterations[run.run_id] = {record.iteration: record for record in iterations}
 
     def commit(
         self,
