@@ -56,6 +56,9 @@ for path in (ROOT, ROOT / "tests" / "bench"):
 from bench_engine import raw_rate, transitions_ddl  # noqa: E402
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition  # noqa: E402
+from fsm_runner._convert import format_utc  # noqa: E402
+from fsm_runner.journal import _sqlite_writes  # noqa: E402
+from fsm_runner.records import TransitionRecord, utc_now  # noqa: E402
 
 PHASES = ["a", "b", "c", "d"]
 STEPS = len(PHASES)
@@ -199,6 +202,78 @@ def raw_start_seconds(
     return elapsed
 
 
+def floor_rate(path: Path, runs: int) -> tuple[float, float]:
+    """The journal's own SQL for ``runs`` sync short runs, rows pre-built, no engine: steps/s.
+
+    Per run the statements a ``start(claim=True)`` + ``run`` writes: the start's transaction
+    (spec, run row, seq 0), three autocommit transition INSERTs (checked by the fence trigger)
+    and the last step's transaction (its transition, the run row's status, the lease cleared).
+    This is the most the sync figure can reach with the journal's schema, whatever the Python
+    around it costs. Also returns the WAL frames (pages) written per run.
+    """
+    with SqliteJournal(path) as journal:
+        engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
+        engine.run(engine.start(claim=True))
+        built = []
+        for _ in range(runs):
+            run, first, _ = engine._new_run(None, None, None, None, True)
+            steps = [
+                journal._transition_params(
+                    TransitionRecord(
+                        run_id=run.run_id,
+                        seq=seq,
+                        from_state=state,
+                        event="NEXT",
+                        to_state=next_state,
+                        at=utc_now(),
+                        duration_ms=0.01,
+                        lease_token=1,
+                    )
+                )
+                for seq, (state, next_state) in enumerate(
+                    zip(PHASES, [*PHASES[1:], "done"], strict=True), 1
+                )
+            ]
+            built.append(
+                (run.run_id, journal._run_params(run), journal._transition_params(first), steps)
+            )
+        spec = (SPEC.spec_hash, SPEC.name, SPEC.to_json(), format_utc(utc_now()))
+        engine.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")  # the WAL's growth counts the pages written
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    cursor = conn.cursor()
+    insert_spec = (
+        "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at) VALUES (?, ?, ?, ?)"
+    )
+    end = (
+        "UPDATE run_rows SET state = 'done', seq = 4, iteration = 0, updated_at = ?,"
+        " visit_seq = 4, status = 'succeeded', lease_owner = NULL, lease_expires_at = NULL"
+        " WHERE run_id = ?"
+    )
+    gc.collect()
+    started = time.perf_counter()
+    for run_id, run_row, first, steps in built:
+        cursor.execute("BEGIN IMMEDIATE")
+        cursor.execute(insert_spec, spec)
+        cursor.execute(_sqlite_writes._INSERT_RUN, run_row)
+        key = cursor.lastrowid
+        cursor.execute(_sqlite_writes._INSERT_TRANSITION, (*first, key))
+        cursor.execute("COMMIT")
+        for step in steps[:-1]:
+            cursor.execute(_sqlite_writes._INSERT_TRANSITION, (*step, key))
+        cursor.execute("BEGIN IMMEDIATE")
+        cursor.execute(_sqlite_writes._INSERT_TRANSITION, (*steps[-1], key))
+        cursor.execute(end, (steps[-1][7], run_id))
+        cursor.execute("COMMIT")
+    elapsed = time.perf_counter() - started
+    frames = (Path(f"{path}-wal").stat().st_size - 32) / (4096 + 24)
+    conn.close()
+    return runs * STEPS / elapsed, frames / runs
+
+
 def table_ddls(directory: Path) -> list[str]:
     """The journal's ``run_rows`` and ``transitions`` tables, without triggers, views or indexes."""
     with SqliteJournal(directory / "ddl.db") as journal:
@@ -274,6 +349,7 @@ def main() -> int:
         for k in (
             *("sync", "sync_unclaimed", "async", "async_one_by_one", "raw"),
             *("start", "start_one_by_one", "raw_start", "raw_start_one", "resume", "bare"),
+            *("floor", "frames"),
         )
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -308,6 +384,9 @@ def main() -> int:
                 value = measure(index)
                 assert isinstance(value, float)
                 figures[name].append(value)
+            floor, frames = floor_rate(directory / f"floor-{index}.db", args.runs)
+            figures["floor"].append(floor)
+            figures["frames"].append(frames)
             resumed, bare = resume_ms(directory, index)
             figures["resume"].append(resumed)
             figures["bare"].append(bare)
@@ -328,6 +407,12 @@ def main() -> int:
     ):
         rate = _median(figures[name])
         print(f"    {what}: {rate:,.0f} steps/s, ratio {rate / raw:.2f} (no target)")
+    floor = _median(figures["floor"])
+    print(
+        f"    the journal's own SQL for the sync runs, rows pre-built, no engine: {floor:,.0f}"
+        f" steps/s, ratio {floor / raw:.2f} (the most sync can reach with this schema);"
+        f" {_median(figures['frames']):.1f} pages written a run (raw: 4 commits of 2)"
+    )
     print(f"  raw    {raw:>9,.0f} single-row commits/s")
     start, raw_start = _median(figures["start"]), _median(figures["raw_start"])
     times = start / raw_start
