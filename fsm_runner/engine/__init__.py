@@ -399,7 +399,8 @@ class Engine(SyncDriver, AsyncDriver):
         )
         run = begin(self.spec, given, first)
         self._check_json(run_id, "input", input)
-        self._check_json(run_id, "context", run.context)
+        if run.context:
+            self._check_json(run_id, "context", run.context)
         opened = (
             [IterationRecord(run_id, 1, state=initial.name, started_at=now)] if iteration else []
         )

@@ -12,6 +12,7 @@ import datetime as dt
 import enum
 import hashlib
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,6 +92,8 @@ def dumps(value: Any) -> str | None:
     """
     if value is None:
         return None
+    if type(value) is dict and not value:
+        return "{}"  # a run's context before its first phase
     try:
         return dumps_json(value)
     except ValueError as exc:
@@ -133,19 +136,49 @@ def checked_spec_json(spec_hash: str, text: str, *, path: str | None) -> str:
 
 def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[Any, ...]:
     """The run row's values, in ``columns`` order."""
-    values = []
-    for column in columns:
-        value = getattr(run, column)
+    getter, converted, plain = _run_reader(tuple(columns))
+    values = list(getter(run))
+    for at, column in converted:
+        value = values[at]
         if column in RUN_JSON:
-            value = dumps(value)
+            values[at] = dumps(value)
         elif column == "status":
-            value = value.value
-        elif column in RUN_TIMES and value is not None:
-            value = stamp(value)
-        else:
+            values[at] = value.value
+        elif value is not None:
+            values[at] = stamp(value)
+    for at, column in plain:
+        value = values[at]
+        if isinstance(value, str):
+            if not value.isascii():
+                _check_column(value, column)
+        elif isinstance(value, float):
             _check_column(value, column)
-        values.append(value)
     return tuple(values)
+
+
+_Reader = tuple[
+    Callable[[RunRecord], tuple[Any, ...]], list[tuple[int, str]], list[tuple[int, str]]
+]
+_run_readers: dict[tuple[str, ...], _Reader] = {}
+
+
+def _run_reader(columns: tuple[str, ...]) -> _Reader:
+    """How :func:`run_params` reads ``columns``: one getter for all of them.
+
+    Then, by position, the columns it converts (JSON, the status, times) and those it checks.
+    """
+    reader = _run_readers.get(columns)
+    if reader is None:
+        getter = operator.attrgetter(*columns)
+        read = getter if len(columns) > 1 else lambda run: (getter(run),)
+        converted = [
+            (at, column)
+            for at, column in enumerate(columns)
+            if column in RUN_JSON or column == "status" or column in RUN_TIMES
+        ]
+        plain = [(at, c) for at, c in enumerate(columns) if (at, c) not in converted]
+        reader = _run_readers[columns] = (read, converted, plain)
+    return reader
 
 
 def transition_params(transition: TransitionRecord, stamp: Stamp) -> tuple[Any, ...]:
