@@ -19,23 +19,15 @@ _UTC = dt.timezone.utc
 converter = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
 
 
-# The formatted second of the last timestamp: most timestamps share it with the one before.
-_last_second: tuple[tuple[int, int, int, int, int, int], str] = ((0, 0, 0, 0, 0, 0), "")
-
-
 def format_utc(value: dt.datetime) -> str:
     """Format a datetime as UTC ISO-8601 with microseconds (naive datetimes are taken as UTC).
 
-    ``2026-11-21T22:13:07.123456+00:00``: fixed width, so the text sorts as the time does.
+    ``2026-11-21T22:13:07.123456+00:00``: fixed width (the year too), so the text sorts as the
+    time does.
     """
-    global _last_second  # noqa: PLW0603 - a one-entry cache; a race only costs a recomputation
     if value.tzinfo is not _UTC:
         value = value.replace(tzinfo=_UTC) if value.tzinfo is None else value.astimezone(_UTC)
-    key = (value.year, value.month, value.day, value.hour, value.minute, value.second)
-    cached = _last_second
-    if cached[0] != key:
-        cached = _last_second = (key, value.strftime("%Y-%m-%dT%H:%M:%S"))
-    return f"{cached[1]}.{value.microsecond:06d}+00:00"
+    return value.isoformat(timespec="microseconds")
 
 
 def parse_utc(value: str | dt.datetime) -> dt.datetime:
