@@ -9,9 +9,11 @@ batch in one transaction. On every journal."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import pytest
 from fsm_runner import Engine, RunOutcome, SqliteJournal
 from fsm_runner.engine import abort_run
 from fsm_runner.exceptions import LeaseHeldError, PayloadError, RunExistsError
+from fsm_runner.journal.base import Renewal
 from fsm_runner.replay import verify
 from tests.helpers import NEXT, linear_spec
 
@@ -352,3 +355,53 @@ class TestStartMany:
         run_ids = engine_for(plain).start_many(["x", "y"])
         assert plain.calls == ["create_run", "create_run"]
         assert [journal.load(r).input for r in run_ids] == ["x", "y"]
+
+
+class TestRenewMany:
+    """The heartbeat renews every lease an engine holds in one transaction (``renew_many``),
+    reading in it what it passes on: a lease taken over, an abort requested, a run ended."""
+
+    def test_every_lease_is_renewed_and_reported(self, journal):
+        engine = engine_for(journal)
+        run_ids = [engine.start() for _ in range(4)]
+        held = [journal.claim(run_id, "w", ttl=5) for run_id in run_ids]
+        journal.release(run_ids[1], "w", 1)
+        journal.claim(run_ids[1], "other", ttl=60)  # taken over: token 2
+        journal.request_abort(run_ids[2], "stop it")
+        engine_for(journal, worker_id="w").run(run_ids[3])  # ended by the holder: lease cleared
+        found = journal.renew_many(
+            [(r.run_id, r.lease_token) for r in held] + [("no-such-run", 1)], "w", ttl=600
+        )
+        assert found[run_ids[0]] == Renewal(renewed=True)
+        assert found[run_ids[1]] == Renewal(renewed=False)
+        assert found[run_ids[2]] == Renewal(renewed=True, abort_reason="stop it")
+        assert found[run_ids[3]] == Renewal(renewed=False, ended=True)
+        assert found["no-such-run"] == Renewal(renewed=False)
+        renewed = journal.load(run_ids[0]).lease_expires_at
+        assert renewed > held[0].lease_expires_at + dt.timedelta(seconds=500)
+        taken = journal.load(run_ids[1])
+        assert (taken.lease_owner, taken.lease_token) == ("other", 2)  # left as it was
+
+    def test_hundreds_of_leases_in_one_call(self, journal):
+        engine = engine_for(journal)
+        run_ids = engine.start_many([None] * 1200)
+        leases = [(journal.claim(r, "w", ttl=5).run_id, 1) for r in run_ids]
+        found = journal.renew_many(leases, "w", ttl=600)
+        assert len(found) == 1200
+        assert all(renewal.renewed for renewal in found.values())
+
+    def test_the_heartbeat_renews_all_held_leases_in_one_call(self, journal):
+        counting = Counting(journal)
+        engine = engine_for(counting, heartbeat_interval=0.02)
+        run_ids = engine.start_many([None] * 3, claim=True)
+        journal.request_abort(run_ids[0], "from elsewhere")
+        deadline = time.monotonic() + 10
+        while run_ids[0] not in engine._aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine._aborts == {run_ids[0]: "from elsewhere"}  # passed on by a heartbeat
+        beats = [call for call in counting.calls if call != "create_runs"]
+        assert beats
+        assert set(beats) == {"renew_many"}  # no renew or load run by run
+        engine.close()  # carries the abort out: the run was never driven
+        assert journal.load(run_ids[0]).status is RunOutcome.ABORTED
+        assert journal.load(run_ids[1]).lease_owner is None

@@ -32,6 +32,7 @@ from fsm_runner.exceptions import (
     SpecMismatchError,
 )
 from fsm_runner.journal import Journal
+from fsm_runner.journal.base import Renewal
 from fsm_runner.phases import PhaseContext
 from fsm_runner.records import RunRecord
 from fsm_runner.spec import MachineSpec
@@ -80,6 +81,7 @@ class _Hold:
 
 
 _RESERVED = _Hold()
+_TAKEN_OVER = "the run's lease was taken over by another worker"
 
 #: How many runs this engine started and has not yet claimed it remembers (see
 #: :meth:`LeaseKeeper.started`); past that the oldest are forgotten and claimed the usual way.
@@ -332,8 +334,22 @@ class LeaseKeeper:
                 if not held:
                     self._heartbeat = None
                     return
+            renew_many = getattr(owner.journal, "renew_many", None)
+            if renew_many is None:  # a journal without it: run by run
+                for run_id, token in held:
+                    self._renew(run_id, token)
+                continue
+            try:
+                found: dict[str, Renewal] = renew_many(held, owner.worker_id, ttl=owner.lease_ttl)
+            except FsmRunnerError as exc:
+                _log.warning("could not renew the leases of %d runs: %s", len(held), exc)
+                continue
             for run_id, token in held:
-                self._renew(run_id, token)
+                renewal = found[run_id]
+                if renewal.renewed:
+                    self._pass_on(run_id, token, lost=False, reason=renewal.abort_reason)
+                elif not renewal.ended:  # an ended run's last commit cleared its lease
+                    self._pass_on(run_id, token, lost=True, reason=_TAKEN_OVER)
 
     def _renew(self, run_id: str, token: int) -> None:
         """Renew one lease; pass on an abort requested elsewhere, or a lease found taken over."""
@@ -344,15 +360,20 @@ class LeaseKeeper:
             journal.renew(run_id, owner.worker_id, token, ttl=owner.lease_ttl)
             reason = journal.load(run_id).abort_reason
         except LeaseLostError:
-            lost, reason = True, "the run's lease was taken over by another worker"
+            lost, reason = True, _TAKEN_OVER
             with contextlib.suppress(FsmRunnerError):
                 if journal.load(run_id).ended:  # its last commit cleared the lease: not lost
                     return
         except FsmRunnerError as exc:
             _log.warning("run %s: could not renew its lease: %s", run_id, exc)
             return
+        self._pass_on(run_id, token, lost=lost, reason=reason)
+
+    def _pass_on(self, run_id: str, token: int, *, lost: bool, reason: str | None) -> None:
+        """Tell the run's phase of an abort requested elsewhere, or of its lease taken over."""
         if reason is None:
             return
+        owner = self._owner
         with self.lock:
             hold = self._held.get(run_id)
             if hold is None or hold.token != token:

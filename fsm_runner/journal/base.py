@@ -34,7 +34,17 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RunOutcome
 
-__all__ = ["Commit", "Durability", "Journal", "NewRun", "PruneReport", "claim_each", "new_runs"]
+__all__ = [
+    "Commit",
+    "Durability",
+    "Journal",
+    "NewRun",
+    "PruneReport",
+    "Renewal",
+    "claim_each",
+    "new_runs",
+    "renewals",
+]
 
 #: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
 #: ``power``: it also survives power loss (synchronous=FULL).
@@ -74,6 +84,46 @@ def new_runs(runs: Sequence[NewRun]) -> Sequence[NewRun]:
     if len(hashes) > 1:
         raise ValueError(f"runs created together are under one spec, not {len(hashes)}")
     return runs
+
+
+@attrs.frozen
+class Renewal:
+    """What ``renew_many`` found of one lease, for the heartbeat to pass on.
+
+    Attributes:
+        renewed: the lease was extended; ``False``: it is no longer held with that token (taken
+            over, let go, or the run is gone).
+        abort_reason: an abort requested of the run, if any.
+        ended: the run has ended.
+    """
+
+    renewed: bool
+    abort_reason: str | None = None
+    ended: bool = False
+
+
+def renewals(
+    leases: Sequence[tuple[str, int]],
+    owner: str,
+    found: Mapping[str, tuple[str | None, int, str | None, str]],
+) -> dict[str, Renewal]:
+    """Each lease's :class:`Renewal`, from the rows read right after the renewal.
+
+    ``found``: by run id, the stored lease owner, lease token, abort reason and status.
+    """
+    result = {}
+    for run_id, token in leases:
+        row = found.get(run_id)
+        if row is None:
+            result[run_id] = Renewal(renewed=False)
+            continue
+        holder, stored_token, reason, status = row
+        result[run_id] = Renewal(
+            renewed=holder == owner and stored_token == token,
+            abort_reason=reason,
+            ended=status != RunOutcome.ACTIVE.value,
+        )
+    return result
 
 
 @attrs.frozen
@@ -321,6 +371,11 @@ class Journal(Protocol):
 
         Raises:
             LeaseLostError: ``owner`` no longer holds the lease with ``token``.
+
+        A journal may also offer ``renew_many(leases, owner, *, ttl) -> dict[str, Renewal]``:
+        every ``(run_id, token)`` lease renewed in ONE transaction, and per run what the
+        heartbeat passes on (still held? an abort requested? ended?). The built-in journals do;
+        the engine's heartbeat uses it, else renews and loads run by run.
         """
 
     def release(self, run_id: str, owner: str, token: int) -> bool:

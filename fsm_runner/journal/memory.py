@@ -24,7 +24,15 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal.base import Commit, NewRun, PruneReport, claim_each, new_runs
+from fsm_runner.journal.base import (
+    Commit,
+    NewRun,
+    PruneReport,
+    Renewal,
+    claim_each,
+    new_runs,
+    renewals,
+)
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -448,6 +456,28 @@ class MemoryJournal:
                 raise LeaseLostError(run_id, token=token)
             self._runs[run_id] = attrs.evolve(run, lease_expires_at=expires)
         return expires
+
+    def renew_many(
+        self, leases: Sequence[tuple[str, int]], owner: str, *, ttl: float
+    ) -> dict[str, Renewal]:
+        """Renew the ``(run_id, token)`` leases ``owner`` holds, at once (see ``Journal``)."""
+        expires = utc_now() + dt.timedelta(seconds=ttl)
+        found = {}
+        with self._lock:
+            self._check_open()
+            for run_id, token in leases:
+                run = self._runs.get(run_id)
+                if run is None:
+                    continue
+                if _lease.holds(run, owner, token):
+                    run = self._runs[run_id] = attrs.evolve(run, lease_expires_at=expires)
+                found[run_id] = (
+                    run.lease_owner,
+                    run.lease_token,
+                    run.abort_reason,
+                    run.status.value,
+                )
+        return renewals(leases, owner, found)
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""

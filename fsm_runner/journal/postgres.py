@@ -61,7 +61,7 @@ from fsm_runner.journal._postgres_writes import (
     _Unresolved,
     _utc,
 )
-from fsm_runner.journal.base import Durability, PruneReport, claim_each
+from fsm_runner.journal.base import Durability, PruneReport, Renewal, claim_each, renewals
 from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
@@ -374,6 +374,29 @@ class PostgresJournal(PostgresOpening):
             return expires
 
         return self._call(work)  # setting an expiry again is harmless
+
+    def renew_many(
+        self, leases: Sequence[tuple[str, int]], owner: str, *, ttl: float
+    ) -> dict[str, Renewal]:
+        """Renew the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
+        run_ids, tokens = [run_id for run_id, _ in leases], [token for _, token in leases]
+
+        def work(conn: _Connection) -> dict[str, Renewal]:
+            with conn.transaction():
+                conn.execute(
+                    "UPDATE runs SET lease_expires_at = %s FROM unnest(%s::text[], %s::bigint[])"
+                    " AS held(run_id, token) WHERE runs.run_id = held.run_id"
+                    " AND runs.lease_token = held.token AND runs.lease_owner = %s",
+                    (_server_now(conn) + dt.timedelta(seconds=ttl), run_ids, tokens, owner),
+                )
+                rows = conn.execute(
+                    "SELECT run_id, lease_owner, lease_token, abort_reason, status FROM runs"
+                    " WHERE run_id = ANY(%s)",
+                    (run_ids,),
+                ).fetchall()
+            return renewals(leases, owner, {row[0]: row[1:] for row in rows})
+
+        return self._call(work)  # setting expiries again is harmless
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""

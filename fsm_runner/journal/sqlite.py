@@ -41,7 +41,7 @@ from fsm_runner.journal._sqlite_writes import (
     _inserted_key,
     refused_if_exists,
 )
-from fsm_runner.journal.base import Durability, PruneReport
+from fsm_runner.journal.base import Durability, PruneReport, Renewal, renewals
 from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
@@ -56,6 +56,8 @@ DEFAULT_PATH = "fsm-runner.db"
 
 _LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
 _CACHE_KIB = 16 * 1024
+#: Run ids in one ``IN (...)`` list (under SQLite's oldest default limit of 999 variables).
+_IDS_A_STATEMENT = 500
 #: Pragmas of every connection beyond WAL, synchronous and the page cache (benchmarks give their
 #: raw baselines the same). A checkpoint (with its fsyncs) once the WAL holds 10,000 pages
 #: (~40 MB) instead of SQLite's 1,000: a group commit of a thousand runs writes ~1,000 pages, and
@@ -371,6 +373,28 @@ class SqliteJournal(SqliteChecks):
             if not changed:
                 raise self._lease_lost(conn, run_id, token)
         return expires
+
+    def renew_many(
+        self, leases: Sequence[tuple[str, int]], owner: str, *, ttl: float
+    ) -> dict[str, Renewal]:
+        """Renew the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
+        expires = format_utc(utc_now() + dt.timedelta(seconds=ttl))
+        found: dict[str, tuple[str | None, int, str | None, str]] = {}
+        with self._write() as conn:
+            conn.executemany(
+                "UPDATE run_rows SET lease_expires_at = ? WHERE run_id = ? AND lease_owner = ?"
+                " AND lease_token = ?",
+                [(expires, run_id, owner, token) for run_id, token in leases],
+            )
+            for start in range(0, len(leases), _IDS_A_STATEMENT):
+                run_ids = [run_id for run_id, _ in leases[start : start + _IDS_A_STATEMENT]]
+                for run_id, *row in conn.execute(
+                    "SELECT run_id, lease_owner, lease_token, abort_reason, status FROM run_rows"
+                    f" WHERE run_id IN ({', '.join('?' * len(run_ids))})",
+                    run_ids,
+                ):
+                    found[run_id] = tuple(row)
+        return renewals(leases, owner, found)
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
