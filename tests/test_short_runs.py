@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from fsm_runner import Engine, RunOutcome, SqliteJournal
+from fsm_runner import (
+    Engine,
+    MachineSpec,
+    RunEvent,
+    RunOutcome,
+    SqliteJournal,
+    State,
+    Transition,
+)
 from fsm_runner.engine import abort_run
 from fsm_runner.exceptions import LeaseHeldError, PayloadError, RunExistsError
 from fsm_runner.journal.base import Renewal
@@ -164,6 +172,32 @@ class TestTheLastCommitEndsTheLease:
         stored = journal.load(run_id)
         assert stored.status is RunOutcome.ABORTED
         assert (stored.lease_owner, stored.lease_token) == (None, held.lease_token + 1)
+
+    def test_an_abort_from_outside_that_ends_the_run_writes_no_release(self, journal):
+        run_id = engine_for(journal).start()
+        counting = Counting(journal)
+        aborted = abort_run(counting, run_id, "operator", spec=SPEC)
+        assert aborted.status is RunOutcome.ABORTED
+        assert "release" not in counting.calls
+        assert journal.load(run_id).lease_owner is None
+
+    def test_an_abort_that_leads_to_a_phase_releases_its_short_lease(self, journal):
+        spec = MachineSpec(
+            "cleanup",
+            [State("a", handler="a"), State("cleaning", handler="a"), State("done", terminal=True)],
+            [
+                Transition("a", NEXT, "done"),
+                Transition("a", RunEvent.USER_ABORTED, "cleaning"),
+                Transition("cleaning", NEXT, "done"),
+            ],
+        )
+        run_id = Engine(spec, handlers={"a": noop}, journal=journal).start()
+        counting = Counting(journal)
+        moved = abort_run(counting, run_id, "operator", spec=spec)
+        assert (moved.state, moved.status) == ("cleaning", RunOutcome.ACTIVE)
+        assert counting.calls[-1] == "release"
+        assert journal.load(run_id).lease_owner is None
+        assert Engine(spec, handlers={"a": noop}, journal=journal).run(run_id).state == "done"
 
     def test_workers_leave_no_lease_on_the_runs_they_end(self, journal):
         engine = engine_for(journal)

@@ -68,6 +68,7 @@ def abort_run(
             if requested.lease_owner is not None:
                 return requested
             continue  # its holder let go meanwhile: nobody would carry it out, so move it here
+        ended = False
         try:
             run_spec = spec
             if run_spec is None or run_spec.spec_hash != run.spec_hash:
@@ -77,8 +78,10 @@ def abort_run(
                 journal.commit(after, transition)
             except RunConflictError:
                 continue  # another writer moved it meanwhile; look again
+            ended = after.ended
         finally:
-            journal.release(run_id, owner, run.lease_token)
+            if not ended:  # the commit that ends a run ends its lease: nothing to release
+                journal.release(run_id, owner, run.lease_token)
         if _notify is not None:
             _notify(transition, after)
         return unleased(after)
