@@ -258,19 +258,23 @@ class SqliteWrites(SqlJournal):
         ]
         spec = (runs[0][0].spec_hash, runs[0][0].machine, spec_json, format_utc(utc_now()))
         keys: list[int] = []
-        with self._write() as conn:
-            conn.execute(
-                "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
-                " VALUES (?, ?, ?, ?)",
-                spec,
-            )
-            for run_id, run_row, transition_row, iteration_rows in rows:
-                with refused_if_exists(run_id), self._errors():
+        run_id = rows[0][0]
+        try:
+            with self._write() as conn:
+                conn.execute(
+                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    spec,
+                )
+                for run_id, run_row, transition_row, iteration_rows in rows:  # noqa: B007
                     key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
-                conn.execute(_INSERT_TRANSITION, (*transition_row, key))
-                for row in iteration_rows:
-                    conn.execute(_UPSERT_ITERATION, row)
-                keys.append(key)
+                    conn.execute(_INSERT_TRANSITION, (*transition_row, key))
+                    for row in iteration_rows:
+                        conn.execute(_UPSERT_ITERATION, row)
+                    keys.append(key)
+        except JournalError as exc:
+            with refused_if_exists(run_id):  # the run whose row was refused
+                raise exc from exc.__cause__
         for (run, _, _), key in zip(runs, keys, strict=True):
             self._remember(run)
             self._remember_key(run.run_id, key)
