@@ -10,11 +10,18 @@ transition is durable, exactly as with one commit per step.
 
 from __future__ import annotations
 
-import asyncio
+import operator
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from fsm_runner._lazy import LazyModule
 from fsm_runner.journal.base import Commit, Journal
 from fsm_runner.records import RunRecord
+
+if TYPE_CHECKING:
+    import asyncio
+else:  # imported on first use: a sync run never needs it (see _lazy)
+    asyncio = LazyModule("asyncio", globals())
 
 __all__ = ["GroupClaimer", "GroupCommitter"]
 
@@ -101,7 +108,8 @@ class GroupCommitter:
                 future.set_exception(error)
 
 
-_cancelled = asyncio.Future.cancelled
+#: ``future.cancelled()``, with no Python frame a call (and no asyncio import at import time).
+_cancelled = operator.methodcaller("cancelled")
 
 
 class GroupClaimer:

@@ -15,7 +15,6 @@ without an engine; ``deadlines.py`` and ``interruption.py`` are small helpers of
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
 import threading
@@ -45,6 +44,14 @@ __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"
 
 _log = logging.getLogger("fsm_runner.engine")
 
+
+async def _asyncio_sleep(delay: float) -> None:
+    """``asyncio.sleep``: the default ``async_sleep``, importing asyncio only when it waits."""
+    import asyncio  # noqa: PLC0415 - a sync run never imports asyncio (see fsm_runner._lazy)
+
+    await asyncio.sleep(delay)
+
+
 #: The reducer's ``take`` at the time it is now, under the name tests import it by.
 _advance = take_now
 
@@ -64,7 +71,7 @@ class Engine(SyncDriver, AsyncDriver):
         listeners: called with each transition after it is committed (errors are logged).
         clock: a monotonic clock in seconds, for deadlines and durations.
         sleep: how to wait between retries in sync runs.
-        async_sleep: how to wait between retries in async runs.
+        async_sleep: how to wait between retries in async runs (``asyncio.sleep`` by default).
         allow_spec_change: resume runs that started under another spec, as long as their
             current state exists in this one.
         worker_id: who this engine is when it holds leases (default: host, pid and a random
@@ -101,7 +108,7 @@ class Engine(SyncDriver, AsyncDriver):
         listeners: Iterable[Listener] = (),
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
-        async_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        async_sleep: Callable[[float], Awaitable[None]] = _asyncio_sleep,
         allow_spec_change: bool = False,
         worker_id: str | None = None,
         lease_ttl: float = 30.0,

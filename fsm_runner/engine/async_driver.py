@@ -12,12 +12,12 @@ event is settled by :meth:`AsyncDriver._afinish_fast`.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import types
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.commits import PLAIN_RETURNS, StepWriter, new_commit
 from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.decisions import PhaseOutcome, PhaseStep, retry_wait
@@ -25,6 +25,11 @@ from fsm_runner.engine.leases import unleased
 from fsm_runner.exceptions import RunConflictError
 from fsm_runner.phases import PhaseContext
 from fsm_runner.records import RunRecord, TransitionRecord
+
+if TYPE_CHECKING:
+    import asyncio
+else:  # imported on first use: a sync run never needs it (see _lazy)
+    asyncio = LazyModule("asyncio", globals())
 
 __all__ = ["AsyncDriver"]
 

@@ -15,17 +15,17 @@ apply at once.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from fsm_runner._group import GroupCommitter
 from fsm_runner._json import dumps_json, error_info
+from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.classify import StepKind
 from fsm_runner.engine.decisions import (
     PhaseOutcome,
@@ -79,6 +79,11 @@ from fsm_runner.records import (
     utc_now,
 )
 from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
+
+if TYPE_CHECKING:
+    import asyncio
+else:  # imported on first use: a sync run never needs it (see _lazy)
+    asyncio = LazyModule("asyncio", globals())
 
 __all__ = ["PLAIN_RETURNS", "Listener", "Planned", "StepWriter", "new_commit", "take_now"]
 

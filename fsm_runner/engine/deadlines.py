@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.decisions import PhaseStep
 from fsm_runner.exceptions import PhaseTimeoutError
+
+if TYPE_CHECKING:
+    import asyncio
+else:  # imported on first use: a sync run never needs it (see _lazy)
+    asyncio = LazyModule("asyncio", globals())
 
 __all__ = ["with_deadline"]
 

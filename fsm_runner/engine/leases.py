@@ -10,7 +10,6 @@ is the engine's (its drivers and commits); the keeper reaches it through :class:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -18,12 +17,13 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from fsm_runner._group import GroupClaimer
 from fsm_runner._json import dumps_json
+from fsm_runner._lazy import LazyModule
 from fsm_runner.exceptions import (
     FsmRunnerError,
     LeaseHeldError,
@@ -36,6 +36,11 @@ from fsm_runner.journal.base import Renewal
 from fsm_runner.phases import PhaseContext
 from fsm_runner.records import RunRecord
 from fsm_runner.spec import MachineSpec
+
+if TYPE_CHECKING:
+    import asyncio
+else:  # imported on first use: a sync run never needs it (see _lazy)
+    asyncio = LazyModule("asyncio", globals())
 
 __all__ = ["LeaseKeeper", "LeaseOwner", "holder_is_dead", "new_worker_id", "unleased"]
 

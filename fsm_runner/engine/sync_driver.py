@@ -9,11 +9,11 @@ loop), and settle its outcome (:meth:`SyncDriver._settle`: commit it, or a retry
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.commits import PLAIN_RETURNS, StepWriter
 from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.decisions import PhaseOutcome, PhaseStep, retry_wait
@@ -22,6 +22,11 @@ from fsm_runner.exceptions import RunConflictError
 from fsm_runner.phases import PhaseContext
 from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import RunOutcome
+
+if TYPE_CHECKING:
+    import asyncio
+else:  # imported on first use: a sync run never needs it (see _lazy)
+    asyncio = LazyModule("asyncio", globals())
 
 __all__ = ["SyncDriver"]
 
