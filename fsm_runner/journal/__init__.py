@@ -9,7 +9,8 @@ connection and fenced commit), ``_sqlite_check`` (opening and checking a SQLite 
 PostgreSQL journal's schema).
 
 :class:`PostgresJournal` loads on first use, so that nothing here imports psycopg unless a
-PostgreSQL journal is asked for.
+PostgreSQL journal is asked for; :class:`MemoryJournal` too, so that a process on a file journal
+(every CLI command and worker) does not import it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import typing
 
 from fsm_runner.exceptions import JournalError
 from fsm_runner.journal.base import Durability, Journal, PruneReport
-from fsm_runner.journal.memory import MemoryJournal
 from fsm_runner.journal.sqlite import DEFAULT_PATH, SCHEMA_VERSION, SqliteJournal
 
 if typing.TYPE_CHECKING:
+    from fsm_runner.journal.memory import MemoryJournal
     from fsm_runner.journal.postgres import PostgresJournal as PostgresJournal  # not in __all__
 
 __all__ = [
@@ -42,7 +43,16 @@ _POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 def __getattr__(name: str) -> typing.Any:
     if name == "PostgresJournal":
         return _postgres_journal()
+    if name == "MemoryJournal":
+        from fsm_runner.journal.memory import MemoryJournal  # noqa: PLC0415 - lazy (above)
+
+        globals()[name] = MemoryJournal  # later uses are plain attribute reads
+        return MemoryJournal
     raise AttributeError(f"module 'fsm_runner.journal' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def _postgres_journal() -> type[PostgresJournal]:
@@ -82,6 +92,8 @@ def open_journal(
     """
     text = os.fspath(location)
     if text == ":memory:":
+        from fsm_runner.journal.memory import MemoryJournal  # noqa: PLC0415 - lazy (above)
+
         return MemoryJournal()
     if text.startswith(_POSTGRES_SCHEMES):
         return _postgres_journal()(text, durability=durability, create=create)
