@@ -8,11 +8,19 @@ list the command and must stay fast; Starlette, uvicorn and Jinja2 (``pip instal
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 import os
-import socket
+from typing import TYPE_CHECKING
 
 import click
+
+from fsm_runner._lazy import LazyModule
+
+if TYPE_CHECKING:
+    import ipaddress
+    import socket
+else:  # imported when the command runs, not by --help
+    ipaddress = LazyModule("ipaddress", globals())
+    socket = LazyModule("socket", globals())
 
 __all__ = ["is_loopback", "ui"]
 
