@@ -211,7 +211,7 @@ def main() -> int:
             counts = instructions(child, settings["bytecode cached"], directory)
             print("instructions (callgrind, bytecode cached):")
             print(f"  python -c pass               {counts[0]:>13,}")
-            for stage, before, after in zip(STAGES[1:], counts, counts[1:], strict=True):
+            for stage, (before, after) in zip(STAGES[1:], itertools.pairwise(counts), strict=True):
                 print(f"    {stage:<26} {after - before:>+13,}")
             print(
                 f"  resume in a fresh process    {counts[-1]:>13,}   "
