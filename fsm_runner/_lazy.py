@@ -27,10 +27,9 @@ class LazyModule:
     """Stands for the module ``name`` in ``namespace`` until an attribute of it is read.
 
     Args:
-        name: the module's import name.
+        name: a top-level module's name (``asyncio``).
         namespace: the ``globals()`` of the module that uses it; the module replaces this
-            stand-in there (under the name's last part, as ``import name`` binds it) on first
-            use.
+            stand-in there, under ``name`` as ``import name`` binds it, on first use.
     """
 
     __slots__ = ("_name", "_namespace")
@@ -42,7 +41,7 @@ class LazyModule:
     def __getattr__(self, attribute: str) -> Any:
         module = importlib.import_module(self._name)
         # Two threads may both get here: both bind the same module, imported once.
-        self._namespace[self._name.rpartition(".")[2]] = module
+        self._namespace[self._name] = module
         return getattr(module, attribute)
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fsm_runner import Engine, SqliteJournal
+from fsm_runner._lazy import LazyModule
 from tests.helpers import NEXT, linear_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,7 @@ NOT_IMPORTED = (
 RESUME = """
 import json, sys
 from fsm_runner import Engine, SqliteJournal
+from fsm_runner._lazy import LazyModule
 from tests.helpers import NEXT, linear_spec
 
 def first(ctx):
@@ -138,3 +140,10 @@ class TestFreshProcess:
         assert "MemoryJournal" in dir(fsm_runner.journal)
         assert fsm_runner.journal.MemoryJournal.__module__ == "fsm_runner.journal.memory"
         assert type(fsm_runner.journal.open_journal(":memory:")).__name__ == "MemoryJournal"
+
+    def test_a_lazy_module_puts_the_module_in_its_place_on_first_use(self):
+        namespace: dict = {}
+        namespace["json"] = LazyModule("json", namespace)
+        assert "imported on first use" in repr(namespace["json"])
+        assert namespace["json"].dumps([1]) == "[1]"
+        assert namespace["json"] is json
