@@ -364,28 +364,33 @@ class SqliteWrites(SqlJournal):
         results: list[Exception | None],
         stored: list[int],
     ) -> None:
+        """The group's transaction: every commit at once where it can, else each on its own.
+
+        A group of distinct runs goes in at once: all its transitions in multi-row INSERTs,
+        then the other statements (the run-row UPDATEs of the runs that end, say) one
+        ``executemany`` per distinct SQL, in the order each first appears. Commits of distinct
+        runs touch distinct rows, so their order does not matter. If any of it is refused
+        (``IntegrityError``), the transaction is rolled back and every commit is done again
+        on its own, each with its statements in a SAVEPOINT: refused alone.
+        """
         written = self._written
         cursor = self._cursor
         cursor.execute("BEGIN IMMEDIATE")
         try:
-            one_each = [item for item in planned if item[2] is not None]
-            bulk = [item for item in planned if item[2] is None]
-            if len(bulk) > 1 and len({commits[i].run.run_id for i, _, _ in planned}) == len(
+            if len(planned) > 1 and len({commits[i].run.run_id for i, _, _ in planned}) == len(
                 planned
             ):
                 try:
-                    self._insert_many([insert for _, insert, _ in bulk])
+                    self._apply_group(planned)
                 except sqlite3.IntegrityError:  # one of them is refused: each on its own, below
                     cursor.execute("ROLLBACK")
                     cursor.execute("BEGIN IMMEDIATE")
-                    one_each = list(planned)
                 else:
-                    for index, _, _ in bulk:
+                    for index, _, _ in planned:
                         written[commits[index].run.run_id] = commits[index].run
                         stored.append(index)
-            else:
-                one_each = list(planned)
-            for index, insert, rows in one_each:
+                    planned = ()
+            for index, insert, rows in planned:
                 run = commits[index].run
                 try:
                     if rows is None:
@@ -405,6 +410,25 @@ class SqliteWrites(SqlJournal):
             if self._conn.in_transaction:
                 cursor.execute("ROLLBACK")
             raise
+
+    def _apply_group(
+        self,
+        planned: Sequence[tuple[int, tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]],
+    ) -> None:
+        """Every statement of a group of distinct runs' commits (inside its transaction)."""
+        self._insert_many([insert for _, insert, _ in planned])
+        others: dict[str, list[tuple[Any, ...]]] = {}
+        for _, _, rows in planned:
+            if rows is not None:
+                for sql, params in rows:
+                    same = others.get(sql)
+                    if same is None:
+                        others[sql] = [params]
+                    else:
+                        same.append(params)
+        cursor = self._cursor
+        for sql, params_list in others.items():
+            cursor.executemany(sql, params_list)
 
     def _insert_many(self, inserts: Sequence[tuple[Any, ...]]) -> None:
         """INSERT many transitions (of distinct runs) in as few statements as the parameters allow.
