@@ -104,8 +104,10 @@ def advance(
 
     Derived: state, status, seq, iteration, attempt, visit and return target, context (a
     phase's ``result["context"]`` merged in), error (the phase's ``result["error"]``, or the
-    spec transition's ``reason``), ``updated_at``, the spec hash after a ``spec_change`` and the
-    abort request (cleared by ``USER_ABORTED``). Everything else is carried over from ``run``.
+    spec transition's ``reason``), ``updated_at``, the spec hash after a ``spec_change``, the
+    abort request (cleared by ``USER_ABORTED``) and the lease holder (none once the run has
+    ended: the commit that ends a run ends its lease). Everything else is carried over from
+    ``run``.
 
     Args:
         spec: the spec the run is under.
@@ -124,13 +126,15 @@ def advance(
         spec_hash, context, error = _from_result(run, result, transition.event, kind)
     else:
         spec_hash, context, error = run.spec_hash, run.context, None
+    status = _status(entered, kind)
+    held = status is RunOutcome.ACTIVE  # a run that ends lets go of its lease
     # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
     return RunRecord(
         run.run_id,
         run.machine,
         spec_hash,
         dest,
-        _status(entered, kind),
+        status,
         seq,
         _iteration(run, entered, kind),
         attempt,
@@ -142,8 +146,8 @@ def advance(
         run.parent_run_id,
         run.forked_from,
         None if transition.event == USER_ABORTED else run.abort_reason,
-        run.lease_owner,
-        run.lease_expires_at,
+        run.lease_owner if held else None,
+        run.lease_expires_at if held else None,
         transition.lease_token,
         return_to,
         return_attempt,
@@ -292,6 +296,7 @@ def advance_plain(  # noqa: PLR0917 - positional on purpose: the hot path
     """
     seq = run.seq + 1
     run_id = run.run_id
+    held = status is RunOutcome.ACTIVE  # a run that ends lets go of its lease (see advance)
     transition = _new_transition(
         run_id, seq, run.state, event, dest, 0, run.attempt, at, duration_ms, None,
         run.lease_token,
@@ -313,8 +318,8 @@ def advance_plain(  # noqa: PLR0917 - positional on purpose: the hot path
         run.parent_run_id,
         run.forked_from,
         run.abort_reason,
-        run.lease_owner,
-        run.lease_expires_at,
+        run.lease_owner if held else None,
+        run.lease_expires_at if held else None,
         run.lease_token,
         None,
         0,
