@@ -486,7 +486,7 @@ class SqliteWrites(SqlJournal):
         ):
             extra = None
         else:
-            extra = self._extra_update(run, transition)
+            extra = self._extra_update(run, transition, insert[7])
         if extra is None and not iterations and not artifacts and spec_json is None:
             return insert, None
         rows = [extra] if extra is not None else []
@@ -546,7 +546,7 @@ class SqliteWrites(SqlJournal):
             raise
 
     def _extra_update(
-        self, run: RunRecord, transition: TransitionRecord
+        self, run: RunRecord, transition: TransitionRecord, at: str
     ) -> tuple[str, tuple[Any, ...]]:
         """The UPDATE of the stored run row, when more than the run's head changed.
 
@@ -559,7 +559,8 @@ class SqliteWrites(SqlJournal):
         visit_seq). Every column assigned costs (the status index alone ~8 µs a step), so when
         this journal knows the row as stored at ``seq - 1`` it leaves unchanged columns alone.
         That knowledge is safe: the fence trigger refuses the commit unless the run is at
-        ``seq - 1``.
+        ``seq - 1``. ``at`` is the transition's time as the INSERT writes it: the row's
+        ``updated_at`` when it was the transition's (the engine's rows), formatted once.
         """
         known = self._written.get(run.run_id)
         if known is not None and known.seq != transition.seq - 1:
@@ -569,7 +570,7 @@ class SqliteWrites(SqlJournal):
             run.state,
             run.seq,
             run.iteration,
-            format_utc(run.updated_at),
+            at if run.updated_at is transition.at else format_utc(run.updated_at),
             run.visit_seq,
         ]
         if known is None or run.status is not known.status:
