@@ -486,7 +486,7 @@ class SqliteWrites(SqlJournal):
         ):
             extra = None
         else:
-            extra = self._extra_update(run, transition, insert[7])
+            extra = self._extra_update(run, transition, insert[7], insert[11])
         if extra is None and not iterations and not artifacts and spec_json is None:
             return insert, None
         rows = [extra] if extra is not None else []
@@ -546,7 +546,7 @@ class SqliteWrites(SqlJournal):
             raise
 
     def _extra_update(
-        self, run: RunRecord, transition: TransitionRecord, at: str
+        self, run: RunRecord, transition: TransitionRecord, at: str, key: int
     ) -> tuple[str, tuple[Any, ...]]:
         """The UPDATE of the stored run row, when more than the run's head changed.
 
@@ -561,6 +561,10 @@ class SqliteWrites(SqlJournal):
         That knowledge is safe: the fence trigger refuses the commit unless the run is at
         ``seq - 1``. ``at`` is the transition's time as the INSERT writes it: the row's
         ``updated_at`` when it was the transition's (the engine's rows), formatted once.
+
+        The row is found by ``key``, its ``run_key`` (the rowid: no lookup in the ``run_id``
+        index). It runs only after the transition's INSERT in the same transaction, which the
+        fence trigger admits only with the ``run_key`` of that very ``run_id``.
         """
         known = self._written.get(run.run_id)
         if known is not None and known.seq != transition.seq - 1:
@@ -598,12 +602,12 @@ class SqliteWrites(SqlJournal):
             # The run ends: its lease ends with it (the token stays, as a release leaves it).
             columns += ["lease_owner", "lease_expires_at"]
             params += [None, None]
-        key = tuple(columns)
-        sql = self._update_sql.get(key)
+        names = tuple(columns)
+        sql = self._update_sql.get(names)
         if sql is None:
             assignments = ", ".join(f"{column} = ?" for column in columns)
-            sql = self._update_sql[key] = f"UPDATE run_rows SET {assignments} WHERE run_id = ?"
-        params.append(run.run_id)
+            sql = self._update_sql[names] = f"UPDATE run_rows SET {assignments} WHERE run_key = ?"
+        params.append(key)
         return sql, tuple(params)
 
     def _remember(self, run: RunRecord) -> None:
