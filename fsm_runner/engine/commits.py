@@ -101,6 +101,8 @@ PLAIN_RETURNS = (str, PhaseResult, enum.Enum)
 #: A transition about to be committed: the transition, the run row it leads to, and the
 #: iterations and artifacts written with it (a plain tuple: built on the hot path).
 Planned = tuple[TransitionRecord, RunRecord, Sequence[IterationRecord], Sequence[ArtifactRecord]]
+#: Read once: an enum member looked up on its class costs ~70 ns (Python 3.11), once a step.
+_ACTIVE = RunOutcome.ACTIVE
 
 
 def _error_info(exc: BaseException) -> dict[str, Any]:
@@ -408,7 +410,7 @@ class StepWriter:
     def _committed(
         self, transition: TransitionRecord, after: RunRecord
     ) -> tuple[TransitionRecord, RunRecord]:
-        if after.status is not RunOutcome.ACTIVE or transition.event == USER_ABORTED:
+        if after.status is not _ACTIVE or transition.event == USER_ABORTED:
             with self._lock:
                 self._aborts.pop(after.run_id, None)
         if self.listeners:

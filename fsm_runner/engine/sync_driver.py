@@ -30,6 +30,9 @@ else:  # imported on first use: a sync run never needs it (see _lazy)
 
 __all__ = ["SyncDriver"]
 
+#: Read once: an enum member looked up on its class costs ~70 ns (Python 3.11), once a step.
+_ACTIVE = RunOutcome.ACTIVE
+
 
 class SyncDriver(StepWriter):
     """Steps runs in the calling thread: :meth:`step`, :meth:`run` (and workers' runs)."""
@@ -99,7 +102,7 @@ class SyncDriver(StepWriter):
 
     def _drive(self, run: RunRecord, max_steps: int | None) -> RunRecord:
         steps = 0
-        while (max_steps is None or steps < max_steps) and not run.ended:
+        while (max_steps is None or steps < max_steps) and run.status is _ACTIVE:  # not ended
             try:
                 transition, after = self._step(run)
             except RunConflictError as refused:
@@ -180,7 +183,7 @@ class SyncDriver(StepWriter):
                 if iterations:
                     return self._write(planned)
                 self.journal.commit(after, transition)
-                if after.status is not RunOutcome.ACTIVE:
+                if after.status is not _ACTIVE:
                     self._aborts.pop(run_id, None)
                 if self.listeners:
                     self._notify(transition, after)
