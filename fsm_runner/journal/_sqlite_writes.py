@@ -138,6 +138,47 @@ def _inserted_key(cursor: sqlite3.Cursor) -> int:
     return key
 
 
+#: One commit of a group, planned: its index in the group, its INSERT's parameters and the
+#: other statements that go with it (``None``: the INSERT is the whole commit).
+_Planned = tuple[int, tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]
+
+
+def _apply_group(cursor: sqlite3.Cursor, planned: Sequence[_Planned], per_statement: int) -> None:
+    """Every statement of a group of distinct runs' commits (inside its transaction).
+
+    The transitions first (:func:`_insert_many`), then the other statements, one
+    ``executemany`` per distinct SQL in the order each first appears.
+    """
+    _insert_many(cursor, [insert for _, insert, _ in planned], per_statement)
+    others: dict[str, list[tuple[Any, ...]]] = {}
+    for _, _, rows in planned:
+        if rows is not None:
+            for sql, params in rows:
+                same = others.get(sql)
+                if same is None:
+                    others[sql] = [params]
+                else:
+                    same.append(params)
+    for sql, params_list in others.items():
+        cursor.executemany(sql, params_list)
+
+
+def _insert_many(
+    cursor: sqlite3.Cursor, inserts: Sequence[tuple[Any, ...]], per_statement: int
+) -> None:
+    """INSERT many transitions (of distinct runs) in as few statements as the parameters allow.
+
+    One multi-row VALUES statement binds the whole group and steps once: one call, instead
+    of one per row, and SQLite releases the GIL for the whole of it. The rows go in the
+    order of the ``(run_key, seq)`` index, so each insert lands next to the one before
+    instead of in a random leaf: half the cost of a row at 1,000 runs (bench_concurrent).
+    """
+    inserts = sorted(inserts, key=_run_key_of)
+    for start in range(0, len(inserts), per_statement):
+        chunk = inserts[start : start + per_statement]
+        cursor.execute(_bulk_insert(len(chunk)), list(itertools.chain.from_iterable(chunk)))
+
+
 class SqliteWrites(SqlJournal):
     """The writing half of :class:`~fsm_runner.journal.sqlite.SqliteJournal` (set up there)."""
 
@@ -360,7 +401,7 @@ class SqliteWrites(SqlJournal):
     def _write_group(
         self,
         commits: Sequence[Commit],
-        planned: Sequence[tuple[int, tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]],
+        planned: Sequence[_Planned],
         results: list[Exception | None],
         stored: list[int],
     ) -> None:
@@ -381,7 +422,7 @@ class SqliteWrites(SqlJournal):
                 planned
             ):
                 try:
-                    self._apply_group(planned)
+                    _apply_group(cursor, planned, self._bulk_rows)
                 except sqlite3.IntegrityError:  # one of them is refused: each on its own, below
                     cursor.execute("ROLLBACK")
                     cursor.execute("BEGIN IMMEDIATE")
@@ -410,41 +451,6 @@ class SqliteWrites(SqlJournal):
             if self._conn.in_transaction:
                 cursor.execute("ROLLBACK")
             raise
-
-    def _apply_group(
-        self,
-        planned: Sequence[tuple[int, tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]],
-    ) -> None:
-        """Every statement of a group of distinct runs' commits (inside its transaction)."""
-        self._insert_many([insert for _, insert, _ in planned])
-        others: dict[str, list[tuple[Any, ...]]] = {}
-        for _, _, rows in planned:
-            if rows is not None:
-                for sql, params in rows:
-                    same = others.get(sql)
-                    if same is None:
-                        others[sql] = [params]
-                    else:
-                        same.append(params)
-        cursor = self._cursor
-        for sql, params_list in others.items():
-            cursor.executemany(sql, params_list)
-
-    def _insert_many(self, inserts: Sequence[tuple[Any, ...]]) -> None:
-        """INSERT many transitions (of distinct runs) in as few statements as the parameters allow.
-
-        One multi-row VALUES statement binds the whole group and steps once: one call, instead
-        of one per row, and SQLite releases the GIL for the whole of it. The rows go in the
-        order of the ``(run_key, seq)`` index, so each insert lands next to the one before
-        instead of in a random leaf: half the cost of a row at 1,000 runs (bench_concurrent).
-        """
-        inserts = sorted(inserts, key=_run_key_of)
-        per_statement = self._bulk_rows
-        for start in range(0, len(inserts), per_statement):
-            chunk = inserts[start : start + per_statement]
-            self._cursor.execute(
-                _bulk_insert(len(chunk)), list(itertools.chain.from_iterable(chunk))
-            )
 
     def _statements(
         self,
