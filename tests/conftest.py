@@ -168,6 +168,21 @@ def sqlite_journal(tmp_path):
     j.close()
 
 
+#: The environment variable that keeps a child ``pytest`` to its built-in plugins.
+NO_PLUGIN_AUTOLOAD = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"
+
+
+@pytest.fixture
+def lean_child_pytest(monkeypatch):
+    """Child ``pytest`` processes (the agent loop's verification level) load no installed plugins.
+
+    The test environment installs hypothesis and anyio, whose pytest plugins a child pytest
+    would load on start (about a second of CPU each time, most of it importing hypothesis); the
+    tiny test files the agent loop verifies use neither. The child is still a real pytest run.
+    """
+    monkeypatch.setenv(NO_PLUGIN_AUTOLOAD, "1")
+
+
 @pytest.fixture
 def in_tmp_path(tmp_path, monkeypatch):
     """Run in tmp_path: apps built by `--app` factories open ./fsm-runner.db, not in the checkout."""

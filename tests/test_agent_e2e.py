@@ -466,5 +466,5 @@ class TestCommands:
 
 
 @pytest.fixture(autouse=True)
-def _no_git_prompts(monkeypatch):
+def _no_git_prompts(monkeypatch, lean_child_pytest):
     monkeypatch.setenv("GIT_TERMINAL_PROMPT", "0")
