@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,92 @@ from fsm_runner import MemoryJournal, SqliteJournal
 POSTGRES_URL = os.environ.get(
     "FSM_RUNNER_TEST_POSTGRES_URL", "postgresql://root@127.0.0.1:5432/test"
 )
+
+
+#: Test modules whose tests run one after another on one pytest-xdist worker (``--dist
+#: loadgroup``) while the other worker runs the rest: the ones that spawn many processes and
+#: steer them by time (leases of a second or two, kills every 0.2 s), and the run inspector's
+#: browser tests, whose PostgreSQL server must not see the server restart from another worker.
+PROCESS_MODULES = frozenset(
+    {
+        "test_crash_torture.py",
+        "test_postgres_workers.py",
+        "test_race.py",
+        "test_shared_file.py",
+        "test_ui.py",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in PROCESS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+class SuiteLock:
+    """Lets a test marked ``alone`` run while no other worker of the session runs a test.
+
+    Under pytest-xdist every test holds a shared lock (``flock``) on a file of the session for
+    its setup, call and teardown; an ``alone`` test holds it exclusively. A second file is the
+    turnstile: a test takes it before the shared lock, so that once an ``alone`` test waits, no
+    new test starts before it. In a single process tests run one at a time anyway: no locks.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.files: list[int] = []
+        workerinput = getattr(config, "workerinput", None)
+        if workerinput is not None:
+            # Each worker's basetemp is a folder of the controller's, one per session.
+            folder = Path(config.option.basetemp).parent
+            self.files = [
+                os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600)
+                for name in ("turnstile.lock", "suite.lock")
+            ]
+
+    @contextlib.contextmanager
+    def held(self, *, alone: bool) -> Iterator[None]:
+        if not self.files:
+            yield
+            return
+        import fcntl
+
+        turnstile, suite = self.files
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(suite, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(suite, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd in self.files:
+            os.close(fd)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[SUITE_LOCK] = SuiteLock(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    config.stash[SUITE_LOCK].close()
+
+
+SUITE_LOCK = pytest.StashKey[SuiteLock]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Setup, call and teardown (session fixtures' too) under the suite lock."""
+    with item.config.stash[SUITE_LOCK].held(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 class PostgresServer:

@@ -395,6 +395,7 @@ def stop_server(postgres_server, postgres_schema) -> Iterator[Callable[[str, flo
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it stops the shared server: no other test may use it meanwhile
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_workers_go_on_through_a_server_restart(
     mode, postgres_server, postgres_schema, pg_journal, side, stop_server, tmp_path
