@@ -19,6 +19,12 @@ _UTC = dt.timezone.utc
 converter = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
 
 
+#: The formatted seconds of recent timestamps: most share theirs with one before (a run's
+#: times with each other, its lease expiries with each other). Cleared when full.
+_seconds: dict[tuple[int, int, int, int, int, int], str] = {}
+_SECONDS_KEPT = 64
+
+
 def format_utc(value: dt.datetime) -> str:
     """Format a datetime as UTC ISO-8601 with microseconds (naive datetimes are taken as UTC).
 
@@ -27,7 +33,13 @@ def format_utc(value: dt.datetime) -> str:
     """
     if value.tzinfo is not _UTC:
         value = value.replace(tzinfo=_UTC) if value.tzinfo is None else value.astimezone(_UTC)
-    return value.isoformat(timespec="microseconds")
+    key = (value.year, value.month, value.day, value.hour, value.minute, value.second)
+    second = _seconds.get(key)
+    if second is None:
+        if len(_seconds) >= _SECONDS_KEPT:
+            _seconds.clear()  # a race only costs a recomputation
+        second = _seconds[key] = "{:04d}-{:02d}-{:02d}T{:02d}:{:02d}:{:02d}".format(*key)
+    return f"{second}.{value.microsecond:06d}+00:00"
 
 
 def parse_utc(value: str | dt.datetime) -> dt.datetime:
