@@ -76,20 +76,33 @@ def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> Ru
     entered = leaf(spec, transition.to_state)
     result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
     context = result.get("context")
-    return attrs.evolve(
-        run,
-        state=transition.to_state,
-        status=RunOutcome.ACTIVE if entered is None else entered.final_outcome,
-        seq=transition.seq,
-        iteration=1 if entered is not None and entered.starts_iteration else 0,
-        attempt=1,
-        context=dict(context) if isinstance(context, Mapping) else {},
-        error=None,
-        updated_at=transition.at,
-        return_to=None,
-        return_attempt=0,
-        visit_seq=transition.seq,
-        return_visit=0,
+    seq = transition.seq
+    # attrs.evolve(run, ...) with these fields, built positionally (every start builds one)
+    return _new_run(
+        run.run_id,
+        run.machine,
+        run.spec_hash,
+        transition.to_state,
+        _ACTIVE if entered is None else entered.final_outcome,
+        seq,
+        1 if entered is not None and entered.starts_iteration else 0,
+        1,
+        run.input,
+        dict(context) if isinstance(context, Mapping) else {},
+        None,
+        run.created_at,
+        transition.at,
+        run.parent_run_id,
+        run.forked_from,
+        run.abort_reason,
+        run.lease_owner,
+        run.lease_expires_at,
+        run.lease_token,
+        None,
+        0,
+        seq,
+        0,
+        run.recoveries,
     )
 
 

@@ -148,10 +148,11 @@ def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[An
             values[at] = stamp(value)
     for at, column in plain:
         value = values[at]
-        if isinstance(value, str):
+        kind = value.__class__
+        if kind is str:
             if not value.isascii():
                 _check_column(value, column)
-        elif isinstance(value, float):
+        elif kind is not int and value is not None:  # floats, str subclasses: checked as ever
             _check_column(value, column)
     return tuple(values)
 
