@@ -137,9 +137,7 @@ class LeaseKeeper:
         the one it wrote (:meth:`claim`), which needs neither a load nor a transaction of its own
         beyond that one conditional UPDATE.
         """
-        # As a load would read it back: the handlers see JSON values, never the caller's objects.
-        if not _plain(run.input) or run.context:
-            run = attrs.evolve(run, input=_as_read(run.input), context=_as_read(run.context))
+        run = _as_loaded(run)
         with self.lock:
             if len(self._started) >= _REMEMBERED_STARTS:
                 self._started.clear()
@@ -151,10 +149,8 @@ class LeaseKeeper:
         The heartbeat renews the lease from now on; the run's first drive here takes the row
         as written (:meth:`claim`, :meth:`aclaim`) and writes no claim.
         """
-        journal = self._owner.journal
-        if not _plain(run.input) or run.context:
-            run = attrs.evolve(run, input=_as_read(run.input), context=_as_read(run.context))
-        self.hold(run, fresh=(journal, run))
+        run = _as_loaded(run)
+        self.hold(run, fresh=(self._owner.journal, run))
 
     def _take_fresh(self, run_id: str) -> RunRecord | None:
         """A run this engine started holding and has not driven, as written, now driven; or None."""
@@ -466,6 +462,13 @@ class LeaseKeeper:
 def _plain(value: object) -> bool:
     """Whether ``value`` reads back from JSON as itself (and is immutable)."""
     return value is None or type(value) in (str, int, float, bool)
+
+
+def _as_loaded(run: RunRecord) -> RunRecord:
+    """A run just written, as a load would read it back: its handlers see JSON values only."""
+    if _plain(run.input) and not run.context:
+        return run
+    return attrs.evolve(run, input=_as_read(run.input), context=_as_read(run.context))
 
 
 def _as_read(value: Any) -> Any:

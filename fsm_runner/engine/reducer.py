@@ -36,6 +36,7 @@ from fsm_runner.records import (
 from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
 
 __all__ = [
+    "ACTIVE",
     "StepKind",
     "abort_records",
     "advance",
@@ -57,8 +58,9 @@ _EMPTY: Mapping[str, Any] = {}
 # The plain step's record constructors: every field, positionally (see positional_builder).
 _new_run = positional_builder(RunRecord)
 _new_transition = positional_builder(TransitionRecord)
-#: Read once: an enum member looked up on its class costs ~70 ns (Python 3.11), once a step.
-_ACTIVE = RunOutcome.ACTIVE
+#: Read once: an enum member looked up on its class costs ~70 ns (Python 3.11), once a step
+#: (the drivers and the commit planner read it from here too).
+ACTIVE = RunOutcome.ACTIVE
 
 
 def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> RunRecord:
@@ -83,7 +85,7 @@ def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> Ru
         run.machine,
         run.spec_hash,
         transition.to_state,
-        _ACTIVE if entered is None else entered.final_outcome,
+        ACTIVE if entered is None else entered.final_outcome,
         seq,
         1 if entered is not None and entered.starts_iteration else 0,
         1,
@@ -142,7 +144,7 @@ def advance(
     else:
         spec_hash, context, error = run.spec_hash, run.context, None
     status = _status(entered, kind)
-    held = status is _ACTIVE  # a run that ends lets go of its lease
+    held = status is ACTIVE  # a run that ends lets go of its lease
     # The constructor, not attrs.evolve: this runs once per step and evolve costs ~3x more.
     return RunRecord(
         run.run_id,
@@ -311,7 +313,7 @@ def advance_plain(  # noqa: PLR0917 - positional on purpose: the hot path
     """
     seq = run.seq + 1
     run_id = run.run_id
-    held = status is _ACTIVE  # a run that ends lets go of its lease (see advance)
+    held = status is ACTIVE  # a run that ends lets go of its lease (see advance)
     transition = _new_transition(
         run_id, seq, run.state, event, dest, 0, run.attempt, at, duration_ms, None,
         run.lease_token,
