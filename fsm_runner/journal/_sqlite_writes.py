@@ -15,7 +15,7 @@ import functools
 import itertools
 import operator
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fsm_runner.events import USER_ABORTED
@@ -193,6 +193,8 @@ class SqliteWrites(SqlJournal):
     _keys: dict[str, int]
     _update_sql: dict[tuple[str, ...], str]
     _bulk_rows: int
+    _checkpointer: object | None
+    _start_checkpoints: Callable[[], None]  # the journal's: checkpoints off this thread
 
     # -- error mapping -------------------------------------------------------------------------
 
@@ -236,6 +238,8 @@ class SqliteWrites(SqlJournal):
             if self._unwritable is not None:
                 raise JournalError(self._unwritable, path=self.path)
             conn = self._conn
+            if self._checkpointer is None:  # the first write: checkpoints off this thread
+                self._start_checkpoints()
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn

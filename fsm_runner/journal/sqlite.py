@@ -29,6 +29,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._checkpoint import Checkpointer
 from fsm_runner.journal._sqlite_check import (
     APPLICATION_ID,
     SCHEMA_VERSION,
@@ -65,6 +66,10 @@ _IDS_A_STATEMENT = 500
 #: back to 64 MiB after a checkpoint; a crashed process's WAL is replayed on the next open
 #: (tens of milliseconds at that size).
 TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
+#: Once a journal's checkpoints run on a thread of their own (:mod:`._checkpoint`, from its
+#: first write transaction), its committing connection checkpoints only past this many times
+#: ``wal_autocheckpoint`` pages: a backstop should that thread fall behind.
+_BACKSTOP = 4
 
 T = TypeVar("T")
 
@@ -115,6 +120,8 @@ class SqliteJournal(SqliteChecks):
         self._keys: dict[str, int] = {}  # run id -> run_rows.run_key, as read or written here
         self._update_sql: dict[tuple[str, ...], str] = {}
         self._create = create
+        #: The thread that checkpoints the WAL (started by the first write transaction).
+        self._checkpointer: Checkpointer | None = None
         #: Why reads, and why writes, are refused: a schema object they depend on is damaged.
         self._unreadable: str | None = None
         self._unwritable: str | None = None
@@ -159,7 +166,27 @@ class SqliteJournal(SqliteChecks):
         return self.path
 
     def _disconnect(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
         self._conn.close()
+
+    def _start_checkpoints(self) -> None:
+        """Checkpoint the WAL on a thread of its own from now on (see :mod:`._checkpoint`).
+
+        Called by the first write transaction, so that a journal opened only to be read starts
+        no thread; ``:memory:`` has no WAL.
+        """
+        if self.path == ":memory:" or (self._checkpointer is not None and self._checkpointer.alive):
+            return
+        conn = self._conn
+        pages = TUNING["wal_autocheckpoint"]
+        conn.execute(f"PRAGMA wal_autocheckpoint = {pages * _BACKSTOP}")
+        self._checkpointer = Checkpointer(
+            self,
+            self.path,
+            pages=pages,
+            size_limit=TUNING["journal_size_limit"],
+        )
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
