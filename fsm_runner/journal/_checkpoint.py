@@ -1,17 +1,21 @@
-"""Checkpoints of a SQLite journal's WAL, off the thread that commits.
+"""Checkpoints of a SQLite journal's WAL, mostly off the thread that commits.
 
 In WAL mode every commit appends pages to the ``-wal`` file, and a checkpoint copies them back
 into the database file (with an ``fsync`` of each). SQLite runs it inside the commit that
-crosses ``wal_autocheckpoint``: a sync run's step then waits for 10,000 pages to be copied —
-tens of milliseconds, every few thousand steps (~20 % of a sync short run's time,
-bench_short_runs). A :class:`Checkpointer` does it on a thread of its own, with a connection of
-its own, while the engine goes on. Every ``interval`` in which the WAL was written, a
-``PASSIVE`` checkpoint copies what was appended (it never blocks a writer or a reader, and
-SQLite makes it safe against a crash at any point: the WAL stays the truth until the database
-file holds the pages). Once the WAL holds ``pages`` frames, a ``RESTART`` checkpoint copies the
-tail appended meanwhile, holding writers off for that alone, so that the next commit starts the
-WAL over. The committing connection keeps an autocheckpoint four times further out, as a
-backstop should this thread fall behind.
+crosses ``wal_autocheckpoint``: a sync run's step then waits while 10,000 pages are copied —
+tens of milliseconds every few thousand steps, ~20 % of a sync short run's time
+(bench_short_runs). A :class:`Checkpointer` copies them on a thread of its own, with a
+connection of its own, while the engine goes on: every ``interval`` in which the WAL was
+written, a ``PASSIVE`` checkpoint copies what was appended. It never blocks a writer or a
+reader, and SQLite makes it safe against a crash at any point (the WAL stays the truth until
+the database file holds the pages).
+
+The committing connection keeps its ``wal_autocheckpoint``: a checkpoint that runs beside a
+busy writer seldom catches up with it, and only one that does lets the next commit start the
+WAL over. So the writer still ends each stretch of 10,000 pages, but copies only what was
+appended since the thread's last look. (A ``RESTART`` checkpoint on the thread would start the
+WAL over by itself, but it holds writers off while it waits for readers: a listing that reads
+for a second stalled a worker's commit for as long.)
 
 An idle journal costs a look at its WAL's size a second; the thread holds no reference to the
 journal, and stops when the journal is closed or collected.
@@ -29,36 +33,28 @@ __all__ = ["Checkpointer"]
 
 #: The longest pause between two looks at an unchanged WAL.
 _IDLE_INTERVAL = 1.0
-#: How long a checkpoint waits for the writer's transaction to end before it tries later.
-_RESTART_WAIT_MS = 1000
+RESTART_AT = 0
 
 
 class Checkpointer:
-    """A thread that checkpoints ``path``'s WAL as it grows; starts it over at ``pages`` frames.
+    """A thread that copies what ``path``'s WAL gains back into the database file.
 
     Args:
         owner: the journal; when it is collected unclosed, the thread stops.
         path: the database file.
-        pages: the WAL size (in frames: pages) at which it is started over.
-        size_limit: the ``journal_size_limit`` the WAL is cut back to after a checkpoint.
+        size_limit: the ``journal_size_limit`` the WAL is cut back to (as the journal's).
         interval: seconds between two looks at a growing WAL.
     """
 
     def __init__(
-        self,
-        owner: object,
-        path: str,
-        *,
-        pages: int,
-        size_limit: int,
-        interval: float = 0.02,
+        self, owner: object, path: str, *, size_limit: int, interval: float = 0.02
     ) -> None:
         self.path = path
         self._stop = threading.Event()
         self._pid = os.getpid()
         self._thread = threading.Thread(
             target=_watch,
-            args=(path, pages, size_limit, interval, self._stop),
+            args=(path, size_limit, interval, self._stop),
             name=f"fsm_runner checkpoints {os.path.basename(path)}",
             daemon=True,
         )
@@ -77,10 +73,10 @@ class Checkpointer:
             self._thread.join()
 
 
-def _watch(path: str, frames: int, size_limit: int, interval: float, stop: threading.Event) -> None:
+def _watch(path: str, size_limit: int, interval: float, stop: threading.Event) -> None:
     wal = path + "-wal"
     conn: sqlite3.Connection | None = None
-    pause, seen = interval, None
+    pause, seen, behind = interval, None, False
     try:
         while not stop.wait(pause):
             try:
@@ -88,33 +84,30 @@ def _watch(path: str, frames: int, size_limit: int, interval: float, stop: threa
                 now = (stat.st_size, stat.st_mtime_ns)
             except OSError:  # no WAL (yet, or the last connection removed it)
                 now = None
-            if now == seen:  # nothing was written since the last look
+            if now is None or (now == seen and not behind):  # nothing new since the last look
                 pause = min(pause * 2, _IDLE_INTERVAL)
+                seen = now
                 continue
-            seen, pause = now, interval
-            if now is None:
-                continue
+            if now != seen:
+                seen, pause = now, interval
+            else:  # a reader held the last one back: try again, less often as it goes on
+                pause = min(pause * 2, _IDLE_INTERVAL)
             try:
                 if conn is None:
                     # read-write, never create: the journal made the file and its schema
                     uri = "file:" + _quote(path) + "?mode=rw"
                     conn = sqlite3.connect(uri, uri=True, isolation_level=None)
                     conn.execute(f"PRAGMA journal_size_limit = {size_limit}")
-                    conn.execute(f"PRAGMA busy_timeout = {_RESTART_WAIT_MS}")
-                # What was appended since the last look, without blocking anyone (a WAL file's
-                # size is its high-water mark, not what it holds: the answer tells that).
-                _, in_wal, _ = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                if in_wal >= frames:
-                    # Then the tail appended meanwhile, holding writers off for that alone, so
-                    # that the next commit starts the WAL over: checkpoints that never catch up
-                    # with a busy writer would let it grow without end (and with it every
-                    # read's search of the WAL index, and a crash's recovery).
+                    conn.execute("PRAGMA busy_timeout = 0")
+                _, in_wal, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                behind = copied < in_wal
+                if RESTART_AT and in_wal >= RESTART_AT and not behind:
                     conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
             except sqlite3.Error:
-                # Busy (another process checkpoints), a full or read-only disk: the pages stay
-                # in the WAL, where every reader finds them, and the writer's backstop
-                # autocheckpoint (or the next look) copies them later. Nothing is lost.
-                pause = min(pause * 2, _IDLE_INTERVAL)
+                # Busy (another connection checkpoints), a full or read-only disk: the pages
+                # stay in the WAL, where every reader finds them, and a later look or the
+                # writer's own checkpoint copies them. Nothing is lost.
+                behind, pause = True, min(pause * 2, _IDLE_INTERVAL)
     finally:
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):

@@ -66,10 +66,6 @@ _IDS_A_STATEMENT = 500
 #: back to 64 MiB after a checkpoint; a crashed process's WAL is replayed on the next open
 #: (tens of milliseconds at that size).
 TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
-#: Once a journal's checkpoints run on a thread of their own (:mod:`._checkpoint`, from its
-#: first write transaction), its committing connection checkpoints only past this many times
-#: ``wal_autocheckpoint`` pages: a backstop should that thread fall behind.
-_BACKSTOP = 4
 
 T = TypeVar("T")
 
@@ -178,15 +174,7 @@ class SqliteJournal(SqliteChecks):
         """
         if self.path == ":memory:" or (self._checkpointer is not None and self._checkpointer.alive):
             return
-        conn = self._conn
-        pages = TUNING["wal_autocheckpoint"]
-        conn.execute(f"PRAGMA wal_autocheckpoint = {pages * _BACKSTOP}")
-        self._checkpointer = Checkpointer(
-            self,
-            self.path,
-            pages=pages,
-            size_limit=TUNING["journal_size_limit"],
-        )
+        self._checkpointer = Checkpointer(self, self.path, size_limit=TUNING["journal_size_limit"])
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
