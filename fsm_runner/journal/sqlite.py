@@ -162,9 +162,13 @@ class SqliteJournal(SqliteChecks):
         return self.path
 
     def _disconnect(self) -> None:
+        self._stop_checkpoints()
+        self._conn.close()
+
+    def _stop_checkpoints(self) -> None:
         if self._checkpointer is not None:
             self._checkpointer.stop()
-        self._conn.close()
+            self._checkpointer = None
 
     def _start_checkpoints(self) -> None:
         """Checkpoint the WAL on a thread of its own from now on (see :mod:`._checkpoint`).
@@ -511,6 +515,9 @@ class SqliteJournal(SqliteChecks):
             self._keys.pop(run_id, None)
         if ids:
             with self._read() as conn:
+                # The thread's checkpoint would take the lock that TRUNCATE needs (SQLite does
+                # not wait for it): stopped here, started again by the next write.
+                self._stop_checkpoints()
                 conn.execute("VACUUM")
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return PruneReport(ids, count, dry_run=False, bytes_before=before, bytes_after=self._size())
