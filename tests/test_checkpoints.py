@@ -111,6 +111,22 @@ def test_a_journal_that_only_reads_starts_no_thread(tmp_path: Path) -> None:
         assert len(_checkpoint_threads()) == before
 
 
+def test_checkpoint_thread_false_leaves_checkpoints_to_the_commits(
+    tmp_path: Path, small_wal: int
+) -> None:
+    path = tmp_path / "j.db"
+    before = len(_checkpoint_threads())
+    with SqliteJournal(path, checkpoint_thread=False) as journal:
+        engine = Engine(SPEC, handlers={"next": _next}, journal=journal)
+        for _ in range(40):  # ~400 pages: the writer's own checkpoint at 40 pages copies them
+            engine.run(engine.start(claim=True))
+        assert journal._checkpointer is None
+        assert len(_checkpoint_threads()) == before
+        assert path.stat().st_size > 20 * 4096  # copied back by the commits' own checkpoints
+        assert journal.integrity_problems() == []
+        engine.close()
+
+
 def test_memory_journal_file_has_no_thread() -> None:
     with SqliteJournal(":memory:") as journal:
         Engine(SPEC, handlers={"next": _next}, journal=journal).start()

@@ -81,6 +81,9 @@ class SqliteJournal(SqliteChecks):
         durability: ``process`` (default, synchronous=NORMAL: survives a killed process) or
             ``power`` (synchronous=FULL: survives power loss).
         busy_timeout: seconds a writer waits for another one before giving up.
+        checkpoint_thread: copy the WAL back into the file on a thread of the journal's own,
+            started by its first write (see :mod:`fsm_runner.journal._checkpoint`); ``False``
+            leaves it all to SQLite's checkpoint inside the commit that crosses 10,000 pages.
 
     Raises:
         JournalError: the file is not a SQLite database, not an fsm_runner journal, corrupt,
@@ -105,6 +108,7 @@ class SqliteJournal(SqliteChecks):
         durability: Durability = "process",
         busy_timeout: float = 30.0,
         create: bool = True,
+        checkpoint_thread: bool = True,
     ) -> None:
         if durability not in ("process", "power"):
             raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
@@ -118,6 +122,7 @@ class SqliteJournal(SqliteChecks):
         self._create = create
         #: The thread that checkpoints the WAL (started by the first write transaction).
         self._checkpointer: Checkpointer | None = None
+        self._checkpoint_thread = checkpoint_thread and self.path != ":memory:"
         #: Why reads, and why writes, are refused: a schema object they depend on is damaged.
         self._unreadable: str | None = None
         self._unwritable: str | None = None
@@ -176,7 +181,9 @@ class SqliteJournal(SqliteChecks):
         Called by the first write transaction, so that a journal opened only to be read starts
         no thread; ``:memory:`` has no WAL.
         """
-        if self.path == ":memory:" or (self._checkpointer is not None and self._checkpointer.alive):
+        if not self._checkpoint_thread or (
+            self._checkpointer is not None and self._checkpointer.alive
+        ):
             return
         self._checkpointer = Checkpointer(self, self.path, size_limit=TUNING["journal_size_limit"])
 

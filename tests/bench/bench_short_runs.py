@@ -86,9 +86,11 @@ def _check(journal: SqliteJournal, run_ids: list[str]) -> None:
         assert run.seq == STEPS, f"{run_id} ended at seq {run.seq}"
 
 
-def sync_rate(path: Path, runs: int, *, claim: bool = True) -> float:
+def sync_rate(
+    path: Path, runs: int, *, claim: bool = True, checkpoint_thread: bool = True
+) -> float:
     """Journaled steps per second of ``runs`` short runs, one after another, starts included."""
-    with SqliteJournal(path) as journal:
+    with SqliteJournal(path, checkpoint_thread=checkpoint_thread) as journal:
         engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
         engine.run(engine.start(claim=claim))  # warm: spec stored, code generated
         run_ids = []
@@ -351,7 +353,7 @@ def main() -> int:
     figures: dict[str, list[float]] = {
         k: []
         for k in (
-            *("sync", "sync_unclaimed", "async", "async_one_by_one", "raw"),
+            *("sync", "sync_inline", "sync_unclaimed", "async", "async_one_by_one", "raw"),
             *("start", "start_one_by_one", "raw_start", "raw_start_one", "resume", "bare"),
             *("floor", "frames"),
         )
@@ -366,6 +368,12 @@ def main() -> int:
             ("async", lambda i: async_rate(directory / f"async-{i}.db", args.concurrent)),
             ("start", lambda i: start_seconds(directory / f"start-{i}.db", args.starts)),
             ("raw_start", lambda i: raw_start_seconds(directory, i, args.starts, ddls)),
+            (
+                "sync_inline",
+                lambda i: sync_rate(
+                    directory / f"sync-i-{i}.db", args.runs, checkpoint_thread=False
+                ),
+            ),
             (
                 "sync_unclaimed",
                 lambda i: sync_rate(directory / f"sync-u-{i}.db", args.runs, claim=False),
@@ -406,6 +414,7 @@ def main() -> int:
             f"  ratio {ratio:.2f}  target >= {TARGETS[name]}: {'PASS' if ok else 'FAIL'}"
         )
     for name, what in (
+        ("sync_inline", "sync with checkpoint_thread=False (checkpoints inside commits)"),
         ("sync_unclaimed", "sync with start() unclaimed"),
         ("async_one_by_one", "async with start() one by one"),
     ):
