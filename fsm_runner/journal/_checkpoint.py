@@ -33,7 +33,6 @@ __all__ = ["Checkpointer"]
 
 #: The longest pause between two looks at an unchanged WAL.
 _IDLE_INTERVAL = 1.0
-RESTART_AT = 0
 
 
 class Checkpointer:
@@ -98,11 +97,8 @@ def _watch(path: str, size_limit: int, interval: float, stop: threading.Event) -
                     uri = "file:" + _quote(path) + "?mode=rw"
                     conn = sqlite3.connect(uri, uri=True, isolation_level=None)
                     conn.execute(f"PRAGMA journal_size_limit = {size_limit}")
-                    conn.execute("PRAGMA busy_timeout = 0")
                 _, in_wal, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                behind = copied < in_wal
-                if RESTART_AT and in_wal >= RESTART_AT and not behind:
-                    conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+                behind = copied < in_wal  # a reader's snapshot held some back
             except sqlite3.Error:
                 # Busy (another connection checkpoints), a full or read-only disk: the pages
                 # stay in the WAL, where every reader finds them, and a later look or the
