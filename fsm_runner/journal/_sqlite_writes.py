@@ -14,6 +14,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import re
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -136,6 +137,81 @@ def _inserted_key(cursor: sqlite3.Cursor) -> int:
     if key is None:  # pragma: no cover - SQLite sets it after every successful INSERT
         raise JournalError("gave no run_key to a new run row")
     return key
+
+
+_INSERT_SPEC = (
+    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at) VALUES (?, ?, ?, ?)"
+)
+#: A new run row with the ``run_key`` :func:`_next_run_key` gave it (the last parameter).
+_INSERT_KEYED_RUN = (
+    f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)}, run_key)"
+    f" VALUES ({', '.join('?' * (len(_RUN_COLUMNS) + 1))})"
+)
+#: The ``run_key`` SQLite's AUTOINCREMENT would give the next row: one more than the largest
+#: ever given (``sqlite_sequence``, which outlives pruned rows) or stored.
+_NEXT_RUN_KEY = (
+    "SELECT max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'run_rows'), 0),"
+    " coalesce((SELECT max(run_key) FROM run_rows), 0)) + 1"
+)
+
+
+def _next_run_key(cursor: sqlite3.Cursor) -> int:
+    """The next ``run_key``, read inside the write transaction (whose lock keeps it free).
+
+    Rows inserted with their keys given raise ``sqlite_sequence`` as AUTOINCREMENT does, so a
+    key is never given twice, not even after its run is pruned.
+    """
+    return int(cursor.execute(_NEXT_RUN_KEY).fetchone()[0])
+
+
+def _rows_from(cursor: sqlite3.Cursor, first_key: int) -> int:
+    """How many run rows this transaction has inserted, its keys given from ``first_key`` on."""
+    return int(
+        cursor.execute("SELECT count(*) FROM run_rows WHERE run_key >= ?", (first_key,)).fetchone()[
+            0
+        ]
+    )
+
+
+#: An INSERT's SQL and which of its parameters it binds, by the statement and which of its
+#: values are NULL (see :func:`_insert_rows`).
+_null_free: dict[tuple[str, tuple[bool, ...]], tuple[str, Callable[[Sequence[Any]], Any]]] = {}
+_NONES = (None,) * 64  # more than any row's values
+
+
+def _insert_rows(cursor: sqlite3.Cursor, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """``executemany(sql, rows)``, in order, with each NULL written into the SQL, not bound.
+
+    Binding ``None`` costs the ``sqlite3`` module an adaptation lookup (~3k instructions, an
+    ``AttributeError`` formatted and dropped); a new run's rows hold ten or so. So the rows go
+    in runs of one pattern of NULLs each, by a statement with ``NULL`` in those places.
+    """
+    patterns = [tuple(map(operator.is_, row, _NONES)) for row in rows]
+    for pattern, group in itertools.groupby(zip(patterns, rows, strict=True), _first):
+        statement = _null_free.get((sql, pattern))
+        if statement is None:
+            statement = _null_free[sql, pattern] = _without_nulls(sql, pattern)
+        null_free, bound = statement
+        cursor.executemany(null_free, [bound(row) for _, row in group])
+
+
+_first = operator.itemgetter(0)
+
+
+def _without_nulls(
+    sql: str, pattern: tuple[bool, ...]
+) -> tuple[str, Callable[[Sequence[Any]], Any]]:
+    """``sql`` (one ``VALUES`` row of ``?``) with ``NULL`` where ``pattern`` is true."""
+    head, values = sql.split(" VALUES ", maxsplit=1)
+    if values.count("?") != len(pattern):  # pragma: no cover - a caller's mistake
+        raise ValueError(f"{len(pattern)} values for {values.count('?')} parameters")
+    marks = iter(["NULL" if null else "?" for null in pattern])
+    null_free = head + " VALUES " + re.sub(r"\?", lambda _: next(marks), values)
+    kept = [at for at, null in enumerate(pattern) if not null]
+    pick = operator.itemgetter(*kept)
+    if len(kept) == 1:  # pragma: no cover - every row here has two values or more
+        return null_free, lambda row: (pick(row),)
+    return null_free, pick
 
 
 #: One commit of a group, planned: its index in the group, its INSERT's parameters and the
@@ -287,42 +363,59 @@ class SqliteWrites(SqlJournal):
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
         """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
 
-        All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``).
-        Every run is under the one spec ``spec_json`` holds.
+        All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``
+        naming the first such run). Every run is under the one spec ``spec_json`` holds.
+
+        The run keys are given here, inside the write transaction (see :func:`_next_run_key`),
+        so each table's rows go in by one ``executemany``: no round trip per run for the key
+        SQLite would give its row.
         """
-        if not runs:
+        if not new_runs(runs):
             return
-        rows = [
-            (
-                run.run_id,
-                self._run_params(run),
-                self._transition_params(first),
-                [self._iteration_params(record) for record in iterations],
-            )
-            for run, first, iterations in new_runs(runs)
-        ]
+        run_rows = []
+        transition_rows = []
+        iteration_rows = []
+        for run, first, iterations in runs:
+            run_rows.append(self._run_params(run))
+            transition_rows.append(self._transition_params(first))
+            iteration_rows += [self._iteration_params(record) for record in iterations]
         spec = (runs[0][0].spec_hash, runs[0][0].machine, spec_json, format_utc(utc_now()))
-        keys: list[int] = []
-        run_id = rows[0][0]
+        refused = runs[0][0].run_id
         try:
             with self._write() as conn:
-                conn.execute(
-                    "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at)"
-                    " VALUES (?, ?, ?, ?)",
-                    spec,
+                cursor = conn.cursor()
+                cursor.execute(_INSERT_SPEC, spec)
+                first_key = _next_run_key(cursor)
+                keys = range(first_key, first_key + len(runs))
+                try:
+                    _insert_rows(
+                        cursor,
+                        _INSERT_KEYED_RUN,
+                        [(*row, key) for row, key in zip(run_rows, keys, strict=True)],
+                    )
+                except sqlite3.IntegrityError:
+                    # The rows before the refused one are in (keys in order): it is the next.
+                    refused = runs[_rows_from(cursor, first_key)][0].run_id
+                    raise
+                _insert_rows(
+                    cursor,
+                    _INSERT_TRANSITION,
+                    [(*row, key) for row, key in zip(transition_rows, keys, strict=True)],
                 )
-                for run_id, run_row, transition_row, iteration_rows in rows:  # noqa: B007
-                    key = _inserted_key(conn.execute(_INSERT_RUN, run_row))
-                    conn.execute(_INSERT_TRANSITION, (*transition_row, key))
-                    for row in iteration_rows:
-                        conn.execute(_UPSERT_ITERATION, row)
-                    keys.append(key)
+                if iteration_rows:
+                    _insert_rows(cursor, _UPSERT_ITERATION, iteration_rows)
         except JournalError as exc:
-            with refused_if_exists(run_id):  # the run whose row was refused
+            with refused_if_exists(refused):
                 raise exc from exc.__cause__
+        written = self._written
+        known = self._keys
+        if len(written) + len(runs) > _REMEMBERED_RUNS:
+            written.clear()
+        if len(known) + len(runs) > _REMEMBERED_KEYS:
+            known.clear()
         for (run, _, _), key in zip(runs, keys, strict=True):
-            self._remember(run)
-            self._remember_key(run.run_id, key)
+            written[run.run_id] = run
+            known[run.run_id] = key
 
     def commit(
         self,

@@ -1,0 +1,185 @@
+"""The start path: ``create_runs``' batch writes and ``run_params``, as fast as they are exact."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import sqlite3
+
+import attrs
+import pytest
+
+from fsm_runner import Engine, MemoryJournal, SqliteJournal
+from fsm_runner.exceptions import JournalError, RunExistsError
+from fsm_runner.journal import _rows
+from fsm_runner.journal._sqlite_writes import _INSERT_TRANSITION, _insert_rows
+from fsm_runner.records import RunOutcome, format_utc
+from tests.helpers import NEXT, linear_spec
+
+UTC = dt.timezone.utc
+SPEC = linear_spec("a", "b", "c", name="start-path")
+
+
+def noop(_ctx):
+    return NEXT
+
+
+def _engine(journal):
+    return Engine(SPEC, handlers={"a": noop, "b": noop, "c": noop}, journal=journal)
+
+
+def _keys(path):
+    with sqlite3.connect(path) as conn:
+        return dict(conn.execute("SELECT run_id, run_key FROM run_rows"))
+
+
+def _reference_run_params(run, columns, stamp):
+    """``run_params`` as it was written before its fast paths: one column at a time."""
+    values = []
+    for column in columns:
+        value = getattr(run, column)
+        if column in _rows.RUN_JSON:
+            value = _rows.dumps(value)
+        elif column == "status":
+            value = value.value
+        elif column in _rows.RUN_TIMES:
+            value = None if value is None else stamp(value)
+        elif value is not None and not (type(value) is int or type(value) is bool):
+            _rows._check_column(value, column)
+        values.append(value)
+    return tuple(values)
+
+
+class TestCreateRuns:
+    """SQLite's ``create_runs``: keys given in the transaction, rows by ``executemany``."""
+
+    def test_keys_follow_on_as_autoincrement_gives_them(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            engine = _engine(journal)
+            first = engine.start()  # a key SQLite gave
+            batch = engine.start_many([1, 2, 3])
+            keys = _keys(path)
+            assert [keys[r] for r in [first, *batch]] == [1, 2, 3, 4]
+            with sqlite3.connect(path) as conn:  # the last run gone: its key is not given again
+                conn.execute("DELETE FROM transitions WHERE run_id = ?", (batch[-1],))
+                conn.execute("DELETE FROM run_rows WHERE run_id = ?", (batch[-1],))
+            later = engine.start_many([5, 6])
+            after = engine.start()
+            keys = _keys(path)
+            assert [keys[r] for r in [*later, after]] == [5, 6, 7]
+            engine.close()
+
+    def test_the_runs_and_their_first_transitions_read_back_as_written(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = _engine(journal)
+            batch = [
+                engine._new_run(None, None, None, None, False),
+                engine._new_run({"n": 1}, "given", {"k": "v"}, "parent", True),
+                engine._new_run("x", None, None, None, True),
+                engine._new_run(None, None, None, "parent", False),
+            ]
+            journal.create_runs(batch, spec_json=SPEC.to_json())
+            for run, first, _ in batch:
+                assert journal.load(run.run_id) == run
+                assert journal.transitions(run.run_id) == [first]
+            engine.close()
+
+    @pytest.mark.parametrize("at", [0, 2, 4])
+    def test_an_existing_id_is_named_wherever_it_is_in_the_batch(self, tmp_path, at):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = _engine(journal)
+            batch = [engine._new_run(n, f"run-{n}", None, None, False) for n in range(5)]
+            journal.create_run(*batch[at][:2], spec_json=SPEC.to_json())
+            with pytest.raises(RunExistsError) as raised:
+                journal.create_runs(batch, spec_json=SPEC.to_json())
+            assert raised.value.run_id == f"run-{at}"
+            assert [run.run_id for run in journal.runs()] == [f"run-{at}"]
+            engine.close()
+
+    def test_an_id_twice_in_the_batch_is_named_and_nothing_is_stored(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = _engine(journal)
+            batch = [engine._new_run(n, f"run-{n % 3}", None, None, False) for n in range(5)]
+            with pytest.raises(RunExistsError) as raised:
+                journal.create_runs(batch, spec_json=SPEC.to_json())
+            assert raised.value.run_id == "run-0"
+            assert list(journal.runs()) == []
+            engine.start_many([1])
+            assert len(list(journal.runs())) == 1
+            engine.close()
+
+    def test_rows_with_nulls_in_sql_are_the_rows_bound(self, tmp_path):
+        rows = [
+            ("r", 1, None, "E", "s", None, 1, "t", None, None, 0, 7),
+            ("r", 2, "s", "E", "s", 1, None, "t", 2.5, '{"a": 1}', 0, 7),
+            ("r", 3, None, "E", "s", None, 1, "t", None, None, 0, 7),
+            ("r", 4, None, "E", "s", None, 1, "t", None, None, 0, 7),
+        ]
+        with sqlite3.connect(":memory:") as conn:
+            conn.execute(
+                "CREATE TABLE transitions (run_id, seq, from_state, event, to_state, iteration,"
+                " attempt, at, duration_ms, result, lease_token, run_key)"
+            )
+            _insert_rows(conn.cursor(), _INSERT_TRANSITION, rows)
+            stored = conn.execute("SELECT *, typeof(from_state) FROM transitions").fetchall()
+        assert [row[:-1] for row in stored] == rows
+        assert [row[-1] for row in stored] == ["null", "text", "null", "null"]
+
+
+class TestRunParams:
+    """``run_params`` gives exactly what it gave one column at a time."""
+
+    def _run(self, **changes):
+        now = dt.datetime(2026, 11, 24, 23, 0, 1, 123456, tzinfo=UTC)
+        run = _engine(MemoryJournal())._new_run({"n": 1}, None, {"k": 1}, None, True)[0]
+        return attrs.evolve(run, **{"created_at": now, "updated_at": now, **changes})
+
+    @pytest.mark.parametrize(
+        "changes",
+        [
+            {},
+            {"lease_owner": None, "lease_expires_at": None, "lease_token": 0},
+            {"updated_at": dt.datetime(2026, 11, 25, tzinfo=UTC), "status": RunOutcome.FAILED},
+            {"parent_run_id": "pärent", "forked_from": "run@3", "abort_reason": "stop"},
+            {"return_to": "b", "return_attempt": 2, "return_visit": 3, "recoveries": 1},
+            {"error": {"type": "E"}, "input": None, "context": {}},
+            {"lease_token": True},
+            {"created_at": dt.datetime(2026, 11, 24, 23, 0, 1, 123456)},  # naive: as UTC
+        ],
+    )
+    def test_every_column_as_one_at_a_time(self, changes):
+        run = self._run(**changes)
+        columns = _rows.RUN_COLUMNS
+        assert _rows.run_params(run, columns, format_utc) == _reference_run_params(
+            run, columns, format_utc
+        )
+        some = ("updated_at", "status", "run_id", "created_at", "context")
+        assert _rows.run_params(run, some, format_utc) == _reference_run_params(
+            run, some, format_utc
+        )
+
+    @pytest.mark.parametrize(
+        ("column", "value"),
+        [
+            ("parent_run_id", "lone \udc80 surrogate"),
+            ("abort_reason", "\ud800"),
+            ("recoveries", math.nan),
+            ("lease_token", math.inf),
+        ],
+    )
+    def test_a_value_no_database_stores_is_refused_naming_its_column(self, column, value):
+        run = self._run(**{column: value})
+        with pytest.raises(JournalError, match=column):
+            _rows.run_params(run, _rows.RUN_COLUMNS, format_utc)
+        with pytest.raises(JournalError, match=column):
+            _reference_run_params(run, _rows.RUN_COLUMNS, format_utc)
+
+    def test_a_finite_float_and_a_str_subclass_pass_as_before(self):
+        class Name(str):
+            pass
+
+        run = self._run(recoveries=1.5, machine=Name("m"))
+        assert _rows.run_params(run, _rows.RUN_COLUMNS, format_utc) == _reference_run_params(
+            run, _rows.RUN_COLUMNS, format_utc
+        )
