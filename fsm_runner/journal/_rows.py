@@ -136,16 +136,20 @@ def checked_spec_json(spec_hash: str, text: str, *, path: str | None) -> str:
 
 def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[Any, ...]:
     """The run row's values, in ``columns`` order."""
-    getter, converted, plain = _run_reader(tuple(columns))
+    getter, (json_at, status_at, times_at), plain = _run_reader(tuple(columns))
     values = list(getter(run))
-    for at, column in converted:
+    for at in json_at:
+        values[at] = dumps(values[at])
+    for at in status_at:
+        values[at] = values[at].value
+    stamped: Any = None
+    text: Any = None
+    for at in times_at:
         value = values[at]
-        if column in RUN_JSON:
-            values[at] = dumps(value)
-        elif column == "status":
-            values[at] = value.value
-        elif value is not None:
-            values[at] = stamp(value)
+        if value is not None:
+            if value is not stamped:  # a new run's created_at is its updated_at: once
+                stamped, text = value, stamp(value)
+            values[at] = text
     for at, column in plain:
         value = values[at]
         kind = value.__class__
@@ -158,7 +162,9 @@ def run_params(run: RunRecord, columns: Sequence[str], stamp: Stamp) -> tuple[An
 
 
 _Reader = tuple[
-    Callable[[RunRecord], tuple[Any, ...]], list[tuple[int, str]], list[tuple[int, str]]
+    Callable[[RunRecord], tuple[Any, ...]],
+    tuple[list[int], list[int], list[int]],
+    list[tuple[int, str]],
 ]
 _run_readers: dict[tuple[str, ...], _Reader] = {}
 
@@ -172,14 +178,23 @@ def _run_reader(columns: tuple[str, ...]) -> _Reader:
     if reader is None:
         getter = operator.attrgetter(*columns)
         read = getter if len(columns) > 1 else lambda run: (getter(run),)
-        converted = [
-            (at, column)
-            for at, column in enumerate(columns)
-            if column in RUN_JSON or column == "status" or column in RUN_TIMES
-        ]
-        plain = [(at, c) for at, c in enumerate(columns) if (at, c) not in converted]
+        converted = (
+            [at for at, column in enumerate(columns) if column in RUN_JSON],
+            [at for at, column in enumerate(columns) if column == "status"],
+            [at for at, column in enumerate(columns) if column in RUN_TIMES],
+        )
+        plain = _plain_columns(columns)
         reader = _run_readers[columns] = (read, converted, plain)
     return reader
+
+
+def _plain_columns(columns: Sequence[str]) -> list[tuple[int, str]]:
+    """The columns :func:`run_params` stores as given (after checking them), by position."""
+    return [
+        (at, column)
+        for at, column in enumerate(columns)
+        if column not in RUN_JSON and column != "status" and column not in RUN_TIMES
+    ]
 
 
 def transition_params(transition: TransitionRecord, stamp: Stamp) -> tuple[Any, ...]:
