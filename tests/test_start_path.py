@@ -1,19 +1,22 @@
-"""The start path: ``create_runs``' batch writes and ``run_params``, as fast as they are exact."""
+"""The start path (``start``, ``start_many``): its fast paths give exactly what the general ones do."""
 
 from __future__ import annotations
 
 import datetime as dt
 import math
 import sqlite3
+import uuid
 
 import attrs
 import pytest
 
 from fsm_runner import Engine, MemoryJournal, SqliteJournal
+from fsm_runner.engine import _random_ids
+from fsm_runner.engine.reducer import begin
 from fsm_runner.exceptions import JournalError, RunExistsError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sqlite_writes import _INSERT_TRANSITION, _insert_rows
-from fsm_runner.records import RunOutcome, format_utc
+from fsm_runner.records import RunOutcome, TransitionRecord, format_utc
 from tests.helpers import NEXT, linear_spec
 
 UTC = dt.timezone.utc
@@ -183,3 +186,44 @@ class TestRunParams:
         assert _rows.run_params(run, _rows.RUN_COLUMNS, format_utc) == _reference_run_params(
             run, _rows.RUN_COLUMNS, format_utc
         )
+
+
+class TestNewRuns:
+    """The engine's side of a start: ids, the first row, the lease keeper told once a batch."""
+
+    def test_run_ids_are_uuid4_hex(self):
+        ids = _random_ids(500)
+        assert len(set(ids)) == 500
+        for run_id in ids:
+            parsed = uuid.UUID(hex=run_id)
+            assert parsed.hex == run_id
+            assert (parsed.version, parsed.variant) == (4, uuid.RFC_4122)
+
+    @pytest.mark.parametrize("claim", [False, True])
+    @pytest.mark.parametrize("context", [None, {"k": [1]}])
+    def test_a_new_runs_row_is_what_begin_derives_from_its_fields(self, claim, context):
+        engine = _engine(MemoryJournal())
+        run, first, _ = engine._new_run({"n": 1}, "r", context, "parent", claim)
+        given = attrs.evolve(run, state="elsewhere", seq=7, context={}, updated_at=None)
+        assert begin(SPEC, given, first) == run
+        assert run.lease_token == (1 if claim else 0)
+        assert run.context == (context or {})
+        assert first == TransitionRecord(
+            "r", 0, None, "STARTED", "a", 0, 1, run.created_at, 0.0, first.result, 0
+        )
+        engine.close()
+
+    @pytest.mark.parametrize("claim", [False, True])
+    def test_start_many_tells_the_lease_keeper_and_every_listener(self, claim):
+        heard = []
+        engine = Engine(
+            SPEC,
+            handlers={"a": noop, "b": noop, "c": noop},
+            journal=MemoryJournal(),
+            listeners=[lambda transition, run: heard.append((transition.seq, run.run_id))],
+        )
+        run_ids = engine.start_many(range(3), claim=claim)
+        assert heard == [(0, run_id) for run_id in run_ids]
+        assert sorted(engine._leases.undriven()) == (sorted(run_ids) if claim else [])
+        assert [engine.run(run_id).seq for run_id in run_ids] == [3, 3, 3]
+        engine.close()

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import threading
 import time
 import types
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,14 +30,20 @@ from fsm_runner.engine.commits import Listener, take_now
 from fsm_runner.engine.interruption import interrupt_on_sigterm
 from fsm_runner.engine.leases import LeaseKeeper, new_worker_id
 from fsm_runner.engine.operations import abort_run, fork_run
-from fsm_runner.engine.reducer import begin
+from fsm_runner.engine.reducer import begin_fields
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.events import REWOUND, STARTED, event_name
 from fsm_runner.exceptions import FsmRunnerError, InvalidTransitionError, SpecError
 from fsm_runner.journal import Journal, SqliteJournal
 from fsm_runner.machine import Guard, compile_spec
 from fsm_runner.phases import PhaseContext, PhaseHandler, split_handler
-from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord, utc_now
+from fsm_runner.records import (
+    IterationRecord,
+    RunRecord,
+    TransitionRecord,
+    positional_builder,
+    utc_now,
+)
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
@@ -50,6 +56,22 @@ async def _asyncio_sleep(delay: float) -> None:
     import asyncio  # noqa: PLC0415 - a sync run never imports asyncio (see fsm_runner._lazy)
 
     await asyncio.sleep(delay)
+
+
+#: A transition record from every field, in order (see positional_builder).
+_new_transition = positional_builder(TransitionRecord)
+#: uuid4's bits: the version (4) and the variant (RFC 4122), as ``uuid.UUID`` sets them.
+_UUID4_KEEP = ~(0xF000 << 64) & ~(0xC000 << 48)
+_UUID4_SET = (4 << 76) | (0x8000 << 48)
+
+
+def _random_ids(count: int) -> list[str]:
+    """``count`` new run ids, each what ``uuid.uuid4().hex`` gives, from one ``os.urandom``."""
+    data = os.urandom(16 * count)
+    return [
+        f"{int.from_bytes(data[at : at + 16], 'big') & _UUID4_KEEP | _UUID4_SET:032x}"
+        for at in range(0, 16 * count, 16)
+    ]
 
 
 #: The reducer's ``take`` at the time it is now, under the name tests import it by.
@@ -351,15 +373,22 @@ class Engine(SyncDriver, AsyncDriver):
                 nothing was written.
             JournalError: the journal failed; nothing was written.
         """
-        batch = [self._new_run(given, None, None, parent_run_id, claim) for given in inputs]
+        inputs = list(inputs)
+        ttl = dt.timedelta(seconds=self.lease_ttl)
+        batch = [
+            self._new_run(given, run_id, None, parent_run_id, claim, ttl=ttl)
+            for given, run_id in zip(inputs, _random_ids(len(inputs)), strict=True)
+        ]
         create_runs = getattr(self.journal, "create_runs", None)
         if create_runs is not None:
             create_runs(batch, spec_json=self._spec_json)
         else:
             for run, first, opened in batch:
                 self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
-        for run, first, _ in batch:
-            self._started(run, first)
+        self._leases.started_many([run for run, _, _ in batch])
+        if self.listeners:
+            for run, first, _ in batch:
+                self._notify(first, run)
         return [run.run_id for run, _, _ in batch]
 
     def _new_run(
@@ -369,42 +398,35 @@ class Engine(SyncDriver, AsyncDriver):
         context: Mapping[str, Any] | None,
         parent_run_id: str | None,
         claim: bool,
+        *,
+        ttl: dt.timedelta | None = None,
     ) -> tuple[RunRecord, TransitionRecord, list[IterationRecord]]:
-        """A new run's row, its transition seq 0 and its opened iteration, checked for storage."""
+        """A new run's row, its transition seq 0 and its opened iteration, checked for storage.
+
+        ``ttl``: ``lease_ttl`` as a timedelta, made once for a batch.
+        """
         initial = self._initial
-        run_id = run_id or uuid.uuid4().hex
+        run_id = run_id or _random_ids(1)[0]
         if not run_id.isascii():  # SQL journals store it as text: UTF-8 must hold it
             self._check_json(storable_text(run_id), "run id", run_id)
         now = utc_now()
         iteration = 1 if initial.starts_iteration else 0
-        first = TransitionRecord(
-            run_id=run_id,
-            seq=0,
-            from_state=None,
-            event=STARTED,
-            to_state=initial.name,
-            iteration=iteration,
-            at=now,
-            # the journal alone reproduces the run row (invariant 8), initial context included
-            result={"context": dict(context)} if context else None,
+        # the journal alone reproduces the run row (invariant 8), initial context included
+        seeded = {"context": dict(context)} if context else None
+        first = _new_transition(
+            run_id, 0, None, STARTED, initial.name, iteration, 1, now, 0.0, seeded, 0
         )
         # What the transition does not say; the reducer derives the rest from seq 0.
-        held = claim and not initial.terminal
-        given = RunRecord(
-            run_id=run_id,
-            machine=self.spec.name,
-            spec_hash=self.spec.spec_hash,
-            state=initial.name,
-            input=input,
-            created_at=now,
-            updated_at=now,
-            parent_run_id=parent_run_id,
-            # as a claim would leave it: the first claim's token, this engine's lease
-            lease_owner=self.worker_id if held else None,
-            lease_expires_at=now + dt.timedelta(seconds=self.lease_ttl) if held else None,
-            lease_token=1 if held else 0,
-        )
-        run = begin(self.spec, given, first)
+        if claim and not initial.terminal:  # as a claim would leave it: its first token
+            expires = now + (ttl or dt.timedelta(seconds=self.lease_ttl))
+            owner, token = self.worker_id, 1
+        else:
+            owner, expires, token = None, None, 0
+        spec = self.spec
+        run = begin_fields(
+            spec, first, run_id, spec.name, spec.spec_hash, input, now, parent_run_id,
+            owner, expires, token,
+        )  # fmt: skip
         self._check_json(run_id, "input", input)
         if run.context:
             self._check_json(run_id, "context", run.context)

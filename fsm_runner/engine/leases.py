@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -152,6 +153,25 @@ class LeaseKeeper:
         run = _as_loaded(run)
         self.hold(run, fresh=(self._owner.journal, run))
 
+    def started_many(self, runs: Sequence[RunRecord]) -> None:
+        """:meth:`started` or :meth:`started_holding` of each run, the lock taken once."""
+        journal = self._owner.journal
+        loaded = [_as_loaded(run) for run in runs]
+        with self.lock:
+            started = self._started
+            held = self._held
+            holding = False
+            for run in loaded:
+                if run.lease_owner is None:
+                    if len(started) >= _REMEMBERED_STARTS:
+                        started.clear()
+                    started[run.run_id] = (journal, run)
+                else:
+                    held[run.run_id] = _Hold(run.lease_token, (journal, run))
+                    holding = True
+            if holding:
+                self._beating()
+
     def _take_fresh(self, run_id: str) -> RunRecord | None:
         """A run this engine started holding and has not driven, as written, now driven; or None."""
         with self.lock:
@@ -286,13 +306,17 @@ class LeaseKeeper:
         """Remember a lease this engine took, and make sure the heartbeat renews it."""
         with self.lock:
             self._held[claimed.run_id] = _Hold(claimed.lease_token, fresh)
-            if self._heartbeat is None or not self._heartbeat.is_alive():
-                self._heartbeat = threading.Thread(
-                    target=self._beat,
-                    name=f"fsm-runner-heartbeat-{self._owner.worker_id}",
-                    daemon=True,
-                )
-                self._heartbeat.start()
+            self._beating()
+
+    def _beating(self) -> None:
+        """Start the heartbeat unless it runs (with the lock held)."""
+        if self._heartbeat is None or not self._heartbeat.is_alive():
+            self._heartbeat = threading.Thread(
+                target=self._beat,
+                name=f"fsm-runner-heartbeat-{self._owner.worker_id}",
+                daemon=True,
+            )
+            self._heartbeat.start()
 
     def let_go(self, run_id: str, *, ended: bool = False) -> None:
         """Release the lease held on the run in the journal (at its end, or on a clean stop).

@@ -43,6 +43,7 @@ __all__ = [
     "advance_plain",
     "artifact_rows",
     "begin",
+    "begin_fields",
     "iteration_rows",
     "take",
     "writes_iterations",
@@ -75,36 +76,74 @@ def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> Ru
     Returns:
         The derived row.
     """
+    return begin_fields(
+        spec,
+        transition,
+        run.run_id,
+        run.machine,
+        run.spec_hash,
+        run.input,
+        run.created_at,
+        run.parent_run_id,
+        run.lease_owner,
+        run.lease_expires_at,
+        run.lease_token,
+        run.forked_from,
+        run.abort_reason,
+        run.recoveries,
+    )
+
+
+def begin_fields(  # noqa: PLR0917 - positional on purpose: every start calls it
+    spec: MachineSpec,
+    transition: TransitionRecord,
+    run_id: str,
+    machine: str,
+    spec_hash: str,
+    input: Any,  # noqa: A002 - the run's field
+    created_at: dt.datetime,
+    parent_run_id: str | None,
+    lease_owner: str | None,
+    lease_expires_at: dt.datetime | None,
+    lease_token: int,
+    forked_from: str | None = None,
+    abort_reason: str | None = None,
+    recoveries: int = 0,
+) -> RunRecord:
+    """:func:`begin` given the fields of the row it reads, not the row (no row built to be read).
+
+    Every other field is derived from the seq-0 ``transition``, as :func:`begin` derives it.
+    """
     entered = leaf(spec, transition.to_state)
     result = transition.result if isinstance(transition.result, Mapping) else _EMPTY
     context = result.get("context")
     seq = transition.seq
     # attrs.evolve(run, ...) with these fields, built positionally (every start builds one)
     return _new_run(
-        run.run_id,
-        run.machine,
-        run.spec_hash,
+        run_id,
+        machine,
+        spec_hash,
         transition.to_state,
         ACTIVE if entered is None else entered.final_outcome,
         seq,
         1 if entered is not None and entered.starts_iteration else 0,
         1,
-        run.input,
+        input,
         dict(context) if isinstance(context, Mapping) else {},
         None,
-        run.created_at,
+        created_at,
         transition.at,
-        run.parent_run_id,
-        run.forked_from,
-        run.abort_reason,
-        run.lease_owner,
-        run.lease_expires_at,
-        run.lease_token,
+        parent_run_id,
+        forked_from,
+        abort_reason,
+        lease_owner,
+        lease_expires_at,
+        lease_token,
         None,
         0,
         seq,
         0,
-        run.recoveries,
+        recoveries,
     )
 
 
