@@ -142,26 +142,11 @@ def _inserted_key(cursor: sqlite3.Cursor) -> int:
 _INSERT_SPEC = (
     "INSERT OR IGNORE INTO specs (spec_hash, machine, json, created_at) VALUES (?, ?, ?, ?)"
 )
-#: A new run row with the ``run_key`` :func:`_next_run_key` gave it (the last parameter).
+#: A new run row with its ``run_key`` given (the last parameter): see ``create_runs``.
 _INSERT_KEYED_RUN = (
     f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)}, run_key)"
     f" VALUES ({', '.join('?' * (len(_RUN_COLUMNS) + 1))})"
 )
-#: The ``run_key`` SQLite's AUTOINCREMENT would give the next row: one more than the largest
-#: ever given (``sqlite_sequence``, which outlives pruned rows) or stored.
-_NEXT_RUN_KEY = (
-    "SELECT max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'run_rows'), 0),"
-    " coalesce((SELECT max(run_key) FROM run_rows), 0)) + 1"
-)
-
-
-def _next_run_key(cursor: sqlite3.Cursor) -> int:
-    """The next ``run_key``, read inside the write transaction (whose lock keeps it free).
-
-    Rows inserted with their keys given raise ``sqlite_sequence`` as AUTOINCREMENT does, so a
-    key is never given twice, not even after its run is pruned.
-    """
-    return int(cursor.execute(_NEXT_RUN_KEY).fetchone()[0])
 
 
 def _rows_from(cursor: sqlite3.Cursor, first_key: int) -> int:
@@ -188,11 +173,21 @@ def _insert_rows(cursor: sqlite3.Cursor, sql: str, rows: Sequence[tuple[Any, ...
     """
     patterns = [tuple(map(operator.is_, row, _NONES)) for row in rows]
     for pattern, group in itertools.groupby(zip(patterns, rows, strict=True), _first):
-        statement = _null_free.get((sql, pattern))
-        if statement is None:
-            statement = _null_free[sql, pattern] = _without_nulls(sql, pattern)
-        null_free, bound = statement
+        null_free, bound = _statement(sql, pattern)
         cursor.executemany(null_free, [bound(row) for _, row in group])
+
+
+def _insert_row(cursor: sqlite3.Cursor, sql: str, row: tuple[Any, ...]) -> None:
+    """:func:`_insert_rows` of one row, by ``execute`` (which sets ``lastrowid``)."""
+    null_free, bound = _statement(sql, tuple(map(operator.is_, row, _NONES)))
+    cursor.execute(null_free, bound(row))
+
+
+def _statement(sql: str, pattern: tuple[bool, ...]) -> tuple[str, Callable[[Sequence[Any]], Any]]:
+    statement = _null_free.get((sql, pattern))
+    if statement is None:
+        statement = _null_free[sql, pattern] = _without_nulls(sql, pattern)
+    return statement
 
 
 _first = operator.itemgetter(0)
@@ -366,8 +361,8 @@ class SqliteWrites(SqlJournal):
         All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``
         naming the first such run). Every run is under the one spec ``spec_json`` holds.
 
-        The run keys are given here, inside the write transaction (see :func:`_next_run_key`),
-        so each table's rows go in by one ``executemany``: no round trip per run for the key
+        Past the first run, the run keys are given here, inside the write transaction, so
+        each table's rows go in by one ``executemany``: no round trip per run for the key
         SQLite would give its row.
         """
         if not new_runs(runs):
@@ -381,21 +376,26 @@ class SqliteWrites(SqlJournal):
             iteration_rows += [self._iteration_params(record) for record in iterations]
         spec = (runs[0][0].spec_hash, runs[0][0].machine, spec_json, format_utc(utc_now()))
         refused = runs[0][0].run_id
+        first_key: int | None = None
         try:
             with self._write() as conn:
                 cursor = conn.cursor()
                 cursor.execute(_INSERT_SPEC, spec)
-                first_key = _next_run_key(cursor)
-                keys = range(first_key, first_key + len(runs))
+                # The first row's key is SQLite's (AUTOINCREMENT); the write lock held, the
+                # next ones are those it would give next, one more each, given with the rows.
                 try:
+                    _insert_row(cursor, _INSERT_RUN, run_rows[0])
+                    first_key = _inserted_key(cursor)
+                    keys = range(first_key, first_key + len(runs))
                     _insert_rows(
                         cursor,
                         _INSERT_KEYED_RUN,
-                        [(*row, key) for row, key in zip(run_rows, keys, strict=True)],
+                        [(*row, key) for row, key in zip(run_rows[1:], keys[1:], strict=True)],
                     )
                 except sqlite3.IntegrityError:
                     # The rows before the refused one are in (keys in order): it is the next.
-                    refused = runs[_rows_from(cursor, first_key)][0].run_id
+                    if first_key is not None:
+                        refused = runs[_rows_from(cursor, first_key)][0].run_id
                     raise
                 _insert_rows(
                     cursor,
