@@ -149,13 +149,18 @@ _INSERT_KEYED_RUN = (
 )
 
 
-def _rows_from(cursor: sqlite3.Cursor, first_key: int) -> int:
-    """How many run rows this transaction has inserted, its keys given from ``first_key`` on."""
-    return int(
-        cursor.execute("SELECT count(*) FROM run_rows WHERE run_key >= ?", (first_key,)).fetchone()[
-            0
-        ]
-    )
+def _insert_runs(cursor: sqlite3.Cursor, rows: Sequence[tuple[Any, ...]]) -> range:
+    """Insert new run rows (inside a write transaction), in order; return their keys.
+
+    The first row's key is SQLite's (AUTOINCREMENT); the write lock held, the next ones are
+    those it would give next, one more each, given with the rows: no round trip per row.
+    """
+    _insert_row(cursor, _INSERT_RUN, rows[0])
+    first = _inserted_key(cursor)
+    keys = range(first, first + len(rows))
+    keyed = [(*row, key) for row, key in zip(rows[1:], keys[1:], strict=True)]
+    _insert_rows(cursor, _INSERT_KEYED_RUN, keyed)
+    return keys
 
 
 #: An INSERT's SQL and which of its parameters it binds, by the statement and which of its
@@ -361,41 +366,25 @@ class SqliteWrites(SqlJournal):
         All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``
         naming the first such run). Every run is under the one spec ``spec_json`` holds.
 
-        Past the first run, the run keys are given here, inside the write transaction, so
-        each table's rows go in by one ``executemany``: no round trip per run for the key
-        SQLite would give its row.
+        Past the first run, the run keys are given here (:func:`_insert_runs`), so each
+        table's rows go in by one ``executemany``: no round trip per run for its key.
         """
         if not new_runs(runs):
             return
-        run_rows = []
-        transition_rows = []
-        iteration_rows = []
-        for run, first, iterations in runs:
-            run_rows.append(self._run_params(run))
-            transition_rows.append(self._transition_params(first))
-            iteration_rows += [self._iteration_params(record) for record in iterations]
+        run_rows = [self._run_params(run) for run, _, _ in runs]
+        transition_rows = [self._transition_params(first) for _, first, _ in runs]
+        iteration_rows = [self._iteration_params(i) for _, _, opened in runs for i in opened]
         spec = (runs[0][0].spec_hash, runs[0][0].machine, spec_json, format_utc(utc_now()))
         refused = runs[0][0].run_id
-        first_key: int | None = None
         try:
             with self._write() as conn:
                 cursor = conn.cursor()
                 cursor.execute(_INSERT_SPEC, spec)
-                # The first row's key is SQLite's (AUTOINCREMENT); the write lock held, the
-                # next ones are those it would give next, one more each, given with the rows.
+                before = conn.total_changes
                 try:
-                    _insert_row(cursor, _INSERT_RUN, run_rows[0])
-                    first_key = _inserted_key(cursor)
-                    keys = range(first_key, first_key + len(runs))
-                    _insert_rows(
-                        cursor,
-                        _INSERT_KEYED_RUN,
-                        [(*row, key) for row, key in zip(run_rows[1:], keys[1:], strict=True)],
-                    )
-                except sqlite3.IntegrityError:
-                    # The rows before the refused one are in (keys in order): it is the next.
-                    if first_key is not None:
-                        refused = runs[_rows_from(cursor, first_key)][0].run_id
+                    keys = _insert_runs(cursor, run_rows)
+                except sqlite3.IntegrityError:  # the rows before the refused one are in
+                    refused = runs[conn.total_changes - before][0].run_id
                     raise
                 _insert_rows(
                     cursor,
