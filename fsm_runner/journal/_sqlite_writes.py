@@ -90,9 +90,16 @@ _UPSERT_ARTIFACT = (
 
 #: How many runs' last written rows the journal remembers to write only changed columns.
 _REMEMBERED_RUNS = 10_000
+#: One transition's VALUES. Its ``result`` is bound as :data:`_NO_RESULT` when it has none:
+#: ``sqlite3`` binds an ``int`` at once, but looks for an adapter of ``None`` (and formats the
+#: ``AttributeError`` of its ``__conform__``) every time, ~3k instructions a parameter. A
+#: stored result is JSON text, never that integer, so ``NULLIF`` turns only it into NULL (and
+#: a ``None`` still binds as NULL).
+_TRANSITION_VALUES = "(?, ?, ?, ?, ?, ?, ?, ?, ?, NULLIF(?, 0), ?, ?)"
+_NO_RESULT = 0
 _INSERT_TRANSITION = (
     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
-    " duration_ms, result, lease_token, run_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    f" duration_ms, result, lease_token, run_key) VALUES {_TRANSITION_VALUES}"
 )
 _TRANSITION_PARAMS = 12
 _run_key_of = operator.itemgetter(_TRANSITION_PARAMS - 1)  # an INSERT's (run_key, seq) order
@@ -104,7 +111,7 @@ _REMEMBERED_KEYS = 100_000
 @functools.lru_cache(maxsize=64)
 def _bulk_insert(rows: int) -> str:
     """The INSERT of ``rows`` transitions in one statement."""
-    values = ", ".join(["(" + ", ".join("?" * _TRANSITION_PARAMS) + ")"] * rows)
+    values = ", ".join([_TRANSITION_VALUES] * rows)
     return _INSERT_TRANSITION.split(" VALUES ", maxsplit=1)[0] + " VALUES " + values
 
 
@@ -560,7 +567,7 @@ class SqliteWrites(SqlJournal):
             transition.attempt,
             format_utc(transition.at),
             transition.duration_ms,
-            None if transition.result is None else _dumps(transition.result),
+            _NO_RESULT if transition.result is None else _dumps(transition.result),
             transition.lease_token,
             self._keys.get(transition.run_id) or self._run_key(transition.run_id),
         )
@@ -687,17 +694,20 @@ class SqliteWrites(SqlJournal):
         ):
             columns += ["return_to", "return_attempt", "return_visit"]
             params += [run.return_to, run.return_attempt, run.return_visit]
+        # Columns set to NULL are written as NULL in the SQL, not bound (see _TRANSITION_VALUES).
         if transition.event == USER_ABORTED:
             columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
-            params += [None, None]
         if run.ended:
             # The run ends: its lease ends with it (the token stays, as a release leaves it).
             columns += ["lease_owner", "lease_expires_at"]
-            params += [None, None]
         names = tuple(columns)
         sql = self._update_sql.get(names)
         if sql is None:
-            assignments = ", ".join(f"{column} = ?" for column in columns)
+            bound = len(params)
+            assignments = ", ".join(
+                f"{column} = {'?' if index < bound else 'NULL'}"
+                for index, column in enumerate(columns)
+            )
             sql = self._update_sql[names] = f"UPDATE run_rows SET {assignments} WHERE run_key = ?"
         params.append(key)
         return sql, tuple(params)
