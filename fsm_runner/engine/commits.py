@@ -16,6 +16,7 @@ apply at once.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -79,7 +80,7 @@ from fsm_runner.records import (
     positional_builder,
     utc_now,
 )
-from fsm_runner.spec import RETURN, MachineSpec, State
+from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
 
 if TYPE_CHECKING:
     import asyncio
@@ -451,22 +452,29 @@ class StepWriter:
             artifacts = artifact_rows(artifacts, transition, after)
         return transition, after, iterations, artifacts
 
+    @functools.cached_property
+    def _plain_outcomes(self) -> dict[str, RunOutcome]:
+        """The states a plain step may enter, each with the run's status there.
+
+        A plain step (:func:`~fsm_runner.engine.reducer.advance_plain`) enters neither a state
+        that starts an iteration nor one with a RETURN exit. One lookup a step instead of
+        reading both (and the final outcome) off the state.
+        """
+        return {
+            name: state.final_outcome
+            for name, state in self._states.items()
+            if not state.starts_iteration and name not in self._returning
+        }
+
     def _plan_plain(self, run: RunRecord, event: str, dest: str, duration_ms: float) -> Planned:
         """Plan a bare event outside iterations: the reducer's plain step where it applies.
 
         Positional calls only; keyword arguments cost on every step.
         """
-        dest_state = self._states[dest]
-        if (
-            run.iteration
-            or dest_state.starts_iteration
-            or run.return_to is not None
-            or dest in self._returning
-        ):
+        status = self._plain_outcomes.get(dest)
+        if status is None or run.iteration or run.return_to is not None:
             return self._plan(run, event, dest, result=None, duration_ms=duration_ms)
-        transition, after = advance_plain(
-            run, event, dest, dest_state.final_outcome, duration_ms, utc_now()
-        )
+        transition, after = advance_plain(run, event, dest, status, duration_ms, utc_now())
         return transition, after, (), ()
 
     def _notify(self, transition: TransitionRecord, run: RunRecord) -> None:
