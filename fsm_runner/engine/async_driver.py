@@ -23,9 +23,11 @@ from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.decisions import PhaseOutcome, PhaseStep, retry_wait
 from fsm_runner.engine.leases import unleased
 from fsm_runner.engine.reducer import ACTIVE as _ACTIVE
+from fsm_runner.engine.reducer import advance_plain
+from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import RunConflictError
 from fsm_runner.phases import PhaseContext
-from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 
 if TYPE_CHECKING:
     import asyncio
@@ -65,6 +67,7 @@ class AsyncDriver(StepWriter):
         try:
             steps = 0
             fast_states, plain_edges, aborts = self._fast, self._plain_edges, self._aborts
+            plain_outcomes, active = self._plain_outcomes, self._active
             clock = self.clock
             committer = self._group_committer()
             transition: TransitionRecord | None
@@ -75,16 +78,10 @@ class AsyncDriver(StepWriter):
                         transition, after = await self._astep(run)
                     else:
                         ctx = PhaseContext(
-                            run,
-                            self.services,
-                            clock,
-                            None,
-                            None,
-                            self._logger_names[run.state],
-                            self.journal,
-                            self._states[run.state],
-                        )
-                        self._active[run_id] = ctx
+                            run, self.services, clock, None, None, self._logger_names[run.state],
+                            self.journal, self._states[run.state],
+                        )  # fmt: skip
+                        active[run_id] = ctx
                         started = clock()
                         try:
                             value = handler(ctx)
@@ -102,26 +99,29 @@ class AsyncDriver(StepWriter):
                             self._interrupted(run, exc)
                             raise
                         else:
-                            self._close_phase(run_id)
-                            dest = None
-                            if type(value) is str and not run.iteration:
-                                dest = plain_edges.get((run.state, value))
-                            if dest is None:
+                            closing = active.pop(run_id, None)  # _close_phase, inlined
+                            if closing is not None:
+                                closing.close()
+                            status = None  # a plain step's (see _plan_plain)
+                            if type(value) is str and not run.iteration and run.return_to is None:
+                                dest = plain_edges.get((run.state, value), "")
+                                status = plain_outcomes.get(dest)
+                            if status is None or committer is None:  # _decide, _awrite
                                 transition, after = await self._afinish_fast(
                                     run, ctx, started, value, None
                                 )
-                            else:
+                            else:  # _plan_plain and _awrite's plain step, inlined
                                 del ctx  # not kept alive (and tracked by the GC) while it waits
                                 duration_ms = (clock() - started) * 1000.0
-                                planned = self._plan_plain(run, value, dest, duration_ms)
-                                transition, after, iterations, _ = planned
-                                if committer is None or iterations:
-                                    transition, after = await self._awrite(planned)
-                                else:
-                                    await committer.submit(
-                                        new_commit(after, transition, (), (), None)
-                                    )
-                                    transition, after = self._committed(transition, after)
+                                transition, after = advance_plain(
+                                    run, value, dest, status, duration_ms, utc_now()
+                                )
+                                await committer.submit(new_commit(after, transition, (), (), None))
+                                if status is not _ACTIVE or value == USER_ABORTED:  # _committed
+                                    with self._lock:
+                                        aborts.pop(run_id, None)
+                                if self.listeners:
+                                    self._notify(transition, after)
                 except RunConflictError as refused:
                     run = self._after_refusal(run_id, refused)
                     if run.ended:
