@@ -32,6 +32,7 @@ from fsm_runner.records import (
     format_utc,
     utc_now,
 )
+from fsm_runner.spec import RunOutcome
 
 __all__ = ["SqliteWrites", "refused_if_exists"]
 
@@ -123,6 +124,31 @@ _INSERT_RUN = (
 
 
 _dumps = _rows.dumps
+
+
+#: The run row's lease holder, set to NULL when the run ends (its token stays).
+_NO_HOLDER = ("lease_owner", "lease_expires_at")
+#: A run's status while it has not ended.
+_ACTIVE = RunOutcome.ACTIVE
+
+
+def _update_run_row(columns: Sequence[str], bound: int) -> str:
+    """The UPDATE of a run row (found by its ``run_key``) that sets ``columns``.
+
+    The first ``bound`` columns take parameters; the others are set to NULL in the SQL itself
+    (see :data:`_TRANSITION_VALUES`).
+    """
+    assignments = ", ".join(
+        f"{column} = {'?' if index < bound else 'NULL'}" for index, column in enumerate(columns)
+    )
+    return f"UPDATE run_rows SET {assignments} WHERE run_key = ?"
+
+
+#: The UPDATE :meth:`SqliteWrites._extra_update` writes when a plain step ends a run: the
+#: head, the status, and no lease holder.
+_END_RUN = _update_run_row(
+    ("state", "seq", "iteration", "updated_at", "visit_seq", "status", *_NO_HOLDER), 6
+)
 
 
 @contextlib.contextmanager
@@ -571,19 +597,28 @@ class SqliteWrites(SqlJournal):
             transition.lease_token,
             self._keys.get(transition.run_id) or self._run_key(transition.run_id),
         )
+        extra: tuple[str, tuple[Any, ...]] | None
         known = self._written.get(run.run_id)
         if (
-            known is not None  # the hot path: the transition is all that changed
+            known is not None  # a plain step: the transition is all that changed, ...
             and known.seq == seq - 1
             and run.visit_seq == seq
-            and run.status is known.status
             and run.attempt == known.attempt
             and run.context is known.context
             and run.error is known.error
             and run.return_to == known.return_to
             and transition.event != USER_ABORTED
         ):
-            extra = None
+            if run.status is known.status:
+                extra = None  # the hot path
+            elif run.status is not _ACTIVE and run.return_attempt == known.return_attempt:
+                # ... but for the run's end: what _extra_update writes then, built at once
+                at = insert[7] if run.updated_at is transition.at else format_utc(run.updated_at)
+                # _value_: the member's value as stored on it (.value is a Python property)
+                status = run.status._value_
+                extra = (_END_RUN, (run.state, seq, run.iteration, at, seq, status, insert[11]))
+            else:
+                extra = self._extra_update(run, transition, insert[7], insert[11])
         else:
             extra = self._extra_update(run, transition, insert[7], insert[11])
         if extra is None and not iterations and not artifacts and spec_json is None:
@@ -699,16 +734,11 @@ class SqliteWrites(SqlJournal):
             columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
         if run.ended:
             # The run ends: its lease ends with it (the token stays, as a release leaves it).
-            columns += ["lease_owner", "lease_expires_at"]
+            columns += _NO_HOLDER
         names = tuple(columns)
         sql = self._update_sql.get(names)
         if sql is None:
-            bound = len(params)
-            assignments = ", ".join(
-                f"{column} = {'?' if index < bound else 'NULL'}"
-                for index, column in enumerate(columns)
-            )
-            sql = self._update_sql[names] = f"UPDATE run_rows SET {assignments} WHERE run_key = ?"
+            sql = self._update_sql[names] = _update_run_row(names, len(params))
         params.append(key)
         return sql, tuple(params)
 
