@@ -69,7 +69,7 @@ class AsyncDriver(StepWriter):
             fast_states, plain_edges, aborts = self._fast, self._plain_edges, self._aborts
             plain_outcomes, active = self._plain_outcomes, self._active
             clock = self.clock
-            committer = self._group_committer()
+            group = self._group_committer()  # None: each step commits on its own
             transition: TransitionRecord | None
             while (max_steps is None or steps < max_steps) and run.status is _ACTIVE:  # not ended
                 try:
@@ -106,17 +106,19 @@ class AsyncDriver(StepWriter):
                             if type(value) is str and not run.iteration and run.return_to is None:
                                 dest = plain_edges.get((run.state, value), "")
                                 status = plain_outcomes.get(dest)
-                            if status is None or committer is None:  # _decide, _awrite
+                            if status is None:  # the general path: _decide, _awrite
                                 transition, after = await self._afinish_fast(
                                     run, ctx, started, value, None
                                 )
                             else:  # _plan_plain and _awrite's plain step, inlined
                                 del ctx  # not kept alive (and tracked by the GC) while it waits
-                                duration_ms = (clock() - started) * 1000.0
                                 transition, after = advance_plain(
-                                    run, value, dest, status, duration_ms, utc_now()
+                                    run, value, dest, status, (clock() - started) * 1e3, utc_now()
                                 )
-                                await committer.submit(new_commit(after, transition, (), (), None))
+                                if group is None:
+                                    self.journal.commit(after, transition)
+                                else:
+                                    await group.submit(new_commit(after, transition, (), (), None))
                                 if status is not _ACTIVE or value == USER_ABORTED:  # _committed
                                     with self._lock:
                                         aborts.pop(run_id, None)
