@@ -100,6 +100,32 @@ def test_the_wal_stays_bounded_over_many_runs(tmp_path: Path, small_wal: int) ->
         assert journal.integrity_problems() == []
 
 
+def test_two_journals_on_one_file_checkpoint_beside_each_other(
+    tmp_path: Path, small_wal: int
+) -> None:
+    # Each has its own thread: their checkpoints collide (one is refused as busy) and the
+    # writers' own ones too; whatever the order, every run is as committed.
+    path = tmp_path / "j.db"
+    wal = tmp_path / "j.db-wal"
+    first, second = SqliteJournal(path), SqliteJournal(path, durability="power")
+    engines = [Engine(SPEC, handlers={"next": _next}, journal=j) for j in (first, second)]
+    run_ids, largest = [], 0
+    for index in range(600):
+        engine = engines[index % 2]
+        run_ids.append(engine.run(engine.start(claim=True)).run_id)
+        largest = max(largest, wal.stat().st_size)
+    assert first._checkpointer is not None
+    assert second._checkpointer is not None
+    for engine in engines:
+        engine.close()
+    first.close()
+    second.close()
+    assert largest < 4000 * 4120  # ~6,000 pages written: started over again and again
+    with SqliteJournal(path) as journal:
+        assert journal.integrity_problems() == []
+        assert all(journal.load(run_id).state == "done" for run_id in run_ids)
+
+
 def test_a_journal_that_only_reads_starts_no_thread(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     with SqliteJournal(path) as journal:
