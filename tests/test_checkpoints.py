@@ -68,15 +68,25 @@ def _settled_size(path: Path) -> int:
     return size
 
 
+def _only_the_thread_copies(journal: SqliteJournal) -> tuple[Engine, int]:
+    """An engine on ``journal`` after one run, the writer's own checkpoints off: the file's size."""
+    engine = Engine(SPEC, handlers={"next": _next}, journal=journal)
+    engine.run(engine.start())
+    journal._conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return engine, _settled_size(Path(journal.path))
+
+
+def _write_blobs(engine: Engine) -> None:
+    """20 runs with 8 KB of input each: new pages, the file must grow ~160 KB for them."""
+    for _ in range(20):
+        engine.run(engine.start({"blob": "x" * 8192}, claim=True))
+
+
 def test_the_thread_copies_the_wal_back_without_the_writer(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     with SqliteJournal(path) as journal:
-        engine = Engine(SPEC, handlers={"next": _next}, journal=journal)
-        engine.run(engine.start())
-        journal._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the writer never copies now
-        size = _settled_size(path)
-        for _ in range(20):  # each with 8 KB of input: new pages, the file must grow for them
-            engine.run(engine.start({"blob": "x" * 8192}, claim=True))
+        engine, size = _only_the_thread_copies(journal)
+        _write_blobs(engine)
         assert _wait_for(lambda: path.stat().st_size >= size + 80_000), "nothing copied back"
         engine.close()
 
@@ -195,15 +205,11 @@ def test_a_checkpoint_that_fails_loses_nothing_and_the_thread_goes_on(tmp_path: 
 def test_a_checkpoint_a_reader_holds_back_is_made_later(tmp_path: Path) -> None:
     path = tmp_path / "j.db"
     with SqliteJournal(path) as journal:
-        engine = Engine(SPEC, handlers={"next": _next}, journal=journal)
-        engine.run(engine.start())
-        journal._conn.execute("PRAGMA wal_autocheckpoint = 0")  # the writer never copies now
-        size = _settled_size(path)
+        engine, size = _only_the_thread_copies(journal)
         reader = sqlite3.connect(path, isolation_level=None)
         reader.execute("BEGIN")
         reader.execute("SELECT count(*) FROM run_rows").fetchone()  # holds its snapshot
-        for _ in range(20):  # each with 8 KB of input: new pages, the file must grow for them
-            engine.run(engine.start({"blob": "x" * 8192}, claim=True))
+        _write_blobs(engine)
         assert _settled_size(path) == size  # nothing past the reader's snapshot was copied
         reader.execute("COMMIT")
         reader.close()

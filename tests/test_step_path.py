@@ -64,17 +64,7 @@ def returning_handlers(*, asynchronous: bool):
     def b(_ctx):
         return NEXT
 
-    handlers = {"a": a, "fixing": fixing, "b": b}
-    if not asynchronous:
-        return handlers
-
-    def as_async(fn):
-        async def handler(ctx):
-            return fn(ctx)
-
-        return handler
-
-    return {name: as_async(fn) for name, fn in handlers.items()}
+    return _maybe_async({"a": a, "fixing": fixing, "b": b}, asynchronous)
 
 
 def loop_handlers(*, asynchronous: bool):
@@ -89,7 +79,11 @@ def loop_handlers(*, asynchronous: bool):
     def feedback(_ctx):
         return "FEEDBACK_READY"
 
-    handlers = {"build": build, "verify": verify, "feedback": feedback}
+    return _maybe_async({"build": build, "verify": verify, "feedback": feedback}, asynchronous)
+
+
+def _maybe_async(handlers, asynchronous):
+    """The handlers as they are, or each wrapped in a coroutine function."""
     if not asynchronous:
         return handlers
 
