@@ -111,7 +111,8 @@ class AsyncDriver(StepWriter):
                                     run, ctx, started, value, None
                                 )
                             else:  # _plan_plain and _awrite's plain step, inlined
-                                del ctx  # not kept alive (and tracked by the GC) while it waits
+                                # not kept alive (and tracked by the GC) while it waits
+                                del ctx, closing
                                 transition, after = advance_plain(
                                     run, value, dest, status, (clock() - started) * 1e3, utc_now()
                                 )
