@@ -138,11 +138,7 @@ class LeaseKeeper:
         the one it wrote (:meth:`claim`), which needs neither a load nor a transaction of its own
         beyond that one conditional UPDATE.
         """
-        run = _as_loaded(run)
-        with self.lock:
-            if len(self._started) >= _REMEMBERED_STARTS:
-                self._started.clear()
-            self._started[run.run_id] = (self._owner.journal, run)
+        self.started_many([run])
 
     def started_holding(self, run: RunRecord) -> None:
         """Hold a run this engine just started with its lease (``Engine.start(claim=True)``).
@@ -150,11 +146,14 @@ class LeaseKeeper:
         The heartbeat renews the lease from now on; the run's first drive here takes the row
         as written (:meth:`claim`, :meth:`aclaim`) and writes no claim.
         """
-        run = _as_loaded(run)
-        self.hold(run, fresh=(self._owner.journal, run))
+        self.started_many([run])
 
     def started_many(self, runs: Sequence[RunRecord]) -> None:
-        """:meth:`started` or :meth:`started_holding` of each run, the lock taken once."""
+        """Remember runs this engine just started, the lock taken once.
+
+        :meth:`started` of each run stored without a lease, :meth:`started_holding` of each one
+        stored holding this engine's.
+        """
         journal = self._owner.journal
         loaded = [_as_loaded(run) for run in runs]
         with self.lock:
