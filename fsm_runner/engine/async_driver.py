@@ -111,8 +111,7 @@ class AsyncDriver(StepWriter):
                                     run, ctx, started, value, None
                                 )
                             else:  # _plan_plain and _awrite's plain step, inlined
-                                # not kept alive (and tracked by the GC) while it waits
-                                del ctx, closing
+                                del ctx, closing  # not kept alive (GC-tracked) while it waits
                                 transition, after = advance_plain(
                                     run, value, dest, status, (clock() - started) * 1e3, utc_now()
                                 )

@@ -429,15 +429,7 @@ class SqliteWrites(SqlJournal):
         except JournalError as exc:
             with refused_if_exists(refused):
                 raise exc from exc.__cause__
-        written = self._written
-        known = self._keys
-        if len(written) + len(runs) > _REMEMBERED_RUNS:
-            written.clear()
-        if len(known) + len(runs) > _REMEMBERED_KEYS:
-            known.clear()
-        for (run, _, _), key in zip(runs, keys, strict=True):
-            written[run.run_id] = run
-            known[run.run_id] = key
+        self._remember_many([run for run, _, _ in runs], keys)
 
     def commit(
         self,
@@ -746,6 +738,17 @@ class SqliteWrites(SqlJournal):
         if len(self._written) >= _REMEMBERED_RUNS:
             self._written.clear()
         self._written[run.run_id] = run
+
+    def _remember_many(self, runs: Sequence[RunRecord], keys: Sequence[int]) -> None:
+        """:meth:`_remember` and :meth:`_remember_key` of a batch (caches cleared once, first)."""
+        written, known = self._written, self._keys
+        if len(written) + len(runs) > _REMEMBERED_RUNS:
+            written.clear()
+        if len(known) + len(runs) > _REMEMBERED_KEYS:
+            known.clear()
+        for run, key in zip(runs, keys, strict=True):
+            written[run.run_id] = run
+            known[run.run_id] = key
 
     def _remember_key(self, run_id: str, key: int) -> None:
         if len(self._keys) >= _REMEMBERED_KEYS:
