@@ -439,3 +439,59 @@ class TestRenewMany:
         engine.close()  # carries the abort out: the run was never driven
         assert journal.load(run_ids[0]).status is RunOutcome.ABORTED
         assert journal.load(run_ids[1]).lease_owner is None
+
+
+class TestReleaseMany:
+    """``close()`` lets go of the runs it started holding and never drove in one transaction
+    (``release_many``), reading in it which of them an abort was asked of."""
+
+    def test_only_the_owners_own_leases_are_given_up(self, journal):
+        engine = engine_for(journal)
+        run_ids = [engine.start() for _ in range(3)]
+        held = [journal.claim(run_id, "w", ttl=60) for run_id in run_ids]
+        journal.release(run_ids[1], "w", 1)
+        journal.claim(run_ids[1], "other", ttl=60)  # taken over: token 2
+        journal.request_abort(run_ids[2], "stop it")
+        found = journal.release_many(
+            [(r.run_id, r.lease_token) for r in held] + [("no-such-run", 1)], "w"
+        )
+        assert found == {
+            run_ids[0]: None,
+            run_ids[1]: None,
+            run_ids[2]: "stop it",
+            "no-such-run": None,
+        }
+        assert journal.load(run_ids[0]).lease_owner is None
+        assert journal.load(run_ids[2]).lease_owner is None
+        taken = journal.load(run_ids[1])
+        assert (taken.lease_owner, taken.lease_token) == ("other", 2)  # left as it was
+
+    def test_close_lets_go_of_hundreds_in_one_call(self, journal):
+        counting = Counting(journal)
+        engine = engine_for(counting)
+        run_ids = engine.start_many([None] * 1200, claim=True)
+        abort_run(journal, run_ids[7], "operator")
+        abort_run(journal, run_ids[1100], "operator")
+        counting.calls.clear()
+        engine.close()
+        assert counting.calls.count("release_many") == 1
+        assert "release" not in counting.calls
+        assert "load" not in counting.calls[: counting.calls.index("release_many") + 1]
+        runs = {run_id: journal.load(run_id) for run_id in run_ids}
+        assert all(run.lease_owner is None for run in runs.values())
+        aborted = {run_id for run_id, run in runs.items() if run.status is RunOutcome.ABORTED}
+        assert aborted == {run_ids[7], run_ids[1100]}  # carried out, the rest left for workers
+        assert engine_for(journal, worker_id="elsewhere").work(exit_when_idle=True) == 1198
+
+    def test_a_journal_without_it_is_let_go_of_run_by_run(self, tmp_path):
+        class NoBatch(SqliteJournal):
+            release_many = None  # as a journal that does not offer it
+
+        journal = NoBatch(tmp_path / "j.db")
+        engine = engine_for(journal)
+        run_ids = engine.start_many([None] * 3, claim=True)
+        abort_run(journal, run_ids[0], "operator")
+        engine.close()
+        assert journal.load(run_ids[0]).status is RunOutcome.ABORTED
+        assert all(journal.load(r).lease_owner is None for r in run_ids)
+        journal.close()

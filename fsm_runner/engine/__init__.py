@@ -237,16 +237,15 @@ class Engine(SyncDriver, AsyncDriver):
 
     def _let_go_undriven(self) -> None:
         """Let go of the runs started holding and never driven; carry out aborts asked of them."""
-        for run_id in self._leases.undriven():
-            if not self._leases.let_go_fresh(run_id):
-                continue  # driven meanwhile
+        # One release for all of them where the journal can, which reads whether an abort was
+        # asked from elsewhere since the last heartbeat.
+        for run_id, stored in self._leases.let_go_undriven().items():
             with self._lock:
-                reason = self._aborts.pop(run_id, None)
+                reason = self._aborts.pop(run_id, None) or stored
+            if reason is None:
+                continue
             try:
-                if reason is None:  # asked from elsewhere since the last heartbeat?
-                    reason = self.journal.load(run_id).abort_reason
-                if reason is not None:
-                    self.abort(run_id, reason)
+                self.abort(run_id, reason)
             except FsmRunnerError as exc:  # a request stays journaled for the next holder
                 _log.warning("run %s: could not carry out its abort: %s", run_id, exc)
 

@@ -185,6 +185,41 @@ class LeaseKeeper:
         with self.lock:
             return [run_id for run_id, hold in self._held.items() if hold.fresh is not None]
 
+    def let_go_undriven(self) -> dict[str, str | None]:
+        """Let go of every run this engine started holding and has not driven.
+
+        In one journal call where the journal can (``release_many``), else run by run. Returns
+        each run's abort reason as its row holds it (``None``: none, or it could not be read).
+        """
+        with self.lock:
+            leases = [
+                (run_id, hold.token)
+                for run_id, hold in self._held.items()
+                if hold.fresh is not None and hold.token is not None
+            ]
+            for run_id, _ in leases:
+                del self._held[run_id]
+        if not leases:
+            return {}
+        journal, owner = self._owner.journal, self._owner.worker_id
+        release_many = getattr(journal, "release_many", None)
+        if release_many is not None:
+            try:
+                reasons: dict[str, str | None] = release_many(leases, owner)
+            except FsmRunnerError as exc:  # the leases will expire; nothing is lost
+                _log.warning("could not release %d leases: %s", len(leases), exc)
+                return dict.fromkeys((run_id for run_id, _ in leases), None)
+            return reasons
+        reasons = {}
+        for run_id, token in leases:  # a journal without it: run by run
+            reasons[run_id] = None
+            try:
+                journal.release(run_id, owner, token)
+                reasons[run_id] = journal.load(run_id).abort_reason
+            except FsmRunnerError as exc:  # the lease will expire; nothing is lost
+                _log.warning("run %s: could not release its lease: %s", run_id, exc)
+        return reasons
+
     def let_go_fresh(self, run_id: str) -> bool:
         """Let go of a run this engine started holding and has not driven; whether it was one."""
         with self.lock:

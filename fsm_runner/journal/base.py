@@ -383,6 +383,12 @@ class Journal(Protocol):
 
         Returns:
             ``False`` when it no longer held that lease (nothing changed).
+
+        A journal may also offer ``release_many(leases, owner) -> dict[str, str | None]``:
+        every ``(run_id, token)`` lease given up in ONE transaction, and each run's abort
+        reason (``None``: none requested, or no such run) read in it. The built-in journals
+        do; ``Engine.close`` uses it for the runs it started holding and never drove, else
+        releases and loads them run by run.
         """
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:

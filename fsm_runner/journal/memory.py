@@ -488,6 +488,23 @@ class MemoryJournal:
             self._runs[run_id] = attrs.evolve(run, lease_owner=None, lease_expires_at=None)
         return True
 
+    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
+        """Give up the ``(run_id, token)`` leases ``owner`` holds, at once (see ``Journal``)."""
+        reasons: dict[str, str | None] = {}
+        with self._lock:
+            self._check_open()
+            for run_id, token in leases:
+                run = self._runs.get(run_id)
+                if run is None:
+                    reasons[run_id] = None
+                    continue
+                if _lease.holds(run, owner, token):
+                    run = self._runs[run_id] = attrs.evolve(
+                        run, lease_owner=None, lease_expires_at=None
+                    )
+                reasons[run_id] = run.abort_reason
+        return reasons
+
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
         _rows.check_fork(run, at_seq)

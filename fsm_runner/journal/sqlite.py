@@ -432,6 +432,26 @@ class SqliteJournal(SqliteChecks):
             ).rowcount
         return bool(released)
 
+    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
+        """Give up the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
+        reasons: dict[str, str | None] = {}
+        with self._write() as conn:
+            conn.executemany(
+                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL"
+                " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
+                [(run_id, owner, token) for run_id, token in leases],
+            )
+            for start in range(0, len(leases), _IDS_A_STATEMENT):
+                run_ids = [run_id for run_id, _ in leases[start : start + _IDS_A_STATEMENT]]
+                reasons.update(
+                    conn.execute(
+                        "SELECT run_id, abort_reason FROM run_rows"
+                        f" WHERE run_id IN ({', '.join('?' * len(run_ids))})",
+                        run_ids,
+                    ).fetchall()
+                )
+        return {run_id: reasons.get(run_id) for run_id, _ in leases}
+
     # -- operations ----------------------------------------------------------------------------
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
