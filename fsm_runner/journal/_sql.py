@@ -33,6 +33,8 @@ __all__ = ["SqlJournal"]
 T = TypeVar("T")
 _J = TypeVar("_J", bound="SqlJournal")
 
+#: Run ids in one ``IN (...)`` list (under SQLite's oldest default limit of 999 variables).
+_IDS_A_STATEMENT = 500
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
 _ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
@@ -106,6 +108,31 @@ class SqlJournal:
         raise NotImplementedError
 
     # -- the same in every dialect -------------------------------------------------------------
+
+    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
+        """Give up the ``(run_id, token)`` leases ``owner`` holds, in one write (``Journal``).
+
+        SQLite: one transaction; PostgreSQL: one pipelined batch (releasing again after a lost
+        connection is harmless: only the owner's own token matches). Then each run's abort
+        reason, read in the same write.
+        """
+        m, table = self._MARK, self._RUN_TABLE
+
+        def work(conn: Any) -> dict[str, str | None]:
+            conn.cursor().executemany(
+                f"UPDATE {table} SET lease_owner = NULL, lease_expires_at = NULL"
+                f" WHERE run_id = {m} AND lease_owner = {m} AND lease_token = {m}",
+                [(run_id, owner, token) for run_id, token in leases],
+            )
+            found: dict[str, str | None] = {}
+            for start in range(0, len(leases), _IDS_A_STATEMENT):
+                run_ids = [run_id for run_id, _ in leases[start : start + _IDS_A_STATEMENT]]
+                marks = ", ".join([m] * len(run_ids))
+                query = f"SELECT run_id, abort_reason FROM {table} WHERE run_id IN ({marks})"
+                found.update(conn.execute(query, run_ids).fetchall())
+            return {run_id: found.get(run_id) for run_id, _ in leases}
+
+        return self._writing(work)
 
     def close(self) -> None:
         """Close the connection; further use raises ``JournalError``."""

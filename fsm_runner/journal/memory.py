@@ -471,12 +471,8 @@ class MemoryJournal:
                     continue
                 if _lease.holds(run, owner, token):
                     run = self._runs[run_id] = attrs.evolve(run, lease_expires_at=expires)
-                found[run_id] = (
-                    run.lease_owner,
-                    run.lease_token,
-                    run.abort_reason,
-                    run.status.value,
-                )
+                row = (run.lease_owner, run.lease_token, run.abort_reason, run.status.value)
+                found[run_id] = row
         return renewals(leases, owner, found)
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
@@ -495,14 +491,9 @@ class MemoryJournal:
             self._check_open()
             for run_id, token in leases:
                 run = self._runs.get(run_id)
-                if run is None:
-                    reasons[run_id] = None
-                    continue
-                if _lease.holds(run, owner, token):
-                    run = self._runs[run_id] = attrs.evolve(
-                        run, lease_owner=None, lease_expires_at=None
-                    )
-                reasons[run_id] = run.abort_reason
+                if run is not None:  # the abort reason stays as it is
+                    self.release(run_id, owner, token)
+                reasons[run_id] = None if run is None else run.abort_reason
         return reasons
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:

@@ -420,27 +420,6 @@ class PostgresJournal(PostgresOpening):
 
         return self._call(work, resolve=resolve)
 
-    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
-        """Give up the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
-        run_ids, tokens = [run_id for run_id, _ in leases], [token for _, token in leases]
-
-        def work(conn: _Connection) -> dict[str, str | None]:
-            with conn.transaction():
-                conn.execute(
-                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
-                    " FROM unnest(%s::text[], %s::bigint[]) AS held(run_id, token)"
-                    " WHERE runs.run_id = held.run_id AND runs.lease_token = held.token"
-                    " AND runs.lease_owner = %s",
-                    (run_ids, tokens, owner),
-                )
-                rows = conn.execute(
-                    "SELECT run_id, abort_reason FROM runs WHERE run_id = ANY(%s)", (run_ids,)
-                ).fetchall()
-            reasons: dict[str, str | None] = {row[0]: row[1] for row in rows}
-            return {run_id: reasons.get(run_id) for run_id in run_ids}
-
-        return self._call(work)  # releasing again is harmless: only owner's own token matches
-
     # -- operations ----------------------------------------------------------------------------
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:

@@ -30,6 +30,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._checkpoint import Checkpointer
+from fsm_runner.journal._sql import _IDS_A_STATEMENT
 from fsm_runner.journal._sqlite_check import (
     APPLICATION_ID,
     SCHEMA_VERSION,
@@ -57,8 +58,6 @@ DEFAULT_PATH = "fsm-runner.db"
 
 _LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
 _CACHE_KIB = 16 * 1024
-#: Run ids in one ``IN (...)`` list (under SQLite's oldest default limit of 999 variables).
-_IDS_A_STATEMENT = 500
 #: Pragmas of every connection beyond WAL, synchronous and the page cache (benchmarks give their
 #: raw baselines the same). A checkpoint (with its fsyncs) once the WAL holds 10,000 pages
 #: (~40 MB) instead of SQLite's 1,000: a group commit of a thousand runs writes ~1,000 pages, and
@@ -431,26 +430,6 @@ class SqliteJournal(SqliteChecks):
                 (run_id, owner, token),
             ).rowcount
         return bool(released)
-
-    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
-        """Give up the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
-        reasons: dict[str, str | None] = {}
-        with self._write() as conn:
-            conn.executemany(
-                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL"
-                " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
-                [(run_id, owner, token) for run_id, token in leases],
-            )
-            for start in range(0, len(leases), _IDS_A_STATEMENT):
-                run_ids = [run_id for run_id, _ in leases[start : start + _IDS_A_STATEMENT]]
-                reasons.update(
-                    conn.execute(
-                        "SELECT run_id, abort_reason FROM run_rows"
-                        f" WHERE run_id IN ({', '.join('?' * len(run_ids))})",
-                        run_ids,
-                    ).fetchall()
-                )
-        return {run_id: reasons.get(run_id) for run_id, _ in leases}
 
     # -- operations ----------------------------------------------------------------------------
 
