@@ -391,17 +391,24 @@ class TestStartMany:
         assert [journal.load(r).input for r in run_ids] == ["x", "y"]
 
 
+def held_by_w(journal, count, *, ttl):
+    """``count`` runs whose leases worker ``w`` took: the 2nd then taken over by ``other``
+    (token 2), an abort asked of the 3rd. Their ids, and the rows as ``w`` claimed them."""
+    engine = engine_for(journal)
+    run_ids = [engine.start() for _ in range(count)]
+    held = [journal.claim(run_id, "w", ttl=ttl) for run_id in run_ids]
+    journal.release(run_ids[1], "w", 1)
+    journal.claim(run_ids[1], "other", ttl=60)
+    journal.request_abort(run_ids[2], "stop it")
+    return run_ids, held
+
+
 class TestRenewMany:
     """The heartbeat renews every lease an engine holds in one transaction (``renew_many``),
     reading in it what it passes on: a lease taken over, an abort requested, a run ended."""
 
     def test_every_lease_is_renewed_and_reported(self, journal):
-        engine = engine_for(journal)
-        run_ids = [engine.start() for _ in range(4)]
-        held = [journal.claim(run_id, "w", ttl=5) for run_id in run_ids]
-        journal.release(run_ids[1], "w", 1)
-        journal.claim(run_ids[1], "other", ttl=60)  # taken over: token 2
-        journal.request_abort(run_ids[2], "stop it")
+        run_ids, held = held_by_w(journal, 4, ttl=5)
         engine_for(journal, worker_id="w").run(run_ids[3])  # ended by the holder: lease cleared
         found = journal.renew_many(
             [(r.run_id, r.lease_token) for r in held] + [("no-such-run", 1)], "w", ttl=600
@@ -446,12 +453,7 @@ class TestReleaseMany:
     (``release_many``), reading in it which of them an abort was asked of."""
 
     def test_only_the_owners_own_leases_are_given_up(self, journal):
-        engine = engine_for(journal)
-        run_ids = [engine.start() for _ in range(3)]
-        held = [journal.claim(run_id, "w", ttl=60) for run_id in run_ids]
-        journal.release(run_ids[1], "w", 1)
-        journal.claim(run_ids[1], "other", ttl=60)  # taken over: token 2
-        journal.request_abort(run_ids[2], "stop it")
+        run_ids, held = held_by_w(journal, 3, ttl=60)
         found = journal.release_many(
             [(r.run_id, r.lease_token) for r in held] + [("no-such-run", 1)], "w"
         )
