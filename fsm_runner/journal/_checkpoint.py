@@ -48,7 +48,6 @@ class Checkpointer:
     def __init__(
         self, owner: object, path: str, *, size_limit: int, interval: float = 0.02
     ) -> None:
-        self.path = path
         self._stop = threading.Event()
         self._pid = os.getpid()
         self._thread = threading.Thread(

@@ -303,6 +303,7 @@ class SqliteWrites(SqlJournal):
     _update_sql: dict[tuple[str, ...], str]
     _bulk_rows: int
     _checkpointer: object | None
+    _checkpoint_thread: bool  # whether checkpoints run on a thread (not for :memory:)
     _start_checkpoints: Callable[[], None]  # the journal's: checkpoints off this thread
 
     # -- error mapping -------------------------------------------------------------------------
@@ -347,7 +348,7 @@ class SqliteWrites(SqlJournal):
             if self._unwritable is not None:
                 raise JournalError(self._unwritable, path=self.path)
             conn = self._conn
-            if self._checkpointer is None:  # the first write: checkpoints off this thread
+            if self._checkpointer is None and self._checkpoint_thread:  # the first write
                 self._start_checkpoints()
             conn.execute("BEGIN IMMEDIATE")
             try:

@@ -177,13 +177,9 @@ class SqliteJournal(SqliteChecks):
     def _start_checkpoints(self) -> None:
         """Checkpoint the WAL on a thread of its own from now on (see :mod:`._checkpoint`).
 
-        Called by the first write transaction, so that a journal opened only to be read starts
-        no thread; ``:memory:`` has no WAL.
+        Called by the first write transaction (of a journal with ``checkpoint_thread``; never
+        ``:memory:``, which has no WAL), so that a journal opened only to be read starts none.
         """
-        if not self._checkpoint_thread or (
-            self._checkpointer is not None and self._checkpointer.alive
-        ):
-            return
         self._checkpointer = Checkpointer(self, self.path, size_limit=TUNING["journal_size_limit"])
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
