@@ -23,6 +23,7 @@ from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import JournalError, RunExistsError, RunNotFoundError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sql import SqlJournal
+from fsm_runner.journal._sqlite_full import no_room_for_shm
 from fsm_runner.journal.base import Commit, NewRun, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
@@ -329,8 +330,8 @@ class SqliteWrites(SqlJournal):
     @staticmethod
     def _describe(exc: sqlite3.Error) -> str:
         # One line, cut: a schema that SQLite cannot parse comes back with the rest of the
-        # object's SQL in the message (a corrupt view: 20 lines and more).
-        text = " ".join(str(exc).split())
+        # object's SQL in the message (a corrupt view: 20 lines and more). No -shm: disk full.
+        text = "disk full" if no_room_for_shm(exc) else " ".join(str(exc).split())
         if len(text) > _DETAIL_CHARS:
             text = text[: _DETAIL_CHARS - 1] + "…"
         lowered = text.lower()
