@@ -471,6 +471,34 @@ def test_the_cli_reads_and_refuses_writes_in_one_line(small_disk, tmp_path, held
         assert check_journal(journal) == []
 
 
+def test_a_journal_opened_to_read_reads_between_refused_writes(small_disk):
+    """No room for its -shm: each read gets the file alone; a refused write leaves no lock."""
+    disk = small_disk("2m")
+    path = disk.root / "journal.db"
+    _journal_with_runs(path)
+    before = _snapshot(path)
+    disk.fill()
+    # A short busy timeout: a lock left behind would fail the next read ("locked").
+    journal = SqliteJournal(path, create=False, busy_timeout=1.0)
+    engine = make_cli_app().with_journal(journal)
+    for _ in range(2):
+        with pytest.raises(JournalError) as info:
+            engine.run("run-going")
+        assert_full_error(info.value, path)
+        time.sleep(0.1)  # the checkpoint thread, started by the write, has looked meanwhile
+        assert [(journal.load(r), journal.transitions(r)) for r in all_ids(journal)] == before
+
+    disk.free()
+    assert engine.run("run-going").state == "done"
+    other = SqliteJournal(path, busy_timeout=1.0)  # the file is not held: another writes
+    writer = make_cli_app().with_journal(other)
+    assert writer.run(writer.start(run_id="run-after")).state == "done"
+    writer.close()
+    other.close()
+    engine.close()
+    journal.close()
+
+
 # -- 7. a journal created on a full disk -----------------------------------------------------
 
 
