@@ -13,11 +13,12 @@ the writes (the connection guard, error mapping and the fenced commit) are in
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from fsm_runner.journal._sqlite_check import (
     SCHEMA_VERSION,
     SqliteChecks,
 )
+from fsm_runner.journal._sqlite_full import RoomlessReads
 from fsm_runner.journal._sqlite_writes import (
     _BULK_ROWS,
     _INSERT_RUN,
@@ -57,7 +59,6 @@ __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "Sqlite
 DEFAULT_PATH = "fsm-runner.db"
 
 _LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
-_CACHE_KIB = 16 * 1024
 #: Pragmas of every connection beyond WAL, synchronous and the page cache (benchmarks give their
 #: raw baselines the same). A checkpoint (with its fsyncs) once the WAL holds 10,000 pages
 #: (~40 MB) instead of SQLite's 1,000: a group commit of a thousand runs writes ~1,000 pages, and
@@ -69,7 +70,7 @@ TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
 T = TypeVar("T")
 
 
-class SqliteJournal(SqliteChecks):
+class SqliteJournal(SqliteChecks, RoomlessReads):
     """A journal in one SQLite file (WAL mode).
 
     Args:
@@ -99,6 +100,7 @@ class SqliteJournal(SqliteChecks):
     _ROW_ORDER = "run_key"
     _RUN_TRANSITIONS = "run_key = (SELECT run_key FROM run_rows WHERE run_id = ?)"
     _stamp = staticmethod(format_utc)
+    _tuning = TUNING
 
     def __init__(
         self,
@@ -125,40 +127,37 @@ class SqliteJournal(SqliteChecks):
         #: Why reads, and why writes, are refused: a schema object they depend on is damaged.
         self._unreadable: str | None = None
         self._unwritable: str | None = None
+        self._busy_timeout = busy_timeout
+        self._shm_full = False
         self._check_header()
         if not create and self.path != ":memory:" and not os.path.exists(self.path):
             raise JournalError("does not exist; nothing was created", path=self.path)
         self._heal_side_files()
         with self._errors():
-            self._conn = sqlite3.connect(
-                self.path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-            )
+            self._conn = self._connect()
         try:
             with self._errors():
                 # recursive_triggers stays off (SQLite's default; sqlite-utils would turn it on):
                 # our one trigger never recurses, and on costs ~1 µs a step.
                 self._cursor = self._conn.cursor()
-                self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-                # 16 MiB of page cache (SQLite's default is 2 MiB): a group commit of a thousand
-                # runs dirties up to a thousand index pages (one a run, once each run's keys
-                # fill a page), and spilling them mid-transaction cost ~3 µs a row
-                # (bench_concurrent). Allocated only as pages are used.
-                self._conn.execute(f"PRAGMA cache_size = -{_CACHE_KIB}")
-                for pragma, value in TUNING.items():
-                    self._conn.execute(f"PRAGMA {pragma} = {value}")
                 getlimit = getattr(self._conn, "getlimit", None)  # Python 3.11+
                 variables = getlimit(_LIMIT_VARIABLE_NUMBER) if getlimit else 999
                 self._bulk_rows = max(1, min(_BULK_ROWS, variables // _TRANSITION_PARAMS))
-                self._open_schema()
-                self._verify_code()
-                self._conn.execute(
-                    "PRAGMA synchronous = " + ("FULL" if durability == "power" else "NORMAL")
-                )
+                self._open_file()
                 # Foreign keys are declared (Datasette shows the links) but not enforced: the
                 # journal's own transactions keep them, and enforcing costs every commit.
         except BaseException:
             self._conn.close()
             raise
+
+    @contextlib.contextmanager
+    def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
+        with super()._read(damaged=damaged) as conn:
+            if self._shm_full:  # no room for the -shm file: see _sqlite_full
+                with self._read_alone() as alone:
+                    yield alone
+            else:
+                yield conn
 
     @property
     def location(self) -> str:
