@@ -101,8 +101,14 @@ def _watch(path: str, size_limit: int, interval: float, stop: threading.Event) -
             except sqlite3.Error:
                 # Busy (another connection checkpoints), a full or read-only disk: the pages
                 # stay in the WAL, where every reader finds them, and a later look or the
-                # writer's own checkpoint copies them. Nothing is lost.
+                # writer's own checkpoint copies them. Nothing is lost. A connection refused
+                # its -shm file (no room for it) keeps its lock on the file until it is closed:
+                # closed, and opened again at the next look.
                 behind, pause = True, min(pause * 2, _IDLE_INTERVAL)
+                if conn is not None:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.close()
+                    conn = None
     finally:
         if conn is not None:
             with contextlib.suppress(sqlite3.Error):
