@@ -48,8 +48,11 @@ handler, and its commit is then refused.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
+import datetime as dt
+import json
 import os
 import random
 import select
@@ -62,7 +65,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,10 +76,12 @@ from fsm_runner import (
     MachineSpec,
     RunEvent,
     RunOutcome,
+    RunTerminalError,
     SqliteJournal,
     State,
     Transition,
 )
+from fsm_runner.exceptions import LeaseError, LeaseHeldError
 from fsm_runner.replay import check_journal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,10 +124,23 @@ CREATE TABLE IF NOT EXISTS executions (
     finished_at REAL
 )
 """
+#: The batches of runs async workers started (``start_many``), recorded once it returned: the
+#: batch's id (also in each of its runs' input), its run ids in the order of its inputs, and
+#: how many of them (the last ones) the worker left undriven until its engine closed.
+BATCHES_DDL = """
+CREATE TABLE IF NOT EXISTS batches (
+    batch TEXT PRIMARY KEY,
+    run_ids TEXT NOT NULL,
+    undriven INTEGER NOT NULL,
+    worker TEXT NOT NULL
+)
+"""
 BUSY_TIMEOUT = 60.0
 #: The driver's own writes (starting runs) give up sooner: the lock may be held by a worker the
 #: driver itself stopped, and only the driver can continue it.
 STARTER_BUSY_TIMEOUT = 2.0
+#: How workers drive runs: ``Engine.work`` (sync), or rounds of ``arun`` (see AsyncWorker).
+DRIVES = ("sync", "async")
 
 
 # -- the machine's behaviour, from the input alone ----------------------------------------------
@@ -179,30 +197,63 @@ class Recorder:
         # As the journal's own default durability: survives a killed process, fsyncs rarely.
         self._conn.execute("PRAGMA synchronous = NORMAL")
         self._conn.execute(EXECUTIONS_DDL)
-        self._worker = (worker_id, os.getpid())
+        self._conn.execute(BATCHES_DDL)
+        self.worker_id = worker_id
         self.handlers = dict.fromkeys(PHASES, self.run_phase)
 
     def run_phase(self, ctx: Any) -> str:
         """Record the execution, take the input's time for this phase, return its event."""
         run = ctx.run
-        row_id = self._conn.execute(
-            "INSERT INTO executions"
-            " (run_id, state, visit_seq, lease_token, worker, pid, started_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (run.run_id, run.state, run.visit_seq, run.lease_token, *self._worker, time.time()),
-        ).lastrowid
+        row_id = self._began(run)
         work_ms = run.input["work_ms"][run.state]
         if work_ms:
             time.sleep(work_ms / 1000.0)
+        return self._finished(run, row_id)
+
+    def _began(self, run: Any) -> int:
+        """Insert the execution's row as it starts; its id."""
+        row = (run.run_id, run.state, run.visit_seq, run.lease_token, self.worker_id, os.getpid())
+        cursor = self._conn.execute(
+            "INSERT INTO executions"
+            " (run_id, state, visit_seq, lease_token, worker, pid, started_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (*row, time.time()),
+        )
+        return int(cursor.lastrowid or 0)
+
+    def _finished(self, run: Any, row_id: int) -> str:
+        """Mark the execution finished; the event the phase returns."""
         event = decide(run.state, run.input, run.seq)
         self._conn.execute(
             "UPDATE executions SET finished_at = ? WHERE id = ?", (time.time(), row_id)
         )
         return event
 
+    def record_batch(self, batch: str, run_ids: list[str], undriven: int) -> None:
+        """Record a batch of runs a worker started (once ``start_many`` has returned)."""
+        self._conn.execute(
+            "INSERT INTO batches (batch, run_ids, undriven, worker) VALUES (?, ?, ?, ?)",
+            (batch, json.dumps(run_ids), undriven, self.worker_id),
+        )
+
     def close(self) -> None:
         """Close the recorder's connection."""
         self._conn.close()
+
+
+class AsyncRecorder(Recorder):
+    """The :class:`Recorder`'s handlers as coroutines: the phase's time is awaited.
+
+    ``worker_id`` is the engine's whose phases it records (an async worker closes its engine
+    and makes a new one, with a new worker id, now and then).
+    """
+
+    async def run_phase(self, ctx: Any) -> str:  # type: ignore[override]
+        """Record the execution, await the input's time for this phase, return its event."""
+        run = ctx.run
+        row_id = self._began(run)
+        await asyncio.sleep(run.input["work_ms"][run.state] / 1000.0)  # 0: yield to the others
+        return self._finished(run, row_id)
 
 
 # -- the worker process --------------------------------------------------------------------------
@@ -231,24 +282,33 @@ def _watch(journal_path: str, stop: threading.Event) -> None:
 
 
 def worker(
-    journal_path: str, *, lease_ttl: float, announce: Callable[[str], object] | None = None
+    journal_path: str,
+    *,
+    lease_ttl: float,
+    drive: str = "sync",
+    seed: int = 0,
+    announce: Callable[[str], object] | None = None,
 ) -> int:
     """Claim and run this machine's runs until every run has ended (or the process is killed).
 
-    ``announce`` is called with ``"ready PID WORKER_ID"`` once the worker is about to claim.
+    ``drive="sync"``: :meth:`Engine.work` claims runs one by one and runs each; ``"async"``:
+    an :class:`AsyncWorker` (its batches' inputs seeded by ``seed`` and the pid). ``announce``
+    is called with ``"ready PID WORKER_ID"`` once the worker is about to claim.
     """
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # as the engine's
     journal = SqliteJournal(journal_path, busy_timeout=BUSY_TIMEOUT)
+    if drive == "async":
+        async_recorder = AsyncRecorder(journal_path, worker_id)
+        rng = random.Random(f"{seed}:{os.getpid()}")
+        (announce or print)(f"ready {os.getpid()} {worker_id}")
+        try:
+            asyncio.run(AsyncWorker(journal, async_recorder, lease_ttl, worker_id, rng).work())
+        finally:
+            journal.close()
+            async_recorder.close()
+        return 0
     recorder = Recorder(journal_path, worker_id)
-    engine = Engine(
-        SPEC,
-        handlers=recorder.handlers,
-        journal=journal,
-        worker_id=worker_id,
-        lease_ttl=lease_ttl,
-        heartbeat_interval=lease_ttl / 4,
-        max_recoveries=10**9,  # nothing is parked: every run must reach its own end
-    )
+    engine = _engine(journal, recorder, worker_id, lease_ttl)
     stop = threading.Event()
     watcher = threading.Thread(target=_watch, args=(journal_path, stop), daemon=True)
     watcher.start()
@@ -262,19 +322,171 @@ def worker(
     return 0
 
 
+def _engine(journal: SqliteJournal, recorder: Recorder, worker_id: str, lease_ttl: float) -> Engine:
+    """A worker's engine."""
+    return Engine(
+        SPEC,
+        handlers=recorder.handlers,
+        journal=journal,
+        worker_id=worker_id,
+        lease_ttl=lease_ttl,
+        heartbeat_interval=lease_ttl / 4,
+        max_recoveries=10**9,  # nothing is parked: every run must reach its own end
+    )
+
+
+#: An async worker starts a batch of its own only while fewer runs than this are active.
+OWN_BATCHES_BELOW = 24
+
+
+class AsyncWorker:
+    """An async worker: rounds of runs driven at once by ``arun``, and batches of its own.
+
+    Each round, until the driver's done flag is set and no run is active, it
+
+    1. sometimes (not once the flag is set) starts a batch of runs of its own,
+       ``start_many(inputs, claim=True)``, each input marked with the batch's id, size and
+       index (:func:`verify` checks that a batch is all there or not at all), recorded in the
+       ``batches`` table once ``start_many`` returned;
+    2. picks claimable runs (active, and unleased or with an expired lease: what
+       ``claim_next`` would take), now and then one held by another worker (a live one refuses
+       it; a killed one's is taken over at once), and drives them and its own batch together,
+       ``asyncio.gather(*(engine.arun(r) for r in ids))``. A run that another worker holds,
+       took meanwhile or ended is normal (:data:`TAKEN_ELSEWHERE`); anything else ends the
+       worker with an error (a non-zero exit the driver reports);
+    3. sometimes leaves the last runs of its batch undriven and, after the round, closes its
+       engine (``Engine.close`` gives them back in one ``release_many``; it is an error if
+       one is still leased to the closed engine) and makes a new one, with a new worker id
+       (``WORKER_ID/N``). A kill before the close leaves them leased to a dead worker.
+    """
+
+    def __init__(
+        self,
+        journal: SqliteJournal,
+        recorder: AsyncRecorder,
+        lease_ttl: float,
+        worker_id: str,
+        rng: random.Random,
+    ) -> None:
+        self.journal = journal
+        self.recorder = recorder
+        self.lease_ttl = lease_ttl
+        self.worker_id = worker_id
+        self.rng = rng
+        self.engines = self.batches = 0
+        #: what the runs driven came to: "ended", or the name of the error a run was refused with
+        self.driven: Counter[str] = Counter()
+        self.engine = self._new_engine()
+
+    def _new_engine(self) -> Engine:
+        self.engines += 1
+        self.recorder.worker_id = f"{self.worker_id}/{self.engines}"
+        return _engine(self.journal, self.recorder, self.recorder.worker_id, self.lease_ttl)
+
+    async def work(self) -> None:
+        """Do rounds until the done flag is set and no run is active."""
+        flag = done_flag(self.journal.path)
+        try:
+            while True:
+                done = flag.exists()  # before the runs are listed: none is started after it
+                active = self.journal.runs(machine=SPEC.name, status=RunOutcome.ACTIVE)
+                if done and not active:
+                    break
+                own: list[str] = []
+                undriven: list[str] = []
+                if not done and len(active) < OWN_BATCHES_BELOW and self.rng.random() < 0.5:
+                    own, undriven = self._start_batch()
+                run_ids = list(dict.fromkeys([*own, *self._pick(active)]))
+                if run_ids:
+                    await self._drive(run_ids)
+                else:
+                    await asyncio.sleep(0.05)
+                if undriven:
+                    self._close_engine(undriven)
+        finally:
+            self.engine.close()
+        print(  # to the workers' log: what this worker did, when it ends by itself
+            f"{self.worker_id}: {self.batches} batches, {self.engines} engines,"
+            f" runs driven: {dict(self.driven)}",
+            file=sys.stderr,
+        )
+
+    def _start_batch(self) -> tuple[list[str], list[str]]:
+        """Start a batch holding its leases; the runs to drive now and those left undriven."""
+        rng = self.rng
+        self.batches += 1
+        batch, size = f"{self.worker_id}#{self.batches}", rng.randint(1, 8)
+        inputs = [
+            {**make_input(rng), "batch": batch, "of": size, "index": index} for index in range(size)
+        ]
+        undriven = 0 if rng.random() < 0.7 else rng.randint(1, size)
+        run_ids = self.engine.start_many(inputs, claim=True)
+        self.recorder.record_batch(batch, run_ids, undriven)
+        return run_ids[: size - undriven], run_ids[size - undriven :]
+
+    def _pick(self, active: Collection[Any]) -> list[str]:
+        """Some claimable runs, in random order; now and then a run another worker holds."""
+        rng, now = self.rng, dt.datetime.now(dt.timezone.utc)
+        claimable = [
+            run.run_id for run in active if run.lease_owner is None or run.lease_expires_at <= now
+        ]
+        held = [
+            run.run_id
+            for run in active
+            if run.lease_owner not in (None, self.engine.worker_id) and run.lease_expires_at > now
+        ]
+        rng.shuffle(claimable)
+        picked = claimable[: rng.randint(1, 16)]
+        if held and rng.random() < 0.3:
+            picked.append(rng.choice(held))
+        return picked
+
+    async def _drive(self, run_ids: list[str]) -> None:
+        """``arun`` every run at once; raise on anything but a run taken elsewhere."""
+        engine = self.engine
+        results = await asyncio.gather(
+            *(engine.arun(run_id) for run_id in run_ids), return_exceptions=True
+        )
+        for run_id, result in zip(run_ids, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, TAKEN_ELSEWHERE) and not (
+                    isinstance(result, LeaseHeldError) and result.owner == engine.worker_id
+                ):
+                    self.driven[type(result).__name__] += 1
+                    continue
+                raise RuntimeError(f"arun({run_id!r}) raised {result!r}") from result
+            if not result.ended:
+                raise RuntimeError(f"arun({run_id!r}) returned a run not ended: {result}")
+            self.driven["ended"] += 1
+
+    def _close_engine(self, undriven: list[str]) -> None:
+        """Close the engine (it lets go of the runs left undriven) and make a new one."""
+        closed = self.engine.worker_id
+        self.engine.close()
+        self.engine = self._new_engine()
+        kept = [run_id for run_id in undriven if self.journal.load(run_id).lease_owner == closed]
+        if kept:
+            raise RuntimeError(f"Engine.close() left runs {kept} leased to {closed}")
+
+
+#: What ``arun`` may raise in a round for a run that is not this worker's to drive: held by
+#: another worker, taken over from this one (a commit fenced out), or ended meanwhile.
+TAKEN_ELSEWHERE = (LeaseError, RunTerminalError)
+
+
 def _say(line: str) -> None:
     """Write one line to stdout at once (atomic: forked workers share the zygote's pipe)."""
     os.write(1, f"{line}\n".encode())
 
 
-def _forked_worker(journal_path: str, lease_ttl: float) -> None:
+def _forked_worker(journal_path: str, lease_ttl: float, drive: str, seed: int) -> None:
     """The body of a forked worker process; never returns."""
     code = 1
     try:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the zygote's commands are not for its workers
         os.close(devnull)
-        code = worker(journal_path, lease_ttl=lease_ttl, announce=_say)
+        code = worker(journal_path, lease_ttl=lease_ttl, drive=drive, seed=seed, announce=_say)
     except BaseException:  # reported through the exit code; the traceback goes to the log
         traceback.print_exc()
     finally:
@@ -282,8 +494,8 @@ def _forked_worker(journal_path: str, lease_ttl: float) -> None:
         os._exit(code)
 
 
-def zygote(journal_path: str, *, lease_ttl: float) -> int:
-    """Fork a worker for each ``spawn`` line on stdin; report on stdout, one line each.
+def zygote(journal_path: str, *, lease_ttl: float, drive: str = "sync", seed: int = 0) -> int:
+    """Fork a worker (see :func:`worker`) for each ``spawn`` line on stdin; report on stdout.
 
     Lines: ``spawned PID`` (from here), ``ready PID WORKER_ID`` (from the worker) and
     ``exit PID CODE`` (reaped here; CODE is negative for a signal). The zygote itself runs no
@@ -305,7 +517,7 @@ def zygote(journal_path: str, *, lease_ttl: float) -> int:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    _forked_worker(journal_path, lease_ttl)
+                    _forked_worker(journal_path, lease_ttl, drive, seed)
                 children.add(pid)
                 _say(f"spawned {pid}")
         elif not reading:
@@ -327,7 +539,14 @@ class Report:
     """What a torture session did and found; ``problems`` is empty when every check passed."""
 
     seed: int
+    drive: str = "sync"
+    #: Every run: the driver's and those async workers started in batches (``worker_runs``).
     runs: int = 0
+    worker_runs: int = 0
+    #: Batches async workers started (``start_many``) and the runs of them they left undriven
+    #: until ``Engine.close`` let go of them (as recorded: a kill may come before the close).
+    batches: int = 0
+    undriven: int = 0
     workers: int = 0
     kills: int = 0
     pauses: int = 0
@@ -366,7 +585,9 @@ class Report:
             f" {self.kills_before_commit}, between phases {self.kills_between_phases})",
             f"pauses past lease    {self.pauses}",
             f"workers              {self.workers} at a time, {self.spawned} spawned",
-            f"runs                 {self.runs}",
+            f"drive                {self.drive}",
+            f"runs                 {self.runs} ({self.worker_runs} started by workers in"
+            f" {self.batches} batches, {self.undriven} of them left undriven until a close)",
             f"transitions          {self.transitions}",
             f"phase executions     {self.executions}",
             f"re-executions        {self.re_executions}",
@@ -392,14 +613,16 @@ class _Worker:
 class _Pool:
     """The worker processes of one session, forked by a zygote subprocess."""
 
-    def __init__(self, journal_path: Path, lease_ttl: float, log: Any) -> None:
+    def __init__(
+        self, journal_path: Path, lease_ttl: float, log: Any, *, drive: str, seed: int
+    ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         command = [sys.executable, "-m", "tests.torture", "zygote", str(journal_path)]
         self.zygote = subprocess.Popen(
-            [*command, "--lease-ttl", str(lease_ttl)],
+            [*command, "--lease-ttl", str(lease_ttl), "--drive", drive, "--seed", str(seed)],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
@@ -512,6 +735,7 @@ def torture(
     kill_interval: float = 0.3,
     lease_ttl: float = 1.0,
     timeout: float = 900.0,
+    drive: str = "sync",
     progress: Callable[[int, int], None] | None = None,
 ) -> Report:
     """Run a torture session on a new journal at ``journal_path`` and check it (see module doc).
@@ -530,6 +754,9 @@ def torture(
         kill_interval: mean seconds between kills or pauses (uniform from 0 to twice this).
         lease_ttl: the workers' lease; a killed worker's run is taken over once it expires.
         timeout: seconds after which the session gives up (a problem in the report).
+        drive: how the workers drive runs: ``"sync"`` (``Engine.work``, one run at a time) or
+            ``"async"`` (:class:`AsyncWorker`: rounds of ``arun`` of many runs at once, and
+            batches of their own started by ``start_many``).
         progress: called with ``(kills_done, runs_started)`` after each kill, if given.
 
     Returns:
@@ -538,7 +765,7 @@ def torture(
     path = Path(journal_path)
     log_path = Path(f"{path}.workers.log")
     rng = random.Random(seed)
-    report = Report(seed=seed, workers=workers, log=str(log_path))
+    report = Report(seed=seed, drive=drive, workers=workers, log=str(log_path))
     started = time.monotonic()
     deadline = started + timeout
     inputs: dict[str, dict[str, Any]] = {}
@@ -574,7 +801,7 @@ def torture(
                 del paused[pid]
 
     with log_path.open("a", encoding="utf-8") as log:
-        pool = _Pool(path, lease_ttl, log)
+        pool = _Pool(path, lease_ttl, log, drive=drive, seed=seed)
         try:
             start_runs(runs)
             for _ in range(workers):
@@ -632,9 +859,9 @@ def torture(
             conn.close()
 
     report.elapsed = time.monotonic() - started
-    report.runs = len(inputs)
     with SqliteJournal(path, busy_timeout=BUSY_TIMEOUT) as journal:
         verify(journal, inputs, killed, report)
+    report.runs = len(inputs) + report.worker_runs
     if any("exited" in problem for problem in report.problems):
         report.problems.append(f"last lines of {log_path}:\n{_tail(log_path)}")
     return report
@@ -797,14 +1024,18 @@ def verify(
 ) -> None:
     """Check a finished session's journal and executions; add figures and problems to ``report``.
 
+    The runs checked are every run of the journal: those the driver started (their journaled
+    input must be the one it gave) and those async workers started in batches
+    (:func:`runs_started`).
+
     Args:
         journal: the session's journal.
-        inputs: every run's input, by run id.
+        inputs: the input of every run the driver started, by run id.
         killed: the worker ids of the workers killed, in order.
         report: where figures and problems go.
     """
     executions = _executions(journal)
-    checked = check_executions(journal, executions, inputs)
+    checked = check_executions(journal, executions, runs_started(journal, inputs, report))
     report.problems += checked.problems
     report.executions = len(executions)
     report.transitions += checked.transitions
@@ -814,38 +1045,117 @@ def verify(
     # finished under an older token, result not journaled
     lost = [e for e in checked.earlier if e.finished_at is not None]
 
-    # Where the kills landed: the victim's last execution.
-    last: dict[str, _Execution] = {}
+    # A killed worker's results finished after its last journaled one were lost to the kill
+    # (an async worker may have many waiting for their group commit); a lost result whose
+    # worker committed another one after it, or was never killed, was committed and refused.
+    last_committed: dict[str, float] = defaultdict(float)
     for e in executions:
-        last[e.worker] = e
+        if e.finished_at is not None and _committed(e, checked):
+            worker = _process(e.worker)
+            last_committed[worker] = max(last_committed[worker], e.finished_at)
+    victims = set(killed)
+    lost_to_kills = {
+        e.id
+        for e in lost
+        if _process(e.worker) in victims
+        and (e.finished_at or 0.0) > last_committed[_process(e.worker)]
+    }
+    report.fenced_out = len(lost) - len(lost_to_kills)
+    # Where the kills landed: inside a phase (an execution of the victim never finished),
+    # after a phase before its commit (a result lost to the kill), elsewhere.
+    unfinished = {_process(e.worker) for e in executions if e.finished_at is None}
+    before_commit = {_process(e.worker) for e in lost if e.id in lost_to_kills}
     for worker_id in killed:
-        final = last.get(worker_id)
-        if final is not None and final.finished_at is None:
+        if worker_id in unfinished:
             report.kills_mid_phase += 1
-        elif (
-            final is not None
-            and (final.run_id, final.state, final.visit_seq, final.lease_token)
-            not in checked.committed
-        ):
+        elif worker_id in before_commit:
             report.kills_before_commit += 1
         else:
             report.kills_between_phases += 1
-    # A lost result whose worker went on (it was not that worker's last execution before a
-    # kill) was committed and refused.
-    victims_last = {last[w].id for w in killed if w in last}
-    report.fenced_out = sum(1 for e in lost if e.id not in victims_last)
+
+
+def _process(worker: str) -> str:
+    """The worker process's id of an engine's worker id (``WORKER_ID/N`` in async workers)."""
+    return worker.partition("/")[0]
+
+
+def _committed(e: _Execution, checked: Checked) -> bool:
+    return (e.run_id, e.state, e.visit_seq, e.lease_token) in checked.committed
+
+
+def runs_started(
+    journal: SqliteJournal, inputs: Mapping[str, Mapping[str, Any]], report: Report
+) -> dict[str, Mapping[str, Any]]:
+    """Every run of the journal with its input, checked for where it came from.
+
+    A run the driver started must be in the journal with the input the driver gave; any other
+    run must belong to a batch an async worker started, and a batch must be whole (every index
+    of its size, or no run at all: ``start_many`` stores all or none). A batch the worker
+    recorded as started must hold the run ids ``start_many`` returned, in the inputs' order.
+    Problems go to ``report``, with the figures ``worker_runs``, ``batches`` and ``undriven``.
+    """
+    problems = report.problems
+    found = {run.run_id: run.input for run in journal.runs(machine=SPEC.name)}
+    missing = sorted(set(inputs) - set(found))
+    if missing:
+        problems.append(
+            f"{len(missing)} run(s) the driver started are not in the journal: {missing[:5]}"
+        )
+    runs: dict[str, Mapping[str, Any]] = {}
+    batches: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+    for run_id, run_input in found.items():
+        if run_id in inputs:
+            if run_input != inputs[run_id]:
+                problems.append(
+                    f"run {run_id}: journaled input {run_input}, started with {inputs[run_id]}"
+                )
+            runs[run_id] = inputs[run_id]
+        elif isinstance(run_input, dict) and "batch" in run_input:
+            batches[run_input["batch"]].append((run_input["index"], run_id, run_input["of"]))
+            runs[run_id] = run_input
+        else:
+            problems.append(f"run {run_id}: started by neither the driver nor a batch: {run_input}")
+    for batch, members in batches.items():
+        members.sort()
+        size = members[0][2]
+        if [(index, of) for index, _, of in members] != [(index, size) for index in range(size)]:
+            problems.append(
+                f"batch {batch}: the journal holds indexes {[m[0] for m in members]}"
+                f" of {size} (a batch is stored whole or not at all)"
+            )
+    recorded = _batches(journal)
+    for batch, run_ids, _ in recorded:
+        held = [run_id for _, run_id, _ in sorted(batches.get(batch, []))]
+        if held != run_ids:
+            problems.append(f"batch {batch}: start_many returned {run_ids}, the journal has {held}")
+    report.worker_runs = sum(len(members) for members in batches.values())
+    report.batches = len(batches)
+    report.undriven = sum(undriven for _, _, undriven in recorded)
+    return runs
+
+
+def _batches(journal: SqliteJournal) -> list[tuple[str, list[str], int]]:
+    """The batches async workers recorded: ``(batch, run ids, how many left undriven)``."""
+    conn = sqlite3.connect(journal.path, timeout=BUSY_TIMEOUT)
+    try:
+        rows = conn.execute("SELECT batch, run_ids, undriven FROM batches ORDER BY rowid")
+        return [(batch, json.loads(run_ids), undriven) for batch, run_ids, undriven in rows]
+    finally:
+        conn.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.torture worker|zygote JOURNAL [--lease-ttl S]``."""
+    """``python -m tests.torture worker|zygote JOURNAL [--lease-ttl S] [--drive async]``."""
     parser = argparse.ArgumentParser(prog="python -m tests.torture")
     parser.add_argument("command", choices=["worker", "zygote"])
     parser.add_argument("journal")
     parser.add_argument("--lease-ttl", type=float, default=1.0)
+    parser.add_argument("--drive", choices=DRIVES, default="sync")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "zygote":
-        return zygote(args.journal, lease_ttl=args.lease_ttl)
-    return worker(args.journal, lease_ttl=args.lease_ttl)
+        return zygote(args.journal, lease_ttl=args.lease_ttl, drive=args.drive, seed=args.seed)
+    return worker(args.journal, lease_ttl=args.lease_ttl, drive=args.drive, seed=args.seed)
 
 
 if __name__ == "__main__":

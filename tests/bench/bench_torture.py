@@ -1,12 +1,15 @@
 """Crash torture at length: workers SIGKILLed (and stopped past their lease) at random, then checked.
 
     python tests/bench/bench_torture.py --kills 1000 [--pauses 0] [--runs 60] [--workers 4]
-        [--seed S] [--kill-interval 0.15] [--lease-ttl 1.0] [--journal PATH]
+        [--seed S] [--kill-interval 0.15] [--lease-ttl 1.0] [--journal PATH] [--drive async]
 
 The session and its checks are those of ``tests/test_crash_torture.py`` (see
 ``tests/torture.py``): every run reaches its expected terminal state by its expected path,
 seqs are gapless and the journal replays, no phase runs again once its transition is
-journaled, and no lease token is ever used by two workers. Prints the figures and PASS or
+journaled, and no lease token is ever used by two workers. ``--drive async`` makes the workers
+async: rounds of ``arun`` of many runs at once (group commit), batches of their own started by
+``start_many(claim=True)``, some left undriven until ``Engine.close`` lets go of them (see
+``AsyncWorker`` in ``tests/torture.py``). Prints the figures and PASS or
 FAIL (exit code 0 or 1). The journal is kept in a temporary directory unless ``--journal``
 names where to write it, so a failed session can be inspected.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from tests.torture import torture  # after the sys.path line: needs the repository root
+from tests.torture import DRIVES, torture  # after the sys.path line: needs the repository root
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,13 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-interval", type=float, default=0.15, help="mean seconds")
     parser.add_argument("--lease-ttl", type=float, default=1.0, help="the workers' lease")
     parser.add_argument("--journal", type=Path, default=None, help="keep the journal here")
+    parser.add_argument(
+        "--drive", choices=DRIVES, default="sync", help="how workers drive runs (default: sync)"
+    )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
 
     print(f"python {platform.python_version()} on {platform.machine()}, {platform.system()}")
     print(
         f"torture: {args.kills} kills, {args.pauses} pauses, {args.workers} workers,"
-        f" {args.runs} runs to start with, lease {args.lease_ttl} s, seed {seed}",
+        f" {args.runs} runs to start with, lease {args.lease_ttl} s, {args.drive} drive,"
+        f" seed {seed}",
         flush=True,
     )
     started = time.monotonic()
@@ -66,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_interval=args.kill_interval,
             lease_ttl=args.lease_ttl,
             timeout=max(900.0, 2.0 * (args.kills + args.pauses) * args.kill_interval + 300.0),
+            drive=args.drive,
             progress=progress,
         )
     print(report.summary())
