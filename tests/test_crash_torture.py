@@ -11,6 +11,8 @@ runs were run in-process and then tampered with.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
 import signal
@@ -25,6 +27,7 @@ from fsm_runner.exceptions import LeaseLostError
 from tests.torture import (
     PHASES,
     SPEC,
+    AsyncRecorder,
     Recorder,
     Report,
     decide,
@@ -43,14 +46,19 @@ SEED = int(os.environ.get("FSM_TORTURE_SEED") or random.SystemRandom().randrange
     reason="needs POSIX SIGKILL and SIGSTOP",
 )
 @pytest.mark.parametrize(
-    ("kills", "pauses"),
+    ("kills", "pauses", "drive"),
     # Stopping workers past their lease is what makes them try to commit under a lost lease:
-    # those commits must be fenced out (a killed worker never writes again).
+    # those commits must be fenced out (a killed worker never writes again). Async workers
+    # drive many runs at once (group commit) and start batches of their own (start_many).
     # The suite's share (kills every 0.2 s: ~10 s each); tests/bench/bench_torture.py runs the
     # long sessions (e.g. --kills 1000).
-    [pytest.param(50, 0, id="kills"), pytest.param(20, 10, id="kills+stops")],
+    [
+        pytest.param(50, 0, "sync", id="kills"),
+        pytest.param(20, 10, "sync", id="kills+stops"),
+        pytest.param(30, 8, "async", id="async-kills+stops"),
+    ],
 )
-def test_crash_torture(tmp_path, kills, pauses):
+def test_crash_torture(tmp_path, kills, pauses, drive):
     report = torture(
         tmp_path / "journal.db",
         runs=60,
@@ -61,6 +69,7 @@ def test_crash_torture(tmp_path, kills, pauses):
         kill_interval=0.2,
         lease_ttl=1.0,
         timeout=600,
+        drive=drive,
     )
     print(report.summary())
     context = f"replay with FSM_TORTURE_SEED={SEED}\n{report.summary()}"
@@ -72,6 +81,8 @@ def test_crash_torture(tmp_path, kills, pauses):
     assert report.recoveries >= held, context
     assert report.re_executions >= held, context
     assert report.transitions > report.runs, context
+    if drive == "async":
+        assert report.worker_runs > 0, context
 
 
 def test_a_lost_lease_does_not_abort_a_later_claim(tmp_path):
@@ -289,3 +300,115 @@ class TestChecks:
         assert report.kills_between_phases == 1  # w4 ran nothing
         assert report.fenced_out == 1  # w3; w2's lost result was its last act before the kill
         assert report.stale_starts == 1  # w3
+
+
+@pytest.fixture
+def batch_session(tmp_path):
+    """Three runs the driver started and a batch of four a worker started, driven by ``arun``."""
+    path = tmp_path / "journal.db"
+    rng = random.Random(11)
+    inputs = {}
+
+    def quick(run_input):
+        return {**run_input, "work_ms": dict.fromkeys(PHASES, 0)}
+
+    with SqliteJournal(path) as journal:
+        recorder = AsyncRecorder(path)
+        engine = Engine(SPEC, handlers=recorder.handlers, journal=journal, worker_id="w/1")
+        recorder.worker_id = engine.worker_id
+        for index in range(3):
+            inputs[engine.start(quick(make_input(rng)), run_id=f"r{index:02d}")] = None
+        inputs = {run_id: journal.load(run_id).input for run_id in inputs}
+        batch = [
+            {**quick(make_input(rng)), "batch": "w#1", "of": 4, "index": index}
+            for index in range(4)
+        ]
+        started = engine.start_many(batch, claim=True)
+        recorder.record_batch("w#1", started, 0)
+
+        async def drive():
+            return await asyncio.gather(*(engine.arun(run_id) for run_id in [*inputs, *started]))
+
+        assert all(run.ended for run in asyncio.run(drive()))
+        engine.close()
+    recorder.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    yield path, inputs, started, conn
+    conn.close()
+
+
+def forget_run(conn, run_id):
+    """Delete a run and all it owns, as if it had never been started."""
+    conn.execute(
+        "DELETE FROM transitions WHERE run_key = (SELECT run_key FROM run_rows WHERE run_id = ?)",
+        (run_id,),
+    )
+    for table in ("iterations", "run_rows", "executions"):
+        conn.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+
+
+class TestBatchChecks:
+    """What the async drive adds to the checks: every run of the journal, batches whole."""
+
+    def test_a_clean_async_session_passes(self, batch_session):
+        path, inputs, started, conn = batch_session
+        report = check(path, inputs)
+        assert report.problems == []
+        assert (report.worker_runs, report.batches, report.undriven) == (4, 1, 0)
+        assert report.transitions - report.executions == len(inputs) + len(started)
+        workers = conn.execute("SELECT DISTINCT worker FROM executions").fetchall()
+        assert workers == [("w/1",)]
+
+    def test_a_batch_stored_in_part_is_caught(self, batch_session):
+        path, inputs, started, conn = batch_session
+        forget_run(conn, started[2])
+        problems = check(path, inputs).problems
+        assert any("batch w#1: the journal holds indexes [0, 1, 3] of 4" in p for p in problems)
+        assert any("batch w#1: start_many returned" in p for p in problems), problems
+
+    def test_a_batch_whose_run_ids_differ_is_caught(self, batch_session):
+        path, inputs, started, conn = batch_session
+        conn.execute("UPDATE batches SET run_ids = ?", (json.dumps(started[::-1]),))
+        problems = check(path, inputs).problems
+        assert any("batch w#1: start_many returned" in p for p in problems), problems
+
+    def test_a_run_nobody_started_is_caught(self, batch_session):
+        path, inputs, started, conn = batch_session
+        conn.execute(
+            "UPDATE run_rows SET input = json_remove(input, '$.batch') WHERE run_id = ?",
+            (started[0],),
+        )
+        problems = check(path, inputs).problems
+        assert any(f"run {started[0]}: started by neither" in p for p in problems), problems
+
+    def test_a_driver_run_missing_or_with_another_input_is_caught(self, batch_session):
+        path, inputs, _, conn = batch_session
+        conn.execute(
+            "UPDATE run_rows SET input = json_set(input, '$.extra', 1) WHERE run_id = 'r01'"
+        )
+        problems = check(path, {**inputs, "r99": inputs["r00"]}).problems
+        assert any(
+            "run(s) the driver started are not in the journal: ['r99']" in p for p in problems
+        )
+        assert any("run r01: journaled input" in p for p in problems), problems
+
+    def test_results_lost_to_a_kill_are_not_counted_as_fenced_out(self, batch_session):
+        path, inputs, started, conn = batch_session
+        # Two runs' first phases ran in killed worker k (its results waited for their group
+        # commit) and again under the next token, whose results were journaled.
+        for run_id in started[:2]:
+            for table in ("transitions", "run_rows", "executions"):
+                conn.execute(
+                    f"UPDATE {table} SET lease_token = lease_token + 1 WHERE run_id = ?", (run_id,)
+                )
+            conn.execute(
+                "INSERT INTO executions (run_id, state, visit_seq, lease_token, worker, pid,"
+                " started_at, finished_at) VALUES (?, 'fetching', 0, 1, 'k/2', 0, 1, 2)",
+                (run_id,),
+            )
+        report = check(path, inputs, killed=["k"])
+        assert report.problems == []
+        assert report.re_executions == 2
+        assert (report.fenced_out, report.kills_before_commit) == (0, 1)
+        # The same results, their worker never killed: committed, and refused.
+        assert check(path, inputs).fenced_out == 2

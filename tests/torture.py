@@ -19,6 +19,16 @@ zygote JOURNAL``, a subprocess that has imported everything once and forks a fre
 process on request), so replacing a killed worker costs milliseconds, not the half second of
 CPU a new interpreter takes to import the library; each worker opens its own journal and
 connections after the fork. ``python -m tests.torture worker JOURNAL`` runs one worker alone.
+
+Workers drive runs one of two ways (``drive``). ``"sync"``: ``Engine.work`` claims runs one by
+one and runs each. ``"async"`` (:class:`AsyncWorker`, async handlers: :class:`AsyncRecorder`):
+rounds of ``arun`` of many runs at once (their steps group-committed, their claims grouped),
+batches of the worker's own runs started by ``start_many(claim=True)``, and now and then runs of
+a batch left undriven until ``Engine.close`` lets go of them (``release_many``); a worker
+killed before that close leaves them to be taken over. Runs a worker started are read back
+from the journal, each with its input (which alone decides its path), so they are checked as
+the driver's are; a batch must be in the journal whole or not at all.
+
 Then it checks (:func:`verify`):
 
 1. every run reached its expected terminal state, by exactly the expected path of
