@@ -150,7 +150,8 @@ BUSY_TIMEOUT = 60.0
 #: driver itself stopped, and only the driver can continue it.
 STARTER_BUSY_TIMEOUT = 2.0
 #: How workers drive runs: ``Engine.work`` (sync), or rounds of ``arun`` (see AsyncWorker).
-DRIVES = ("sync", "async")
+#: ``"mixed"``: each worker process is one or the other, at random.
+DRIVES = ("sync", "async", "mixed")
 
 
 # -- the machine's behaviour, from the input alone ----------------------------------------------
@@ -302,14 +303,17 @@ def worker(
     """Claim and run this machine's runs until every run has ended (or the process is killed).
 
     ``drive="sync"``: :meth:`Engine.work` claims runs one by one and runs each; ``"async"``:
-    an :class:`AsyncWorker` (its batches' inputs seeded by ``seed`` and the pid). ``announce``
-    is called with ``"ready PID WORKER_ID"`` once the worker is about to claim.
+    an :class:`AsyncWorker` (its choices seeded by ``seed`` and the pid); ``"mixed"``: one or
+    the other, at random. ``announce`` is called with ``"ready PID WORKER_ID"`` once the
+    worker is about to claim.
     """
     worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # as the engine's
     journal = SqliteJournal(journal_path, busy_timeout=BUSY_TIMEOUT)
+    rng = random.Random(f"{seed}:{os.getpid()}")
+    if drive == "mixed":
+        drive = rng.choice(["sync", "async"])
     if drive == "async":
         async_recorder = AsyncRecorder(journal_path, worker_id)
-        rng = random.Random(f"{seed}:{os.getpid()}")
         (announce or print)(f"ready {os.getpid()} {worker_id}")
         try:
             asyncio.run(AsyncWorker(journal, async_recorder, lease_ttl, worker_id, rng).work())
@@ -764,9 +768,10 @@ def torture(
         kill_interval: mean seconds between kills or pauses (uniform from 0 to twice this).
         lease_ttl: the workers' lease; a killed worker's run is taken over once it expires.
         timeout: seconds after which the session gives up (a problem in the report).
-        drive: how the workers drive runs: ``"sync"`` (``Engine.work``, one run at a time) or
+        drive: how the workers drive runs: ``"sync"`` (``Engine.work``, one run at a time),
             ``"async"`` (:class:`AsyncWorker`: rounds of ``arun`` of many runs at once, and
-            batches of their own started by ``start_many``).
+            batches of their own started by ``start_many``), or ``"mixed"`` (each worker
+            process one or the other, at random).
         progress: called with ``(kills_done, runs_started)`` after each kill, if given.
 
     Returns:

@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl", type=float, default=1.0, help="the workers' lease")
     parser.add_argument("--journal", type=Path, default=None, help="keep the journal here")
     parser.add_argument(
-        "--drive", choices=DRIVES, default="sync", help="how workers drive runs (default: sync)"
+        "--drive",
+        choices=DRIVES,
+        default="sync",
+        help="how workers drive runs (default: sync; mixed: each worker one or the other)",
     )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
