@@ -1,9 +1,10 @@
 """Crash torture: workers SIGKILLed (and stopped past their lease) at random; every run ends right.
 
 The session and its checks live in ``tests/torture.py``, shared with the longer
-``tests/bench/bench_torture.py``. The seed is random per session and printed on failure; set
-``FSM_TORTURE_SEED`` to replay a session's choices (inputs, victims, moments — process timing
-still differs from one session to the next).
+``tests/bench/bench_torture.py``; its workers drive runs sync (``Engine.work``) or async
+(rounds of ``arun``, batches of their own from ``start_many``). The seed is random per session
+and printed on failure; set ``FSM_TORTURE_SEED`` to replay a session's choices (inputs,
+victims, moments — process timing still differs from one session to the next).
 
 The fast tests below show that the checks catch what they claim to, on a journal whose
 runs were run in-process and then tampered with.

@@ -600,8 +600,13 @@ class Report:
             f"pauses past lease    {self.pauses}",
             f"workers              {self.workers} at a time, {self.spawned} spawned",
             f"drive                {self.drive}",
-            f"runs                 {self.runs} ({self.worker_runs} started by workers in"
-            f" {self.batches} batches, {self.undriven} of them left undriven until a close)",
+            f"runs                 {self.runs}"
+            + (
+                f" ({self.worker_runs} started by workers in {self.batches} batches,"
+                f" {self.undriven} of them left undriven until a close)"
+                if self.batches
+                else ""
+            ),
             f"transitions          {self.transitions}",
             f"phase executions     {self.executions}",
             f"re-executions        {self.re_executions}",

@@ -1,17 +1,19 @@
 """Crash torture at length: workers SIGKILLed (and stopped past their lease) at random, then checked.
 
     python tests/bench/bench_torture.py --kills 1000 [--pauses 0] [--runs 60] [--workers 4]
-        [--seed S] [--kill-interval 0.15] [--lease-ttl 1.0] [--journal PATH] [--drive async]
+        [--seed S] [--kill-interval 0.15] [--lease-ttl 1.0] [--journal PATH]
+        [--drive sync|async|mixed]
 
 The session and its checks are those of ``tests/test_crash_torture.py`` (see
 ``tests/torture.py``): every run reaches its expected terminal state by its expected path,
 seqs are gapless and the journal replays, no phase runs again once its transition is
 journaled, and no lease token is ever used by two workers. ``--drive async`` makes the workers
-async: rounds of ``arun`` of many runs at once (group commit), batches of their own started by
-``start_many(claim=True)``, some left undriven until ``Engine.close`` lets go of them (see
-``AsyncWorker`` in ``tests/torture.py``). Prints the figures and PASS or
-FAIL (exit code 0 or 1). The journal is kept in a temporary directory unless ``--journal``
-names where to write it, so a failed session can be inspected.
+async (``AsyncWorker`` in ``tests/torture.py``): rounds of ``arun`` of many runs at once
+(group commit), batches of their own started by ``start_many(claim=True)`` (each in the
+journal whole or not at all), some left undriven until ``Engine.close`` lets go of them;
+``--drive mixed``: each worker sync or async, at random. Prints the figures and PASS or FAIL
+(exit code 0 or 1). The journal is kept in a temporary directory unless ``--journal`` names
+where to write it, so a failed session can be inspected.
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     def progress(kills: int, runs: int) -> None:
         if kills % 100 == 0:
             elapsed = time.monotonic() - started
-            print(f"  {elapsed:6.1f} s: {kills} kills, {runs} runs started", flush=True)
+            print(
+                f"  {elapsed:6.1f} s: {kills} kills, {runs} runs started by the driver",
+                flush=True,
+            )
 
     with tempfile.TemporaryDirectory() as scratch:
         journal = args.journal or Path(scratch) / "torture.db"
