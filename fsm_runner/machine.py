@@ -9,6 +9,7 @@ it, evaluating only the guards. The journal, not a ``transitions`` model, holds 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -130,6 +131,15 @@ class CompiledMachine:
 
 _cache: dict[str, CompiledMachine] = {}
 _cache_lock = threading.Lock()
+
+
+def _new_cache_lock() -> None:
+    """In a forked child: a lock of its own (a thread of the parent may have held it)."""
+    global _cache_lock  # noqa: PLW0603 - the one module-level lock, replaced after a fork
+    _cache_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_cache_lock)
 
 
 def compile_spec(spec: MachineSpec) -> CompiledMachine:

@@ -187,7 +187,7 @@ class Engine(SyncDriver, AsyncDriver):
         self.max_payload_bytes = max_payload_bytes
         self.group_commit = group_commit
         self._committer = None
-        self._leases = LeaseKeeper(self)
+        self._leases = LeaseKeeper(self, own_worker_id=worker_id is None)
         # One lock for the leases held and for what the heartbeat shares with the steps.
         self._lock = self._leases.lock
 

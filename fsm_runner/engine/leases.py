@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from fsm_runner import _fork
 from fsm_runner._group import GroupClaimer
 from fsm_runner._json import dumps_json
 from fsm_runner._lazy import LazyModule
@@ -63,6 +64,11 @@ class LeaseOwner(Protocol):
     _aborts: dict[str, str]
     #: the contexts of the phases running in this process, by run id
     _active: dict[str, PhaseContext]
+    #: the lock of the leases held (the keeper's), the group committer and the event loop of
+    #: async handlers in sync runs: what a forked child must not take over (see _after_fork)
+    _lock: threading.Lock
+    _committer: Any
+    _loop: Any
 
     def _check_runnable(self, run: RunRecord) -> None: ...
 
@@ -100,10 +106,13 @@ class LeaseKeeper:
     Args:
         owner: the engine; its settings are read each time (a changed ``journal`` or
             ``lease_ttl`` applies from the next claim), its steps run the runs held.
+        own_worker_id: the engine's ``worker_id`` was made for it, not given: a forked child
+            makes a new one (see :meth:`_after_fork`).
     """
 
-    def __init__(self, owner: LeaseOwner) -> None:
+    def __init__(self, owner: LeaseOwner, *, own_worker_id: bool = False) -> None:
         self._owner = owner
+        self._own_worker_id = own_worker_id
         #: guards the holds, and the owner's aborts and active phases the heartbeat reads
         self.lock = threading.Lock()
         self._held: dict[str, _Hold] = {}
@@ -112,6 +121,25 @@ class LeaseKeeper:
         self._claimer: GroupClaimer | None = None
         #: runs this engine started, as it wrote them, until it claims them (by run id)
         self._started: dict[str, tuple[Journal, RunRecord]] = {}
+        _fork.register(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the engine is another worker, holding nothing (see ``_fork``).
+
+        The parent's leases, phases under way, abort notes and event loop stay the parent's. A
+        ``worker_id`` made for the engine becomes a new one, so the child cannot claim as its
+        own a run the parent holds; one given to the engine is kept (give each process its own).
+        """
+        owner = self._owner
+        if self._own_worker_id:
+            owner.worker_id = new_worker_id()
+        self.lock = owner._lock = threading.Lock()
+        self._held, self._started, self._claimer = {}, {}, None
+        self._heartbeat, self._stop_heartbeat = None, threading.Event()
+        owner._active, owner._aborts, owner._committer = {}, {}, None
+        if owner._loop is not None:
+            _fork.keep(owner._loop)  # its selector is the parent's too: never closed here
+            owner._loop = None
 
     def holds(self, run_id: str) -> bool:
         """Whether this engine holds the run, or is claiming it (read under :attr:`lock`)."""

@@ -28,6 +28,7 @@ import os
 import sqlite3
 import threading
 import weakref
+from collections.abc import Callable
 
 __all__ = ["Checkpointer"]
 
@@ -49,10 +50,11 @@ class Checkpointer:
         self, owner: object, path: str, *, size_limit: int, interval: float = 0.02
     ) -> None:
         self._stop = threading.Event()
+        self._busy = threading.Lock()  # held while a checkpoint runs
         self._pid = os.getpid()
         self._thread = threading.Thread(
             target=_watch,
-            args=(path, size_limit, interval, self._stop),
+            args=(path, size_limit, interval, self._stop, self._busy),
             name=f"fsm_runner checkpoints {os.path.basename(path)}",
             daemon=True,
         )
@@ -64,6 +66,16 @@ class Checkpointer:
         """Whether the thread runs (in this process: a forked child has none)."""
         return self._pid == os.getpid() and self._thread.is_alive()
 
+    def pause(self, timeout: float = 10.0) -> Callable[[], None] | None:
+        """Wait for a checkpoint under way to end and start none until the returned call.
+
+        ``None`` if one did not end within ``timeout`` seconds. For a fork: a checkpoint caught
+        in the middle would leave its lock on the file held for good in the child.
+        """
+        if not self._busy.acquire(timeout=timeout):
+            return None
+        return self._busy.release
+
     def stop(self) -> None:
         """Stop the thread and wait for it (a checkpoint under way is finished first)."""
         self._stop.set()
@@ -71,7 +83,9 @@ class Checkpointer:
             self._thread.join()
 
 
-def _watch(path: str, size_limit: int, interval: float, stop: threading.Event) -> None:
+def _watch(
+    path: str, size_limit: int, interval: float, stop: threading.Event, busy: threading.Lock
+) -> None:
     wal = path + "-wal"
     conn: sqlite3.Connection | None = None
     pause, seen, behind = interval, None, False
@@ -91,12 +105,13 @@ def _watch(path: str, size_limit: int, interval: float, stop: threading.Event) -
             else:  # a reader held the last one back: try again, less often as it goes on
                 pause = min(pause * 2, _IDLE_INTERVAL)
             try:
-                if conn is None:
-                    # read-write, never create: the journal made the file and its schema
-                    uri = "file:" + _quote(path) + "?mode=rw"
-                    conn = sqlite3.connect(uri, uri=True, isolation_level=None)
-                    conn.execute(f"PRAGMA journal_size_limit = {size_limit}")
-                _, in_wal, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                with busy:
+                    if conn is None:
+                        # read-write, never create: the journal made the file and its schema
+                        uri = "file:" + _quote(path) + "?mode=rw"
+                        conn = sqlite3.connect(uri, uri=True, isolation_level=None)
+                        conn.execute(f"PRAGMA journal_size_limit = {size_limit}")
+                    _, in_wal, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 behind = copied < in_wal  # a reader's snapshot held some back
             except sqlite3.Error:
                 # Busy (another connection checkpoints), a full or read-only disk: the pages

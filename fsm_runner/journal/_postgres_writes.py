@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
 
+from fsm_runner import _fork
 from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import (
     JournalError,
@@ -215,6 +217,17 @@ class PostgresWrites(SqlJournal):
     _conn: _Connection | None
 
     # -- connecting ----------------------------------------------------------------------------
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock of its own, and a connection made at its first call.
+
+        The parent's connection shares its socket with the parent: it is kept, never used nor
+        closed here (closing it would end the parent's session). See :mod:`fsm_runner._fork`.
+        """
+        self._lock = threading.RLock()
+        if self._conn is not None:
+            _fork.keep(self._conn)
+            self._conn = None
 
     def _connect(self, *, timeout: float | None = None) -> _Connection:
         options = dict(self._connect_options)

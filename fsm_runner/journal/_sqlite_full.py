@@ -1,4 +1,7 @@
-"""A SQLite journal's connection set up, and its reads on a disk with no room for the ``-shm``.
+"""A SQLite journal's connections: reads on a full disk, and a forked child's own connection.
+
+A forked child gets a lock and a connection of its own (:meth:`RoomlessReads._after_fork`,
+after waiting in the parent for the transaction under way, :meth:`RoomlessReads._before_fork`).
 
 In WAL mode every connection shares the ``-shm`` file (the WAL's index), which SQLite makes
 and grows as it is needed. On a full disk it cannot: a journal that no process has open has
@@ -15,11 +18,18 @@ read: once there is room again, it reads, and the journal is as any other from t
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fsm_runner import _fork
+from fsm_runner.journal._checkpoint import Checkpointer
+
 __all__ = ["RoomlessReads", "no_room_for_shm"]
+
+_log = logging.getLogger("fsm_runner")
 
 #: 16 MiB of page cache (SQLite's default is 2 MiB): a group commit of a thousand runs dirties
 #: up to a thousand index pages (one a run, once each run's keys fill a page), and spilling
@@ -46,6 +56,59 @@ class RoomlessReads:
     _shm_full: bool
     _open_schema: Callable[[], None]
     _verify_code: Callable[[], None]
+    _lock: threading.RLock
+    _closed: bool
+    _checkpointer: object | None
+    _unreadable: str | None
+    _unwritable: str | None
+    _describe: Callable[[sqlite3.Error], str]
+
+    def _before_fork(self) -> Callable[[], None] | None:
+        """Before a fork: wait until no thread has a transaction open here (nor a checkpoint).
+
+        Returns what lets the parent go on (see :mod:`fsm_runner._fork`).
+        """
+        if self._closed or self.path == ":memory:":
+            return None
+        if not self._lock.acquire(timeout=_fork.WAIT):
+            _log.warning(
+                "forking while a thread has been inside %s for %.0f s: the child's writes to it"
+                " may be refused as locked",
+                self.path,
+                _fork.WAIT,
+            )
+            return None
+        checkpointer = self._checkpointer
+        resume = checkpointer.pause() if isinstance(checkpointer, Checkpointer) else None
+
+        def release() -> None:
+            if resume is not None:
+                resume()
+            self._lock.release()
+
+        return release
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock and a connection of its own (see :mod:`fsm_runner._fork`).
+
+        The parent's connection is kept, never used nor closed here (SQLite's locks are the
+        parent process's); the checkpoint thread did not come along (the next write starts
+        one). A ``:memory:`` journal keeps its connection: the child's copy is its own.
+        """
+        self._lock = threading.RLock()
+        self._checkpointer = None
+        if self._closed or self.path == ":memory:":
+            return
+        _fork.keep(self._conn)
+        try:
+            conn = self._connect()
+            self._tune_reading(conn)
+        except sqlite3.Error as exc:
+            self._unreadable = self._unwritable = (
+                f"could not be opened again in a forked process ({self._describe(exc)})"
+            )
+            conn = sqlite3.connect(":memory:", check_same_thread=False)  # refused before use
+        self._conn, self._cursor = conn, conn.cursor()
 
     def _connect(self) -> sqlite3.Connection:
         """A new connection to the file, with the pragmas that do not read it."""

@@ -7,12 +7,12 @@ write exactly as the SQLite journal checks them, so code that passes here passes
 from __future__ import annotations
 
 import datetime as dt
-import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import attrs
 
+from fsm_runner import _fork
 from fsm_runner._json import dumps_json
 from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import (
@@ -62,11 +62,11 @@ def _check_pair(run: RunRecord, transition: TransitionRecord) -> None:
         raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
 
 
-class MemoryJournal:
+class MemoryJournal(_fork.LockedAcrossFork):
     """A journal held in this process's memory; gone when the process ends."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._lock = self._registered_lock()
         self._runs: dict[str, RunRecord] = {}
         self._transitions: dict[str, list[TransitionRecord]] = {}
         self._specs: dict[str, str] = {}

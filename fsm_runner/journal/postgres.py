@@ -43,6 +43,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict
 
+from fsm_runner import _fork
 from fsm_runner.exceptions import (
     JournalError,
     RunExistsError,
@@ -177,8 +178,7 @@ class PostgresJournal(PostgresOpening):
             self._connect_options["application_name"] = "fsm_runner"
         if "connect_timeout" not in params:
             self._connect_options["connect_timeout"] = 10
-        self._lock = threading.RLock()
-        self._closed = False
+        self._lock, self._closed = threading.RLock(), False
         self._conn: _Connection | None = None
         try:
             conn = self._connect()
@@ -194,6 +194,7 @@ class PostgresJournal(PostgresOpening):
         except BaseException:
             conn.close()
             raise
+        _fork.register(self)  # a forked child gets a connection of its own
 
     @property
     def location(self) -> str:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from fsm_runner import _fork
 from fsm_runner.exceptions import (
     JournalError,
     RunNotFoundError,
@@ -149,6 +150,7 @@ class SqliteJournal(SqliteChecks, RoomlessReads):
         except BaseException:
             self._conn.close()
             raise
+        _fork.register(self)  # a forked child gets a connection of its own
 
     @contextlib.contextmanager
     def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
