@@ -1,0 +1,399 @@
+"""Attacks on the maintenance operations while worker processes drive runs on the same file.
+
+Real processes on one real SQLite file: 2-4 workers (sync ``Engine.work``; async ``arun`` over
+``start_many(claim=True)`` batches) start and drive runs without pause, a reader lists runs,
+and ``prune`` (library and CLI) deletes what ended before its cutoff beside them — or is
+SIGKILLed in its ``DELETE`` transaction, its ``VACUUM`` or its ``TRUNCATE`` checkpoint. The CLI's
+``abort``, ``fork``, ``recover``, ``check`` and ``replay`` are pointed at runs being driven right
+now, and the journal is given to prune and workers under two names (a symlink; a hard link).
+
+Each process writes what it saw to a side file of its own, a run only AFTER the call that
+drove it returned with the run ended, a prune's cutoff BEFORE the call and the runs it pruned
+after it. The checks (:func:`verdict`) then hold the journal to prune's rule: a run missing from
+the journal was pruned because it ended before a cutoff — never an active run, never one
+that ended after the cutoff, never a parent whose child is still active — and what is left
+replays (``check_journal``) on an intact file. ``bench/bench_prune_attacks.py`` runs the same
+sessions at length and prints the worst stall a worker saw.
+
+Run as ``python -m tests.test_prune_attacks ROLE ...`` the module is one of the processes
+(:func:`main`); ``make_engine`` is its app for ``fsm-runner recover --app``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import multiprocessing
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fsm_runner import Engine, MachineSpec, MemoryJournal, SqliteJournal, State, Transition
+from fsm_runner._convert import format_utc, parse_utc
+from fsm_runner.records import utc_now
+from fsm_runner.replay import check_journal
+
+ROOT = Path(__file__).parents[1]
+APP = "tests.test_prune_attacks:make_engine"
+TIMEOUT = 60.0  # seconds any one wait may take before the test gives up (never reached when green)
+
+#: The job every worker drives: three phases, each pausing ``input["pause"]`` seconds.
+SPEC = MachineSpec(
+    "prune_job",
+    [State("fetching", handler="fetching"), State("building", handler="building"),
+     State("testing", handler="testing"), State("done", terminal=True)],
+    [Transition("fetching", "FETCHED", "building"), Transition("building", "BUILT", "testing"),
+     Transition("testing", "TESTS_PASSED", "done")],
+)  # fmt: skip
+#: A child of a job: nobody's worker drives it; its starter ends some of them itself.
+CHILD_SPEC = MachineSpec(
+    "prune_child",
+    [State("waiting", handler="waiting"), State("finished", terminal=True)],
+    [Transition("waiting", "FINISHED", "finished")],
+)
+
+
+def _phase(event: str) -> Any:
+    def handler(ctx: Any) -> str:
+        time.sleep((ctx.input or {}).get("pause", 0))
+        return event
+
+    return handler
+
+
+HANDLERS = {"fetching": _phase("FETCHED"), "building": _phase("BUILT"), "testing": _phase("TESTS_PASSED")}
+CHILD_HANDLERS = {"waiting": _phase("FINISHED")}
+
+
+def make_engine() -> Engine:
+    """The app of ``fsm-runner recover --app``: the job, on ``FSM_PRUNE_JOURNAL``."""
+    path = os.environ.get("FSM_PRUNE_JOURNAL")
+    return Engine(SPEC, handlers=HANDLERS, journal=SqliteJournal(path) if path else MemoryJournal())
+
+
+# -- the processes ------------------------------------------------------------------------------
+
+
+class Side:
+    """A process's side file: one JSON object a line, flushed at once (a SIGKILL loses none)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, **record: Any) -> None:
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+
+class Stalls:
+    """The longest wait between two commits of one process, and what it was waiting for."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.worst = 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.worst = max(self.worst, now - self.last)
+        self.last = now
+
+
+def _done(side: Side, run: Any) -> None:
+    side.write(done=run.run_id, at=format_utc(run.updated_at), status=run.status.value)
+
+
+def _worker(path: str, side: Side, drive: str, until: float, pause: float, seed: int) -> None:
+    """Start and drive jobs (each with a child) until ``until``; children of even jobs end."""
+    rng = random.Random(seed)
+    stalls = Stalls()
+
+    def listener(transition: Any, run: Any) -> None:
+        stalls.tick()
+        if run.ended and run.machine == SPEC.name:  # after the commit of its last transition
+            _done(side, run)
+
+    journal = SqliteJournal(path)
+    engine = Engine(SPEC, handlers=HANDLERS, journal=journal, listeners=[listener], lease_ttl=30)
+    children = Engine(CHILD_SPEC, handlers=CHILD_HANDLERS, journal=journal, lease_ttl=30)
+    number = 0
+    while time.monotonic() < until:
+        try:
+            inputs = [{"n": number + i, "pause": pause * rng.random()} for i in range(4)]
+            number += len(inputs)
+            if drive == "sync":
+                ids = [engine.start(given) for given in inputs]
+            else:
+                ids = engine.start_many(inputs, claim=True)
+            kids = [children.start(None, parent_run_id=run_id) for run_id in ids]
+            for run_id, kid in zip(ids, kids, strict=True):
+                side.write(started=run_id, child=kid)
+            if drive == "sync":
+                engine.work(exit_when_idle=True)
+            else:
+                for run in asyncio.run(_drive(engine, ids)):
+                    if not run.ended:
+                        side.write(error="arun returned an active run", run=run.run_id)
+            for run_id, kid in zip(ids[::2], kids[::2], strict=True):
+                ended = children.run(kid)
+                stalls.tick()
+                side.write(child_done=kid, parent=run_id, at=format_utc(ended.updated_at))
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, and the loop goes on
+            side.write(error=f"{type(exc).__name__}: {exc}")
+    engine.close()
+    children.close()
+    side.write(worst_stall=stalls.worst)
+
+
+async def _drive(engine: Engine, ids: list[str]) -> list[Any]:
+    runs = await asyncio.gather(*(engine.arun(run_id) for run_id in ids))
+    return list(runs)
+
+
+def _fsm_runner() -> str:
+    beside = Path(sys.executable).with_name("fsm-runner")
+    return str(beside) if beside.exists() else "fsm-runner"
+
+
+def _pruner(path: str, side: Side, until: float, lag: float, seed: int) -> None:
+    """Prune (library, then the CLI, in turn) what ended more than up to ``lag`` s ago."""
+    rng = random.Random(seed)
+    journal = SqliteJournal(path, create=False)
+    rounds = 0
+    while time.monotonic() < until:
+        rounds += 1
+        older = lag * rng.random()
+        if rounds % 2:
+            cutoff = utc_now() - dt.timedelta(seconds=older)
+            side.write(cutoff=format_utc(cutoff))
+            try:
+                report = journal.prune(ended_before=cutoff, dry_run=rounds % 5 == 0)
+            except Exception as exc:  # noqa: BLE001 - reported
+                side.write(error=f"prune: {type(exc).__name__}: {exc}")
+                continue
+            if not report.dry_run:
+                side.write(pruned=list(report.run_ids), cutoff=format_utc(cutoff))
+        else:
+            command = [_fsm_runner(), "--journal", path, "prune", "--json"]
+            side.write(cutoff=format_utc(utc_now() - dt.timedelta(seconds=older)))
+            done = subprocess.run(
+                [*command, "--older-than", repr(older / 86400)],
+                capture_output=True, text=True, timeout=TIMEOUT, check=False,
+            )  # fmt: skip
+            cutoff = utc_now() - dt.timedelta(seconds=older)  # the latest the CLI may have used
+            if done.returncode or done.stderr:
+                side.write(error=f"prune CLI exit {done.returncode}: {done.stderr.strip()}")
+            else:
+                side.write(pruned=json.loads(done.stdout)["run_ids"], cutoff=format_utc(cutoff))
+    journal.close()
+
+
+def _reader(path: str, side: Side, until: float) -> None:
+    """List runs and load each, as an operator's listing does, until ``until``."""
+    journal = SqliteJournal(path, create=False)
+    while time.monotonic() < until:
+        try:
+            for run in journal.runs(limit=50):
+                journal.transitions(run.run_id)
+        except Exception as exc:  # noqa: BLE001 - reported
+            # A run pruned between the listing and its transitions is not found: that is fine.
+            if type(exc).__name__ != "RunNotFoundError":
+                side.write(error=f"reader: {type(exc).__name__}: {exc}")
+    journal.close()
+
+
+def main(argv: list[str]) -> None:
+    """``python -m tests.test_prune_attacks ROLE PATH SIDE SECONDS [ARG] [SEED]``."""
+    role, path, side_path, seconds = argv[:4]
+    side = Side(Path(side_path))
+    until = time.monotonic() + float(seconds)
+    seed = int(argv[5]) if len(argv) > 5 else 0
+    if role in ("sync", "async"):
+        _worker(path, side, role, until, float(argv[4]), seed)
+    elif role == "pruner":
+        _pruner(path, side, until, float(argv[4]), seed)
+    elif role == "reader":
+        _reader(path, side, until)
+    side.write(exit="clean")
+
+
+# -- a prune to be killed -----------------------------------------------------------------------
+
+#: Where a killed prune may be: the first statement of each stage, as SQLite traces it.
+STAGES = {"delete": "DELETE FROM transitions", "vacuum": "VACUUM", "checkpoint": "PRAGMA wal_checkpoint"}
+
+
+def killable_prune(path: str, side_path: str, stage: str, markers: Any) -> None:
+    """Prune everything ended, telling ``markers`` each statement SQLite starts; hold at ``stage``.
+
+    The statement that starts ``stage`` (for ``vacuum``, one of the statements VACUUM runs
+    inside, chosen at random) waits for the SIGKILL instead of going on; ``checkpoint`` goes
+    on, for the test to kill it at a random moment of the copy.
+    """
+    side = Side(Path(side_path))
+    journal = SqliteJournal(path, create=False)
+    rng = random.Random()
+    hold_at = rng.randrange(1, 12)
+    inside_vacuum = 0
+
+    def trace(statement: str) -> None:
+        nonlocal inside_vacuum
+        markers.send(statement[:40])
+        if stage == "vacuum" and inside_vacuum:
+            inside_vacuum += 1
+            if inside_vacuum >= hold_at or statement.startswith("COMMIT"):
+                time.sleep(TIMEOUT)
+        if statement.startswith(STAGES["vacuum"]):
+            inside_vacuum = 1
+        if stage == "delete" and statement.startswith(STAGES["delete"]):
+            time.sleep(TIMEOUT)
+
+    journal._conn.set_trace_callback(trace)  # noqa: SLF001 - the test's window into the prune
+    cutoff = utc_now()
+    side.write(cutoff=format_utc(cutoff))
+    report = journal.prune(ended_before=cutoff)
+    side.write(pruned=list(report.run_ids), cutoff=format_utc(cutoff))
+    markers.send("returned")
+    time.sleep(TIMEOUT)
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+
+def read_sides(directory: Path) -> list[dict[str, Any]]:
+    """Every record of every side file in ``directory``."""
+    return [
+        json.loads(line)
+        for side in sorted(directory.glob("*.jsonl"))
+        for line in side.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+
+
+def verdict(path: Path, records: list[dict[str, Any]], *, killed: bool = False) -> list[str]:
+    """What the journal at ``path`` does wrong against what the processes reported.
+
+    ``killed``: some prunes were SIGKILLed, so a run may be gone without a report naming it;
+    it must then have ended before the latest cutoff any prune was given.
+    """
+    problems = [f"a process failed: {r['error']}" for r in records if "error" in r]
+    started = {r["started"]: r["child"] for r in records if "started" in r}
+    done = {r["done"]: parse_utc(r["at"]) for r in records if "done" in r}
+    pruned: dict[str, dt.datetime] = {}
+    for record in records:
+        for run_id in record.get("pruned", ()):
+            pruned.setdefault(run_id, parse_utc(record["cutoff"]))
+    cutoffs = [parse_utc(r["cutoff"]) for r in records if "cutoff" in r and "pruned" not in r]
+    latest = max(cutoffs, default=None)
+    journal = SqliteJournal(path, create=False)
+    try:
+        present = {run.run_id: run for run in journal.runs(limit=sys.maxsize)}
+        for run_id, child in started.items():
+            if run_id not in present and run_id not in done:
+                problems.append(f"run {run_id} is gone, and no worker saw it end")
+            elif run_id not in present:
+                cutoff = pruned.get(run_id, latest if killed else None)
+                if cutoff is None:
+                    problems.append(f"run {run_id} is gone, and no prune reported it")
+                elif done[run_id] >= cutoff:
+                    problems.append(f"run {run_id} ended at {done[run_id]}, after the cutoff")
+                if child in present and not present[child].ended:
+                    problems.append(f"run {run_id} was pruned, its child {child} is active")
+            elif not present[run_id].ended:
+                problems.append(f"run {run_id} is still active after its worker drove it")
+        problems += [f"pruned {run_id}, which no worker saw end" for run_id in pruned.keys() - done.keys() - {c for c in started.values()}]
+        problems += check_journal(journal)
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            problems += [f"integrity: {row[0]}" for row in conn.execute("PRAGMA integrity_check") if row[0] != "ok"]
+            half = conn.execute(
+                "SELECT (SELECT count(*) FROM run_rows AS r WHERE NOT EXISTS"
+                " (SELECT 1 FROM transitions AS t WHERE t.run_key = r.run_key)),"
+                " (SELECT count(*) FROM transitions AS t WHERE NOT EXISTS"
+                " (SELECT 1 FROM run_rows AS r WHERE r.run_key = t.run_key))"
+            ).fetchone()
+            if half != (0, 0):
+                problems.append(f"half-pruned runs: {half[0]} rows without transitions, {half[1]} transitions without a row")
+    finally:
+        journal.close()
+    return problems
+
+
+# -- running sessions ---------------------------------------------------------------------------
+
+
+def environ(path: Path) -> dict[str, str]:
+    """The children's environment: this checkout on the path, the journal for ``make_engine``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSM_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env["FSM_PRUNE_JOURNAL"] = str(path)
+    return env
+
+
+@contextlib.contextmanager
+def processes(path: Path, sides: Path, roles: list[tuple[str, ...]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start one process per role (``ROLE PATH SECONDS [ARG] [SEED]``); wait for all at the end."""
+    children = []
+    for number, (role, where, *rest) in enumerate(roles):
+        argv = [sys.executable, "-m", "tests.test_prune_attacks", role, where,
+                str(sides / f"{number}-{role}.jsonl"), *rest]  # fmt: skip
+        children.append(subprocess.Popen(argv, cwd=ROOT, env=environ(path), stderr=subprocess.PIPE))
+    try:
+        yield children
+    finally:
+        for child in children:
+            try:
+                _, err = child.communicate(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                _, err = child.communicate()
+            assert child.returncode == 0, err.decode()
+
+
+def seed_journal(path: Path, sides: Path) -> None:
+    """A journal with one ended run in it, so that every process opens an existing file."""
+    side = Side(sides / "seed.jsonl")
+    with SqliteJournal(path) as journal:
+        engine = Engine(SPEC, handlers=HANDLERS, journal=journal)
+        run_id = engine.start()
+        side.write(started=run_id, child=None)
+        _done(side, engine.run(run_id))
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL, fork and POSIX locks"),
+]
+
+
+class TestPruneUnderLoad:
+    """prune, again and again, while workers drive runs and a reader lists them."""
+
+    def test_prune_takes_only_what_ended_before_its_cutoff(self, tmp_path):
+        path = tmp_path / "journal.db"
+        seed_journal(path, tmp_path)
+        seconds = "3"
+        roles = [("sync", str(path), seconds, "0.004", "1"), ("async", str(path), seconds, "0.004", "2"),
+                 ("sync", str(path), seconds, "0.002", "3"), ("pruner", str(path), seconds, "0.05", "4"),
+                 ("reader", str(path), seconds)]  # fmt: skip
+        with processes(path, tmp_path, roles):
+            pass
+        records = read_sides(tmp_path)
+        assert sum(len(r.get("pruned", ())) for r in records) > 0  # prune had work to do
+        assert verdict(path, records) == []
+        assert all(r.get("exit") == "clean" for r in records if "exit" in r)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
