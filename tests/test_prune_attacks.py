@@ -229,42 +229,91 @@ def main(argv: list[str]) -> None:
 
 # -- a prune to be killed -----------------------------------------------------------------------
 
-#: Where a killed prune may be: the first statement of each stage, as SQLite traces it.
-STAGES = {"delete": "DELETE FROM transitions", "vacuum": "VACUUM", "checkpoint": "PRAGMA wal_checkpoint"}
+#: The stages of a prune to kill it in: the statement each starts with, as SQLite traces it.
+STAGES = {
+    "delete": "DELETE FROM transitions",
+    "vacuum": "VACUUM",
+    "checkpoint": "PRAGMA wal_checkpoint",
+}
 
 
 def killable_prune(path: str, side_path: str, stage: str, markers: Any) -> None:
-    """Prune everything ended, telling ``markers`` each statement SQLite starts; hold at ``stage``.
+    """Prune everything ended, sending ``markers`` each statement SQLite starts.
 
-    The statement that starts ``stage`` (for ``vacuum``, one of the statements VACUUM runs
-    inside, chosen at random) waits for the SIGKILL instead of going on; ``checkpoint`` goes
-    on, for the test to kill it at a random moment of the copy.
+    For ``delete`` and ``vacuum`` the prune holds still (sleeps in SQLite's progress handler)
+    at a random point inside the statement that starts the stage, or a later one of the same
+    stage, and says ``held``: the SIGKILL lands there. ``checkpoint`` goes on, for the test to
+    kill it a random moment after the checkpoint started.
     """
     side = Side(Path(side_path))
     journal = SqliteJournal(path, create=False)
     rng = random.Random()
-    hold_at = rng.randrange(1, 12)
-    inside_vacuum = 0
+    # delete: the Nth statement of the transaction (DELETE FROM transitions, iterations,
+    # artifacts, effects, run_rows, specs, DROP TABLE), a few instructions into it.
+    statements = [rng.randrange(0, 7) if stage == "delete" else 0]
+    countdown = [rng.randrange(1, 20) if stage == "delete" else rng.randrange(1, 5000)]
+    armed = [False]
 
     def trace(statement: str) -> None:
-        nonlocal inside_vacuum
         markers.send(statement[:40])
-        if stage == "vacuum" and inside_vacuum:
-            inside_vacuum += 1
-            if inside_vacuum >= hold_at or statement.startswith("COMMIT"):
-                time.sleep(TIMEOUT)
-        if statement.startswith(STAGES["vacuum"]):
-            inside_vacuum = 1
-        if stage == "delete" and statement.startswith(STAGES["delete"]):
-            time.sleep(TIMEOUT)
+        if stage in ("delete", "vacuum") and statement.startswith(STAGES[stage]):
+            armed[0] = True
+        elif armed[0] and statements[0] > 0:
+            statements[0] -= 1
 
-    journal._conn.set_trace_callback(trace)  # noqa: SLF001 - the test's window into the prune
+    def progress() -> int:
+        if armed[0] and statements[0] == 0:
+            countdown[0] -= 1
+            if countdown[0] == 0:
+                markers.send("held")
+                time.sleep(TIMEOUT)
+        return 0
+
+    conn = journal._conn  # noqa: SLF001 - the test's window into the prune's statements
+    conn.set_trace_callback(trace)
+    conn.set_progress_handler(progress, 1)
     cutoff = utc_now()
     side.write(cutoff=format_utc(cutoff))
     report = journal.prune(ended_before=cutoff)
     side.write(pruned=list(report.run_ids), cutoff=format_utc(cutoff))
     markers.send("returned")
     time.sleep(TIMEOUT)
+
+
+def kill_a_prune(context: Any, path: Path, side: Path, stage: str) -> str:
+    """Run :func:`killable_prune` in a process forked from ``context``'s server; SIGKILL it.
+
+    Returns the last statement it started before the kill (or ``held``, ``returned``).
+    """
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=killable_prune, args=(str(path), str(side), stage, send))
+    process.start()
+    send.close()
+    seen: list[str] = []
+    try:
+        while True:
+            if not receive.poll(TIMEOUT):
+                raise AssertionError(f"the prune said nothing for {TIMEOUT} s after {seen[-3:]}")
+            seen.append(receive.recv())
+            if seen[-1] == "held":
+                seen[-1] = f"held in {seen[-2]}"
+                break
+            if seen[-1] == "returned":
+                break
+            if stage == "checkpoint" and seen[-1].startswith(STAGES["checkpoint"]):
+                time.sleep(random.uniform(0, 0.01))
+                break
+    except EOFError:
+        raise AssertionError(f"the prune died by itself after {seen[-3:]}") from None
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(TIMEOUT)
+    with contextlib.suppress(EOFError):
+        while receive.poll(0):
+            seen.append(receive.recv())
+    receive.close()
+    assert process.exitcode == -signal.SIGKILL
+    return seen[-1]
 
 
 # -- the checks ---------------------------------------------------------------------------------
@@ -280,6 +329,19 @@ def read_sides(directory: Path) -> list[dict[str, Any]]:
     ]
 
 
+def half_pruned(conn: sqlite3.Connection) -> list[str]:
+    """A run row without transitions, or transitions without their run row: a prune cut short."""
+    rows, transitions = conn.execute(
+        "SELECT (SELECT count(*) FROM run_rows AS r WHERE NOT EXISTS"
+        " (SELECT 1 FROM transitions AS t WHERE t.run_key = r.run_key)),"
+        " (SELECT count(*) FROM transitions AS t WHERE NOT EXISTS"
+        " (SELECT 1 FROM run_rows AS r WHERE r.run_key = t.run_key))"
+    ).fetchone()
+    if (rows, transitions) == (0, 0):
+        return []
+    return [f"half-pruned: {rows} run rows without transitions, {transitions} transitions without a row"]
+
+
 def verdict(path: Path, records: list[dict[str, Any]], *, killed: bool = False) -> list[str]:
     """What the journal at ``path`` does wrong against what the processes reported.
 
@@ -289,6 +351,7 @@ def verdict(path: Path, records: list[dict[str, Any]], *, killed: bool = False) 
     problems = [f"a process failed: {r['error']}" for r in records if "error" in r]
     started = {r["started"]: r["child"] for r in records if "started" in r}
     done = {r["done"]: parse_utc(r["at"]) for r in records if "done" in r}
+    done.update((r["child_done"], parse_utc(r["at"])) for r in records if "child_done" in r)
     pruned: dict[str, dt.datetime] = {}
     for record in records:
         for run_id in record.get("pruned", ()):
@@ -311,18 +374,15 @@ def verdict(path: Path, records: list[dict[str, Any]], *, killed: bool = False) 
                     problems.append(f"run {run_id} was pruned, its child {child} is active")
             elif not present[run_id].ended:
                 problems.append(f"run {run_id} is still active after its worker drove it")
-        problems += [f"pruned {run_id}, which no worker saw end" for run_id in pruned.keys() - done.keys() - {c for c in started.values()}]
+        for run_id, cutoff in pruned.items():
+            if run_id not in done:
+                problems.append(f"pruned {run_id}, which nobody saw end")
+            elif done[run_id] >= cutoff:
+                problems.append(f"pruned {run_id}, which ended at {done[run_id]}, after {cutoff}")
         problems += check_journal(journal)
         with contextlib.closing(sqlite3.connect(path)) as conn:
             problems += [f"integrity: {row[0]}" for row in conn.execute("PRAGMA integrity_check") if row[0] != "ok"]
-            half = conn.execute(
-                "SELECT (SELECT count(*) FROM run_rows AS r WHERE NOT EXISTS"
-                " (SELECT 1 FROM transitions AS t WHERE t.run_key = r.run_key)),"
-                " (SELECT count(*) FROM transitions AS t WHERE NOT EXISTS"
-                " (SELECT 1 FROM run_rows AS r WHERE r.run_key = t.run_key))"
-            ).fetchone()
-            if half != (0, 0):
-                problems.append(f"half-pruned runs: {half[0]} rows without transitions, {half[1]} transitions without a row")
+            problems += half_pruned(conn)
     finally:
         journal.close()
     return problems
@@ -369,6 +429,21 @@ def seed_journal(path: Path, sides: Path) -> None:
         _done(side, engine.run(run_id))
 
 
+def add_ballast(path: Path, runs: int = 1500) -> None:
+    """Active runs that nobody drives, 2 kB of input each: a VACUUM that takes a while."""
+    with SqliteJournal(path) as journal:
+        Engine(CHILD_SPEC, handlers=CHILD_HANDLERS, journal=journal).start_many(
+            [{"pad": "x" * 2000}] * runs
+        )
+
+
+def forkserver() -> Any:
+    """A multiprocessing context whose processes are forked from a server with this module loaded."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.test_prune_attacks"])
+    return context
+
+
 # -- the tests ----------------------------------------------------------------------------------
 
 pytestmark = [
@@ -397,3 +472,37 @@ class TestPruneUnderLoad:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+class TestKilledPrune:
+    """prune SIGKILLed inside its DELETE transaction, its VACUUM, its checkpoint, beside workers."""
+
+    KILLS = 30
+
+    def test_a_killed_prune_loses_nothing_and_leaves_no_half_pruned_run(self, tmp_path):
+        path = tmp_path / "journal.db"
+        seed_journal(path, tmp_path)
+        add_ballast(path)
+        context = forkserver()
+        roles = [("sync", str(path), "3", "0.002", "5"), ("async", str(path), "3", "0.002", "6")]
+        where, after_kills = [], []
+        with processes(path, tmp_path, roles), contextlib.closing(sqlite3.connect(path)) as conn:
+            for kill in range(self.KILLS):
+                stage = list(STAGES)[kill % len(STAGES)]
+                side = tmp_path / f"kill-{kill}.jsonl"
+                where.append((stage, kill_a_prune(context, path, side, stage)))
+                after_kills += [f"after kill {kill} ({where[-1]}): {p}" for p in half_pruned(conn)]
+        assert after_kills == []
+        records = read_sides(tmp_path)
+        assert verdict(path, records, killed=True) == []
+        # Killed inside each stage, as the statements it had started say.
+        held = [last.removeprefix("held in ") for _, last in where if last.startswith("held in")]
+        assert any(last.startswith("DELETE FROM") for last in held), where
+        assert any(last == "VACUUM" for last in held), where
+        # The journal works: a new run is driven, and a prune runs to its end.
+        with SqliteJournal(path) as journal:
+            engine = Engine(SPEC, handlers=HANDLERS, journal=journal)
+            assert engine.run(engine.start()).ended
+            report = journal.prune(ended_before=utc_now())
+            assert len(report.run_ids) > 0
+            assert check_journal(journal) == []
