@@ -506,3 +506,69 @@ class TestKilledPrune:
             report = journal.prune(ended_before=utc_now())
             assert len(report.run_ids) > 0
             assert check_journal(journal) == []
+
+
+def cli(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``fsm-runner --journal PATH ARGS...`` in a process of its own."""
+    return subprocess.run(
+        [_fsm_runner(), "--journal", str(path), *args],
+        cwd=ROOT, env=environ(path), capture_output=True, text=True, timeout=TIMEOUT, check=False,
+    )  # fmt: skip
+
+
+def one_clear_line(done: subprocess.CompletedProcess[str]) -> str | None:
+    """What is wrong with a command's output: a traceback, or an error of more than one line."""
+    if "Traceback" in done.stderr or len(done.stderr.splitlines()) > 1:
+        return f"{done.args[3:]} exit {done.returncode}: {done.stderr!r}"
+    return None
+
+
+class TestOperationsOnLiveRuns:
+    """abort, fork, recover, check and replay from the CLI, on runs workers drive right now."""
+
+    #: Each command, what it may answer (exit code -> what its output holds), on a live run.
+    OUTCOMES = {
+        "abort": {0: ("aborted: aborted", "abort requested"), 4: ("has ended",)},
+        "fork": {0: ("forked",), 2: ("had ended at seq",)},  # ended meanwhile: --at needed
+        "replay": {0: ("matches the journal",)},
+        "check": {0: ("no problems",)},
+        "recover": {0: ("recovered 0 runs",)},
+    }
+
+    def test_each_command_answers_in_one_line_and_keeps_its_word(self, tmp_path):
+        path = tmp_path / "journal.db"
+        seed_journal(path, tmp_path)
+        roles = [("sync", str(path), "2.5", "0.3", "7"), ("async", str(path), "2.5", "0.3", "8")]
+        calls = [command for command in self.OUTCOMES for _ in range(3)] + ["abort"]
+        random.Random(9).shuffle(calls)
+        with processes(path, tmp_path, roles), SqliteJournal(path, create=False) as journal:
+            deadline = time.monotonic() + TIMEOUT
+            while not journal.runs(machine=SPEC.name, status="active", limit=8):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+
+            def call(command: str) -> tuple[str, str | None, subprocess.CompletedProcess[str]]:
+                live = journal.runs(machine=SPEC.name, status="active", limit=8)
+                run_id = random.choice(live).run_id if live else journal.runs(limit=1)[0].run_id
+                args = {"abort": ["abort", run_id, "--reason", "attack"], "fork": ["fork", run_id],
+                        "replay": ["replay", run_id], "check": ["check"],
+                        "recover": ["recover", "--app", APP]}[command]  # fmt: skip
+                return command, run_id, cli(path, *args)
+
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(call, calls))
+        problems = [p for _, _, done in answers if (p := one_clear_line(done))]
+        for command, run_id, done in answers:
+            expected = self.OUTCOMES[command].get(done.returncode)
+            said = done.stdout + done.stderr
+            if expected is None or not any(words in said for words in expected):
+                problems.append(f"{command} {run_id}: exit {done.returncode}: {said.strip()!r}")
+        with SqliteJournal(path, create=False) as journal:
+            for command, run_id, done in answers:  # an abort acknowledged is carried out
+                if command == "abort" and done.returncode == 0:
+                    run = journal.load(run_id)
+                    if run.status.value != "aborted":
+                        problems.append(f"abort of {run_id} acknowledged, the run {run.status.value}")
+        assert problems == []
+        assert any(command == "abort" and done.returncode == 0 for command, _, done in answers)
+        assert verdict(path, read_sides(tmp_path)) == []
