@@ -42,6 +42,7 @@ import pytest
 
 from fsm_runner import Engine, MachineSpec, MemoryJournal, SqliteJournal, State, Transition
 from fsm_runner._convert import format_utc, parse_utc
+from fsm_runner.exceptions import JournalError
 from fsm_runner.records import utc_now
 from fsm_runner.replay import check_journal
 
@@ -572,3 +573,49 @@ class TestOperationsOnLiveRuns:
         assert problems == []
         assert any(command == "abort" and done.returncode == 0 for command, _, done in answers)
         assert verdict(path, read_sides(tmp_path)) == []
+
+
+class TestOneFileTwoNames:
+    """The journal given to prune and workers under two names at once."""
+
+    def test_prune_and_workers_through_a_symlink_and_the_real_path(self, tmp_path):
+        path = tmp_path / "journal.db"
+        seed_journal(path, tmp_path)
+        other = tmp_path / "other.db"
+        other.symlink_to(path)
+        roles = [("sync", str(path), "2", "0.002", "10"), ("async", str(other), "2", "0.002", "11"),
+                 ("pruner", str(other), "2", "0.05", "12"), ("reader", str(path), "2")]  # fmt: skip
+        with processes(path, tmp_path, roles):
+            pass
+        records = read_sides(tmp_path)
+        assert verdict(path, records) == []
+
+    def test_prune_reports_the_size_of_the_file_behind_a_symlink(self, tmp_path):
+        path = tmp_path / "journal.db"
+        link = tmp_path / "link.db"
+        link.symlink_to(path)
+        with SqliteJournal(link, checkpoint_thread=False) as journal:
+            engine = Engine(SPEC, handlers=HANDLERS, journal=journal)
+            for _ in range(50):
+                engine.run(engine.start())
+            wal = Path(f"{path}-wal")
+            assert wal.exists()  # SQLite keeps the WAL beside the real file, not the link
+            size = path.stat().st_size + wal.stat().st_size
+            report = journal.prune(ended_before=utc_now())
+        assert len(report.run_ids) == 50
+        assert report.bytes_before == size
+
+    @pytest.mark.xfail(
+        strict=True,
+        raises=pytest.fail.Exception,
+        reason="not fixed: a hard link has -wal/-shm files of its own, so SQLite's writers of the"
+        " two names do not exclude each other and the file is corrupted (sqlite.org/howtocorrupt"
+        ".html 2.4; bench_prune_attacks.py --names hardlink shows it); the journal should refuse"
+        " a file with more than one link",
+    )
+    def test_a_journal_with_a_second_hard_link_is_refused(self, tmp_path):
+        path = tmp_path / "journal.db"
+        SqliteJournal(path).close()
+        os.link(path, tmp_path / "other.db")
+        with pytest.raises(JournalError, match="link"):
+            SqliteJournal(path).close()
