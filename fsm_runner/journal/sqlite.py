@@ -474,10 +474,12 @@ class SqliteJournal(SqliteChecks, RoomlessReads):
     def _size(self) -> int | None:
         if self.path == ":memory:":
             return None
+        # SQLite follows a symlink and keeps the -wal beside the file it points to.
+        real = os.path.realpath(self.path)
         return sum(
-            Path(self.path + suffix).stat().st_size
+            Path(real + suffix).stat().st_size
             for suffix in ("", "-wal")
-            if Path(self.path + suffix).exists()
+            if Path(real + suffix).exists()
         )
 
     def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
