@@ -484,10 +484,13 @@ class SqliteJournal(SqliteChecks, RoomlessReads):
 
     def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
+        # "+c.status": a child is looked up by its parent's id (idx_runs_parent_run_id); by
+        # status, SQLite would scan every active run for each ended one, with the write lock
+        # held (25 s for 680 ended among 20,000 active runs, while every worker waited).
         select = (
             "SELECT run_id, run_key FROM runs AS r WHERE status != 'active' AND updated_at < ?"
             " AND NOT EXISTS (SELECT 1 FROM run_rows AS c WHERE c.parent_run_id = r.run_id"
-            " AND c.status = 'active') ORDER BY updated_at, run_key"
+            " AND +c.status = 'active') ORDER BY updated_at, run_key"
         )
         cutoff = (format_utc(ended_before),)
         before = self._size()
