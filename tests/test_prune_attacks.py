@@ -36,13 +36,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 from fsm_runner import Engine, MachineSpec, MemoryJournal, SqliteJournal, State, Transition
 from fsm_runner._convert import format_utc, parse_utc
-from fsm_runner.exceptions import JournalError
+from fsm_runner.exceptions import JournalError, RunNotFoundError
 from fsm_runner.records import utc_now
 from fsm_runner.replay import check_journal
 
@@ -74,7 +74,11 @@ def _phase(event: str) -> Any:
     return handler
 
 
-HANDLERS = {"fetching": _phase("FETCHED"), "building": _phase("BUILT"), "testing": _phase("TESTS_PASSED")}
+HANDLERS = {
+    "fetching": _phase("FETCHED"),
+    "building": _phase("BUILT"),
+    "testing": _phase("TESTS_PASSED"),
+}
 CHILD_HANDLERS = {"waiting": _phase("FINISHED")}
 
 
@@ -149,7 +153,7 @@ def _worker(path: str, side: Side, drive: str, until: float, pause: float, seed:
                 ended = children.run(kid)
                 stalls.tick()
                 side.write(child_done=kid, parent=run_id, at=format_utc(ended.updated_at))
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, and the loop goes on
+        except Exception as exc:  # noqa: PERF203 - each failure reported, and the loop goes on
             side.write(error=f"{type(exc).__name__}: {exc}")
     engine.close()
     children.close()
@@ -180,7 +184,7 @@ def _pruner(path: str, side: Side, until: float, lag: float, seed: int) -> None:
             began = time.monotonic()
             try:
                 report = journal.prune(ended_before=cutoff, dry_run=rounds % 5 == 0)
-            except Exception as exc:  # noqa: BLE001 - reported
+            except Exception as exc:
                 side.write(error=f"prune: {type(exc).__name__}: {exc}")
                 continue
             if not report.dry_run:
@@ -208,10 +212,10 @@ def _reader(path: str, side: Side, until: float) -> None:
         try:
             for run in journal.runs(limit=50):
                 journal.transitions(run.run_id)
-        except Exception as exc:  # noqa: BLE001 - reported
-            # A run pruned between the listing and its transitions is not found: that is fine.
-            if type(exc).__name__ != "RunNotFoundError":
-                side.write(error=f"reader: {type(exc).__name__}: {exc}")
+        except RunNotFoundError:  # noqa: PERF203 - pruned between the listing and its read: fine
+            pass
+        except Exception as exc:
+            side.write(error=f"reader: {type(exc).__name__}: {exc}")
     journal.close()
 
 
@@ -272,7 +276,7 @@ def killable_prune(path: str, side_path: str, stage: str, markers: Any) -> None:
                 time.sleep(TIMEOUT)
         return 0
 
-    conn = journal._conn  # noqa: SLF001 - the test's window into the prune's statements
+    conn = journal._conn
     conn.set_trace_callback(trace)
     conn.set_progress_handler(progress, 1)
     cutoff = utc_now()
@@ -342,7 +346,9 @@ def half_pruned(conn: sqlite3.Connection) -> list[str]:
     ).fetchone()
     if (rows, transitions) == (0, 0):
         return []
-    return [f"half-pruned: {rows} run rows without transitions, {transitions} transitions without a row"]
+    return [
+        f"half-pruned: {rows} run rows without transitions, {transitions} transitions without a row"
+    ]
 
 
 def verdict(path: Path, records: list[dict[str, Any]], *, killed: bool = False) -> list[str]:
@@ -384,7 +390,11 @@ def verdict(path: Path, records: list[dict[str, Any]], *, killed: bool = False) 
                 problems.append(f"pruned {run_id}, which ended at {done[run_id]}, after {cutoff}")
         problems += check_journal(journal)
         with contextlib.closing(sqlite3.connect(path)) as conn:
-            problems += [f"integrity: {row[0]}" for row in conn.execute("PRAGMA integrity_check") if row[0] != "ok"]
+            problems += [
+                f"integrity: {row[0]}"
+                for row in conn.execute("PRAGMA integrity_check")
+                if row[0] != "ok"
+            ]
             problems += half_pruned(conn)
     finally:
         journal.close()
@@ -403,7 +413,9 @@ def environ(path: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def processes(path: Path, sides: Path, roles: list[tuple[str, ...]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes(
+    path: Path, sides: Path, roles: list[tuple[str, ...]]
+) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start one process per role (``ROLE PATH SECONDS [ARG] [SEED]``); wait for all at the end."""
     children = []
     for number, (role, where, *rest) in enumerate(roles):
@@ -530,7 +542,7 @@ class TestOperationsOnLiveRuns:
     """abort, fork, recover, check and replay from the CLI, on runs workers drive right now."""
 
     #: Each command, what it may answer (exit code -> what its output holds), on a live run.
-    OUTCOMES = {
+    OUTCOMES: ClassVar[dict[str, dict[int, tuple[str, ...]]]] = {
         "abort": {0: ("aborted: aborted", "abort requested"), 4: ("has ended",)},
         "fork": {0: ("forked",), 2: ("had ended at seq",)},  # ended meanwhile: --at needed
         "replay": {0: ("matches the journal",)},
@@ -571,7 +583,9 @@ class TestOperationsOnLiveRuns:
                 if command == "abort" and done.returncode == 0:
                     run = journal.load(run_id)
                     if run.status.value != "aborted":
-                        problems.append(f"abort of {run_id} acknowledged, the run {run.status.value}")
+                        problems.append(
+                            f"abort of {run_id} acknowledged, the run {run.status.value}"
+                        )
         assert problems == []
         assert any(command == "abort" and done.returncode == 0 for command, _, done in answers)
         assert verdict(path, read_sides(tmp_path)) == []
@@ -641,9 +655,9 @@ class TestPruneHoldsTheLockBriefly:
                 instructions[0] += 100
                 return 0
 
-            journal._conn.set_progress_handler(count, 100)  # noqa: SLF001 - the prune's statements
+            journal._conn.set_progress_handler(count, 100)
             report = journal.prune(ended_before=utc_now())
-            journal._conn.set_progress_handler(None, 0)  # noqa: SLF001
+            journal._conn.set_progress_handler(None, 0)
         assert len(report.run_ids) == 400
         # ~65 a run here; the selection that scanned the active runs for each ended one: ~2,000.
         assert instructions[0] / 2400 < 300

@@ -57,7 +57,13 @@ def load(directory: Path, args: argparse.Namespace) -> None:
         other = path
     seconds = str(args.seconds)
     roles: list[tuple[str, ...]] = [
-        ("sync" if n % 2 == 0 else "async", str(other if n == 1 else path), seconds, "0.002", str(n))
+        (
+            "sync" if n % 2 == 0 else "async",
+            str(other if n == 1 else path),
+            seconds,
+            "0.002",
+            str(n),
+        )
         for n in range(args.workers)
     ]
     roles += [("pruner", str(other), seconds, "0.05", "99"), ("reader", str(path), seconds)]
@@ -78,11 +84,13 @@ def load(directory: Path, args: argparse.Namespace) -> None:
         f" by {sum('pruned' in r for r in records)} prunes"
     )
     if took:
-        print(f"library prunes: median {statistics.median(took) * 1000:.0f} ms, max {max(took) * 1000:.0f} ms")
+        print(
+            f"library prunes: median {statistics.median(took) * 1000:.0f} ms, max {max(took) * 1000:.0f} ms"
+        )
     print(f"worst stall of each worker: {', '.join(f'{s * 1000:.0f} ms' for s in stalls)}")
     try:
         problems = verdict(path, records)
-    except Exception as exc:  # noqa: BLE001 - a journal the checks cannot open is a finding
+    except Exception as exc:
         problems = [f"the checks failed: {type(exc).__name__}: {exc}"]
     print(f"checks: {len(problems)} problems" + "".join(f"\n  {p}" for p in problems[:10]))
 
