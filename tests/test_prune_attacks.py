@@ -33,7 +33,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -91,6 +91,10 @@ def make_engine() -> Engine:
 # -- the processes ------------------------------------------------------------------------------
 
 
+#: Whether a process goes on (its time is not up, and it was not told to stop).
+Going = Callable[[], bool]
+
+
 class Side:
     """A process's side file: one JSON object a line, flushed at once (a SIGKILL loses none)."""
 
@@ -118,8 +122,8 @@ def _done(side: Side, run: Any) -> None:
     side.write(done=run.run_id, at=format_utc(run.updated_at), status=run.status.value)
 
 
-def _worker(path: str, side: Side, drive: str, until: float, pause: float, seed: int) -> None:
-    """Start and drive jobs (each with a child) until ``until``; children of even jobs end."""
+def _worker(path: str, side: Side, drive: str, going: Going, pause: float, seed: int) -> None:
+    """Start and drive jobs (each with a child) while ``going()``; children of even jobs end."""
     rng = random.Random(seed)
     stalls = Stalls()
 
@@ -132,7 +136,7 @@ def _worker(path: str, side: Side, drive: str, until: float, pause: float, seed:
     engine = Engine(SPEC, handlers=HANDLERS, journal=journal, listeners=[listener], lease_ttl=30)
     children = Engine(CHILD_SPEC, handlers=CHILD_HANDLERS, journal=journal, lease_ttl=30)
     number = 0
-    while time.monotonic() < until:
+    while going():
         try:
             inputs = [{"n": number + i, "pause": pause * rng.random()} for i in range(4)]
             number += len(inputs)
@@ -170,12 +174,12 @@ def _fsm_runner() -> str:
     return str(beside) if beside.exists() else "fsm-runner"
 
 
-def _pruner(path: str, side: Side, until: float, lag: float, seed: int) -> None:
+def _pruner(path: str, side: Side, going: Going, lag: float, seed: int) -> None:
     """Prune (library, then the CLI, in turn) what ended more than up to ``lag`` s ago."""
     rng = random.Random(seed)
     journal = SqliteJournal(path, create=False)
     rounds = 0
-    while time.monotonic() < until:
+    while going():
         rounds += 1
         older = lag * rng.random()
         if rounds % 2:
@@ -205,10 +209,10 @@ def _pruner(path: str, side: Side, until: float, lag: float, seed: int) -> None:
     journal.close()
 
 
-def _reader(path: str, side: Side, until: float) -> None:
-    """List runs and load each, as an operator's listing does, until ``until``."""
+def _reader(path: str, side: Side, going: Going) -> None:
+    """List runs and read each one's transitions, as an operator's listing does."""
     journal = SqliteJournal(path, create=False)
-    while time.monotonic() < until:
+    while going():
         try:
             for run in journal.runs(limit=50):
                 journal.transitions(run.run_id)
@@ -220,17 +224,25 @@ def _reader(path: str, side: Side, until: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m tests.test_prune_attacks ROLE PATH SIDE SECONDS [ARG] [SEED]``."""
+    """``python -m tests.test_prune_attacks ROLE PATH SIDE SECONDS [ARG] [SEED]``.
+
+    The process stops after SECONDS, or once a file ``stop`` exists beside SIDE.
+    """
     role, path, side_path, seconds = argv[:4]
     side = Side(Path(side_path))
     until = time.monotonic() + float(seconds)
+    stop = Path(side_path).with_name("stop")  # or earlier, once the file exists
+
+    def going() -> bool:
+        return time.monotonic() < until and not stop.exists()
+
     seed = int(argv[5]) if len(argv) > 5 else 0
     if role in ("sync", "async"):
-        _worker(path, side, role, until, float(argv[4]), seed)
+        _worker(path, side, role, going, float(argv[4]), seed)
     elif role == "pruner":
-        _pruner(path, side, until, float(argv[4]), seed)
+        _pruner(path, side, going, float(argv[4]), seed)
     elif role == "reader":
-        _reader(path, side, until)
+        _reader(path, side, going)
     side.write(exit="clean")
 
 
@@ -473,7 +485,7 @@ class TestPruneUnderLoad:
     def test_prune_takes_only_what_ended_before_its_cutoff(self, tmp_path):
         path = tmp_path / "journal.db"
         seed_journal(path, tmp_path)
-        seconds = "3"
+        seconds = "2.5"
         roles = [("sync", str(path), seconds, "0.004", "1"), ("async", str(path), seconds, "0.004", "2"),
                  ("sync", str(path), seconds, "0.002", "3"), ("pruner", str(path), seconds, "0.05", "4"),
                  ("reader", str(path), seconds)]  # fmt: skip
@@ -599,8 +611,8 @@ class TestOneFileTwoNames:
         seed_journal(path, tmp_path)
         other = tmp_path / "other.db"
         other.symlink_to(path)
-        roles = [("sync", str(path), "2", "0.002", "10"), ("async", str(other), "2", "0.002", "11"),
-                 ("pruner", str(other), "2", "0.05", "12"), ("reader", str(path), "2")]  # fmt: skip
+        roles = [("sync", str(path), "1.5", "0.002", "10"), ("async", str(other), "1.5", "0.002", "11"),
+                 ("pruner", str(other), "1.5", "0.05", "12"), ("reader", str(path), "1.5")]  # fmt: skip
         with processes(path, tmp_path, roles):
             pass
         records = read_sides(tmp_path)
