@@ -33,7 +33,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -426,7 +426,7 @@ def environ(path: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def processes(
-    path: Path, sides: Path, roles: list[tuple[str, ...]]
+    path: Path, sides: Path, roles: Sequence[tuple[str, ...]]
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start one process per role (``ROLE PATH SECONDS [ARG] [SEED]``); wait for all at the end."""
     children = []
@@ -574,7 +574,7 @@ class TestOperationsOnLiveRuns:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
 
-            def call(command: str) -> tuple[str, str | None, subprocess.CompletedProcess[str]]:
+            def call(command: str) -> tuple[str, str, subprocess.CompletedProcess[str]]:
                 live = journal.runs(machine=SPEC.name, status="active", limit=8)
                 run_id = random.choice(live).run_id if live else journal.runs(limit=1)[0].run_id
                 args = {"abort": ["abort", run_id, "--reason", "attack"], "fork": ["fork", run_id],
