@@ -182,15 +182,22 @@ class SqliteChecks(SqliteWrites):
         if self.path == ":memory:":
             return
         try:
-            mode = os.stat(self.path).st_mode
+            found = os.stat(self.path)
         except FileNotFoundError:
             if not Path(self.path).parent.is_dir():
                 raise JournalError("its directory does not exist", path=self.path) from None
             return
         except OSError as exc:
             raise JournalError(f"cannot be read: {exc.strerror}", path=self.path) from None
-        if stat.S_ISDIR(mode):
+        if stat.S_ISDIR(found.st_mode):
             raise JournalError("is a directory, not a journal file", path=self.path)
+        if found.st_nlink > 1:  # sqlite.org/howtocorrupt.html, 2.4 (a symlink is fine)
+            raise JournalError(
+                f"has {found.st_nlink} hard links: SQLite keeps a -wal and -shm file beside each"
+                " name, so writers under two names would not exclude each other and corrupt it;"
+                " keep one name (a symlink is fine); nothing was changed",
+                path=self.path,
+            )
         if not os.access(self.path, os.R_OK, effective_ids=True):
             raise JournalError("cannot be read: Permission denied", path=self.path)
 
@@ -203,8 +210,9 @@ class SqliteChecks(SqliteWrites):
         """
         if self.path == ":memory:" or not os.access(self.path, os.W_OK, effective_ids=True):
             return  # missing, or not writable: nothing to heal
+        real = os.path.realpath(self.path)  # SQLite keeps them beside a symlink's target
         for suffix in ("-wal", "-shm"):
-            side = self.path + suffix
+            side = real + suffix
             if os.path.exists(side) and not os.access(side, os.W_OK, effective_ids=True):
                 with contextlib.suppress(OSError):
                     if os.stat(side).st_uid == os.getuid():

@@ -181,7 +181,9 @@ class SqliteJournal(SqliteChecks, RoomlessReads):
         Called by the first write transaction (of a journal with ``checkpoint_thread``; never
         ``:memory:``, which has no WAL), so that a journal opened only to be read starts none.
         """
-        self._checkpointer = Checkpointer(self, self.path, size_limit=TUNING["journal_size_limit"])
+        # By the file's real path: SQLite keeps the WAL beside a symlink's target.
+        real = os.path.realpath(self.path)
+        self._checkpointer = Checkpointer(self, real, size_limit=TUNING["journal_size_limit"])
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
