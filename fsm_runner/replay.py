@@ -66,6 +66,7 @@ __all__ = [
     "StepKind",
     "check_journal",
     "journal_specs",
+    "read_run",
     "replay",
     "replay_run",
     "state_at",
@@ -278,7 +279,7 @@ def replay_run(journal: Journal, run_id: str, *, to_seq: int | None = None) -> R
         ReplayMismatchError: the run's journal does not replay through its spec.
         ValueError: ``to_seq`` is negative or beyond the run's last transition.
     """
-    timeline, run = _read_run(journal, run_id, to_seq=to_seq)
+    timeline, run = read_run(journal, run_id, to_seq=to_seq)
     specs = journal_specs(journal)
     return replay(
         specs(run.spec_hash), run, timeline, to_seq=to_seq, path=journal.location, specs=specs
@@ -342,7 +343,7 @@ def _check_run(
 ) -> str | tuple[str, str] | None:
     """The run's problem: a line, or (what, why) when it cannot be read; ``None`` if none."""
     try:
-        timeline, run = _read_run(journal, run_id, to_seq=None)
+        timeline, run = read_run(journal, run_id, to_seq=None)
     except RunNotFoundError:
         return None  # pruned since the ids were listed
     except FsmRunnerError as exc:  # an unreadable row: this run's problem, not the check's
@@ -387,7 +388,7 @@ def _stored_spec(journal: Journal, spec_hash: str) -> MachineSpec:
     return spec
 
 
-def _read_run(
+def read_run(
     journal: Journal, run_id: str, *, to_seq: int | None
 ) -> tuple[list[TransitionRecord], RunRecord]:
     """The run's transitions and then its row, consistent even while a writer advances it.

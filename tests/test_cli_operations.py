@@ -418,6 +418,36 @@ class TestReplay:
         assert data["run"]["state"] == "building"
         assert "seqs 0..4" in one_line_error(invoke("replay", run_id, "--to", "9"), EXIT_USAGE)
 
+    def test_a_run_a_writer_advances_meanwhile_still_matches(
+        self, invoke, journal_path, monkeypatch
+    ):
+        # Found under load (tests/test_prune_attacks.py): replay read the row, then the
+        # transitions; a step committed between the two was in the timeline, not in the row,
+        # and a sound live run was reported as a mismatch.
+        spec = MachineSpec(
+            "live",
+            [State(n, handler="next") for n in "abc"] + [State("done", terminal=True)],
+            [Transition(a, "NEXT", b) for a, b in zip("abc", ["b", "c", "done"], strict=True)],
+        )
+        writer = SqliteJournal(journal_path)
+        engine = Engine(spec, handlers={"next": lambda ctx: "NEXT"}, journal=writer)
+        run_id = engine.run(engine.start(), max_steps=1).run_id
+        read = SqliteJournal.transitions
+        steps = []
+
+        def transitions_after_a_step(journal, *args, **kwargs):
+            if not steps and journal is not writer:  # the CLI's first read: a step lands first
+                steps.append(engine.run(run_id, max_steps=1).seq)
+            return read(journal, *args, **kwargs)
+
+        monkeypatch.setattr(SqliteJournal, "transitions", transitions_after_a_step)
+        result = invoke("replay", run_id)
+        assert steps == [2]
+        assert result.exit_code == 0, result.output
+        assert f"replay of run {run_id} matches the journal: 3 transitions" in result.output
+        engine.close()
+        writer.close()
+
     def test_a_tampered_run_names_the_first_mismatch(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, None)
         tamper(

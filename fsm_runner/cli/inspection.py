@@ -173,16 +173,16 @@ def replay(
     transitions lead to. Prints the reconstructed timeline; on a mismatch, exits 1 naming
     the first one (seq, expected, found).
     """
-    from fsm_runner.replay import journal_specs
+    from fsm_runner.replay import journal_specs, read_run
     from fsm_runner.replay import replay as replay_through
 
     journal = state.journal()
-    run = journal.load(resolve_run_id(journal, run_id))
+    # Transitions, then the row: one a live writer advances meanwhile is read consistently.
+    timeline, run = read_run(journal, resolve_run_id(journal, run_id), to_seq=to_seq)
     if to_seq is not None and to_seq > run.seq:
         fail(f"--to: run {run.run_id} has seqs 0..{run.seq}", EXIT_USAGE)
     specs = journal_specs(journal)
     spec = load_spec(spec_path, "--spec") if spec_path is not None else specs(run.spec_hash)
-    timeline = journal.transitions(run.run_id, to_seq=to_seq)
     replayed = replay_through(
         spec,
         run,
