@@ -1,0 +1,499 @@
+"""The run inspector attacked as a hostile user would: run data, requests, journals, writers.
+
+Everything the inspector shows comes from apps: run ids and inputs, contexts, handler outputs
+and exception messages, artifact names and paths, effect names, even the state, event and
+machine names of a stored spec. Here all of it is hostile (``<script>``, attribute-breaking
+quotes, ``javascript:`` paths, ``</textarea>``, ``{{ 7*7 }}``, bidi controls, NUL, shell
+metacharacters), and a real `fsm-runner ui` process on a free loopback port serves it. Pages
+are parsed (``html.parser``): the only script is the inspector's own, no element carries an
+event handler, and each hostile string is there as text. Requests are real HTTP (urllib,
+``http.client``, raw sockets for what no client sends): traversals, bad numbers, odd methods
+and Host headers get a clean 4xx and the server keeps serving. A damaged spec, a transition
+whose result is not JSON and a multi-megabyte input are readable pages; a writer process
+committing runs meanwhile never makes a page fail. One test drives Debian's chromium: a live
+update appends hostile rows to an open page (``insertAdjacentHTML``) and no script runs.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import sqlite3
+import subprocess
+import sys
+from html.parser import HTMLParser
+from urllib.parse import quote, urljoin
+
+import pytest
+
+from fsm_runner import Engine, MachineSpec, PhaseResult, RunEvent, SqliteJournal, State, Transition
+from fsm_runner.records import ArtifactRecord
+from tests.helpers import NEXT, linear_spec
+from tests.ui_helpers import CHROMIUM, ROOT, Server, fetch
+
+#: Breaks out of an attribute, opens tags with handlers, and a script.
+ATTR = "\"'><img src=x onerror=alert(1)><script>alert(2)</script>"
+#: Closes what a payload might sit in, looks like a template, turns text around, holds a NUL.
+ODD = "</textarea></pre></title>{{ 7*7 }}{% raw %}\u202egnp.exe\u202c \x00 end"
+#: A run id that is a shell command once pasted, and ids that are paths.
+SHELL_ID = "x;touch pwn;#"
+PATH_IDS = ("../../static/style.css", "a/b", "..%2f..")
+#: Names in the stored spec itself: they reach the SVG diagram and the machine page.
+MACHINE = 'm"><svg onload=alert(3)>'
+STATE = "parsing</text><script>alert(4)</script>"
+EVENT = "DONE\"><foreignObject><iframe src='javascript:alert(5)'/>"
+#: Where the page answers with a server traceback (a run's own error traceback is data).
+SERVER_TRACE = ("Exception in ASGI", 'File "' + str(ROOT / "fsm_runner"), "site-packages")
+
+HOSTILE_SPEC = MachineSpec(
+    MACHINE,
+    states=[
+        State(STATE, handler="parse"),
+        State("parsed", terminal=True),
+        State("failed", terminal=True, outcome="failed"),
+    ],
+    transitions=[
+        Transition(STATE, EVENT, "parsed"),
+        Transition(STATE, RunEvent.SYSTEM_ERROR, "failed"),
+    ],
+)
+
+
+def _parse(ctx):
+    if ctx.input.get("fail"):
+        raise ValueError(ATTR + ODD)
+    return PhaseResult(
+        EVENT,
+        output={"out": ATTR},
+        context={"ctx": ATTR, "odd": ODD},
+        artifacts=[
+            ArtifactRecord(ATTR, kind=ATTR, content={"x": ATTR}, path="javascript:alert(6)"),
+            ArtifactRecord("reports/junit.xml", content={"tests": 3}),
+            ArtifactRecord("failed " + ATTR, status="failed", error=ATTR, path=ATTR),
+        ],
+    )
+
+
+class Page(HTMLParser):
+    """A page's elements (tag, attributes) and its text, as a browser's parser splits them."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+        self.parts: list[str] = []
+        self.feed(html)
+        self.close()
+        self.text = "".join(self.parts)
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs)))
+
+    def handle_startendtag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.parts.append(data)
+
+    def hrefs(self) -> list[str]:
+        return [a["href"] or "" for tag, a in self.elements if tag == "a" and "href" in a]
+
+
+def assert_inert(html: str, *, svgs: int | None = None) -> Page:
+    """Nothing from run data became markup: no script but ours, no handler, no foreign tag."""
+    page = Page(html)
+    scripts = [a for tag, a in page.elements if tag == "script"]
+    assert scripts in ([], [{"src": "/static/inspector.js", "defer": None}]), scripts
+    for tag, attrs in page.elements:
+        assert tag not in {"img", "iframe", "foreignobject", "textarea", "object", "embed"}, tag
+        handlers = [name for name in attrs if name.startswith("on")]
+        assert not handlers, (tag, attrs)
+        for name in ("href", "src", "action"):
+            assert not (attrs.get(name) or "").lower().startswith("javascript:"), (tag, attrs)
+    if svgs is not None:
+        assert sum(tag == "svg" for tag, _ in page.elements) == svgs
+    return page
+
+
+def assert_clean_error(answer, *statuses: int) -> None:
+    assert answer.status in statuses, (answer.status, answer.body[:300])
+    assert not any(word in answer.body for word in SERVER_TRACE), answer.body[:300]
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """A journal of hostile runs (and two damaged ones), served by one inspector."""
+    path = tmp_path_factory.mktemp("ui-attacks") / "journal.db"
+    ids = {}
+    with SqliteJournal(path) as journal:
+        engine = Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal)
+        ids["ok"] = engine.start({"doc": ATTR, "odd": ODD}, run_id="ok-" + ATTR)
+        engine.run(ids["ok"])
+        ids["failed"] = engine.start({"fail": True}, run_id="failed-run")
+        engine.run(ids["failed"])
+        ids["waiting"] = engine.start({"doc": ATTR}, run_id=SHELL_ID)
+        for n, run_id in enumerate(PATH_IDS):
+            ids[f"path{n}"] = engine.start({}, run_id=run_id)
+        ids["big"] = engine.start({"blob": "<b>" * 1_000_000}, run_id="big")
+        plain = Engine(linear_spec("a", name="damaged"), handlers={"a": lambda c: NEXT},
+                       journal=journal)  # fmt: skip
+        ids["bad_result"] = plain.start(run_id="bad-result")
+        plain.run(ids["bad_result"])
+        other = Engine(linear_spec("a", name="bad-spec"), handlers={"a": lambda c: NEXT},
+                       journal=journal)  # fmt: skip
+        ids["bad_spec"] = other.start(run_id="bad-spec")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE transitions SET result = '{not json' WHERE run_id = 'bad-result'")
+        db.execute("UPDATE specs SET json = '{\"name\": [' WHERE machine = 'bad-spec'")
+    server = Server(str(path))
+    yield server, path, ids
+    _, err = server.stop()
+    assert "OverflowError" not in err
+
+
+class TestInjection:
+    """Hostile strings in every field a page shows are text: nothing runs, the structure holds."""
+
+    def test_run_page(self, hostile):
+        server, _, ids = hostile
+        answer = server.get(f"/runs/{quote(ids['ok'], safe='')}")
+        assert answer.status == 200
+        page = assert_inert(answer.body, svgs=1)
+        for shown in (ids["ok"], MACHINE, STATE, "javascript:alert(6)", "reports/junit.xml"):
+            assert shown in page.text
+        assert json.dumps(ATTR)[1:-1] in page.text  # input and context, as JSON
+        assert "{{ 7*7 }}" in page.text
+        svg = answer.body[answer.body.index("<svg") : answer.body.index("</svg>")]
+        assert_inert(svg)
+        states = [a.get("data-state") for tag, a in Page(svg).elements if tag == "g"]
+        assert STATE in states
+        assert EVENT in [a.get("data-event") for tag, a in Page(svg).elements if tag == "g"]
+
+    def test_failed_run_error_and_traceback(self, hostile):
+        server, _, ids = hostile
+        answer = server.get(f"/runs/{ids['failed']}")
+        assert answer.status == 200
+        page = assert_inert(answer.body, svgs=1)
+        assert f"ValueError: {ATTR}" in page.text
+
+    def test_live_fragment(self, hostile):
+        server, _, ids = hostile
+        answer = server.get(f"/runs/{quote(ids['failed'], safe='')}/live?after=0")
+        update = json.loads(answer.body)
+        assert_inert(update["rows"])
+        assert_inert(update["diagram"], svgs=1)
+        assert ATTR in Page(update["rows"]).text
+
+    def test_runs_machine_and_check_pages(self, hostile):
+        server, _, ids = hostile
+        for path in ("/runs", f"/runs?machine={quote(MACHINE)}", f"/runs?q={quote(ids['ok'])}",
+                     f"/machines/{quote(MACHINE, safe='')}"):  # fmt: skip
+            answer = server.get(path)
+            assert answer.status == 200, path
+            page = assert_inert(answer.body)
+            assert MACHINE in page.text, path
+        filters = Page(server.get(f"/runs?q={quote(ids['ok'])}&state={quote(STATE)}").body)
+        values = {a.get("name"): a.get("value") for tag, a in filters.elements if tag == "input"}
+        assert (values["q"], values["state"]) == (ids["ok"], STATE)
+        assert_inert(server.get("/check").body)
+
+    def test_error_pages_echo_as_text(self, hostile):
+        server, _, _ = hostile
+        for path in (f"/runs/{quote(ATTR, safe='')}", f"/machines/{quote(ATTR, safe='')}",
+                     f"/runs/failed-run/artifacts/{quote(ATTR, safe='')}"):  # fmt: skip
+            answer = server.get(path)
+            assert_clean_error(answer, 404)
+            assert "<img src=x onerror=alert(1)><script>alert(2)</script>" in assert_inert(
+                answer.body
+            ).text
+
+    def test_artifact_download_is_json_not_html(self, hostile):
+        server, _, ids = hostile
+        page = Page(server.get(f"/runs/{quote(ids['ok'], safe='')}").body)
+        links = [h for h in page.hrefs() if "/artifacts/" in h]
+        assert len(links) == 2  # the failed one has no link
+        for link in links:
+            answer = server.get(urljoin(f"/runs/{quote(ids['ok'], safe='')}", link))
+            assert answer.status == 200, link
+            assert answer.headers["content-type"] == "application/json"
+            disposition = answer.headers["content-disposition"]
+            assert re.fullmatch(r'attachment; filename="[\w.-]+\.json"', disposition)
+        assert json.loads(answer.body) in ({"x": ATTR}, {"tests": 3})
+
+
+class TestLinksAndCommands:
+    """Run ids that are paths or shell code: links still lead to the run, commands stay words."""
+
+    def test_links_lead_to_their_run(self, hostile):
+        server, _, ids = hostile
+        for run_id in (*PATH_IDS, SHELL_ID, ids["ok"]):
+            listing = Page(server.get(f"/runs?q={quote(run_id)}").body)
+            links = [h for h in listing.hrefs() if h.startswith("/runs/")]
+            assert links, run_id
+            for link in links:
+                answer = server.get(urljoin(server.url + "/runs", link)[len(server.url) :])
+                assert answer.status == 200, (run_id, link)
+                assert run_id in Page(answer.body).text, (run_id, link)
+
+    def test_copied_commands_are_one_command_with_the_run_id(self, hostile, tmp_path):
+        server, path, ids = hostile
+        page = Page(server.get(f"/runs/{quote(SHELL_ID, safe='')}").body)
+        found = re.findall(r"fsm-runner --journal .*", page.text)
+        assert len(found) == 2  # fork and resume
+        for command in found:
+            # What a person does with the copy button: paste it into a shell.
+            script = f'fsm-runner() {{ printf "%s\\n" "$@"; }}\n{command}\n'
+            done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True,
+                                  text=True, timeout=10)  # fmt: skip
+            assert list(tmp_path.iterdir()) == [], f"{command!r} ran more than fsm-runner"
+            argv = done.stdout.splitlines()
+            assert argv[:2] == ["--journal", str(path)]
+            assert argv[3] == SHELL_ID[:12], command
+
+
+class TestRequests:
+    """Traversals, bad numbers, odd methods, long URLs, bad Host headers: a clean 4xx, still up."""
+
+    @pytest.mark.parametrize(
+        "path",
+        ["/static/../app.py", "/static/%2e%2e/app.py", "/static/..%2fapp.py",
+         "/static/%2e%2e%2f%2e%2e%2fpyproject.toml", "/static//etc/passwd", "/static/%00",
+         "/static/style.css%00.js", "/runs/%00", "/runs/..%2f..%2fetc%2fpasswd", "/runs/%ff",
+         "/runs/%ED%A0%80", "/machines/%00", "/runs/big/artifacts/..%2f..%2fx",
+         "/runs/big?from=abc", "/runs/big?from=1e3", "/runs/big?from=" + "9" * 5000,
+         "/runs/big/live?after=-" + "9" * 30, "/runs/big/live?after=" + "9" * 30,
+         "/runs/big?from=-" + "9" * 30, "/runs/big/live?after=%00", "/runs?parent=%00",
+         "/runs/" + "a" * 60_000],
+    )  # fmt: skip
+    def test_bad_paths_and_numbers(self, hostile, path):
+        server, _, _ = hostile
+        answer = server.get(path)
+        if answer.status != 200:  # a number out of range may show the nearest page instead
+            assert_clean_error(answer, 400, 404, 414)
+        assert server.get("/runs").status == 200
+
+    def test_static_files_are_served_and_nothing_else(self, hostile):
+        server, _, _ = hostile
+        assert server.get("/static/inspector.js").status == 200
+        assert_clean_error(server.get("/static/../ui/app.py"), 404)
+        assert_clean_error(server.get("/static/"), 404)
+
+    def test_unknown_params_are_ignored(self, hostile):
+        server, _, _ = hostile
+        answer = server.get("/runs?limit=-1&seq=abc&page=%ff&status=%ff&before=%00&q=%25")
+        assert answer.status == 200
+        assert_inert(answer.body)
+
+    @pytest.mark.parametrize("method", ["HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS",
+                                        "TRACE", "PROPFIND"])  # fmt: skip
+    def test_methods(self, hostile, method):
+        server, _, ids = hostile
+        for path in ("/runs", f"/runs/{ids['failed']}", f"/runs/{ids['failed']}/live",
+                     f"/runs/{ids['failed']}/abort", "/static/style.css", "/check"):  # fmt: skip
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.request(method, path, body=b"x=1" if method != "HEAD" else None)
+            answer = conn.getresponse()
+            body = answer.read().decode()
+            conn.close()
+            if method == "HEAD":
+                assert answer.status in (200, 404, 405), path
+                assert body == ""
+            else:
+                assert answer.status in (403, 405), (method, path, answer.status)
+                assert not any(word in body for word in SERVER_TRACE)
+        assert server.get("/runs").status == 200
+
+    @pytest.mark.parametrize(
+        "request_bytes",
+        [b"GET /runs HTTP/1.1\r\nHost: \r\n\r\n",
+         b"GET /runs HTTP/1.1\r\nHost: a b\r\n\r\n",
+         b"GET /runs HTTP/1.1\r\nHost: [::1\r\n\r\n",
+         b"GET /runs HTTP/1.1\r\nHost: x\x00y\r\n\r\n",
+         b"GET /runs HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil\r\n\r\n",
+         b"GET /runs HTTP/1.1\r\n\r\n",
+         b"GET /\x00 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+         b"GET /runs?" + b"a" * 200_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+         b"GARBAGE\r\n\r\n"],
+        ids=["empty-host", "space", "bad-ipv6", "nul", "two-hosts", "no-host", "nul-path",
+             "200k-url", "garbage"],
+    )  # fmt: skip
+    def test_malformed_requests(self, hostile, request_bytes):
+        server, _, _ = hostile
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(request_bytes)
+            sock.shutdown(socket.SHUT_WR)
+            answer = b""
+            try:
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            except ConnectionResetError:  # refused before it read all we sent
+                answer = b""
+        if answer:  # the server may also just close the connection
+            status = int(answer.split(b" ", 2)[1])
+            # A long query string of unknown parameters is ignored, like a short one.
+            assert 400 <= status < 500 or (status == 200 and len(request_bytes) > 1000), answer[:200]
+            assert b"Traceback" not in answer
+        assert server.get("/runs").status == 200
+
+    def test_foreign_host_header_is_refused(self, hostile):
+        """A page another site's DNS points at 127.0.0.1 (DNS rebinding) must not read runs."""
+        server, _, _ = hostile
+        for host, status in ((f"127.0.0.1:{server.port}", 200), (f"localhost:{server.port}", 200),
+                             ("evil.example", 400), (f"evil.example:{server.port}", 400),
+                             ("127.0.0.1.evil.example", 400)):  # fmt: skip
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.request("GET", "/runs", headers={"Host": host})
+            answer = conn.getresponse()
+            body = answer.read().decode()
+            conn.close()
+            assert answer.status == status, (host, answer.status)
+            if status != 200:
+                assert "failed-run" not in body
+
+
+class TestDamagedJournals:
+    """A damaged spec, a result that is not JSON, a huge input: a readable page, never a 500."""
+
+    def test_damaged_rows_are_a_readable_error(self, hostile):
+        server, _, ids = hostile
+        for run_id, says in ((ids["bad_spec"], "spec"), (ids["bad_result"], "JSON")):
+            for path in (f"/runs/{run_id}", f"/runs/{run_id}/live?after=-1"):
+                answer = server.get(path)
+                assert_clean_error(answer, 503)
+                assert says in answer.body, path
+            assert server.get("/runs").status == 200  # the rest of the journal still reads
+        assert_clean_error(server.get("/machines/bad-spec"), 503)
+        assert server.get("/machines/damaged").status == 200
+        check = server.get("/check")
+        assert check.status == 200
+        assert "bad-spec" in check.body
+
+    def test_a_huge_input_is_shown_truncated(self, hostile):
+        server, _, ids = hostile
+        answer = server.get(f"/runs/{ids['big']}")
+        assert answer.status == 200
+        assert len(answer.body) < 1_000_000, len(answer.body)  # its input is 3 MB
+        page = assert_inert(answer.body, svgs=1)
+        assert "characters more" in page.text
+        assert "fsm-runner show" in page.text
+
+
+WRITER = """
+import sys
+from fsm_runner import Engine, SqliteJournal
+from tests.helpers import linear_spec
+with SqliteJournal(sys.argv[1]) as journal:
+    engine = Engine(linear_spec("a", "b", "c"), journal=journal,
+                    handlers={p: (lambda ctx: "NEXT") for p in "abc"})
+    print("ready", flush=True)
+    for n in range(int(sys.argv[2])):
+        engine.run(engine.start({"n": n}))
+"""
+
+
+class TestReadingWhileWriting:
+    """Another process commits runs while the inspector reads: every page answers, consistent."""
+
+    def test_pages_during_writes(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            handlers = {p: (lambda ctx: NEXT) for p in "abc"}
+            Engine(linear_spec("a", "b", "c"), handlers=handlers, journal=journal).start()
+        server = Server(str(path))
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "400"], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert writer.stdout.readline() == "ready\n"
+            seen, reads = 0, 0
+            while writer.poll() is None or reads < 5:
+                reads += 1
+                listing = server.get("/runs?machine=linear")
+                assert listing.status == 200, listing.body[:300]
+                shown = re.findall(r'data-run-id="([^"]+)"', listing.body)
+                assert shown, "no runs listed"
+                newest = shown[0]
+                run = server.get(f"/runs/{newest}")
+                assert run.status == 200, run.body[:300]
+                seqs = [int(s) for s in re.findall(r'<tr class="transition[^"]*" data-seq="(\d+)"',
+                                                   run.body)]  # fmt: skip
+                assert seqs == list(range(len(seqs))), seqs  # gapless, as committed
+                live = json.loads(server.get(f"/runs/{newest}/live?after=0").body)
+                assert live["seq"] >= seqs[-1]
+                seen = max(seen, len(shown))
+                assert server.get("/machines/linear").status == 200
+            assert writer.wait(timeout=60) == 0
+            assert reads > 5
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+            writer.communicate()
+            _, err = server.stop()
+        assert "locked" not in err
+        assert "Traceback" not in err
+
+
+class TestExposure:
+    """Bound to loopback only; no request without --allow-actions changes the journal."""
+
+    def test_listens_on_loopback_only(self, hostile):
+        server, _, _ = hostile
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as lines:
+                for line in list(lines)[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    address, port = local.split(":")
+                    if state == "0A" and int(port, 16) == server.port:  # LISTEN
+                        listening.append(address)
+        assert listening == ["0100007F"]  # 127.0.0.1, and nothing on IPv6
+
+    def test_no_request_writes(self, hostile):
+        server, path, ids = hostile
+        before = "\n".join(sqlite3.connect(path).iterdump())
+        waiting = quote(ids["waiting"], safe="")
+        for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+            for route in ("abort", "fork", "live", "artifacts/x", ""):
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+                conn.request(method, f"/runs/{waiting}/{route}", body=b"reason=x&at=0",
+                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+                assert conn.getresponse().status < 500
+                conn.close()
+        assert "\n".join(sqlite3.connect(path).iterdump()) == before
+
+
+@pytest.mark.slow
+class TestInBrowser:
+    """In chromium: hostile rows a live update appends run no script and show as text."""
+
+    def test_live_rows_stay_text(self, tmp_path):
+        from playwright.sync_api import sync_playwright  # noqa: PLC0415
+
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            engine = Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal)
+            run_id = engine.start({"doc": ATTR}, run_id=SHELL_ID)
+        server = Server(str(path))
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=CHROMIUM)
+                page = browser.new_page()
+                dialogs: list[str] = []
+                page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+                page.goto(f"{server.url}/runs/{quote(run_id, safe='')}")
+                assert page.locator("#run").get_attribute("data-live") == "true"
+                with SqliteJournal(path) as journal:
+                    Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal).run(run_id)
+                page.wait_for_selector("#timeline-rows tr[data-seq='1']")
+                assert page.locator("#timeline-rows tr[data-seq='1'] td.event").inner_text() \
+                    == EVENT  # fmt: skip
+                page.wait_for_function("document.getElementById('run').dataset.ended === 'true'")
+                assert page.locator("#diagram svg.fsm g.node.current").get_attribute(
+                    "data-state"
+                ) == "parsed"
+                assert page.locator("img, iframe, foreignObject").count() == 0
+                assert page.evaluate("document.scripts.length") == 1
+                browser.close()
+            assert dialogs == [], "a script from run data ran in the page"
+        finally:
+            server.stop()
