@@ -198,7 +198,8 @@ def diagram(journal: Journal, run: RunRecord) -> str:
 
 def _commands(run: RunRecord, journal_location: str) -> dict[str, str]:
     option = f"--journal {shlex.quote(journal_location)} "
-    short = run.run_id[:12]
+    # Quoted: a run id is the app's text, and this line is pasted into a shell.
+    short = shlex.quote(run.run_id[:12])
     app = run.input.get("app") if isinstance(run.input, Mapping) else None
     commands = {"fork": f"fsm-runner {option}fork {short} --at {run.seq}"}
     if not run.ended:
