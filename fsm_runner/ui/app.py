@@ -161,13 +161,20 @@ def _fields(query: views.RunsQuery) -> dict[str, str]:
     return attrs.asdict(query)
 
 
+#: The range of a seq in the query string: what a 64-bit SQL integer holds.
+_SEQ_RANGE = range(-(2**63), 2**63)
+
+
 def _int(value: str | None, name: str) -> int | None:
     if value is None or value == "":
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise _PageError(400, "Bad request", f"{name} must be a whole number") from None
+    if number not in _SEQ_RANGE:  # the journal's SQL cannot bind it
+        raise _PageError(400, "Bad request", f"{name} is out of range")
+    return number
 
 
 async def _run(request: Request) -> Response:
