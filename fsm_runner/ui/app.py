@@ -3,7 +3,9 @@
 Read-mostly: every page reads the journal through :mod:`fsm_runner.ui.views`. The only writes
 are the two actions, ``abort`` and ``fork``, which exist only when the server was started with
 ``allow_actions=True``, answer only ``POST`` and only with the server's CSRF token (a secret
-made when the app is built, compared in constant time).
+made when the app is built, compared in constant time). On loopback, ``fsm-runner ui`` answers
+only requests whose Host header names this machine (:data:`LOOPBACK_HOSTS`): a foreign site
+that makes its own name resolve to 127.0.0.1 (DNS rebinding) is refused and reads nothing.
 
 Errors never reach the browser as a traceback: an unknown run is a 404 page, a journal that
 cannot be opened or read (missing, damaged, an unreachable server) a clear error page naming
@@ -18,7 +20,7 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ import click
 import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -41,12 +45,15 @@ from fsm_runner.journal import Journal
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.ui import views
 
-__all__ = ["Inspector", "create_app", "shown_location"]
+__all__ = ["LOOPBACK_HOSTS", "Inspector", "create_app", "shown_location"]
 
 _HERE = Path(__file__).parent
 _LOG = logging.getLogger("fsm_runner.ui")
 #: How often an active run's page asks for new transitions, in milliseconds.
 POLL_MS = 1000
+#: The Host headers a server on loopback answers (any port): a page of another site whose
+#: name it made resolve to 127.0.0.1 (DNS rebinding) sends its own name, and is refused.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 class _PageError(Exception):
@@ -320,12 +327,16 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     )
 
 
-def create_app(location: str, *, allow_actions: bool = False) -> Starlette:
+def create_app(
+    location: str, *, allow_actions: bool = False, hosts: Sequence[str] | None = None
+) -> Starlette:
     """The inspector's ASGI app over the journal at ``location`` (a path or a PostgreSQL URL).
 
     Args:
         location: the journal, as ``fsm-runner --journal`` takes it.
         allow_actions: serve the abort and fork forms (POST, with the CSRF token).
+        hosts: the only Host header names answered (others: 400); ``None``: any.
+            ``fsm-runner ui`` on loopback gives :data:`LOOPBACK_HOSTS` and its ``--host``.
 
     Returns:
         The Starlette app; its ``state.inspector`` holds the :class:`Inspector`.
@@ -357,6 +368,9 @@ def create_app(location: str, *, allow_actions: bool = False) -> Starlette:
         yield
         inspector.close_journal()
 
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts or ["*"]))]
+    app = Starlette(
+        routes=routes, exception_handlers=handlers, lifespan=lifespan, middleware=middleware
+    )
     app.state.inspector = inspector
     return app

@@ -109,12 +109,14 @@ def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_act
 
     import uvicorn  # noqa: PLC0415
 
-    from fsm_runner.ui.app import create_app, shown_location  # noqa: PLC0415
+    from fsm_runner.ui.app import LOOPBACK_HOSTS, create_app, shown_location  # noqa: PLC0415
 
-    app = create_app(location, allow_actions=allow_actions)
+    shown = f"[{host}]" if ":" in host else host
+    # On loopback, only this machine's names: another site's name is DNS rebinding.
+    hosts = [*LOOPBACK_HOSTS, shown.lower()] if is_loopback(host) else None
+    app = create_app(location, allow_actions=allow_actions, hosts=hosts)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/runs"
     click.echo(
         f"fsm-runner inspector on {url} (journal {shown_location(location)}"
