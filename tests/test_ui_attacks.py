@@ -204,9 +204,10 @@ class TestInjection:
                      f"/runs/failed-run/artifacts/{quote(ATTR, safe='')}"):  # fmt: skip
             answer = server.get(path)
             assert_clean_error(answer, 404)
-            assert "<img src=x onerror=alert(1)><script>alert(2)</script>" in assert_inert(
-                answer.body
-            ).text
+            assert (
+                "<img src=x onerror=alert(1)><script>alert(2)</script>"
+                in assert_inert(answer.body).text
+            )
 
     def test_artifact_download_is_json_not_html(self, hostile):
         server, _, ids = hostile
@@ -332,7 +333,9 @@ class TestRequests:
         if answer:  # the server may also just close the connection
             status = int(answer.split(b" ", 2)[1])
             # A long query string of unknown parameters is ignored, like a short one.
-            assert 400 <= status < 500 or (status == 200 and len(request_bytes) > 1000), answer[:200]
+            assert 400 <= status < 500 or (status == 200 and len(request_bytes) > 1000), answer[
+                :200
+            ]
             assert b"Traceback" not in answer
         assert server.get("/runs").status == 200
 
@@ -340,6 +343,7 @@ class TestRequests:
         """A page another site's DNS points at 127.0.0.1 (DNS rebinding) must not read runs."""
         server, _, _ = hostile
         for host, status in ((f"127.0.0.1:{server.port}", 200), (f"localhost:{server.port}", 200),
+                             (f"[::1]:{server.port}", 200), ("LOCALHOST", 200),
                              ("evil.example", 400), (f"evil.example:{server.port}", 400),
                              ("127.0.0.1.evil.example", 400)):  # fmt: skip
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
@@ -455,8 +459,12 @@ class TestExposure:
         for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
             for route in ("abort", "fork", "live", "artifacts/x", ""):
                 conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-                conn.request(method, f"/runs/{waiting}/{route}", body=b"reason=x&at=0",
-                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+                conn.request(
+                    method,
+                    f"/runs/{waiting}/{route}",
+                    body=b"reason=x&at=0",
+                    headers={"Content-Type": "application/x-www-form-urlencoded"},
+                )
                 assert conn.getresponse().status < 500
                 conn.close()
         assert "\n".join(sqlite3.connect(path).iterdump()) == before
@@ -488,9 +496,10 @@ class TestInBrowser:
                 assert page.locator("#timeline-rows tr[data-seq='1'] td.event").inner_text() \
                     == EVENT  # fmt: skip
                 page.wait_for_function("document.getElementById('run').dataset.ended === 'true'")
-                assert page.locator("#diagram svg.fsm g.node.current").get_attribute(
-                    "data-state"
-                ) == "parsed"
+                assert (
+                    page.locator("#diagram svg.fsm g.node.current").get_attribute("data-state")
+                    == "parsed"
+                )
                 assert page.locator("img, iframe, foreignObject").count() == 0
                 assert page.evaluate("document.scripts.length") == 1
                 browser.close()
