@@ -86,6 +86,9 @@ class Inspector:
             autoescape=True,
             undefined=jinja2.StrictUndefined,
         )
+        # A run id, machine or artifact name as one path segment: its "/" and ".." kept
+        # from making the link another page's (Jinja's urlencode leaves "/" as it is).
+        self.templates.filters["segment"] = lambda value: quote(str(value), safe="")
         self.templates.globals.update(
             allow_actions=allow_actions,
             csrf_token=self.csrf_token,
@@ -346,7 +349,7 @@ def create_app(
         Route("/", _home),
         Route("/runs", _runs),
         Route("/runs/{run_id:path}/live", _live),
-        Route("/runs/{run_id:path}/artifacts/{name}", _artifact),
+        Route("/runs/{run_id:path}/artifacts/{name:path}", _artifact),
         Route("/runs/{run_id:path}/abort", _abort, methods=["POST"]),
         Route("/runs/{run_id:path}/fork", _fork, methods=["POST"]),
         Route("/runs/{run_id:path}", _run),
