@@ -29,6 +29,7 @@ from fsm_runner.ui.svg import render_svg
 __all__ = [
     "EXACT_UP_TO",
     "RUNS_PAGE",
+    "SHOWN_CHARS",
     "STATUSES",
     "TIMELINE_PAGE",
     "RunsQuery",
@@ -48,6 +49,10 @@ RUNS_PAGE = 50
 TIMELINE_PAGE = 200
 #: Runs with fewer transitions are read whole for their diagram; longer ones as counted moves.
 EXACT_UP_TO = 1000
+#: The most of one payload (input, context, an error, a traceback) a page shows: a run's
+#: input may be megabytes (up to the engine's max_payload_bytes), and a browser given tens of
+#: megabytes of escaped text stalls; `fsm-runner show` prints it all.
+SHOWN_CHARS = 100_000
 #: The statuses the runs table filters on.
 STATUSES = ("active", "succeeded", "failed", "aborted", "dead_letter")
 
@@ -97,10 +102,18 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
     return {"runs": found, "query": query, "older": older, "newest": newest}
 
 
+def _clip(text: str) -> str:
+    """``text``, or its first :data:`SHOWN_CHARS` characters and how many more there are."""
+    if len(text) <= SHOWN_CHARS:
+        return text
+    more = len(text) - SHOWN_CHARS
+    return f"{text[:SHOWN_CHARS]}\n… {more} characters more (fsm-runner show prints them all)"
+
+
 def _error_text(error: Mapping[str, Any] | None) -> str:
     if not error:
         return ""
-    return f"{error.get('type')}: {error.get('message')}"
+    return _clip(f"{error.get('type')}: {error.get('message')}")
 
 
 def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
@@ -116,7 +129,7 @@ def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
             "attempt": t.attempt,
             "iteration": t.iteration,
             "error": _error_text(t.error),
-            "traceback": (t.error or {}).get("traceback") or "",
+            "traceback": _clip((t.error or {}).get("traceback") or ""),
             "output": json.dumps(t.output, ensure_ascii=False) if t.output is not None else "",
         }
         for t in timeline
@@ -240,8 +253,8 @@ def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str
         "artifacts": journal.artifacts(run.run_id),
         "commands": _commands(run, journal.location),
         "error": _error_text(run.error),
-        "input": json.dumps(run.input, ensure_ascii=False, indent=1),
-        "context": json.dumps(dict(run.context), ensure_ascii=False, indent=1),
+        "input": _clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
+        "context": _clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
     }
 
 
