@@ -16,6 +16,7 @@ update appends hostile rows to an open page (``insertAdjacentHTML``) and no scri
 
 from __future__ import annotations
 
+import html
 import http.client
 import json
 import re
@@ -31,7 +32,7 @@ import pytest
 from fsm_runner import Engine, MachineSpec, PhaseResult, RunEvent, SqliteJournal, State, Transition
 from fsm_runner.records import ArtifactRecord
 from tests.helpers import NEXT, linear_spec
-from tests.ui_helpers import CHROMIUM, ROOT, Server, fetch
+from tests.ui_helpers import CHROMIUM, ROOT, Server
 
 #: Breaks out of an attribute, opens tags with handlers, and a script.
 ATTR = "\"'><img src=x onerror=alert(1)><script>alert(2)</script>"
@@ -238,15 +239,15 @@ class TestLinksAndCommands:
                 assert run_id in Page(answer.body).text, (run_id, link)
 
     def test_copied_commands_are_one_command_with_the_run_id(self, hostile, tmp_path):
-        server, path, ids = hostile
-        page = Page(server.get(f"/runs/{quote(SHELL_ID, safe='')}").body)
-        found = re.findall(r"fsm-runner --journal .*", page.text)
+        server, path, _ = hostile
+        body = server.get(f"/runs/{quote(SHELL_ID, safe='')}").body
+        found = [html.unescape(c) for c in re.findall(r'<code id="cmd-\w+">(.*?)</code>', body)]
         assert len(found) == 2  # fork and resume
         for command in found:
             # What a person does with the copy button: paste it into a shell.
             script = f'fsm-runner() {{ printf "%s\\n" "$@"; }}\n{command}\n'
             done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True,
-                                  text=True, timeout=10)  # fmt: skip
+                                  text=True, timeout=10, check=True)  # fmt: skip
             assert list(tmp_path.iterdir()) == [], f"{command!r} ran more than fsm-runner"
             argv = done.stdout.splitlines()
             assert argv[:2] == ["--journal", str(path)]
@@ -405,11 +406,11 @@ class TestReadingWhileWriting:
             handlers = {p: (lambda ctx: NEXT) for p in "abc"}
             Engine(linear_spec("a", "b", "c"), handlers=handlers, journal=journal).start()
         server = Server(str(path))
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "400"], cwd=ROOT,
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "1000"], cwd=ROOT,
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert writer.stdout.readline() == "ready\n"
-            seen, reads = 0, 0
+            reads = 0
             while writer.poll() is None or reads < 5:
                 reads += 1
                 listing = server.get("/runs?machine=linear")
@@ -424,10 +425,11 @@ class TestReadingWhileWriting:
                 assert seqs == list(range(len(seqs))), seqs  # gapless, as committed
                 live = json.loads(server.get(f"/runs/{newest}/live?after=0").body)
                 assert live["seq"] >= seqs[-1]
-                seen = max(seen, len(shown))
                 assert server.get("/machines/linear").status == 200
             assert writer.wait(timeout=60) == 0
             assert reads > 5
+            final = server.get("/runs?machine=linear&status=succeeded").body
+            assert len(re.findall(r'data-run-id="([^"]+)"', final)) == 50  # a full page
         finally:
             if writer.poll() is None:
                 writer.kill()
@@ -475,7 +477,7 @@ class TestInBrowser:
     """In chromium: hostile rows a live update appends run no script and show as text."""
 
     def test_live_rows_stay_text(self, tmp_path):
-        from playwright.sync_api import sync_playwright  # noqa: PLC0415
+        from playwright.sync_api import sync_playwright
 
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal:
