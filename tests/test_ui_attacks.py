@@ -51,13 +51,14 @@ SERVER_TRACE = ("Exception in ASGI", 'File "' + str(ROOT / "fsm_runner"), "site-
 HOSTILE_SPEC = MachineSpec(
     MACHINE,
     states=[
-        State(STATE, handler="parse"),
+        State(STATE, handler="parse", allows=[ATTR], starts_iteration=True),
         State("parsed", terminal=True),
         State("failed", terminal=True, outcome="failed"),
     ],
     transitions=[
         Transition(STATE, EVENT, "parsed"),
         Transition(STATE, RunEvent.SYSTEM_ERROR, "failed"),
+        Transition(STATE, RunEvent.USER_ABORTED, "failed"),
     ],
 )
 
@@ -65,10 +66,19 @@ HOSTILE_SPEC = MachineSpec(
 def _parse(ctx):
     if ctx.input.get("fail"):
         raise ValueError(ATTR + ODD)
+    ctx.effect(ATTR, lambda params: {"x": params}, {"param": ATTR}, kind=ATTR)
     return PhaseResult(
         EVENT,
         output={"out": ATTR},
         context={"ctx": ATTR, "odd": ODD},
+        iteration={
+            "model": ATTR,
+            "agent_session_id": ATTR,
+            "error_message": ATTR,
+            "levels_run": [ATTR],
+            "tokens_total": 7,
+            "cost_usd": 0.5,
+        },
         artifacts=[
             ArtifactRecord(ATTR, kind=ATTR, content={"x": ATTR}, path="javascript:alert(6)"),
             ArtifactRecord("reports/junit.xml", content={"tests": 3}),
@@ -128,9 +138,12 @@ def hostile(tmp_path_factory):
     path = tmp_path_factory.mktemp("ui-attacks") / "journal.db"
     ids = {}
     with SqliteJournal(path) as journal:
-        engine = Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal)
+        engine = Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal,
+                        worker_id=ATTR)  # fmt: skip
         ids["ok"] = engine.start({"doc": ATTR, "odd": ODD}, run_id="ok-" + ATTR)
         engine.run(ids["ok"])
+        ids["child"] = engine.start({}, run_id="child-" + ATTR, parent_run_id=ids["ok"])
+        engine.abort(ids["child"], ATTR)
         ids["failed"] = engine.start({"fail": True}, run_id="failed-run")
         engine.run(ids["failed"])
         ids["waiting"] = engine.start({"doc": ATTR}, run_id=SHELL_ID)
@@ -161,10 +174,13 @@ class TestInjection:
         answer = server.get(f"/runs/{quote(ids['ok'], safe='')}")
         assert answer.status == 200
         page = assert_inert(answer.body, svgs=1)
-        for shown in (ids["ok"], MACHINE, STATE, "javascript:alert(6)", "reports/junit.xml"):
+        shown_too = ("javascript:alert(6)", "reports/junit.xml", ids["child"])
+        for shown in (ids["ok"], MACHINE, STATE, *shown_too):
             assert shown in page.text
         assert json.dumps(ATTR)[1:-1] in page.text  # input and context, as JSON
         assert "{{ 7*7 }}" in page.text
+        tables = {a.get("class") for tag, a in page.elements if tag == "table"}
+        assert {"iterations", "effects", "artifacts"} <= tables  # each holds ATTR as text
         svg = answer.body[answer.body.index("<svg") : answer.body.index("</svg>")]
         assert_inert(svg)
         states = [a.get("data-state") for tag, a in Page(svg).elements if tag == "g"]
@@ -229,7 +245,7 @@ class TestLinksAndCommands:
 
     def test_links_lead_to_their_run(self, hostile):
         server, _, ids = hostile
-        for run_id in (*PATH_IDS, SHELL_ID, ids["ok"]):
+        for run_id in (*PATH_IDS, SHELL_ID, ids["ok"], ids["child"]):
             listing = Page(server.get(f"/runs?q={quote(run_id)}").body)
             links = [h for h in listing.hrefs() if h.startswith("/runs/")]
             assert links, run_id
@@ -262,7 +278,7 @@ class TestRequests:
         ["/static/../app.py", "/static/%2e%2e/app.py", "/static/..%2fapp.py",
          "/static/%2e%2e%2f%2e%2e%2fpyproject.toml", "/static//etc/passwd", "/static/%00",
          "/static/style.css%00.js", "/runs/%00", "/runs/..%2f..%2fetc%2fpasswd", "/runs/%ff",
-         "/runs/%ED%A0%80", "/machines/%00", "/runs/big/artifacts/..%2f..%2fx",
+         "/runs/%ED%A0%80", "/runs/%C0%AE%C0%AE%C0%AF", "/static/%C0%AE%C0%AE%C0%AFapp.py", "/machines/%00", "/runs/big/artifacts/..%2f..%2fx",
          "/runs/big?from=abc", "/runs/big?from=1e3", "/runs/big?from=" + "9" * 5000,
          "/runs/big/live?after=-" + "9" * 30, "/runs/big/live?after=" + "9" * 30,
          "/runs/big?from=-" + "9" * 30, "/runs/big/live?after=%00", "/runs?parent=%00",
@@ -322,14 +338,14 @@ class TestRequests:
     )  # fmt: skip
     def test_malformed_requests(self, hostile, request_bytes):
         server, _, _ = hostile
+        answer = b""
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(request_bytes)
-            sock.shutdown(socket.SHUT_WR)
-            answer = b""
             try:
+                sock.sendall(request_bytes)
+                sock.shutdown(socket.SHUT_WR)
                 while chunk := sock.recv(65536):
                     answer += chunk
-            except ConnectionResetError:  # refused before it read all we sent
+            except OSError:  # reset or closed: refused before it read all we sent
                 answer = b""
         if answer:  # the server may also just close the connection
             status = int(answer.split(b" ", 2)[1])
