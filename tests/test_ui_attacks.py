@@ -226,6 +226,18 @@ class TestInjection:
                 in assert_inert(answer.body).text
             )
 
+    def test_pages_forbid_inline_scripts_and_framing(self, hostile):
+        """A second line behind escaping: a script that got in would not run, nor a frame."""
+        server, _, ids = hostile
+        for path in ("/runs", f"/runs/{ids['failed']}", "/runs/no-such-run", "/check"):
+            headers = server.get(path).headers
+            policy = dict(p.strip().split(" ", 1) for p in headers["content-security-policy"]
+                          .split(";"))  # fmt: skip
+            assert policy["script-src"] == "'self'", path  # no inline script, no eval
+            assert policy["frame-ancestors"] == "'none'", path  # no clickjacking of actions
+            assert policy["object-src"] == "'none'"
+            assert headers["x-content-type-options"] == "nosniff"
+
     def test_artifact_download_is_json_not_html(self, hostile):
         server, _, ids = hostile
         page = Page(server.get(f"/runs/{quote(ids['ok'], safe='')}").body)
@@ -488,39 +500,59 @@ class TestExposure:
         assert "\n".join(sqlite3.connect(path).iterdump()) == before
 
 
+#: Chromium on a run's page, in a process of its own (test_ui.py's Playwright may be running in
+#: this one, and a second sync Playwright cannot start beside it): says "live" once the page
+#: polls, then, told "go", waits for the run's last row and prints what the page shows.
+BROWSE = """
+import json, sys
+from playwright.sync_api import sync_playwright
+url, chromium = sys.argv[1:]
+with sync_playwright() as playwright:
+    browser = playwright.chromium.launch(executable_path=chromium)
+    page = browser.new_page()
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    page.goto(url)
+    print(page.locator("#run").get_attribute("data-live"), flush=True)
+    sys.stdin.readline()
+    page.wait_for_function("document.getElementById('run').dataset.ended === 'true'")
+    shown = {
+        "dialogs": dialogs,
+        "event": page.locator("#timeline-rows tr[data-seq='1'] td.event").inner_text(),
+        "current": page.locator("#diagram svg.fsm g.node.current").get_attribute("data-state"),
+        "foreign": page.locator("img, iframe, foreignObject").count(),
+        "scripts": page.evaluate("document.scripts.length"),
+    }
+    browser.close()
+print(json.dumps(shown), flush=True)
+"""
+
+
 @pytest.mark.slow
 class TestInBrowser:
     """In chromium: hostile rows a live update appends run no script and show as text."""
 
     def test_live_rows_stay_text(self, tmp_path):
-        from playwright.sync_api import sync_playwright
-
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal:
             engine = Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal)
             run_id = engine.start({"doc": ATTR}, run_id=SHELL_ID)
         server = Server(str(path))
+        url = f"{server.url}/runs/{quote(run_id, safe='')}"
+        browse = subprocess.Popen([sys.executable, "-c", BROWSE, url, CHROMIUM], cwd=ROOT,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
-            with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=CHROMIUM)
-                page = browser.new_page()
-                dialogs: list[str] = []
-                page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-                page.goto(f"{server.url}/runs/{quote(run_id, safe='')}")
-                assert page.locator("#run").get_attribute("data-live") == "true"
-                with SqliteJournal(path) as journal:
-                    Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal).run(run_id)
-                page.wait_for_selector("#timeline-rows tr[data-seq='1']")
-                assert page.locator("#timeline-rows tr[data-seq='1'] td.event").inner_text() \
-                    == EVENT  # fmt: skip
-                page.wait_for_function("document.getElementById('run').dataset.ended === 'true'")
-                assert (
-                    page.locator("#diagram svg.fsm g.node.current").get_attribute("data-state")
-                    == "parsed"
-                )
-                assert page.locator("img, iframe, foreignObject").count() == 0
-                assert page.evaluate("document.scripts.length") == 1
-                browser.close()
-            assert dialogs == [], "a script from run data ran in the page"
+            assert browse.stdout.readline() == "true\n"  # the page polls for updates
+            with SqliteJournal(path) as journal:
+                Engine(HOSTILE_SPEC, handlers={"parse": _parse}, journal=journal).run(run_id)
+            out, _ = browse.communicate("go\n", timeout=60)
+            shown = json.loads(out)
         finally:
+            if browse.poll() is None:
+                browse.kill()
+                browse.communicate()
             server.stop()
+        assert shown["dialogs"] == [], "a script from run data ran in the page"
+        assert shown["event"] == EVENT  # the appended row shows it as text
+        assert shown["current"] == "parsed"  # the redrawn diagram
+        assert (shown["foreign"], shown["scripts"]) == (0, 1)
