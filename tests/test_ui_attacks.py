@@ -515,13 +515,13 @@ with sync_playwright() as playwright:
     page.goto(url)
     print(page.locator("#run").get_attribute("data-live"), flush=True)
     sys.stdin.readline()
-    page.wait_for_function("document.getElementById('run').dataset.ended === 'true'")
+    page.locator("#run[data-ended='true']").wait_for()  # no wait_for_function: CSP, no eval
     shown = {
         "dialogs": dialogs,
         "event": page.locator("#timeline-rows tr[data-seq='1'] td.event").inner_text(),
         "current": page.locator("#diagram svg.fsm g.node.current").get_attribute("data-state"),
         "foreign": page.locator("img, iframe, foreignObject").count(),
-        "scripts": page.evaluate("document.scripts.length"),
+        "scripts": page.locator("script").count(),
     }
     browser.close()
 print(json.dumps(shown), flush=True)
