@@ -54,6 +54,17 @@ POLL_MS = 1000
 #: The Host headers a server on loopback answers (any port): a page of another site whose
 #: name it made resolve to 127.0.0.1 (DNS rebinding) sends its own name, and is refused.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+#: Sent with every page, behind the escaping: no inline script or eval (the page's own script
+#: is /static/inspector.js), no plugin, and no other site may frame a page (and so trick a
+#: click on Abort or Fork); styles inline, as the SVG diagram carries its own.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline';"
+        " img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self';"
+        " frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+}
 
 
 class _PageError(Exception):
@@ -127,7 +138,7 @@ class Inspector:
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         """Render ``template`` with ``context``."""
         html = self.templates.get_template(template).render(**context)
-        return HTMLResponse(html, status_code=status)
+        return HTMLResponse(html, status_code=status, headers=_PAGE_HEADERS)
 
     def check_csrf(self, form: Mapping[str, list[str]]) -> None:
         """Refuse a form without this server's CSRF token (403)."""
