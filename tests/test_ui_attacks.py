@@ -127,6 +127,10 @@ def assert_inert(html: str, *, svgs: int | None = None) -> Page:
     return page
 
 
+SURROGATES_SQL = """UPDATE run_rows SET input = '{"x": "\\ud800"}', context = '{"y": "\\udbff"}',
+    error = '{"type": "E\\ud800", "message": "m", "traceback": "t\\udc00"}' WHERE run_id = ?"""
+
+
 def assert_clean_error(answer, *statuses: int) -> None:
     assert answer.status in statuses, (answer.status, answer.body[:300])
     assert not any(word in answer.body for word in SERVER_TRACE), answer.body[:300]
@@ -154,12 +158,26 @@ def hostile(tmp_path_factory):
                        journal=journal)  # fmt: skip
         ids["bad_result"] = plain.start(run_id="bad-result")
         plain.run(ids["bad_result"])
+        ids["surrogates"] = plain.start(run_id="surrogates")
+        plain.run(ids["surrogates"])
         other = Engine(linear_spec("a", name="bad-spec"), handlers={"a": lambda c: NEXT},
                        journal=journal)  # fmt: skip
         ids["bad_spec"] = other.start(run_id="bad-spec")
     with sqlite3.connect(path) as db:
         db.execute("UPDATE transitions SET result = '{not json' WHERE run_id = 'bad-result'")
         db.execute("UPDATE specs SET json = '{\"name\": [' WHERE machine = 'bad-spec'")
+        # What another writer may leave (the engine refuses it): lone surrogates, as JSON
+        # escapes, in the input, the run's error, a transition's error and an artifact.
+        db.execute(SURROGATES_SQL, ("surrogates",))
+        db.execute(
+            "UPDATE transitions SET result = ? WHERE run_id = 'surrogates' AND seq = 1",
+            ('{"error": {"type": "E\\ud800", "message": "m\\udfff"}}',),
+        )
+        db.execute(
+            "INSERT INTO artifacts (run_id, name, kind, seq, status, content, created_at)"
+            " SELECT run_id, 'lone', 'artifact', 1, 'stored', '{\"x\": \"\\udc00\"}', at"
+            " FROM transitions WHERE run_id = 'surrogates' AND seq = 1"
+        )
     server = Server(str(path))
     yield server, path, ids
     _, err = server.stop()
@@ -401,6 +419,20 @@ class TestDamagedJournals:
         check = server.get("/check")
         assert check.status == 200
         assert "bad-spec" in check.body
+
+    def test_lone_surrogates_are_shown_escaped(self, hostile):
+        server, _, ids = hostile
+        answer = server.get(f"/runs/{ids['surrogates']}")
+        assert answer.status == 200, answer.body[:300]
+        page = assert_inert(answer.body, svgs=1)
+        for escaped in ("\\ud800", "\\udbff", "E\\ud800", "m\\udfff"):
+            assert escaped in page.text, escaped
+        live = server.get(f"/runs/{ids['surrogates']}/live?after=-1")
+        assert live.status == 200
+        assert "m\\udfff" in Page(json.loads(live.body)["rows"]).text
+        artifact = server.get(f"/runs/{ids['surrogates']}/artifacts/lone")
+        assert artifact.status == 200
+        assert json.loads(artifact.body) == {"x": "\udc00"}  # still the same JSON
 
     def test_a_huge_input_is_shown_truncated(self, hostile):
         server, _, ids = hostile
