@@ -67,6 +67,24 @@ _PAGE_HEADERS = {
 }
 
 
+def _utf8(text: str) -> bytes:
+    r"""``text`` as UTF-8, a lone surrogate as its escape ``\udXXX``.
+
+    The engine refuses lone surrogates, but JSON allows ``"\ud800"`` and another writer (an
+    older version, a hand-edited row) may leave one in the journal: UTF-8 cannot carry it,
+    and the page would be a 500. Escaped it shows as what it is, and inside a JSON string
+    (the live update, an artifact) the escape is the same JSON.
+    """
+    return text.encode("utf-8", "backslashreplace")
+
+
+class _Json(JSONResponse):
+    """A JSON response whose lone surrogates are escaped (see :func:`_utf8`)."""
+
+    def render(self, content: Any) -> bytes:
+        return _utf8(json.dumps(content, ensure_ascii=False, separators=(",", ":")))
+
+
 class _PageError(Exception):
     """An error page: its HTTP status, a title and a one-line detail."""
 
@@ -138,7 +156,7 @@ class Inspector:
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         """Render ``template`` with ``context``."""
         html = self.templates.get_template(template).render(**context)
-        return HTMLResponse(html, status_code=status, headers=_PAGE_HEADERS)
+        return HTMLResponse(_utf8(html), status_code=status, headers=_PAGE_HEADERS)
 
     def check_csrf(self, form: Mapping[str, list[str]]) -> None:
         """Refuse a form without this server's CSRF token (403)."""
@@ -216,7 +234,7 @@ async def _live(request: Request) -> Response:
         update = views.live_update(journal, request.path_params["run_id"], after)
     run = update["run"]
     rows = inspector.templates.get_template("timeline_rows.html").render(rows=update["rows"])
-    return JSONResponse(
+    return _Json(
         {
             "seq": run.seq,
             "state": run.state,
@@ -241,7 +259,7 @@ async def _artifact(request: Request) -> Response:
     body = json.dumps(artifact.content, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     filename = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "artifact"
     return Response(
-        body,
+        _utf8(body),
         media_type="application/json",
         headers={"Content-Disposition": f'attachment; filename="{filename}.json"'},
     )
@@ -304,7 +322,7 @@ async def _fork(request: Request) -> Response:
 def _error_page(request: Request, status: int, title: str, detail: str) -> Response:
     inspector = _inspector(request)
     if request.url.path.endswith("/live"):
-        return JSONResponse({"error": title, "detail": detail}, status_code=status)
+        return _Json({"error": title, "detail": detail}, status_code=status)
     return inspector.page("error.html", status=status, title=title, detail=detail)
 
 
