@@ -50,8 +50,9 @@ class _Forkable(Protocol):
 _registered: weakref.WeakSet[Any] = weakref.WeakSet()
 #: The parent's connections, locks and loops, held by the child so that it never closes them.
 _kept: list[object] = []
-#: What lets go, in the parent, of what ``_before_fork`` took (between before and after).
-_releases: list[Callable[[], None]] = []
+#: What lets go, in the parent, of what ``_before_fork`` took: the forking thread's own (two
+#: threads that fork at once each let go of what they took).
+_forking = threading.local()
 
 
 class LockedAcrossFork:
@@ -85,6 +86,7 @@ def keep(obj: object) -> None:
 
 
 def _before() -> None:
+    _forking.releases = releases = []
     for obj in list(_registered):
         hold = getattr(obj, "_before_fork", None)
         if hold is None:
@@ -95,16 +97,17 @@ def _before() -> None:
             _log.exception("before a fork: %r could not be held still", obj)
             continue
         if release is not None:
-            _releases.append(release)
+            releases.append(release)
 
 
 def _in_parent() -> None:
-    while _releases:
-        _releases.pop()()
+    releases: list[Callable[[], None]] = getattr(_forking, "releases", [])
+    while releases:
+        releases.pop()()
 
 
 def _in_child() -> None:
-    _releases.clear()  # the child's objects get new locks instead
+    _forking.releases = []  # the child's objects get new locks instead
     for obj in list(_registered):
         try:
             obj._after_fork()

@@ -280,3 +280,31 @@ def test_a_paused_checkpoint_thread_copies_nothing_until_let_go(tmp_path: Path) 
     assert path.stat().st_size > size  # copied once let go
     engine.close()
     journal.close()
+
+
+def test_two_threads_forking_at_once_each_let_go_of_what_they_held(tmp_path: Path) -> None:
+    journal = SqliteJournal(tmp_path / "j.db")
+    engine = engine_on(journal)
+    engine.run(engine.start())
+    codes: list[int] = []
+
+    def child() -> int:
+        return 0 if engine.run(engine.start()).state == "done" else 3
+
+    def fork_some() -> None:
+        codes.extend(in_child(child) for _ in range(5))
+
+    forkers = [threading.Thread(target=fork_some) for _ in range(2)]
+    for forker in forkers:
+        forker.start()
+    for forker in forkers:
+        forker.join()
+    assert codes == [0] * 10
+    # Every lock the forks held is let go: another thread can use the journal at once.
+    other = threading.Thread(target=lambda: engine.run(engine.start()))
+    other.start()
+    other.join(10)
+    assert not other.is_alive()
+    assert len(journal.runs()) == 12
+    engine.close()
+    journal.close()
