@@ -44,6 +44,7 @@ class Admin:
     """A connection of the test's own that ends the journal's backend (thread-safe)."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.conn = psycopg.connect(url, autocommit=True, connect_timeout=5)
         self.lock = threading.Lock()
         self.kills = 0
@@ -53,7 +54,12 @@ class Admin:
         if pid is None:
             return False
         with self.lock:
-            row = self.conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+            if self.conn.broken or self.conn.closed:  # the server restarted (another suite's test)
+                self.conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+            try:
+                row = self.conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+            except psycopg.OperationalError:
+                return False
         ended = bool(row and row[0])
         self.kills += ended
         return ended
@@ -136,7 +142,11 @@ def drive_sessions(journal, admin: Admin, *, use_async: bool) -> int:
         sessions += 1
         calls = Calls()
         engine = Engine(
-            SPEC, handlers=calls.handlers(use_async=use_async), journal=journal, lease_ttl=60
+            SPEC,
+            handlers=calls.handlers(use_async=use_async),
+            journal=journal,
+            lease_ttl=60,
+            heartbeat_interval=0.01,
         )
         stop = threading.Event()
         thread = random_kills(journal, admin, stop)
@@ -355,6 +365,79 @@ class TestKilledAfterTheCommit:
             assert journal.load(run.run_id) == run
             assert [t.seq for t in journal.transitions(run.run_id)] == list(range(4))
         assert journal.integrity_problems() == []
+
+
+class TestKilledInsideAPipeline:
+    """``executemany`` pipelines its statements: the backend ends while their results are read."""
+
+    def test_start_many_goes_on(self, postgres_journal, killer):
+        """Found by the random kills: the first such kill left psycopg's connection in pipeline
+        mode, neither closed nor broken, and the journal took it for a sound connection that
+        failed: ``JournalError`` at once, and every later call on it failed too."""
+        journal = postgres_journal
+        engine = Engine(SPEC, handlers=Calls().handlers(), journal=journal)
+        rng = random.Random(5)
+        connect = journal._connect
+        armed = []
+
+        class Cursor:  # ends the backend a moment after executemany begins
+            def __init__(self, cursor: Any, pid: int) -> None:
+                self.cursor, self.pid = cursor, pid
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.cursor, name)
+
+            def __enter__(self) -> Cursor:
+                return self
+
+            def __exit__(self, *exc_info: object) -> None:
+                self.cursor.close()
+
+            def executemany(self, *args: Any, **kwargs: Any) -> None:
+                if armed:
+                    armed.clear()
+                    timer = threading.Timer(rng.uniform(0, 0.002), killer.kill, (self.pid,))
+                    timer.start()
+                self.cursor.executemany(*args, **kwargs)
+
+        class Conn:
+            def __init__(self, conn: Any) -> None:
+                self.conn = conn
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.conn, name)
+
+            def cursor(self, *args: Any, **kwargs: Any) -> Cursor:
+                return Cursor(self.conn.cursor(*args, **kwargs), self.conn.info.backend_pid)
+
+        def wrapped(*, timeout: float | None = None) -> Any:
+            journal._conn = Conn(connect(timeout=timeout))  # type: ignore[assignment]
+            return journal._conn
+
+        journal._connect = wrapped  # type: ignore[method-assign]
+        journal._disconnect()
+        batches = []
+        for _ in range(40):
+            armed.append(True)
+            batches.append(engine.start_many([{"n": n} for n in range(20)], claim=True))
+        engine.close()
+        assert killer.kills >= 20
+        stored = {run.run_id for run in journal.runs()}
+        assert stored == {run_id for batch in batches for run_id in batch}
+        assert check_journal(journal) == []
+
+    def test_a_connection_left_in_pipeline_mode_is_replaced(self, postgres_journal):
+        """The state such a kill leaves, made on the real connection: pipeline mode with a
+        query whose result was never read. It is not closed nor broken, yet no statement can
+        run on it: the journal must take it as lost, not fail on it forever."""
+        journal = postgres_journal
+        pid = journal.backend_pid
+        conn = journal._conn
+        assert conn is not None
+        conn.pgconn.enter_pipeline_mode()
+        conn.pgconn.send_query_params(b"SELECT 1", None)
+        assert journal.meta()["format"] == "fsm_runner journal"
+        assert journal.backend_pid not in (None, pid)
 
 
 class TestRefusedConnections:
