@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import attrs
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg import sql
+from psycopg import pq, sql
 
 from fsm_runner import _fork
 from fsm_runner.events import USER_ABORTED
@@ -328,6 +328,11 @@ class PostgresWrites(SqlJournal):
         """A lost connection (or a failed reconnect), a deadlock or a serialization failure."""
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
+            return True
+        if conn.pgconn.pipeline_status != pq.PipelineStatus.OFF:
+            # Cut off inside a pipeline (``executemany``): psycopg could not leave pipeline mode
+            # and did not mark the connection broken, yet no statement can run on it again.
+            self._disconnect()
             return True
         return isinstance(exc, pg_errors.TransactionRollback)
 
