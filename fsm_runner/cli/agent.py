@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from fsm_runner.cli.apps import driving, interrupted_run
-from fsm_runner.cli.errors import exit_if_failed
+from fsm_runner.cli.errors import FiniteFloatRange, exit_if_failed
 from fsm_runner.cli.journals import DEFAULT_JOURNAL, ENV_JOURNAL, CliState
 from fsm_runner.cli.output import echo_transition, run_standing
 from fsm_runner.cli.report import print_iterations
@@ -98,7 +98,7 @@ def demo(state: CliState) -> None:
 @click.option("--max-iterations", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=0, min_open=True),
     metavar="S",
     help="Wall-clock limit of the whole run in seconds (each agent run gets at most this too).",
 )

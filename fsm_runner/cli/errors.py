@@ -5,6 +5,7 @@ The CLI is the only place where errors become exit codes (see the ``EXIT_*`` con
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -92,6 +93,17 @@ def _exit_code(exc: Exception) -> int:
     return EXIT_FAILURE
 
 
+class FiniteFloatRange(click.FloatRange):
+    """A ``FloatRange`` that also refuses NaN (it passes every range check) and infinity."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The number, in range and finite; else click's usage error naming the option."""
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 class _MapsErrors(click.Command):
     """Turns library errors into one-line messages and their exit codes."""
 
@@ -102,6 +114,11 @@ class _MapsErrors(click.Command):
             return super().invoke(ctx)
         except FsmRunnerError as exc:
             raise _ERRORS[_exit_code(exc)](str(exc)) from None
+        except UnicodeEncodeError as exc:
+            # Bytes of argv that are not UTF-8 arrive as lone surrogates (surrogateescape); the
+            # journal cannot store or look up such text.
+            text = exc.object if isinstance(exc.object, str) else repr(exc.object)
+            raise _UsageError(f"{text!r} is not valid UTF-8 text") from None
 
 
 class ExitCodeCommand(_MapsErrors):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fsm_runner.cli.apps import load_spec
-from fsm_runner.cli.errors import EXIT_USAGE, exit_if_failed, fail
+from fsm_runner.cli.errors import EXIT_USAGE, FiniteFloatRange, exit_if_failed, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import (
     echo_transition,
@@ -107,7 +107,7 @@ def runs(
 @click.argument("run_id", metavar="RUN")
 @click.option(
     "--interval",
-    type=click.FloatRange(min=0.01),
+    type=FiniteFloatRange(min=0.01),
     default=0.5,
     show_default=True,
     metavar="S",

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from fsm_runner.cli.errors import EXIT_FAILURE, fail
+from fsm_runner.cli.errors import EXIT_FAILURE, FiniteFloatRange, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import json_dump, plural
 from fsm_runner.cli.report import artifact_summary
@@ -47,7 +47,8 @@ def check(state: CliState, as_json: bool) -> None:
 @click.option(
     "--older-than",
     "days",
-    type=click.FloatRange(min=0),
+    # At most a thousand years: further back is no date (and NaN and infinity are none).
+    type=FiniteFloatRange(min=0, max=365_000),
     required=True,
     metavar="DAYS",
     help="Prune runs that ended (were last updated) more than this many days ago.",

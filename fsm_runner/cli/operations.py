@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from fsm_runner.cli.apps import driving, interrupted_run, load_app
-from fsm_runner.cli.errors import EXIT_USAGE, exit_if_failed, fail
+from fsm_runner.cli.errors import EXIT_USAGE, FiniteFloatRange, exit_if_failed, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import echo_transition, json_dump, run_standing, styled_status
 
@@ -93,7 +93,7 @@ def recover(state: CliState, app: str, limit: int | None) -> None:
 @click.option("--exit-when-idle", is_flag=True, help="Stop when no run is runnable.")
 @click.option(
     "--idle-wait",
-    type=click.FloatRange(min=0.01),
+    type=FiniteFloatRange(min=0.01),
     default=0.5,
     show_default=True,
     metavar="S",
