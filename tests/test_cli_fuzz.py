@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fsm_runner import SqliteJournal
 from fsm_runner.cli import (
@@ -59,6 +61,8 @@ HOSTILE_IDS = [
     "\\",
     "*",
     "a\nb",
+    "\x00",
+    "a\x00b",
     "\r\n",
     "a\tb",
     "é",
@@ -315,6 +319,14 @@ class TestFoundByFuzzing:
         assert result.exit_code == EXIT_USAGE
         assert "UTF-8" in result.stderr
 
+    @pytest.mark.parametrize(
+        "argv", [["export", "g", "\x00"], ["diagram", SPEC, "-o", "a\x00b"], ["show", "\x00"]]
+    )
+    def test_a_nul_in_an_argument_is_one_line(self, fuzz, argv):
+        result = fuzz(*argv)
+        assert result.exit_code == EXIT_USAGE
+        assert "NUL" in result.stderr
+
 
 class TestFuzz:
     """Seeded hostile command lines against a journal with runs of every kind."""
@@ -409,6 +421,53 @@ def hostile_journals(tmp_path: Path, world: dict) -> list[str]:
         "postgres://%zz@host/db",
         "mysql://x@y/z",
     ]
+
+
+# Command lines with one slot: TEXT is any text, NUMBER any number (or text) as an argument.
+SLOTTED = [
+    ["show", "TEXT"],
+    ["replay", "TEXT", "--to", "NUMBER"],
+    ["fork", "TEXT", "--at", "NUMBER"],
+    ["abort", "TEXT", "--reason", "TEXT"],
+    ["resume", "TEXT", "--app", APP, "--max-steps", "NUMBER"],
+    ["watch", "TEXT", "--interval", "NUMBER"],
+    ["diagram", "--run", "TEXT"],
+    ["export", "TEXT", "TEXT"],
+    ["runs", "--parent", "TEXT", "--state", "TEXT", "--limit", "NUMBER"],
+    ["prune", "--older-than", "NUMBER", "--dry-run"],
+    ["recover", "--app", APP, "--limit", "NUMBER"],
+    ["worker", "--app", APP, "--exit-when-idle", "--idle-wait", "NUMBER"],
+]
+any_number = st.one_of(
+    st.integers(min_value=-(2**80), max_value=2**80).map(str),
+    st.floats().map(str),
+    st.text(max_size=8),
+)
+
+
+class TestHypothesis:
+    """Any text and any number in every slot, drawn by Hypothesis (derandomized: a fixed seed)."""
+
+    @settings(
+        max_examples=120,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(data=st.data(), line=st.sampled_from(SLOTTED))
+    def test_any_text_and_number_in_every_slot(self, fuzz, world, data, line):
+        argv = [
+            data.draw(st.text(st.characters(exclude_categories=()), max_size=40))
+            if arg == "TEXT"
+            else data.draw(any_number)
+            if arg == "NUMBER"
+            else arg
+            for arg in line
+        ]
+        if argv[0] == "watch" and (live(world, argv[1]) or argv[1].startswith("-")):
+            argv[0] = "show"  # watch follows a live run until it ends
+            del argv[2:]
+        fuzz(*argv)
 
 
 class TestHostileJournals:
