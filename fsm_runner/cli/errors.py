@@ -107,6 +107,13 @@ class FiniteFloatRange(click.FloatRange):
 class _MapsErrors(click.Command):
     """Turns library errors into one-line messages and their exit codes."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Refuse a NUL in an argument (no path, id or name holds one; ``os`` raises on it)."""
+        for arg in args:
+            if "\x00" in arg:
+                raise _UsageError(f"{arg!r} holds a NUL character")
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         from fsm_runner.exceptions import FsmRunnerError
 
