@@ -490,6 +490,12 @@ class TestHostileJournals:
                 ["recover", "--app", APP],
                 ["worker", "--app", APP, "--exit-when-idle"],
                 ["diagram", "--run", run],
+                ["demo", "extra"],
+                *(
+                    [["demo"]]
+                    if journal.endswith(("adir", "text.db", "foreign.db", "newer.db"))
+                    else []
+                ),
             ):
                 result = fuzz(*argv, journal=journal)
                 if journal and not journal.endswith("readonly.db"):  # "" is ./fsm-runner.db
@@ -515,6 +521,8 @@ class TestRealProcess:
             ["resume", world["leased"], "--app", APP],
             ["--journal", "postgresql://user@127.0.0.1:1/db", "runs"],
             ["--journal", str(tmp_path / "text.db"), "runs"],
+            [b"show", b"\xff\xfe"],  # bytes that are not UTF-8, as a shell passes them
+            [b"runs", b"--parent", b"ab\xff"],
         ]
         (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('boom')\n")
         (tmp_path / "text.db").write_text("hello\n")
@@ -522,7 +530,12 @@ class TestRealProcess:
         env = {**os.environ, "FSM_RUNNER_JOURNAL": str(journal_path), "NO_COLOR": "1"}
         for argv in cases:
             done = subprocess.run(
-                [exe, *argv], capture_output=True, text=True, env=env, cwd=tmp_path, check=False
+                [exe.encode() if isinstance(argv[0], bytes) else exe, *argv],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=tmp_path,
+                check=False,
             )
             where = f"argv={argv!r}\nstderr={done.stderr!r}"
             assert "Traceback" not in done.stderr, where
