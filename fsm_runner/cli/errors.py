@@ -5,6 +5,7 @@ The CLI is the only place where errors become exit codes (see the ``EXIT_*`` con
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -124,7 +125,11 @@ class _MapsErrors(click.Command):
         except UnicodeEncodeError as exc:
             # Bytes of argv that are not UTF-8 arrive as lone surrogates (surrogateescape); the
             # journal cannot store or look up such text.
-            text = exc.object if isinstance(exc.object, str) else repr(exc.object)
+            text: object = exc.object
+            # The bytes as given; a lone surrogate no byte decodes to (only a caller in-process
+            # passes one) is shown as it is.
+            with contextlib.suppress(UnicodeEncodeError):
+                text = exc.object.encode("utf-8", "surrogateescape")
             raise _UsageError(f"{text!r} is not valid UTF-8 text") from None
 
 
