@@ -328,6 +328,24 @@ class TestFoundByFuzzing:
         assert "NUL" in result.stderr
 
 
+    @pytest.mark.parametrize(
+        "argv",
+        [
+            ["recover", "--app", APP, "--limit", "HUGE"],
+            ["runs", "--limit", "HUGE"],
+            ["fork", "SUCCEEDED", "--at", "HUGE"],
+            ["replay", "SUCCEEDED", "--to", "HUGE"],
+            ["resume", "ACTIVE", "--app", APP, "--max-steps", "HUGE"],
+            ["worker", "--app", APP, "--exit-when-idle", "--max-runs", "HUGE"],
+        ],
+    )
+    def test_an_integer_beyond_64_bits_is_one_line(self, fuzz, world, argv):
+        names = {"HUGE": str(2**63), "SUCCEEDED": world["succeeded"], "ACTIVE": world["active"]}
+        result = fuzz(*[names.get(arg, arg) for arg in argv])
+        assert result.exit_code == EXIT_USAGE
+        assert "too large" in result.stderr
+
+
 class TestFuzz:
     """Seeded hostile command lines against a journal with runs of every kind."""
 
@@ -449,7 +467,7 @@ class TestHypothesis:
     """Any text and any number in every slot, drawn by Hypothesis (derandomized: a fixed seed)."""
 
     @settings(
-        max_examples=120,
+        max_examples=300,
         deadline=None,
         derandomize=True,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
