@@ -327,7 +327,6 @@ class TestFoundByFuzzing:
         assert result.exit_code == EXIT_USAGE
         assert "NUL" in result.stderr
 
-
     @pytest.mark.parametrize(
         "argv",
         [
