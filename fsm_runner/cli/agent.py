@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from fsm_runner.cli.apps import driving, interrupted_run
-from fsm_runner.cli.errors import FiniteFloatRange, exit_if_failed
+from fsm_runner.cli.errors import FiniteFloatRange, Int64Range, exit_if_failed
 from fsm_runner.cli.journals import DEFAULT_JOURNAL, ENV_JOURNAL, CliState
 from fsm_runner.cli.output import echo_transition, run_standing
 from fsm_runner.cli.report import print_iterations
@@ -95,7 +95,7 @@ def demo(state: CliState) -> None:
     metavar="LEVEL=CMD",
     help="A verification command, e.g. L1='pytest -q'; repeat for more checks and levels.",
 )
-@click.option("--max-iterations", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--max-iterations", type=Int64Range(min=1), default=3, show_default=True)
 @click.option(
     "--timeout",
     type=FiniteFloatRange(min=0, min_open=True),

@@ -105,6 +105,21 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
+#: The largest integer a journal stores (SQLite's INTEGER, PostgreSQL's bigint).
+_INT64_MAX = 2**63 - 1
+
+
+class Int64Range(click.IntRange):
+    """An ``IntRange`` that also refuses numbers no journal can store (a usage error)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        """The number, in range and a 64-bit integer; else click's usage error naming the option."""
+        number = super().convert(value, param, ctx)
+        if number > _INT64_MAX:
+            self.fail(f"{value!r} is too large.", param, ctx)
+        return number
+
+
 class _MapsErrors(click.Command):
     """Turns library errors into one-line messages and their exit codes."""
 

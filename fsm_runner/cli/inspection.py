@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING
 import click
 
 from fsm_runner.cli.apps import load_spec
-from fsm_runner.cli.errors import EXIT_USAGE, FiniteFloatRange, exit_if_failed, fail
+from fsm_runner.cli.errors import (
+    EXIT_USAGE,
+    FiniteFloatRange,
+    Int64Range,
+    exit_if_failed,
+    fail,
+)
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import (
     echo_transition,
@@ -48,7 +54,7 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Only runs with an effect caught in flight (its outcome unknown).",
 )
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--limit", type=Int64Range(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
 def runs(
@@ -152,9 +158,7 @@ def watch(state: CliState, run_id: str, interval: float, as_json: bool) -> None:
 
 @click.command()
 @click.argument("run_id", metavar="RUN")
-@click.option(
-    "--to", "to_seq", type=click.IntRange(min=0), metavar="SEQ", help="Stop after this seq."
-)
+@click.option("--to", "to_seq", type=Int64Range(min=0), metavar="SEQ", help="Stop after this seq.")
 @click.option(
     "--spec",
     "spec_path",

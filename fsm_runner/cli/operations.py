@@ -9,7 +9,13 @@ from __future__ import annotations
 import click
 
 from fsm_runner.cli.apps import driving, interrupted_run, load_app
-from fsm_runner.cli.errors import EXIT_USAGE, FiniteFloatRange, exit_if_failed, fail
+from fsm_runner.cli.errors import (
+    EXIT_USAGE,
+    FiniteFloatRange,
+    Int64Range,
+    exit_if_failed,
+    fail,
+)
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import echo_transition, json_dump, run_standing, styled_status
 
@@ -28,7 +34,7 @@ _required_app = click.option(
     " FILE.py:ATTR. Optional for runs whose input names their app (as `demo` and `agent-loop`"
     " runs do).",
 )
-@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many steps.")
+@click.option("--max-steps", type=Int64Range(min=1), help="Stop after this many steps.")
 @click.option(
     "--from-state",
     metavar="STATE",
@@ -69,7 +75,7 @@ def resume(
 
 @click.command()
 @_required_app
-@click.option("--limit", type=click.IntRange(min=1), help="Recover at most this many runs.")
+@click.option("--limit", type=Int64Range(min=1), help="Recover at most this many runs.")
 @click.pass_obj
 def recover(state: CliState, app: str, limit: int | None) -> None:
     """Take over the app's runs whose worker is gone (lease expired) and run them.
@@ -89,7 +95,7 @@ def recover(state: CliState, app: str, limit: int | None) -> None:
 
 @click.command()
 @_required_app
-@click.option("--max-runs", type=click.IntRange(min=1), help="Stop after this many runs.")
+@click.option("--max-runs", type=Int64Range(min=1), help="Stop after this many runs.")
 @click.option("--exit-when-idle", is_flag=True, help="Stop when no run is runnable.")
 @click.option(
     "--idle-wait",
@@ -154,7 +160,7 @@ def abort(state: CliState, run_id: str, reason: str, app: str | None) -> None:
 @click.option(
     "--at",
     "at_seq",
-    type=click.IntRange(min=0),
+    type=Int64Range(min=0),
     help="The last seq the fork keeps (default: the run's last; required for an ended run).",
 )
 @click.option("--run-id", "new_run_id", metavar="ID", help="The fork's id (default: random).")
