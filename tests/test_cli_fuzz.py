@@ -344,6 +344,13 @@ class TestFoundByFuzzing:
         assert result.exit_code == EXIT_USAGE
         assert "too large" in result.stderr
 
+    @pytest.mark.parametrize(
+        "argv", [["show", "g", "a\nb"], ["runs", "x\ny"], ["no\nsuch-command"], ["show", "--a\nb"]]
+    )
+    def test_a_usage_error_echoing_a_newline_is_one_line(self, fuzz, argv):
+        result = fuzz(*argv)
+        assert result.exit_code == EXIT_USAGE
+
 
 class TestFuzz:
     """Seeded hostile command lines against a journal with runs of every kind."""
