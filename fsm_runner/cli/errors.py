@@ -137,6 +137,11 @@ class _MapsErrors(click.Command):
             return super().invoke(ctx)
         except FsmRunnerError as exc:
             raise _ERRORS[_exit_code(exc)](str(exc)) from None
+        except click.UsageError as exc:
+            # click echoes arguments as given ("unexpected extra argument (a<newline>b)").
+            if len(exc.message.splitlines()) < 2:
+                raise
+            raise click.UsageError(" ".join(exc.message.split()), exc.ctx) from None
         except UnicodeEncodeError as exc:
             # Bytes of argv that are not UTF-8 arrive as lone surrogates (surrogateescape); the
             # journal cannot store or look up such text.
