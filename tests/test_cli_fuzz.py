@@ -319,6 +319,23 @@ class TestFoundByFuzzing:
         assert result.exit_code == EXIT_USAGE
         assert "UTF-8" in result.stderr
 
+    def test_a_lone_surrogate_another_writer_left_is_no_usage_error(self, journal_path, world):
+        # Not the user's argument: text in the journal (a JSON escape \ud800) that UTF-8
+        # cannot print. One line, exit 1 — not "your argument is not UTF-8" (exit 2).
+        conn = sqlite3.connect(journal_path)
+        conn.execute(
+            "UPDATE run_rows SET input = ? WHERE run_id = ?",
+            ('{"x": "\\ud800"}', world["succeeded"]),
+        )
+        conn.commit()
+        conn.close()
+        result = CliRunner().invoke(
+            cli, ["--journal", str(journal_path), "show", world["succeeded"]]
+        )
+        assert result.exit_code == 1, result.output
+        assert "not UTF-8" in result.output
+        assert "Traceback" not in result.output
+
     @pytest.mark.parametrize(
         "argv", [["export", "g", "\x00"], ["diagram", SPEC, "-o", "a\x00b"], ["show", "\x00"]]
     )

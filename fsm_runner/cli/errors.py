@@ -120,6 +120,10 @@ class Int64Range(click.IntRange):
         return number
 
 
+#: Where the arguments of the command line are kept (``Context.meta``, shared by sub-contexts).
+_ARGV = "fsm_runner.argv"
+
+
 class _MapsErrors(click.Command):
     """Turns library errors into one-line messages and their exit codes."""
 
@@ -128,6 +132,7 @@ class _MapsErrors(click.Command):
         for arg in args:
             if "\x00" in arg:
                 raise _UsageError(f"{arg!r} holds a NUL character")
+        ctx.meta.setdefault(_ARGV, list(args))  # the outermost command's: every argument
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -143,6 +148,12 @@ class _MapsErrors(click.Command):
                 raise
             raise click.UsageError(" ".join(exc.message.split()), exc.ctx) from None
         except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start : exc.end]
+            given = [*ctx.params.values(), *ctx.meta.get(_ARGV, ())]
+            if not any(isinstance(v, str) and bad in v for v in given):
+                # Not an argument: text read from the journal that UTF-8 cannot carry (a lone
+                # surrogate another writer left), met while printing it.
+                raise _ERRORS[EXIT_FAILURE](f"cannot print text that is not UTF-8: {exc}") from None
             # Bytes of argv that are not UTF-8 arrive as lone surrogates (surrogateescape); the
             # journal cannot store or look up such text.
             text: object = exc.object
