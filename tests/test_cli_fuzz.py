@@ -319,9 +319,10 @@ class TestFoundByFuzzing:
         assert result.exit_code == EXIT_USAGE
         assert "UTF-8" in result.stderr
 
-    def test_a_lone_surrogate_another_writer_left_is_no_usage_error(self, journal_path, world):
+    def test_a_lone_surrogate_another_writer_left_is_printed_escaped(self, journal_path, world):
         # Not the user's argument: text in the journal (a JSON escape \ud800) that UTF-8
-        # cannot print. One line, exit 1 — not "your argument is not UTF-8" (exit 2).
+        # cannot carry. Printed escaped, as the run inspector shows it: not refused as if the
+        # user's argument were not UTF-8 (exit 2), nor a traceback.
         conn = sqlite3.connect(journal_path)
         conn.execute(
             "UPDATE run_rows SET input = ? WHERE run_id = ?",
@@ -332,8 +333,8 @@ class TestFoundByFuzzing:
         result = CliRunner().invoke(
             cli, ["--journal", str(journal_path), "show", world["succeeded"]]
         )
-        assert result.exit_code == 1, result.output
-        assert "not UTF-8" in result.output
+        assert result.exit_code == 0, result.output
+        assert '{"x": "\\ud800"}' in result.output
         assert "Traceback" not in result.output
 
     @pytest.mark.parametrize(

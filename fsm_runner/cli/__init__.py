@@ -18,6 +18,8 @@ topic: :mod:`~fsm_runner.cli.inspection` (``runs``, ``watch``, ``replay``),
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Sequence
 
 import click
@@ -93,6 +95,11 @@ def cli(ctx: click.Context, journal_path: str) -> None:
     3 run or journal not found; 4 conflict (the run has ended, its lease is held by another
     worker, or another writer moved it).
     """
+    # Text another writer left in the journal that UTF-8 cannot carry (a lone surrogate) is
+    # printed escaped (\ud800), as the run inspector shows it, not refused.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     state = CliState(journal_path)
     ctx.obj = state
     ctx.call_on_close(state.close)
