@@ -599,7 +599,9 @@ class TestOperationsOnLiveRuns:
                             f"abort of {run_id} acknowledged, the run {run.status.value}"
                         )
         assert problems == []
-        assert any(command == "abort" and done.returncode == 0 for command, _, done in answers)
+        # Whether an abort lands on a run still active is a race with the workers (each run
+        # ends in well under a second): its carrying out is checked above when it does, and
+        # test_abort.py covers an abort of a run being driven deterministically.
         assert verdict(path, read_sides(tmp_path)) == []
 
 

@@ -470,9 +470,10 @@ class TestReadingWhileWriting:
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert writer.stdout.readline() == "ready\n"
-            reads = 0
+            reads = during = 0
             while writer.poll() is None or reads < 5:
                 reads += 1
+                during += writer.poll() is None  # this read began while the writer committed
                 listing = server.get("/runs?machine=linear")
                 assert listing.status == 200, listing.body[:300]
                 shown = re.findall(r'data-run-id="([^"]+)"', listing.body)
@@ -487,7 +488,7 @@ class TestReadingWhileWriting:
                 assert live["seq"] >= seqs[-1]
                 assert server.get("/machines/linear").status == 200
             assert writer.wait(timeout=60) == 0
-            assert reads > 5
+            assert during >= 1  # not how many: a loaded machine reads slowly, the writer is quick
             final = server.get("/runs?machine=linear&status=succeeded").body
             assert len(re.findall(r'data-run-id="([^"]+)"', final)) == 50  # a full page
         finally:
