@@ -26,6 +26,7 @@ from typing import Any
 
 from fsm_runner import _fork
 from fsm_runner.journal._checkpoint import Checkpointer
+from fsm_runner.journal.base import Durability
 
 __all__ = ["RoomlessReads", "no_room_for_shm"]
 
@@ -46,7 +47,7 @@ class RoomlessReads:
     """How a SQLite journal connects, and reads with no room for the ``-shm`` (see the module)."""
 
     path: str
-    durability: str
+    durability: Durability
     _conn: sqlite3.Connection
     _cursor: sqlite3.Cursor
     _create: bool
@@ -58,7 +59,7 @@ class RoomlessReads:
     _verify_code: Callable[[], None]
     _lock: threading.RLock
     _closed: bool
-    _checkpointer: object | None
+    _checkpointer: Checkpointer | None
     _unreadable: str | None
     _unwritable: str | None
     _describe: Callable[[sqlite3.Error], str]
@@ -79,7 +80,7 @@ class RoomlessReads:
             )
             return None
         checkpointer = self._checkpointer
-        resume = checkpointer.pause() if isinstance(checkpointer, Checkpointer) else None
+        resume = checkpointer.pause() if checkpointer is not None else None
 
         def release() -> None:
             if resume is not None:

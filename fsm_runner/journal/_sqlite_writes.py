@@ -23,7 +23,7 @@ from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import JournalError, RunExistsError, RunNotFoundError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sql import SqlJournal
-from fsm_runner.journal._sqlite_full import no_room_for_shm
+from fsm_runner.journal._sqlite_full import RoomlessReads, no_room_for_shm
 from fsm_runner.journal.base import Commit, NewRun, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
@@ -289,21 +289,16 @@ def _insert_many(
         cursor.execute(_bulk_insert(len(chunk)), list(itertools.chain.from_iterable(chunk)))
 
 
-class SqliteWrites(SqlJournal):
+class SqliteWrites(RoomlessReads, SqlJournal):
     """The writing half of :class:`~fsm_runner.journal.sqlite.SqliteJournal` (set up there)."""
 
     _PUT_EFFECT = _PUT_EFFECT
 
-    path: str
-    _conn: sqlite3.Connection
-    _cursor: sqlite3.Cursor
-    _unreadable: str | None
-    _unwritable: str | None
+    # path, connection, cursor, lock, checkpointer, _unreadable/_unwritable: see RoomlessReads
     _written: dict[str, RunRecord]
     _keys: dict[str, int]
     _update_sql: dict[tuple[str, ...], str]
     _bulk_rows: int
-    _checkpointer: object | None
     _checkpoint_thread: bool  # whether checkpoints run on a thread (not for :memory:)
     _start_checkpoints: Callable[[], None]  # the journal's: checkpoints off this thread
 
@@ -373,14 +368,19 @@ class SqliteWrites(SqlJournal):
         """The connection, for reads.
 
         ``damaged``: even when the ``runs`` view is not the expected one (for reads of tables
-        alone, and of the schema itself).
+        alone, and of the schema itself). On a disk with no room for the ``-shm`` file, a
+        connection of the read's own (see :mod:`._sqlite_full`).
         """
         with self._lock, self._errors():
             if self._closed:
                 raise JournalError("is closed", path=self.path)
             if self._unreadable is not None and not damaged:
                 raise JournalError(self._unreadable, path=self.path)
-            yield self._conn
+            if self._shm_full:
+                with self._read_alone() as alone:
+                    yield alone
+            else:
+                yield self._conn
 
     # -- writes --------------------------------------------------------------------------------
 

@@ -13,12 +13,11 @@ the writes (the connection guard, error mapping and the fenced commit) are in
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,7 +37,6 @@ from fsm_runner.journal._sqlite_check import (
     SCHEMA_VERSION,
     SqliteChecks,
 )
-from fsm_runner.journal._sqlite_full import RoomlessReads
 from fsm_runner.journal._sqlite_writes import (
     _BULK_ROWS,
     _INSERT_RUN,
@@ -71,7 +69,7 @@ TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
 T = TypeVar("T")
 
 
-class SqliteJournal(SqliteChecks, RoomlessReads):
+class SqliteJournal(SqliteChecks):
     """A journal in one SQLite file (WAL mode).
 
     Args:
@@ -151,15 +149,6 @@ class SqliteJournal(SqliteChecks, RoomlessReads):
             self._conn.close()
             raise
         _fork.register(self)  # a forked child gets a connection of its own
-
-    @contextlib.contextmanager
-    def _read(self, *, damaged: bool = False) -> Iterator[sqlite3.Connection]:
-        with super()._read(damaged=damaged) as conn:
-            if self._shm_full:  # no room for the -shm file: see _sqlite_full
-                with self._read_alone() as alone:
-                    yield alone
-            else:
-                yield conn
 
     @property
     def location(self) -> str:
