@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["LockedAcrossFork", "keep", "register"]
+__all__ = ["WAIT", "keep", "register"]
 
 _log = logging.getLogger("fsm_runner")
 
@@ -53,26 +53,6 @@ _kept: list[object] = []
 #: What lets go, in the parent, of what ``_before_fork`` took: the forking thread's own (two
 #: threads that fork at once each let go of what they took).
 _forking = threading.local()
-
-
-class LockedAcrossFork:
-    """An object whose ``_lock`` guards all of it: held still across a fork, new in the child.
-
-    For one whose copy in the child is its own (the memory journal): the child copies it whole.
-    """
-
-    _lock: threading.RLock
-
-    def _registered_lock(self) -> threading.RLock:
-        """A new lock for ``_lock``, and this object registered (see :func:`register`)."""
-        register(self)
-        return threading.RLock()
-
-    def _before_fork(self) -> Callable[[], None] | None:
-        return self._lock.release if self._lock.acquire(timeout=WAIT) else None
-
-    def _after_fork(self) -> None:
-        self._lock = threading.RLock()
 
 
 def register(obj: _Forkable) -> None:

@@ -72,7 +72,7 @@ def _only_the_thread_copies(journal: SqliteJournal) -> tuple[Engine, int]:
     """An engine on ``journal`` after one run, the writer's own checkpoints off: the file's size."""
     engine = Engine(SPEC, handlers={"next": _next}, journal=journal)
     engine.run(engine.start())
-    journal._conn.execute("PRAGMA wal_autocheckpoint = 0")
+    journal._connections.conn.execute("PRAGMA wal_autocheckpoint = 0")
     return engine, _settled_size(Path(journal.path))
 
 
@@ -124,8 +124,8 @@ def test_two_journals_on_one_file_checkpoint_beside_each_other(
         engine = engines[index % 2]
         run_ids.append(engine.run(engine.start(claim=True)).run_id)
         largest = max(largest, wal.stat().st_size)
-    assert first._checkpointer is not None
-    assert second._checkpointer is not None
+    assert first._connections.checkpointer is not None
+    assert second._connections.checkpointer is not None
     for engine in engines:
         engine.close()
     first.close()
@@ -143,7 +143,7 @@ def test_a_journal_that_only_reads_starts_no_thread(tmp_path: Path) -> None:
     before = len(_checkpoint_threads())
     with SqliteJournal(path, create=False) as journal:
         journal.runs()
-        assert journal._checkpointer is None
+        assert journal._connections.checkpointer is None
         assert len(_checkpoint_threads()) == before
 
 
@@ -156,7 +156,7 @@ def test_checkpoint_thread_false_leaves_checkpoints_to_the_commits(
         engine = Engine(SPEC, handlers={"next": _next}, journal=journal)
         for _ in range(40):  # ~400 pages: the writer's own checkpoint at 40 pages copies them
             engine.run(engine.start(claim=True))
-        assert journal._checkpointer is None
+        assert journal._connections.checkpointer is None
         assert len(_checkpoint_threads()) == before
         assert path.stat().st_size > 20 * 4096  # copied back by the commits' own checkpoints
         assert journal.integrity_problems() == []
@@ -166,13 +166,13 @@ def test_checkpoint_thread_false_leaves_checkpoints_to_the_commits(
 def test_memory_journal_file_has_no_thread() -> None:
     with SqliteJournal(":memory:") as journal:
         Engine(SPEC, handlers={"next": _next}, journal=journal).start()
-        assert journal._checkpointer is None
+        assert journal._connections.checkpointer is None
 
 
 def test_close_stops_the_thread(tmp_path: Path) -> None:
     journal = SqliteJournal(tmp_path / "j.db")
     Engine(SPEC, handlers={"next": _next}, journal=journal).start()
-    checkpointer = journal._checkpointer
+    checkpointer = journal._connections.checkpointer
     assert isinstance(checkpointer, Checkpointer)
     assert checkpointer.alive
     journal.close()
@@ -183,7 +183,7 @@ def test_close_stops_the_thread(tmp_path: Path) -> None:
 def test_a_journal_dropped_unclosed_stops_its_thread(tmp_path: Path) -> None:
     journal = SqliteJournal(tmp_path / "j.db")
     Engine(SPEC, handlers={"next": _next}, journal=journal).start()
-    checkpointer = journal._checkpointer
+    checkpointer = journal._connections.checkpointer
     assert isinstance(checkpointer, Checkpointer)
     del journal
     gc.collect()
@@ -232,7 +232,7 @@ def test_a_forked_child_checkpoints_with_a_thread_of_its_own(tmp_path: Path) -> 
             with SqliteJournal(path) as child:
                 engine = Engine(SPEC, handlers={"next": _next}, journal=child)
                 engine.run(engine.start())
-                checkpointer = child._checkpointer
+                checkpointer = child._connections.checkpointer
                 code = 0 if isinstance(checkpointer, Checkpointer) and checkpointer.alive else 2
                 engine.close()
         finally:

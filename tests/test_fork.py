@@ -79,7 +79,7 @@ def inside_journal_call(journal: SqliteJournal | MemoryJournal, seconds: float) 
 
     def hold() -> None:
         if isinstance(journal, SqliteJournal):
-            with journal._write() as conn:
+            with journal._connections.write() as conn:
                 conn.execute("UPDATE meta SET value = value WHERE key = 'schema_version'")
                 inside.set()
                 time.sleep(seconds)
@@ -261,7 +261,7 @@ def test_a_paused_checkpoint_thread_copies_nothing_until_let_go(tmp_path: Path) 
     journal = SqliteJournal(path)
     engine = engine_on(journal)
     engine.run(engine.start())  # the first write starts the thread
-    checkpointer = journal._checkpointer
+    checkpointer = journal._connections.checkpointer
     assert checkpointer is not None
     deadline = time.monotonic() + 10
     while path.stat().st_size < 4096 * 8 and time.monotonic() < deadline:

@@ -125,7 +125,7 @@ class TestFailedTransaction:
         with SqliteJournal(path) as journal:
             engine = engine_for(journal)
             runs = [journal.load(engine.start()) for _ in range(40)]
-            conn = journal._conn
+            conn = journal._connections.conn
             pages = conn.execute("PRAGMA page_count").fetchone()[0]
             conn.execute(f"PRAGMA max_page_count = {pages}")
             commits = [next_commit(run) for run in runs]

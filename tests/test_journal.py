@@ -173,7 +173,9 @@ class TestCreateAndLoad:
             with raw(Path(journal.location)) as conn:
                 conn.execute("UPDATE specs SET json = ?", (edited,))
         else:
-            journal._call(lambda conn: conn.execute("UPDATE specs SET json = %s", (edited,)))
+            journal._connection.call(
+                lambda conn: conn.execute("UPDATE specs SET json = %s", (edited,))
+            )
 
         with pytest.raises(JournalError, match="does not match its hash") as info:
             journal.spec_json(SPEC.spec_hash)
@@ -574,7 +576,9 @@ class TestSqliteFile:
     def test_durability(self, tmp_path, durability, synchronous):
         options = {} if durability is None else {"durability": durability}
         with SqliteJournal(tmp_path / "j.db", **options) as journal:
-            assert journal._conn.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+            assert (
+                journal._connections.conn.execute("PRAGMA synchronous").fetchone()[0] == synchronous
+            )
             assert journal.durability == (durability or "process")
 
     def test_unknown_durability(self, tmp_path):
@@ -634,10 +638,10 @@ class TestSqliteFile:
             engine = Engine(loop_spec(), handlers={"noop": lambda _ctx: NEXT}, journal=journal)
             run_id = engine.start()
             engine.run(run_id, max_steps=1)  # the claim's row is known from here on
-            before = journal._conn.total_changes
+            before = journal._connections.conn.total_changes
             run = engine.run(run_id, max_steps=10)
             claim_and_release = 2
-            assert journal._conn.total_changes - before == 10 + claim_and_release
+            assert journal._connections.conn.total_changes - before == 10 + claim_and_release
             assert journal.load(run_id) == run
             assert (run.state, run.seq, run.visit_seq) == ("d", 11, 11)
 
@@ -989,10 +993,10 @@ class TestSqliteSchemaObjects:
     def test_the_code_digests_are_a_new_journals(self):
         """What every open compares with is what the migrations write (keep them in step)."""
         with SqliteJournal(":memory:") as journal:
-            assert code_objects(journal._conn) == CODE
+            assert code_objects(journal._connections.conn) == CODE
             assert {
                 name
-                for (name,) in journal._conn.execute(
+                for (name,) in journal._connections.conn.execute(
                     "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')"
                     " AND name NOT LIKE 'sqlite%'"
                 )
@@ -1094,14 +1098,14 @@ class TestSqliteFailures:
     def test_read_only(self, sqlite_journal, changes):
         run = advance(sqlite_journal, start(sqlite_journal), "verifying")
         before = snapshot(sqlite_journal)
-        sqlite_journal._conn.execute("PRAGMA query_only = ON")
+        sqlite_journal._connections.conn.execute("PRAGMA query_only = ON")
 
         with pytest.raises(JournalError, match="read-only") as info:
             sqlite_journal.commit(*next_step(run, "done", **changes))
 
         assert not isinstance(info.value, RunConflictError)
         assert snapshot(sqlite_journal) == before
-        sqlite_journal._conn.execute("PRAGMA query_only = OFF")
+        sqlite_journal._connections.conn.execute("PRAGMA query_only = OFF")
         sqlite_journal.commit(*next_step(run, "done", **changes))  # the journal still works
         assert sqlite_journal.load("r1").seq == 2
 
@@ -1112,7 +1116,7 @@ class TestSqliteFailures:
     )
     def test_read_only_other_writes(self, sqlite_journal, write):
         start(sqlite_journal)
-        sqlite_journal._conn.execute("PRAGMA query_only = ON")
+        sqlite_journal._connections.conn.execute("PRAGMA query_only = ON")
 
         with pytest.raises(JournalError, match="read-only"):
             write(sqlite_journal)
@@ -1125,7 +1129,7 @@ class TestSqliteFailures:
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:
             run = start(journal)
-            conn = journal._conn
+            conn = journal._connections.conn
             pages = conn.execute("PRAGMA page_count").fetchone()[0]
             conn.execute(f"PRAGMA max_page_count = {pages}")
 
@@ -1192,6 +1196,6 @@ class TestOpenJournal:
 
         try:
             assert isinstance(journal, SqliteJournal)
-            assert journal._conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+            assert journal._connections.conn.execute("PRAGMA synchronous").fetchone()[0] == 2
         finally:
             journal.close()

@@ -28,7 +28,7 @@ from psycopg import sql
 
 from fsm_runner import Engine, RunOutcome
 from fsm_runner.exceptions import JournalError
-from fsm_runner.journal import _postgres_writes
+from fsm_runner.journal import _postgres_connection
 from fsm_runner.journal.base import Commit, Renewal
 from fsm_runner.journal.postgres import PostgresJournal
 from fsm_runner.replay import check_journal
@@ -72,8 +72,8 @@ class Admin:
 def killer(postgres_server, monkeypatch):
     # Getting a connection back waits 50 ms and more (kind to a restarting server); here the
     # server is up and the kills are many: a short backoff keeps the tests short.
-    monkeypatch.setattr(_postgres_writes, "_FIRST_BACKOFF", 0.002)
-    monkeypatch.setattr(_postgres_writes, "_MAX_BACKOFF", 0.02)
+    monkeypatch.setattr(_postgres_connection, "_FIRST_BACKOFF", 0.002)
+    monkeypatch.setattr(_postgres_connection, "_MAX_BACKOFF", 0.02)
     admin = Admin(postgres_server.url)
     yield admin
     admin.close()
@@ -199,14 +199,14 @@ class Trap:
         self.armed = True
         self.sprung = 0
         self.countdown = self.rng.randint(1, 3)
-        connect = journal._connect
+        connect = journal._connection.connect
 
         def trapped_connect(*, timeout: float | None = None) -> Any:
-            journal._conn = _Trapped(connect(timeout=timeout), self)  # type: ignore[assignment]
-            return journal._conn
+            journal._connection.conn = _Trapped(connect(timeout=timeout), self)  # type: ignore[assignment]
+            return journal._connection.conn
 
-        journal._connect = trapped_connect  # type: ignore[method-assign]
-        journal._disconnect()
+        journal._connection.connect = trapped_connect  # type: ignore[method-assign]
+        journal._connection.disconnect()
 
     def written(self, conn: psycopg.Connection[Any]) -> None:
         """A write committed on ``conn``: maybe end the backend before the caller hears of it."""
@@ -377,7 +377,7 @@ class TestKilledInsideAPipeline:
         journal = postgres_journal
         engine = Engine(SPEC, handlers=Calls().handlers(), journal=journal)
         rng = random.Random(5)
-        connect = journal._connect
+        connect = journal._connection.connect
         armed = []
 
         class Cursor:  # ends the backend a moment after executemany begins
@@ -411,11 +411,11 @@ class TestKilledInsideAPipeline:
                 return Cursor(self.conn.cursor(*args, **kwargs), self.conn.info.backend_pid)
 
         def wrapped(*, timeout: float | None = None) -> Any:
-            journal._conn = Conn(connect(timeout=timeout))  # type: ignore[assignment]
-            return journal._conn
+            journal._connection.conn = Conn(connect(timeout=timeout))  # type: ignore[assignment]
+            return journal._connection.conn
 
-        journal._connect = wrapped  # type: ignore[method-assign]
-        journal._disconnect()
+        journal._connection.connect = wrapped  # type: ignore[method-assign]
+        journal._connection.disconnect()
         batches = []
         for _ in range(40):
             armed.append(True)
@@ -432,7 +432,7 @@ class TestKilledInsideAPipeline:
         run on it: the journal must take it as lost, not fail on it forever."""
         journal = postgres_journal
         pid = journal.backend_pid
-        conn = journal._conn
+        conn = journal._connection.conn
         assert conn is not None
         conn.pgconn.enter_pipeline_mode()
         conn.pgconn.send_query_params(b"SELECT 1", None)

@@ -123,7 +123,9 @@ class TestUrls:
     def test_other_parameters_reach_libpq(self, postgres_server, postgres_schema):
         url = url_with(postgres_schema, postgres_server.url) + "&application_name=fsm-test-app"
         with PostgresJournal(url) as journal:
-            name = journal._call(lambda conn: conn.execute("SHOW application_name").fetchone())
+            name = journal._connection.call(
+                lambda conn: conn.execute("SHOW application_name").fetchone()
+            )
         assert name == ("fsm-test-app",)
 
     def test_password_is_never_shown(self, postgres_server, postgres_schema):
@@ -351,7 +353,9 @@ class TestSchema:
         with PostgresJournal(
             postgres_server.url, schema=postgres_schema, durability=durability
         ) as journal:
-            shown = journal._call(lambda conn: conn.execute("SHOW synchronous_commit").fetchone())
+            shown = journal._connection.call(
+                lambda conn: conn.execute("SHOW synchronous_commit").fetchone()
+            )
         assert shown == (setting,)
 
     def test_unknown_durability(self, postgres_server):

@@ -288,7 +288,7 @@ def killable_prune(path: str, side_path: str, stage: str, markers: Any) -> None:
                 time.sleep(TIMEOUT)
         return 0
 
-    conn = journal._conn
+    conn = journal._connections.conn
     conn.set_trace_callback(trace)
     conn.set_progress_handler(progress, 1)
     cutoff = utc_now()
@@ -656,7 +656,9 @@ class TestOneFileTwoNames:
         SqliteJournal(real).close()
         link.symlink_to(real)
         with SqliteJournal(link) as journal:
-            journal._conn.execute("PRAGMA wal_autocheckpoint = 0")  # only the thread copies
+            journal._connections.conn.execute(
+                "PRAGMA wal_autocheckpoint = 0"
+            )  # only the thread copies
             engine = Engine(SPEC, handlers=HANDLERS, journal=journal)
             size = real.stat().st_size
             for run_id in engine.start_many([None] * 200):
@@ -686,9 +688,9 @@ class TestPruneHoldsTheLockBriefly:
                 instructions[0] += 100
                 return 0
 
-            journal._conn.set_progress_handler(count, 100)
+            journal._connections.conn.set_progress_handler(count, 100)
             report = journal.prune(ended_before=utc_now())
-            journal._conn.set_progress_handler(None, 0)
+            journal._connections.conn.set_progress_handler(None, 0)
         assert len(report.run_ids) == 400
         # ~65 a run here; the selection that scanned the active runs for each ended one: ~2,000.
         assert instructions[0] / 2400 < 300

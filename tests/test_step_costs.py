@@ -70,10 +70,10 @@ class TestGroupOfDistinctRuns:
             ending = claimed_runs(journal, engine, 3, at="b")
             going_on = claimed_runs(journal, engine, 3, at="a")
             statements: list[str] = []
-            journal._conn.set_trace_callback(statements.append)
+            journal._connections.conn.set_trace_callback(statements.append)
             commits = [next_commit(run) for run in [*ending, *going_on]]
             assert journal.commit_many(commits) == [None] * 6
-            journal._conn.set_trace_callback(None)
+            journal._connections.conn.set_trace_callback(None)
             assert not [s for s in statements if s.startswith("SAVEPOINT")]
             assert [s.split()[0] for s in statements].count("BEGIN") == 1
             for commit in commits:
@@ -101,9 +101,9 @@ class TestGroupOfDistinctRuns:
             commits = [next_commit(run) for run in [*ending, *going_on]]
             commits[1] = next_commit(fenced, token=fenced.lease_token + 5)  # a stale lease
             statements: list[str] = []
-            journal._conn.set_trace_callback(statements.append)
+            journal._connections.conn.set_trace_callback(statements.append)
             results = journal.commit_many(commits)
-            journal._conn.set_trace_callback(None)
+            journal._connections.conn.set_trace_callback(None)
             assert isinstance(results[1], LeaseLostError)
             assert [r for i, r in enumerate(results) if i != 1] == [None] * 4
             assert any(s.startswith("SAVEPOINT") for s in statements)  # the fallback ran

@@ -228,16 +228,16 @@ class TestNoNoneBound:
             for run in runs:
                 transition, after = advance_plain(run, NEXT, "b", RunOutcome.ACTIVE, 0.5, AT)
                 commits.append(Commit(after, transition))
-                insert, rows = journal._statements(after, transition, (), (), None)
+                insert, rows = journal._writer._statements(after, transition, (), (), None)
                 bound.append(insert)
                 assert rows is None
             assert all(None not in params for params in bound)
-            journal._conn.set_trace_callback(statements.append)
+            journal._connections.conn.set_trace_callback(statements.append)
             assert journal.commit_many(commits) == [None, None]
-            journal._conn.set_trace_callback(None)
+            journal._connections.conn.set_trace_callback(None)
             assert any("NULLIF" in s for s in statements)
             for run in runs:
-                (stored,) = journal._conn.execute(
+                (stored,) = journal._connections.conn.execute(
                     "SELECT result IS NULL FROM transitions WHERE run_id = ? AND seq = 1",
                     (run.run_id,),
                 ).fetchall()
@@ -278,8 +278,8 @@ class TestTheEndOfARun:
             transition, after = advance_plain(run, NEXT, "done", RunOutcome.SUCCEEDED, 0.5, AT)
             if not same_time:
                 after = attrs.evolve(after, updated_at=AT + dt.timedelta(seconds=1))
-            insert, rows = journal._statements(after, transition, (), (), None)
-            assert rows == [journal._extra_update(after, transition, insert[7], insert[11])]
+            insert, rows = journal._writer._statements(after, transition, (), (), None)
+            assert rows == [journal._writer._extra_update(after, transition, insert[7], insert[11])]
             assert None not in rows[0][1]
             assert "lease_owner = NULL" in rows[0][0]
             assert journal.commit_many([Commit(after, transition)]) == [None]
@@ -296,9 +296,9 @@ class TestTheEndOfARun:
         with SqliteJournal(tmp_path / "j.db") as journal:
             engine = Engine(linear_spec("a"), handlers={"a": noop}, journal=journal)
             run = journal.load(engine.start(claim=True))
-            journal._written.clear()  # written by another journal, say: every column
+            journal._writer._written.clear()  # written by another journal, say: every column
             transition, after = advance_plain(run, NEXT, "done", RunOutcome.SUCCEEDED, 0.5, AT)
-            _, rows = journal._statements(after, transition, (), (), None)
+            _, rows = journal._writer._statements(after, transition, (), (), None)
             assert rows is not None
             assert "context = ?" in rows[0][0]
             engine.close()

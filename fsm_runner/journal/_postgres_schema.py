@@ -1,8 +1,8 @@
 """The PostgreSQL journal's schema: opening it, and its migrations, as plain SQL.
 
-:class:`PostgresOpening` is the part of :class:`~fsm_runner.journal.postgres.PostgresJournal`
-that finds the journal in its PostgreSQL schema, refuses a foreign or newer one, and creates or
-migrates it.
+:func:`open_schema` finds the journal in its PostgreSQL schema, refuses a foreign or newer one,
+and creates or migrates it (for :class:`~fsm_runner.journal.postgres.PostgresJournal`, as it
+opens).
 
 The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): schema version N
 holds the same tables and columns in both, so a record written by one reads back the same from
@@ -29,9 +29,9 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from fsm_runner.exceptions import JournalError, SchemaVersionError
-from fsm_runner.journal._postgres_writes import PostgresWrites, _Connection
+from fsm_runner.journal._postgres_connection import Connection
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresOpening"]
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
 
 #: What the ``meta`` table's ``format`` row says in every fsm_runner journal.
 _FORMAT: Final = "fsm_runner journal"
@@ -197,82 +197,110 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 
 
-class PostgresOpening(PostgresWrites):
-    """Opening the journal's schema, for :class:`~fsm_runner.journal.postgres.PostgresJournal`."""
+def open_schema(conn: Connection, *, schema: str, location: str, create: bool) -> None:
+    """Open the journal in ``schema`` on ``conn``: create it, or migrate it, as needed.
 
-    def _open_schema(self, conn: _Connection, *, create: bool) -> None:
-        try:
-            rows = conn.execute(
-                "SELECT key, value FROM meta WHERE key IN ('schema_version', 'format')"
-            ).fetchall()
-        except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
-            rows = None  # no journal here yet, or somebody else's meta table: look closer
-        if rows is not None:
-            meta: dict[Any, Any] = dict(rows)
-            if meta.get("format") == _FORMAT and self._version(meta) == SCHEMA_VERSION:
-                return  # the common case: an up-to-date journal, opened without a lock
-        lock_key = zlib.crc32(f"fsm_runner schema {self.schema}".encode())
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
-            found = conn.execute(
-                "SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.schema,)
-            ).fetchone()
-            if found is None:
-                if not create:
-                    raise JournalError(
-                        f"holds no fsm_runner journal (there is no schema {self.schema!r})",
-                        path=self._location,
-                    )
-                conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.schema)))
-            tables = {
-                str(row[0])
-                for row in conn.execute(
-                    "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
-                )
-            }
-            version = self._stored_version(conn, tables, create=create)
-            if version > SCHEMA_VERSION:
-                raise SchemaVersionError(
-                    found=version, supported=SCHEMA_VERSION, path=self._location
-                )
-            pending = "".join(text for number, _name, text in MIGRATIONS if number > version)
-            if pending:
-                conn.execute(pending)
-
-    def _stored_version(self, conn: _Connection, tables: set[str], *, create: bool) -> int:
-        if not tables:
+    Raises:
+        JournalError: the schema holds no journal (``create`` false) or somebody else's tables.
+        SchemaVersionError: a newer fsm_runner wrote it.
+    """
+    try:
+        rows = conn.execute(
+            "SELECT key, value FROM meta WHERE key IN ('schema_version', 'format')"
+        ).fetchall()
+    except (pg_errors.UndefinedTable, pg_errors.UndefinedColumn):
+        rows = None  # no journal here yet, or somebody else's meta table: look closer
+    if rows is not None:
+        meta: dict[Any, Any] = dict(rows)
+        if meta.get("format") == _FORMAT and _version(meta, location) == SCHEMA_VERSION:
+            return  # the common case: an up-to-date journal, opened without a lock
+    lock_key = zlib.crc32(f"fsm_runner schema {schema}".encode())
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key,))
+        found = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
+        if found is None:
             if not create:
                 raise JournalError(
-                    f"holds no fsm_runner journal (schema {self.schema!r} has no tables)",
-                    path=self._location,
+                    f"holds no fsm_runner journal (there is no schema {schema!r})", path=location
                 )
-            return 0
-        foreign = JournalError(
-            f"schema {self.schema!r} holds tables that are not an fsm_runner journal "
-            f"({', '.join(sorted(tables)[:5])}); nothing was changed",
-            path=self._location,
-        )
-        if "meta" not in tables:
-            raise foreign
-        try:
-            with conn.transaction():  # a savepoint: a foreign meta table must not abort ours
-                meta: dict[Any, Any] = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-        except psycopg.errors.UndefinedColumn:
-            raise foreign from None
-        if meta.get("format") != _FORMAT:
-            raise foreign
-        version = self._version(meta)
-        if version is None:
-            raise JournalError("has no schema version", path=self._location)
-        return version
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        tables = {
+            str(row[0])
+            for row in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,)
+            )
+        }
+        version = _stored_version(conn, tables, schema=schema, location=location, create=create)
+        if version > SCHEMA_VERSION:
+            raise SchemaVersionError(found=version, supported=SCHEMA_VERSION, path=location)
+        pending = "".join(text for number, _name, text in MIGRATIONS if number > version)
+        if pending:
+            conn.execute(pending)
 
-    def _version(self, meta: Mapping[Any, Any]) -> int | None:
-        value = meta.get("schema_version")
-        if value is None:
-            return None
-        try:
-            return int(value)
-        except ValueError:
+
+def _stored_version(
+    conn: Connection, tables: set[str], *, schema: str, location: str, create: bool
+) -> int:
+    if not tables:
+        if not create:
             raise JournalError(
-                f"has an unreadable schema version {value!r}", path=self._location
-            ) from None
+                f"holds no fsm_runner journal (schema {schema!r} has no tables)", path=location
+            )
+        return 0
+    foreign = JournalError(
+        f"schema {schema!r} holds tables that are not an fsm_runner journal "
+        f"({', '.join(sorted(tables)[:5])}); nothing was changed",
+        path=location,
+    )
+    if "meta" not in tables:
+        raise foreign
+    try:
+        with conn.transaction():  # a savepoint: a foreign meta table must not abort ours
+            meta: dict[Any, Any] = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    except psycopg.errors.UndefinedColumn:
+        raise foreign from None
+    if meta.get("format") != _FORMAT:
+        raise foreign
+    version = _version(meta, location)
+    if version is None:
+        raise JournalError("has no schema version", path=location)
+    return version
+
+
+def _version(meta: Mapping[Any, Any], location: str) -> int | None:
+    value = meta.get("schema_version")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise JournalError(f"has an unreadable schema version {value!r}", path=location) from None
+
+
+def integrity_problems(conn: Connection) -> list[str]:
+    """Runs whose row is not their last transition's, and runs with gaps in their seqs.
+
+    PostgreSQL checks its own pages and the foreign keys (which it enforces); what is left
+    to check is the journal's invariants 1 and 2, over every run.
+    """
+    checks = (
+        (
+            "SELECT r.run_id FROM runs AS r LEFT JOIN LATERAL (SELECT seq, to_state"
+            " FROM transitions AS t WHERE t.run_id = r.run_id ORDER BY seq DESC LIMIT 1)"
+            " AS last ON true WHERE last.seq IS DISTINCT FROM r.seq"
+            " OR last.to_state IS DISTINCT FROM r.state ORDER BY r.run_id",
+            "run(s) whose row is not at their last transition",
+        ),
+        (
+            "SELECT run_id FROM transitions GROUP BY run_id"
+            " HAVING min(seq) <> 0 OR count(*) <> max(seq) + 1 ORDER BY run_id",
+            "run(s) with gaps in their seqs",
+        ),
+    )
+
+    problems = []
+    for query, what in checks:
+        ids = [str(row[0]) for row in conn.execute(query)]
+        if ids:
+            problems.append(f"{len(ids)} {what} (first {ids[0]})")
+    return problems

@@ -1,38 +1,34 @@
-"""PostgreSQL's writes: the connection, getting a lost one back, and the fenced commit.
+"""PostgreSQL's fenced writes: the commit of a step (the hot path), of a group, of new runs.
 
-:class:`PostgresWrites` is the part of :class:`~fsm_runner.journal.postgres.PostgresJournal`
-that talks to the server (set up there): :meth:`PostgresWrites._call` runs every operation,
-reconnecting with backoff and resolving writes whose outcome a lost connection left unknown;
-the hot-path commit is one statement (a fenced ``UPDATE`` of the run row and the ``INSERT`` of
-the transition from it) in autocommit mode.
+:class:`PostgresWriter` is the object :class:`~fsm_runner.journal.postgres.PostgresJournal`
+holds for them, over the journal's
+:class:`~fsm_runner.journal._postgres_connection.PostgresConnection` (which runs each one,
+getting a lost connection back and asking a write cut off whether it committed); the journal
+binds the writer's ``commit``, ``commit_many`` and ``create_runs`` as its own. The hot-path
+commit is one statement (a fenced ``UPDATE`` of the run row and the ``INSERT`` of the
+transition from it) in autocommit mode.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import random
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
-import psycopg
 from psycopg import errors as pg_errors
-from psycopg import pq, sql
 
-from fsm_runner import _fork
 from fsm_runner.events import USER_ABORTED
-from fsm_runner.exceptions import (
-    JournalError,
-    LeaseError,
-    RunConflictError,
-    RunExistsError,
+from fsm_runner.exceptions import JournalError, RunExistsError, RunNotFoundError
+from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._postgres_connection import (
+    UNRESOLVED,
+    Connection,
+    PostgresConnection,
+    Unresolved,
 )
-from fsm_runner.journal import _rows
-from fsm_runner.journal._sql import SqlJournal
-from fsm_runner.journal.base import Commit, NewRun, new_runs
+from fsm_runner.journal._sql import SqlCore
+from fsm_runner.journal.base import Commit, NewRun, PruneReport, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
     IterationRecord,
@@ -41,18 +37,15 @@ from fsm_runner.records import (
     utc_now,
 )
 
-__all__ = ["DEFAULT_RETRY_FOR", "PostgresWrites"]
-
-T = TypeVar("T")
-_Connection = psycopg.Connection[tuple[Any, ...]]
+__all__ = ["INSERT_RUN", "TRANSITION_COLUMNS", "PostgresWriter", "utc"]
 
 _RUN_COLUMNS = _rows.RUN_COLUMNS
 _RUN_SELECT = ", ".join(_RUN_COLUMNS)
-_INSERT_RUN = f"INSERT INTO runs ({_RUN_SELECT}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
-_TRANSITION_COLUMNS = _rows.TRANSITION_COLUMNS
+INSERT_RUN = f"INSERT INTO runs ({_RUN_SELECT}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
+TRANSITION_COLUMNS = _rows.TRANSITION_COLUMNS
 _INSERT_TRANSITION = (
-    f"INSERT INTO transitions ({', '.join(_TRANSITION_COLUMNS)})"
-    f" VALUES ({', '.join(['%s'] * len(_TRANSITION_COLUMNS))})"
+    f"INSERT INTO transitions ({', '.join(TRANSITION_COLUMNS)})"
+    f" VALUES ({', '.join(['%s'] * len(TRANSITION_COLUMNS))})"
 )
 #: The hot path, one statement: move the run row from seq N-1 to N — only if it is at N-1 and
 #: the writer holds its current lease token (fencing), and, when an abort was requested under
@@ -111,40 +104,24 @@ class _RefusedError(Exception):
     """A commit inside a transaction was refused: leave the transaction, rolling it back."""
 
 
-class _Unresolved:
-    """What a resolver returns when the interrupted write left nothing: do it again."""
-
-
-_UNRESOLVED = _Unresolved()
-#: Refusals that a write done again may meet because its first try did commit after all.
-_REFUSALS = (RunConflictError, LeaseError, RunExistsError)
-
-
+#: The tables a prune deletes from, children first (the foreign keys are enforced).
+_TABLES = ("transitions", "iterations", "artifacts", "effects", "runs")
 _dumps = _rows.dumps
 _UTC = dt.timezone.utc
-#: Seconds a write waits for a lost connection to come back before giving up.
-DEFAULT_RETRY_FOR = 15.0
-_FIRST_BACKOFF = 0.05
-_MAX_BACKOFF = 1.0
 
 
-def _utc(value: dt.datetime | None) -> dt.datetime | None:
+def utc(value: dt.datetime | None) -> dt.datetime | None:
     """A datetime as PostgreSQL should store it: naive datetimes are taken as UTC."""
     if value is None or value.tzinfo is not None:
         return value
     return value.replace(tzinfo=_UTC)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0].strip() if text else type(exc).__name__
-
-
 @attrs.frozen
 class _CommitPlan:
-    """One commit's statements: what :meth:`PostgresJournal.commit` runs, alone or in a group."""
+    """One commit's statements: what :meth:`PostgresWriter.commit` runs, alone or in a group."""
 
-    journal: PostgresWrites
+    location: str
     transition: TransitionRecord
     statement: str
     params: Sequence[Any]
@@ -156,7 +133,7 @@ class _CommitPlan:
         """Whether the commit is one statement (the hot path)."""
         return not self.before and not self.after
 
-    def apply(self, conn: _Connection) -> bool:
+    def apply(self, conn: Connection) -> bool:
         """Run the statements; ``False`` when the commit was refused (the caller rolls back)."""
         for text, values in self.before:
             conn.execute(text, values)
@@ -172,23 +149,23 @@ class _CommitPlan:
             conn.execute(text, values)
         return True
 
-    def apply_or_raise(self, conn: _Connection) -> None:
+    def apply_or_raise(self, conn: Connection) -> None:
         """Run the statements; raise :class:`_RefusedError` when the commit was refused."""
         if not self.apply(conn):
             raise _RefusedError
 
-    def refusal(self, conn: _Connection) -> Exception:
+    def refusal(self, conn: Connection) -> Exception:
         """Why the commit was refused (asked once its statements are rolled back)."""
         transition = self.transition
         found = conn.execute(
             "SELECT seq, lease_token, abort_reason, abort_token FROM runs WHERE run_id = %s",
             (transition.run_id,),
         ).fetchone()
-        return self.journal._commit_refusal(
-            found, transition.run_id, transition.seq - 1, transition.lease_token
+        return _lease.commit_refusal(
+            found, transition.run_id, transition.seq - 1, transition.lease_token, path=self.location
         )
 
-    def resolve(self, conn: _Connection) -> _Unresolved | None:
+    def resolve(self, conn: Connection) -> Unresolved | None:
         """``None`` when this very transition is stored (a cut-off try did commit it)."""
         transition = self.transition
         row = conn.execute(
@@ -198,156 +175,24 @@ class _CommitPlan:
         ).fetchone()
         expected = (
             transition.lease_token,
-            _utc(transition.at),
+            utc(transition.at),
             transition.event,
             transition.to_state,
         )
-        return None if row is not None and tuple(row) == expected else _UNRESOLVED
+        return None if row is not None and tuple(row) == expected else UNRESOLVED
 
 
-class PostgresWrites(SqlJournal):
-    """The connection and the writes of :class:`~fsm_runner.journal.postgres.PostgresJournal`."""
+class PostgresWriter:
+    """The fenced writes of one PostgreSQL journal.
 
-    schema: str
-    retry_for: float
-    _location: str
-    _secrets: tuple[str, ...]
-    _conninfo: str
-    _connect_options: dict[str, Any]
-    _conn: _Connection | None
+    Args:
+        connection: the journal's connection manager, which runs each write.
+        core: the journal's shared SQL (row parameters, refusals).
+    """
 
-    # -- connecting ----------------------------------------------------------------------------
-
-    def _after_fork(self) -> None:
-        """In a forked child: a lock of its own, and a connection made at its first call.
-
-        The parent's connection shares its socket with the parent: it is kept, never used nor
-        closed here (closing it would end the parent's session). See :mod:`fsm_runner._fork`.
-        """
-        self._lock = threading.RLock()
-        if self._conn is not None:
-            _fork.keep(self._conn)
-            self._conn = None
-
-    def _connect(self, *, timeout: float | None = None) -> _Connection:
-        options = dict(self._connect_options)
-        if timeout is not None and "connect_timeout" in options:
-            options["connect_timeout"] = max(2, min(10, round(timeout)))
-        conn = psycopg.connect(self._conninfo, autocommit=True, **options)
-        try:
-            conn.execute(
-                sql.SQL(
-                    "SET search_path TO {}; SET TIME ZONE 'UTC'; SET synchronous_commit TO on"
-                ).format(sql.Identifier(self.schema))
-            )
-        except BaseException:
-            conn.close()
-            raise
-        self._conn = conn
-        return conn
-
-    def _connection(self, deadline: float | None) -> _Connection:
-        if self._closed:
-            raise JournalError("is closed", path=self._location)
-        conn = self._conn
-        if conn is not None and not conn.closed and not conn.broken:
-            return conn
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
-            self._conn = None
-        remaining = None if deadline is None else deadline - time.monotonic()
-        return self._connect(timeout=remaining)
-
-    # -- calling the database ------------------------------------------------------------------
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def _describe(self, exc: BaseException) -> str:
-        return self._scrub(_first_line(exc))
-
-    def _call(
-        self,
-        work: Callable[[_Connection], T],
-        *,
-        resolve: Callable[[_Connection], T | _Unresolved] | None = None,
-    ) -> T:
-        """Run ``work`` on the connection, getting a lost connection back and trying again.
-
-        ``resolve`` tells, after a try whose outcome is unknown (the connection died while it
-        ran), whether that try committed after all — then its answer is returned instead of
-        doing the work again.
-        """
-        deadline: float | None = None
-        unknown = False
-        backoff = _FIRST_BACKOFF
-        while True:
-            with self._lock:
-                started = False
-                try:
-                    conn = self._connection(deadline)
-                    if unknown and resolve is not None:
-                        found = resolve(conn)
-                        if not isinstance(found, _Unresolved):
-                            return found
-                    started = True
-                    try:
-                        return work(conn)
-                    except _REFUSALS:
-                        if not (unknown and resolve is not None):
-                            raise
-                        found = resolve(conn)  # a slow first try may have committed meanwhile
-                        if not isinstance(found, _Unresolved):
-                            return found
-                        raise
-                except psycopg.OperationalError as exc:
-                    if not self._transient(exc):
-                        raise JournalError(self._describe(exc), path=self._location) from None
-                    unknown = unknown or started
-                    last = self._describe(exc)
-                except psycopg.Error as exc:
-                    raise JournalError(self._describe(exc), path=self._location) from None
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.retry_for
-            if now >= deadline:
-                outcome = "; whether the last write was committed is unknown" if unknown else ""
-                raise JournalError(
-                    f"lost its connection to PostgreSQL and could not get it back within "
-                    f"{self.retry_for:g} s ({last}){outcome}",
-                    path=self._location,
-                )
-            jitter = 0.5 + random.random()  # noqa: S311 - spreads reconnects, not a secret
-            time.sleep(min(backoff * jitter, max(0.0, deadline - now)))
-            backoff = min(backoff * 2, _MAX_BACKOFF)
-
-    def _transient(self, exc: psycopg.OperationalError) -> bool:
-        """A lost connection (or a failed reconnect), a deadlock or a serialization failure."""
-        conn = self._conn
-        if conn is None or conn.closed or conn.broken:
-            return True
-        if conn.pgconn.pipeline_status != pq.PipelineStatus.OFF:
-            # Cut off inside a pipeline (``executemany``): psycopg could not leave pipeline mode
-            # and did not mark the connection broken, yet no statement can run on it again.
-            self._disconnect()
-            return True
-        return isinstance(exc, pg_errors.TransactionRollback)
-
-    # -- writes --------------------------------------------------------------------------------
-
-    def create_run(
-        self,
-        run: RunRecord,
-        first: TransitionRecord,
-        *,
-        spec_json: str,
-        iterations: Sequence[IterationRecord] = (),
-    ) -> None:
-        """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
-        self.create_runs([(run, first, iterations)], spec_json=spec_json)
+    def __init__(self, connection: PostgresConnection, core: SqlCore) -> None:
+        self._connection = connection
+        self._core = core
 
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
         """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
@@ -356,19 +201,20 @@ class PostgresWrites(SqlJournal):
         """
         if not new_runs(runs):
             return
-        run_rows = [self._run_params(run) for run, _, _ in runs]
-        transition_rows = [self._transition_params(first) for _, first, _ in runs]
+        core = self._core
+        run_rows = [core.run_params(run) for run, _, _ in runs]
+        transition_rows = [core.transition_params(first) for _, first, _ in runs]
         iteration_rows = [
-            self._iteration_params(record) for _, _, iterations in runs for record in iterations
+            core.iteration_params(record) for _, _, iterations in runs for record in iterations
         ]
         last, last_first = runs[-1][0], runs[-1][1]
         spec_row = (last.spec_hash, last.machine, spec_json, utc_now())
 
-        def work(conn: _Connection) -> None:
+        def work(conn: Connection) -> None:
             try:
                 with conn.transaction(), conn.cursor() as cursor:
                     cursor.execute(_INSERT_SPEC, spec_row)
-                    cursor.executemany(_INSERT_RUN, run_rows)
+                    cursor.executemany(INSERT_RUN, run_rows)
                     cursor.executemany(_INSERT_TRANSITION, transition_rows)
                     if iteration_rows:
                         cursor.executemany(_UPSERT_ITERATION, iteration_rows)
@@ -377,7 +223,7 @@ class PostgresWrites(SqlJournal):
                     raise RunExistsError(_existing(exc, runs)) from None
                 raise
 
-        def resolve(conn: _Connection) -> _Unresolved | None:
+        def resolve(conn: Connection) -> Unresolved | None:
             # One transaction: the batch is stored if its last run is, as written.
             row = conn.execute(
                 "SELECT r.created_at, t.at, t.event FROM runs AS r JOIN transitions AS t"
@@ -385,14 +231,14 @@ class PostgresWrites(SqlJournal):
                 (last.run_id,),
             ).fetchone()
             if row is not None and (row[0], row[1], row[2]) == (
-                _utc(last.created_at),
-                _utc(last_first.at),
+                utc(last.created_at),
+                utc(last_first.at),
                 last_first.event,
             ):
                 return None
-            return _UNRESOLVED
+            return UNRESOLVED
 
-        self._call(work, resolve=resolve)
+        self._connection.call(work, resolve=resolve)
 
     def commit(
         self,
@@ -412,7 +258,7 @@ class PostgresWrites(SqlJournal):
         """
         plan = self._plan(run, transition, iterations, artifacts, spec_json)
 
-        def work(conn: _Connection) -> None:
+        def work(conn: Connection) -> None:
             if plan.simple:  # the hot path: one statement, one transaction
                 if not plan.apply(conn):
                     raise plan.refusal(conn)
@@ -423,7 +269,7 @@ class PostgresWrites(SqlJournal):
             except _RefusedError:  # and rolled back: nothing of it was written
                 raise plan.refusal(conn) from None
 
-        self._call(work, resolve=plan.resolve)
+        self._connection.call(work, resolve=plan.resolve)
 
     def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
         """Store several commits in one transaction (see :meth:`Journal.commit_many`).
@@ -448,7 +294,7 @@ class PostgresWrites(SqlJournal):
             return results
         tries = 0
 
-        def work(conn: _Connection) -> dict[int, Exception]:
+        def work(conn: Connection) -> dict[int, Exception]:
             nonlocal tries
             tries += 1
             refused: dict[int, Exception] = {}
@@ -459,13 +305,13 @@ class PostgresWrites(SqlJournal):
                         conn.execute("RELEASE SAVEPOINT one_commit")
                         continue
                     conn.execute("ROLLBACK TO SAVEPOINT one_commit")
-                    if tries > 1 and not isinstance(plan.resolve(conn), _Unresolved):
+                    if tries > 1 and not isinstance(plan.resolve(conn), Unresolved):
                         continue  # stored by the try that was cut off
                     refused[index] = plan.refusal(conn)
             return refused
 
         try:
-            refused = self._call(work)
+            refused = self._connection.call(work)
         except JournalError as failure:
             return [failure if result is None else result for result in results]
         for index, refusal in refused.items():
@@ -483,13 +329,13 @@ class PostgresWrites(SqlJournal):
         """The statements of one commit (checked, and its payloads serialised, up front)."""
         seq = transition.seq
         if run.seq != seq or run.state != transition.to_state or seq < 1:
-            self._refuse_malformed(run, transition)
+            self._core.refuse_malformed(run, transition)
         aborting = transition.event == USER_ABORTED
         params: list[Any] = [
             transition.to_state,
             seq,
             transition.iteration,
-            _utc(transition.at),
+            utc(transition.at),
             run.status.value,
             run.attempt,
             _dumps(run.context),
@@ -509,14 +355,116 @@ class PostgresWrites(SqlJournal):
             before.append((_INSERT_SPEC, (run.spec_hash, run.machine, spec_json, utc_now())))
         # ... and is the one transition taken under the token its abort was requested under
         params += [run.run_id, seq - 1, transition.lease_token, aborting]
-        params += self._transition_params(transition)[1:]
-        after = [(_UPSERT_ITERATION, self._iteration_params(i)) for i in iterations]
-        after += [(_UPSERT_ARTIFACT, self._artifact_params(a)) for a in artifacts]
+        core = self._core
+        params += core.transition_params(transition)[1:]
+        after = [(_UPSERT_ITERATION, core.iteration_params(i)) for i in iterations]
+        after += [(_UPSERT_ARTIFACT, core.artifact_params(a)) for a in artifacts]
         return _CommitPlan(
-            journal=self,
+            location=self._connection.location,
             transition=transition,
             statement=_COMMIT if spec_json is None else _COMMIT_WITH_SPEC,
             params=params,
             before=before,
             after=after,
         )
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
+        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        _rows.check_fork(run, at_seq)
+        row = self._core.run_params(run)
+        rest = [column for column in TRANSITION_COLUMNS if column not in ("run_id", "lease_token")]
+        copy_transitions = (
+            f"INSERT INTO transitions (run_id, {', '.join(rest)}, lease_token)"
+            f" SELECT %s, {', '.join(rest)}, 0 FROM transitions"  # under the fork's own leases
+            " WHERE run_id = %s AND seq <= %s ORDER BY seq"
+        )
+        copies = (
+            ("iterations", _rows.ITERATION_COLUMNS, "iteration <= %s", "iteration", run.iteration),
+            ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= %s", "id", at_seq),
+            ("effects", _rows.EFFECT_COLUMNS, "visit_seq < %s", "rowid", run.visit_seq),
+        )
+
+        def work(conn: Connection) -> None:
+            with conn.transaction():
+                found = conn.execute(
+                    "SELECT seq FROM runs WHERE run_id = %s FOR SHARE", (source_run_id,)
+                ).fetchone()
+                if found is None:
+                    raise RunNotFoundError(source_run_id)
+                _rows.check_fork_source(source_run_id, found[0], at_seq)
+                try:
+                    with conn.transaction():
+                        conn.execute(INSERT_RUN, row)
+                except pg_errors.UniqueViolation as exc:
+                    if exc.diag.constraint_name == "runs_pkey":
+                        raise RunExistsError(run.run_id) from None
+                    raise
+                conn.execute(copy_transitions, (run.run_id, source_run_id, at_seq))
+                for table, columns, condition, order, bound in copies:
+                    names = [column for column in columns if column != "run_id"]
+                    conn.execute(
+                        f"INSERT INTO {table} (run_id, {', '.join(names)})"
+                        f" SELECT %s, {', '.join(names)} FROM {table}"
+                        f" WHERE run_id = %s AND {condition} ORDER BY {order}",
+                        (run.run_id, source_run_id, bound),
+                    )
+
+        def resolve(conn: Connection) -> Unresolved | None:
+            found = conn.execute(
+                "SELECT forked_from, created_at FROM runs WHERE run_id = %s", (run.run_id,)
+            ).fetchone()
+            if found is not None and tuple(found) == (run.forked_from, utc(run.created_at)):
+                return None
+            return UNRESOLVED
+
+        self._connection.call(work, resolve=resolve)
+
+    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, then ``VACUUM`` the tables.
+
+        The space is made reusable by the journal (PostgreSQL's plain ``VACUUM``), not given
+        back to the operating system, so the report carries no sizes.
+        """
+        select = (
+            "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < %s"
+            " AND NOT EXISTS (SELECT 1 FROM runs AS c WHERE c.parent_run_id = r.run_id"
+            " AND c.status = 'active')"
+        )
+        cutoff = (utc(ended_before),)
+
+        def work(conn: Connection) -> PruneReport:
+            with conn.transaction():
+                ids = tuple(
+                    str(row[0])
+                    for row in conn.execute(
+                        f"{select} ORDER BY updated_at NULLS FIRST, rowid"
+                        + ("" if dry_run else " FOR UPDATE"),
+                        cutoff,
+                    )
+                )
+                if dry_run or not ids:
+                    found = conn.execute(
+                        "SELECT count(*) FROM transitions WHERE run_id = ANY(%s)", (list(ids),)
+                    ).fetchone()
+                    return PruneReport(ids, int(found[0] if found else 0), dry_run=dry_run)
+                count = 0
+                for table in _TABLES:
+                    deleted = conn.execute(
+                        f"DELETE FROM {table} WHERE run_id = ANY(%s)", (list(ids),)
+                    ).rowcount
+                    if table == "transitions":
+                        count = deleted
+                conn.execute(
+                    "DELETE FROM specs WHERE NOT EXISTS"
+                    " (SELECT 1 FROM runs WHERE runs.spec_hash = specs.spec_hash)"
+                )
+                return PruneReport(ids, count, dry_run=False)
+
+        report = self._connection.call(work)
+        if report.run_ids and not dry_run:
+            self._connection.call(
+                lambda conn: conn.execute("VACUUM " + ", ".join((*_TABLES, "specs")))
+            )
+        return report

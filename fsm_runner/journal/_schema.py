@@ -13,7 +13,7 @@ import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
 from fsm_runner.events import USER_ABORTED
-from fsm_runner.journal._sqlite_writes import _NO_RUN_KEY, _STALE_SEQ
+from fsm_runner.journal._sqlite_errors import NO_RUN_KEY, STALE_SEQ
 
 __all__ = ["database", "migrate", "unknown_migrations"]
 
@@ -99,7 +99,7 @@ def m0001_initial(db: sqlite_utils.Database) -> None:
             UPDATE runs SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
                             updated_at = NEW.at
              WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
+            SELECT RAISE(ABORT, '{STALE_SEQ}') WHERE changes() = 0;
         END
         """
     )
@@ -199,7 +199,7 @@ def m0004_effects(db: sqlite_utils.Database) -> None:
                                                AND NEW.event IN ('RETRIED', 'INTERRUPTED')
                                              THEN visit_seq ELSE NEW.seq END
              WHERE run_id = NEW.run_id AND seq = NEW.seq - 1;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
+            SELECT RAISE(ABORT, '{STALE_SEQ}') WHERE changes() = 0;
         END
         """
     )
@@ -244,7 +244,7 @@ def m0005_leases(db: sqlite_utils.Database) -> None:
                                                AND NEW.event IN ('RETRIED', 'INTERRUPTED')
                                              THEN visit_seq ELSE NEW.seq END
              WHERE run_id = NEW.run_id AND seq = NEW.seq - 1 AND lease_token = NEW.lease_token;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}') WHERE changes() = 0;
+            SELECT RAISE(ABORT, '{STALE_SEQ}') WHERE changes() = 0;
         END
         """
     )
@@ -273,7 +273,7 @@ def m0006_derived_heads(db: sqlite_utils.Database) -> None:
         f"""
         CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
         BEGIN
-            SELECT RAISE(ABORT, '{_STALE_SEQ}')
+            SELECT RAISE(ABORT, '{STALE_SEQ}')
              WHERE NOT EXISTS (SELECT 1 FROM run_rows
                                 WHERE run_id = NEW.run_id AND lease_token = NEW.lease_token)
                 OR NOT EXISTS (SELECT 1 FROM transitions
@@ -413,8 +413,8 @@ def m0007_run_keys(db: sqlite_utils.Database) -> None:
         f"""
         CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
         BEGIN
-            SELECT RAISE(ABORT, '{_NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}')
+            SELECT RAISE(ABORT, '{NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
+            SELECT RAISE(ABORT, '{STALE_SEQ}')
              WHERE NOT EXISTS (SELECT 1 FROM run_rows
                                 WHERE run_key = NEW.run_key AND run_id = NEW.run_id
                                   AND lease_token = NEW.lease_token)
@@ -469,8 +469,8 @@ def m0008_abort_fence(db: sqlite_utils.Database) -> None:
         f"""
         CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
         BEGIN
-            SELECT RAISE(ABORT, '{_NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
-            SELECT RAISE(ABORT, '{_STALE_SEQ}')
+            SELECT RAISE(ABORT, '{NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
+            SELECT RAISE(ABORT, '{STALE_SEQ}')
              WHERE NOT EXISTS (SELECT 1 FROM run_rows
                                 WHERE run_key = NEW.run_key AND run_id = NEW.run_id
                                   AND lease_token = NEW.lease_token

@@ -1,23 +1,24 @@
 """What the SQL journals share: reads, row decoding, effects and the rows they bind.
 
-:class:`SqlJournal` is the base of :class:`~fsm_runner.journal.sqlite.SqliteJournal` and
-:class:`~fsm_runner.journal.postgres.PostgresJournal`. It holds every method whose SQL is the
-same on both but for its placeholder (``?`` or ``%s``); each dialect supplies how it reads
-(:meth:`SqlJournal._select`), how it runs a short write (:meth:`SqlJournal._writing`), how it
-stores a time, and what really differs: the fenced commit, claims, prune, reconnects.
+:class:`SqlCore` is an object that :class:`~fsm_runner.journal.sqlite.SqliteJournal` and
+:class:`~fsm_runner.journal.postgres.PostgresJournal` each hold. It does everything whose SQL
+is the same on both but for what a :class:`SqlDialect` names (the placeholder, ``?`` or ``%s``,
+the run table, how a time is stored); it reads and writes through the journal's connection
+manager (:class:`SqlConnections`). What really differs stays with each dialect: the fenced
+commit, claims, prune, reconnects.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import attrs
 
 from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError, RunNotFoundError
-from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal.base import Durability
+from fsm_runner.journal import _rows
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -28,10 +29,9 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RunOutcome
 
-__all__ = ["SqlJournal"]
+__all__ = ["SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
 
 T = TypeVar("T")
-_J = TypeVar("_J", bound="SqlJournal")
 
 #: Run ids in one ``IN (...)`` list (under SQLite's oldest default limit of 999 variables).
 _IDS_A_STATEMENT = 500
@@ -40,74 +40,84 @@ _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
 _ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
 
 
-class SqlJournal:
-    """The part of a SQL journal that is the same in every dialect.
+def bind_hot_path(journal: object, cls: type, target: object, names: Sequence[str]) -> None:
+    """Bind ``target``'s methods ``names`` on ``journal`` itself, in place of ``cls``'s own.
 
-    A subclass sets the class attributes and implements :meth:`_select`, :meth:`_writing`,
-    :meth:`_stamp`, :meth:`_stale_bound`, :meth:`_disconnect`, ``location`` and ``load``.
+    ``cls``'s methods of those names only pass the call on to ``target``; bound on the
+    instance, the engine's call per step goes straight to ``target`` (a call through the
+    journal is ~1 % of a journaled step). A subclass of ``cls`` that overrides one keeps its
+    own.
     """
+    for name in names:
+        if getattr(type(journal), name) is getattr(cls, name):
+            setattr(journal, name, getattr(target, name))
 
-    #: The dialect's placeholder for one parameter.
-    _MARK: ClassVar[str]
+
+@attrs.frozen
+class SqlDialect:
+    """What differs between the SQL journals in the SQL they share."""
+
+    #: The placeholder for one parameter.
+    mark: str
     #: The table of run rows that a read of the rows alone goes to (no view, no trigger).
-    _RUN_TABLE: ClassVar[str]
+    run_table: str
     #: The columns read for a run row.
-    _RUN_SELECT: ClassVar[str]
+    run_select: str
     #: The column that orders rows inserted in the same microsecond (insertion order).
-    _ROW_ORDER: ClassVar[str]
-    #: The condition that selects one run's transitions through their key (one parameter: the
-    #: run id).
-    _RUN_TRANSITIONS: ClassVar[str]
-    #: The dialect's INSERT (or replace) of an effect, only while its run is at a seq (and,
-    #: if given, a lease token): parameters are the effect's columns, run id, seq, token, token.
-    _PUT_EFFECT: ClassVar[str]
+    row_order: str
+    #: The condition that selects one run's transitions through their key (one parameter:
+    #: the run id).
+    run_transitions: str
+    #: The INSERT (or replace) of an effect, only while its run is at a seq (and, if given, a
+    #: lease token): parameters are the effect's columns, run id, seq, token, token.
+    put_effect: str
+    #: A time as the dialect stores it.
+    stamp: Callable[[dt.datetime], Any]
+    #: The SQL (and its parameters) of "now" that an expired lease is older than.
+    stale_bound: Callable[[], tuple[str, list[Any]]]
 
-    durability: Durability
-    _lock: threading.RLock
-    _closed: bool
 
-    # -- what each dialect supplies ------------------------------------------------------------
+class SqlConnections(Protocol):
+    """What :class:`SqlCore` asks of a journal's connection manager."""
 
     @property
     def location(self) -> str:
         """Where the journal lives, for messages."""
-        raise NotImplementedError
 
-    def _disconnect(self) -> None:
-        """Close the connection (once, under the lock)."""
-        raise NotImplementedError
-
-    def load(self, run_id: str) -> RunRecord:
-        """Return the run's row."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _stamp(value: dt.datetime) -> Any:
-        """A time as the dialect stores it."""
-        raise NotImplementedError
-
-    def _select(
+    def select(
         self, query: str, params: Sequence[Any], *, damaged: bool = False
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         """Run a read; return its column names and rows.
 
         ``damaged``: a read of tables alone, allowed even when the journal's view is damaged.
         """
-        raise NotImplementedError
 
-    def _writing(self, work: Callable[[Any], T]) -> T:
+    def writing(self, work: Callable[[Any], T]) -> T:
         """Run ``work`` with the connection, as one short write.
 
         SQLite: inside one ``BEGIN IMMEDIATE`` transaction; PostgreSQL: in autocommit mode,
         getting a lost connection back and trying again.
         """
-        raise NotImplementedError
 
-    def _stale_bound(self) -> tuple[str, list[Any]]:
-        """The SQL (and its parameters) of "now" that an expired lease is older than."""
-        raise NotImplementedError
 
-    # -- the same in every dialect -------------------------------------------------------------
+class SqlCore:
+    """The part of a SQL journal that is the same in every dialect (see the module).
+
+    Args:
+        dialect: the SQL that differs.
+        connections: the journal's connection manager.
+    """
+
+    def __init__(self, dialect: SqlDialect, connections: SqlConnections) -> None:
+        self.dialect = dialect
+        self._connections = connections
+        self._select = connections.select
+        self._stamp = dialect.stamp
+
+    @property
+    def location(self) -> str:
+        """Where the journal lives, for messages."""
+        return self._connections.location
 
     def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
         """Give up the ``(run_id, token)`` leases ``owner`` holds, in one write (``Journal``).
@@ -116,7 +126,7 @@ class SqlJournal:
         connection is harmless: only the owner's own token matches). Then each run's abort
         reason, read in the same write.
         """
-        m, table = self._MARK, self._RUN_TABLE
+        m, table = self.dialect.mark, self.dialect.run_table
 
         def work(conn: Any) -> dict[str, str | None]:
             conn.cursor().executemany(
@@ -132,48 +142,34 @@ class SqlJournal:
                 found.update(conn.execute(query, run_ids).fetchall())
             return {run_id: found.get(run_id) for run_id, _ in leases}
 
-        return self._writing(work)
+        return self._connections.writing(work)
 
-    def close(self) -> None:
-        """Close the connection; further use raises ``JournalError``."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._disconnect()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
-
-    def __enter__(self: _J) -> _J:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _require_run(self, conn: Any, run_id: str) -> None:
+    def require_run(self, conn: Any, run_id: str) -> None:
         """Raise :class:`RunNotFoundError` unless the run's row exists (read on ``conn``)."""
+        dialect = self.dialect
         found = conn.execute(
-            f"SELECT 1 FROM {self._RUN_TABLE} WHERE run_id = {self._MARK}", (run_id,)
+            f"SELECT 1 FROM {dialect.run_table} WHERE run_id = {dialect.mark}", (run_id,)
         ).fetchone()
         if found is None:
             raise RunNotFoundError(run_id)
 
-    def _lease_lost(self, conn: Any, run_id: str, token: int) -> LeaseLostError:
+    def lease_lost(self, conn: Any, run_id: str, token: int) -> LeaseLostError:
         """The error for a lease no longer held with ``token`` (read on ``conn``).
 
         Raises:
             RunNotFoundError: there is no such run.
         """
-        self._require_run(conn, run_id)
+        self.require_run(conn, run_id)
         return LeaseLostError(run_id, token=token)
 
-    def _refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
+    def refuse_malformed(self, run: RunRecord, transition: TransitionRecord) -> None:
         """Refuse a commit whose run row does not follow from its transition, or of seq 0."""
         if run.seq != transition.seq or run.state != transition.to_state:
             raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
         if transition.seq < 1:  # seq 0 is written by create_run only
+            dialect = self.dialect
             _, found = self._select(
-                f"SELECT 1 FROM {self._RUN_TABLE} WHERE run_id = {self._MARK}", (run.run_id,)
+                f"SELECT 1 FROM {dialect.run_table} WHERE run_id = {dialect.mark}", (run.run_id,)
             )
             if not found:
                 raise RunNotFoundError(run.run_id)
@@ -181,27 +177,18 @@ class SqlJournal:
                 run_id=run.run_id, expected_seq=transition.seq - 1, path=self.location
             )
 
-    def _commit_refusal(
-        self, found: Sequence[Any] | None, run_id: str, expected_seq: int, token: int
-    ) -> Exception:
-        """Why a fenced commit was refused, from the run as stored.
-
-        See :func:`fsm_runner.journal._lease.commit_refusal`.
-        """
-        return _lease.commit_refusal(found, run_id, expected_seq, token, path=self.location)
-
     # -- rows ----------------------------------------------------------------------------------
 
-    def _run_params(self, run: RunRecord) -> tuple[Any, ...]:
+    def run_params(self, run: RunRecord) -> tuple[Any, ...]:
         return _rows.run_params(run, _rows.RUN_COLUMNS, self._stamp)
 
-    def _transition_params(self, transition: TransitionRecord) -> tuple[Any, ...]:
+    def transition_params(self, transition: TransitionRecord) -> tuple[Any, ...]:
         return _rows.transition_params(transition, self._stamp)
 
-    def _iteration_params(self, record: IterationRecord) -> tuple[Any, ...]:
+    def iteration_params(self, record: IterationRecord) -> tuple[Any, ...]:
         return _rows.iteration_params(record, self._stamp)
 
-    def _artifact_params(self, artifact: ArtifactRecord) -> tuple[Any, ...]:
+    def artifact_params(self, artifact: ArtifactRecord) -> tuple[Any, ...]:
         return _rows.artifact_params(artifact, self._stamp)
 
     def _loads(self, text: str | None) -> Any:
@@ -222,8 +209,9 @@ class SqlJournal:
                 f"has an unreadable {cls.__name__} row ({exc})", path=self.location
             ) from exc
 
-    def _decode_run(self, data: dict[str, Any]) -> RunRecord:
-        """A run row, by column, as a record (its JSON parsed)."""
+    def decode_run(self, data: dict[str, Any]) -> RunRecord:
+        """A run row, by column, as a record (its JSON parsed; SQLite's ``run_key`` dropped)."""
+        data.pop("run_key", None)
         try:
             for column in _rows.RUN_JSON:
                 data[column] = self._loads(data[column])
@@ -235,7 +223,7 @@ class SqlJournal:
                 f"run {data.get('run_id')!r} has an unreadable row ({exc})", path=self.location
             ) from exc
 
-    def _transition_records(
+    def transition_records(
         self, names: Sequence[str], rows: Sequence[Sequence[Any]]
     ) -> list[TransitionRecord]:
         records = []
@@ -250,17 +238,27 @@ class SqlJournal:
 
     def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
         """Return the effect recorded under that name in that visit, if any."""
-        m = self._MARK
+        m = self.dialect.mark
         found = self._effects(
             f"WHERE run_id = {m} AND visit_seq = {m} AND name = {m}", (run_id, visit_seq, name)
         )
         return found[0] if found else None
 
+    def load(self, run_id: str) -> RunRecord:
+        """Return the run's row (for the reads of what a run owns: a missing run is an error)."""
+        dialect = self.dialect
+        names, rows = self._select(
+            f"SELECT {dialect.run_select} FROM runs WHERE run_id = {dialect.mark}", (run_id,)
+        )
+        if not rows:
+            raise RunNotFoundError(run_id)
+        return self.decode_run(dict(zip(names, rows[0], strict=True)))
+
     def effects(self, run_id: str) -> list[EffectRecord]:
         """Return the run's effects, in the order they were started."""
         self.load(run_id)
         return self._effects(
-            f"WHERE run_id = {self._MARK} ORDER BY started_at NULLS FIRST, rowid", (run_id,)
+            f"WHERE run_id = {self.dialect.mark} ORDER BY started_at NULLS FIRST, rowid", (run_id,)
         )
 
     def _effects(self, where: str, params: Sequence[Any]) -> list[EffectRecord]:
@@ -273,14 +271,14 @@ class SqlJournal:
 
     def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
         """Return the run's record of that iteration, if there is one."""
-        m = self._MARK
+        m = self.dialect.mark
         records = self._iterations(f"WHERE run_id = {m} AND iteration = {m}", (run_id, iteration))
         return records[0] if records else None
 
     def iterations(self, run_id: str) -> list[IterationRecord]:
         """Return the run's iteration records, in iteration order."""
         self.load(run_id)
-        return self._iterations(f"WHERE run_id = {self._MARK} ORDER BY iteration", (run_id,))
+        return self._iterations(f"WHERE run_id = {self.dialect.mark} ORDER BY iteration", (run_id,))
 
     def _iterations(self, where: str, params: Sequence[Any]) -> list[IterationRecord]:
         _, rows = self._select(
@@ -298,8 +296,8 @@ class SqlJournal:
         """Return the run's artifacts, in the order they were committed."""
         self.load(run_id)
         _, rows = self._select(
-            f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts WHERE run_id = {self._MARK}"
-            " ORDER BY id",
+            f"SELECT {', '.join(_ARTIFACT_COLUMNS)} FROM artifacts"
+            f" WHERE run_id = {self.dialect.mark} ORDER BY id",
             (run_id,),
         )
         records = []
@@ -328,13 +326,13 @@ class SqlJournal:
         lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
         listed after that run (a keyset page: the index is read from there, whatever page).
         """
-        m = self._MARK
+        m = self.dialect.mark
         where: list[str] = []
         params: list[Any] = []
         if effect_in_flight:
             where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
         if stale:
-            now, now_params = self._stale_bound()
+            now, now_params = self.dialect.stale_bound()
             where.append(
                 f"status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < {now}"
             )
@@ -352,23 +350,25 @@ class SqlJournal:
             where.append(f"run_id >= {m} AND run_id < {m}")
             params += [run_id_prefix, run_id_prefix + "\U0010ffff"]
         if before is not None:
-            order = f"created_at, {self._ROW_ORDER}"
-            where.append(f"({order}) < (SELECT {order} FROM {self._RUN_TABLE} WHERE run_id = {m})")
+            order = f"created_at, {self.dialect.row_order}"
+            where.append(
+                f"({order}) < (SELECT {order} FROM {self.dialect.run_table} WHERE run_id = {m})"
+            )
             params.append(before)
-        query = f"SELECT {self._RUN_SELECT} FROM runs"
+        query = f"SELECT {self.dialect.run_select} FROM runs"
         if where:
             query += " WHERE " + " AND ".join(where)
-        query += f" ORDER BY created_at DESC, {self._ROW_ORDER} DESC"
+        query += f" ORDER BY created_at DESC, {self.dialect.row_order} DESC"
         if limit is not None:
             query += f" LIMIT {m}"
             params.append(int(limit))
         names, rows = self._select(query, params)
-        return [self._decode_run(dict(zip(names, row, strict=True))) for row in rows]
+        return [self.decode_run(dict(zip(names, row, strict=True))) for row in rows]
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""
         _, rows = self._select(
-            f"SELECT state, status, count(*) FROM runs WHERE machine = {self._MARK}"
+            f"SELECT state, status, count(*) FROM runs WHERE machine = {self.dialect.mark}"
             " GROUP BY state, status",
             (machine,),
         )
@@ -378,7 +378,7 @@ class SqlJournal:
         """How often the run took each move: ``(from, event, to, count, last seq)``, by last seq."""
         _, rows = self._select(
             "SELECT from_state, event, to_state, count(*), max(seq) FROM transitions"
-            f" WHERE {self._RUN_TRANSITIONS} GROUP BY from_state, event, to_state"
+            f" WHERE {self.dialect.run_transitions} GROUP BY from_state, event, to_state"
             " ORDER BY max(seq)",
             (run_id,),
         )
@@ -386,9 +386,9 @@ class SqlJournal:
 
     def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
         """Return up to ``limit`` run ids that start with ``prefix``."""
-        m = self._MARK
+        m = self.dialect.mark
         _, rows = self._select(
-            f"SELECT run_id FROM {self._RUN_TABLE} WHERE run_id >= {m} AND run_id < {m}"
+            f"SELECT run_id FROM {self.dialect.run_table} WHERE run_id >= {m} AND run_id < {m}"
             f" ORDER BY run_id LIMIT {m}",
             (prefix, prefix + "\U0010ffff", limit),
             damaged=True,  # the run rows alone: no view, no trigger
@@ -398,7 +398,7 @@ class SqlJournal:
     def spec_json(self, spec_hash: str) -> str:
         """Return the canonical JSON of the spec with that hash."""
         _, rows = self._select(
-            f"SELECT json FROM specs WHERE spec_hash = {self._MARK}", (spec_hash,)
+            f"SELECT json FROM specs WHERE spec_hash = {self.dialect.mark}", (spec_hash,)
         )
         if not rows:
             raise JournalError(f"holds no spec {spec_hash[:12]}", path=self.location)
@@ -426,10 +426,10 @@ class SqlJournal:
         )
 
         def work(conn: Any) -> None:
-            if conn.execute(self._PUT_EFFECT, params).rowcount == 1:
+            if conn.execute(self.dialect.put_effect, params).rowcount == 1:
                 return
             found = conn.execute(
-                f"SELECT seq, lease_token FROM runs WHERE run_id = {self._MARK}",
+                f"SELECT seq, lease_token FROM runs WHERE run_id = {self.dialect.mark}",
                 (record.run_id,),
             ).fetchone()
             if found is None:
@@ -438,4 +438,4 @@ class SqlJournal:
                 raise LeaseLostError(record.run_id, token=lease_token)
             raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self.location)
 
-        self._writing(work)  # writing the same record again is harmless
+        self._connections.writing(work)  # writing the same record again is harmless

@@ -1,10 +1,11 @@
-"""Opening a SQLite journal file, and telling its schema objects from damaged ones.
+"""Opening a SQLite journal file, and telling its schema objects from damaged ones: functions.
 
-:class:`SqliteChecks` is the part of :class:`~fsm_runner.journal.sqlite.SqliteJournal` that
-checks the file before and as it opens it (never with ``open()``: see the comment above
-:meth:`SqliteChecks._check_header`), migrates it, and compares its schema objects with a new
+They check the file before and as it is opened (never with ``open()``: see the comment above
+:func:`check_path`), migrate it (:func:`open_schema`), and compare its schema objects with a new
 journal's: tables by their columns, keys and unique constraints; indexes by their columns; the
-view and the triggers (fsm_runner's own SQL text) by a digest of their SQL.
+view and the triggers (fsm_runner's own SQL text) by a digest of their SQL. Each takes the
+connection it reads; :class:`~fsm_runner.journal._sqlite_connections.SqliteConnections` calls
+them as it opens the file, and the journal for ``check``.
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from fsm_runner.exceptions import JournalError, SchemaVersionError
-from fsm_runner.journal._sqlite_writes import SqliteWrites
 
 __all__ = [
     "APPLICATION_ID",
     "CODE",
     "SCHEMA_VERSION",
     "TABLES",
-    "SqliteChecks",
+    "check_path",
     "code_objects",
     "difference",
     "expected_shapes",
+    "heal_side_files",
+    "integrity_problems",
     "object_name",
+    "open_schema",
+    "schema_problems",
     "schema_shapes",
+    "verify_code",
 ]
 
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
@@ -155,214 +160,252 @@ def difference(kind: str, found: Any, expected: Any) -> str:
 @functools.cache
 def expected_shapes() -> dict[tuple[str, str], Any]:
     """The schema objects of a new journal, as :func:`schema_shapes` sees them."""
-    from fsm_runner.journal.sqlite import SqliteJournal  # noqa: PLC0415 - it imports this module
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        open_schema(conn, ":memory:", create=True)
+        return schema_shapes(conn)
+    finally:
+        conn.close()
 
-    with SqliteJournal(":memory:") as journal:
-        return schema_shapes(journal._conn)
+
+# -- opening -------------------------------------------------------------------------------
+
+# Nothing here may open the journal or its side files with ``open()``: POSIX advisory locks
+# belong to a process, not to a descriptor, so closing *any* descriptor of the file drops
+# every lock this process's other connections hold on it. Another process closing its
+# connection then believes it is the last one, checkpoints and deletes the ``-wal`` and
+# ``-shm`` under our live connections: commits land in a deleted WAL and are lost, and
+# readers of the truncated ``-shm`` die of SIGBUS. Only SQLite itself (which shares one lock
+# set between the connections of a process) reads these files; the checks below use
+# ``stat``/``access``, which open nothing.
 
 
-class SqliteChecks(SqliteWrites):
-    """Opening and checking the file, for :class:`~fsm_runner.journal.sqlite.SqliteJournal`."""
-
-    _create: bool
-
-    # -- opening -------------------------------------------------------------------------------
-
-    # Nothing here may open the journal or its side files with ``open()``: POSIX advisory locks
-    # belong to a process, not to a descriptor, so closing *any* descriptor of the file drops
-    # every lock this process's other connections hold on it. Another process closing its
-    # connection then believes it is the last one, checkpoints and deletes the ``-wal`` and
-    # ``-shm`` under our live connections: commits land in a deleted WAL and are lost, and
-    # readers of the truncated ``-shm`` die of SIGBUS. Only SQLite itself (which shares one lock
-    # set between the connections of a process) reads these files; the checks below use
-    # ``stat``/``access``, which open nothing.
-
-    def _check_header(self) -> None:
-        """Refuse a path whose directory is missing, or that is a directory itself."""
-        if self.path == ":memory:":
-            return
-        try:
-            found = os.stat(self.path)
-        except FileNotFoundError:
-            if not Path(self.path).parent.is_dir():
-                raise JournalError("its directory does not exist", path=self.path) from None
-            return
-        except OSError as exc:
-            raise JournalError(f"cannot be read: {exc.strerror}", path=self.path) from None
-        if stat.S_ISDIR(found.st_mode):
-            raise JournalError("is a directory, not a journal file", path=self.path)
-        if found.st_nlink > 1:  # sqlite.org/howtocorrupt.html, 2.4 (a symlink is fine)
-            raise JournalError(
-                f"has {found.st_nlink} hard links: SQLite keeps a -wal and -shm file beside each"
-                " name, so writers under two names would not exclude each other and corrupt it;"
-                " keep one name (a symlink is fine); nothing was changed",
-                path=self.path,
-            )
-        if not os.access(self.path, os.R_OK, effective_ids=True):
-            raise JournalError("cannot be read: Permission denied", path=self.path)
-
-    def _heal_side_files(self) -> None:
-        """Make stale ``-wal``/``-shm`` files writable again when the journal itself is.
-
-        A connection to a read-only journal leaves its ``-shm`` file behind with the journal's
-        mode then; once the journal is made writable again, SQLite would still open it
-        read-only because of that file. Only files this process owns are changed.
-        """
-        if self.path == ":memory:" or not os.access(self.path, os.W_OK, effective_ids=True):
-            return  # missing, or not writable: nothing to heal
-        real = os.path.realpath(self.path)  # SQLite keeps them beside a symlink's target
-        for suffix in ("-wal", "-shm"):
-            side = real + suffix
-            if os.path.exists(side) and not os.access(side, os.W_OK, effective_ids=True):
-                with contextlib.suppress(OSError):
-                    if os.stat(side).st_uid == os.getuid():
-                        os.chmod(side, os.stat(self.path).st_mode & 0o777)
-
-    def _open_schema(self) -> None:
-        conn = self._conn
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        if app_id not in (0, APPLICATION_ID):
-            raise JournalError(
-                f"is a SQLite database of another application (application_id {app_id:#x}), "
-                "not an fsm_runner journal",
-                path=self.path,
-            )
-        if app_id == APPLICATION_ID and self._stored_version() == SCHEMA_VERSION:
-            self._enable_wal()
-            return  # the common case: an up-to-date journal, opened without taking a write lock
-        tables = {
-            str(row[0])
-            for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-        }
-        if app_id == 0 and not tables and not self._create:
-            empty = self.path != ":memory:" and os.stat(self.path).st_size == 0
-            raise JournalError(
-                "is not an fsm_runner journal ("
-                + ("an empty file" if empty else "a SQLite database without tables")
-                + "); nothing was changed",
-                path=self.path,
-            )
-        if app_id == 0 and tables - {"_sqlite_migrations"}:
-            raise JournalError(
-                "is a SQLite database but not an fsm_runner journal (it has tables "
-                f"{', '.join(sorted(tables)[:5])})",
-                path=self.path,
-            )
-        self._enable_wal()
-        # sqlite-utils (schema and migrations) is imported only here: opening an up-to-date
-        # journal, as every command and worker does, does not pay its ~0.1 s import.
-        from fsm_runner.journal import _schema  # noqa: PLC0415 - lazy on purpose (see above)
-
-        db = _schema.database(conn)
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            self._refuse_newer_schema(_schema.unknown_migrations(db))
-            _schema.migrate(db)
-            self._conn.execute(
-                "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
-                (str(SCHEMA_VERSION),),
-            )
-            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-
-    def _verify_code(self) -> None:
-        """Compare the journal's view and triggers with its schema version's; note what differs.
-
-        Their SQL is fsm_runner's own text, stored as written, so a digest of it (whitespace
-        aside) tells a damaged or hand-edited one: ``transitions_fence`` altered or dropped
-        loses the fencing of every write (invariants 2 and 4), an extra trigger runs inside
-        every commit, and an altered ``runs`` view misreads every run's head. Writes are then
-        refused, and reads too when the view is not the expected one; ``check`` lists what
-        differs (:meth:`schema_problems`). Costs one read of ``sqlite_master`` (~25 µs).
-        """
-        found = {  # triggers on tables of the user's own (in the same file) are theirs
-            key: value
-            for key, value in code_objects(self._conn).items()
-            if key in CODE or value[0] in TABLES
-        }
-        damaged = sorted(
-            f"{kind} {name}"
-            for kind, name in found.keys() ^ CODE.keys()
-            | {key for key in found.keys() & CODE.keys() if found[key] != CODE[key]}
+def check_path(path: str) -> None:
+    """Refuse a path whose directory is missing, or that is a directory itself."""
+    if path == ":memory:":
+        return
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        if not Path(path).parent.is_dir():
+            raise JournalError("its directory does not exist", path=path) from None
+        return
+    except OSError as exc:
+        raise JournalError(f"cannot be read: {exc.strerror}", path=path) from None
+    if stat.S_ISDIR(found.st_mode):
+        raise JournalError("is a directory, not a journal file", path=path)
+    if found.st_nlink > 1:  # sqlite.org/howtocorrupt.html, 2.4 (a symlink is fine)
+        raise JournalError(
+            f"has {found.st_nlink} hard links: SQLite keeps a -wal and -shm file beside each"
+            " name, so writers under two names would not exclude each other and corrupt it;"
+            " keep one name (a symlink is fine); nothing was changed",
+            path=path,
         )
-        if not damaged:
-            return
-        what = (
-            f"its schema is damaged ({', '.join(damaged)}: not as schema version"
-            f" {SCHEMA_VERSION} has {'it' if len(damaged) == 1 else 'them'};"
-            " fsm-runner check lists what differs)"
+    if not os.access(path, os.R_OK, effective_ids=True):
+        raise JournalError("cannot be read: Permission denied", path=path)
+
+
+def heal_side_files(path: str) -> None:
+    """Make stale ``-wal``/``-shm`` files writable again when the journal itself is.
+
+    A connection to a read-only journal leaves its ``-shm`` file behind with the journal's
+    mode then; once the journal is made writable again, SQLite would still open it
+    read-only because of that file. Only files this process owns are changed.
+    """
+    if path == ":memory:" or not os.access(path, os.W_OK, effective_ids=True):
+        return  # missing, or not writable: nothing to heal
+    real = os.path.realpath(path)  # SQLite keeps them beside a symlink's target
+    for suffix in ("-wal", "-shm"):
+        side = real + suffix
+        if os.path.exists(side) and not os.access(side, os.W_OK, effective_ids=True):
+            with contextlib.suppress(OSError):
+                if os.stat(side).st_uid == os.getuid():
+                    os.chmod(side, os.stat(path).st_mode & 0o777)
+
+
+def open_schema(conn: sqlite3.Connection, path: str, *, create: bool) -> None:
+    """Read the journal's schema on ``conn``; make it (a new journal's) or migrate it.
+
+    Raises:
+        JournalError: the file is another application's, not a journal, or (``create`` false)
+            an empty file or a database without tables.
+        SchemaVersionError: a newer fsm_runner wrote it.
+    """
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    if app_id not in (0, APPLICATION_ID):
+        raise JournalError(
+            f"is a SQLite database of another application (application_id {app_id:#x}), "
+            "not an fsm_runner journal",
+            path=path,
         )
-        self._unwritable = f"{what}; nothing was written"
-        if found.get(("view", "runs")) != CODE["view", "runs"]:
-            self._unreadable = f"{what}; nothing was read"
+    if app_id == APPLICATION_ID and _stored_version(conn, path) == SCHEMA_VERSION:
+        _enable_wal(conn, path)
+        return  # the common case: an up-to-date journal, opened without taking a write lock
+    tables = {
+        str(row[0]) for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+    }
+    if app_id == 0 and not tables and not create:
+        empty = path != ":memory:" and os.stat(path).st_size == 0
+        raise JournalError(
+            "is not an fsm_runner journal ("
+            + ("an empty file" if empty else "a SQLite database without tables")
+            + "); nothing was changed",
+            path=path,
+        )
+    if app_id == 0 and tables - {"_sqlite_migrations"}:
+        raise JournalError(
+            "is a SQLite database but not an fsm_runner journal (it has tables "
+            f"{', '.join(sorted(tables)[:5])})",
+            path=path,
+        )
+    _enable_wal(conn, path)
+    # sqlite-utils (schema and migrations) is imported only here: opening an up-to-date
+    # journal, as every command and worker does, does not pay its ~0.1 s import.
+    from fsm_runner.journal import _schema  # noqa: PLC0415 - lazy on purpose (see above)
 
-    def schema_problems(self) -> list[str]:
-        """How the journal's schema objects differ from those of its schema version.
+    db = _schema.database(conn)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _refuse_newer_schema(conn, path, _schema.unknown_migrations(db))
+        _schema.migrate(db)
+        conn.execute(
+            "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+            (str(SCHEMA_VERSION),),
+        )
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
-        Every table, index, view and trigger is compared with a new journal's (tables by their
-        columns, keys and unique constraints; indexes by their columns; views and triggers by
-        their SQL, whitespace aside): one line per object missing, altered, or added to one of
-        the journal's tables (an index or a trigger: it takes part in every write). Tables,
-        views and the like of the user's own in the same file are not the journal's business.
-        Empty for a journal as fsm_runner made (or migrated) it.
-        """
-        expected = expected_shapes()
-        with self._read(damaged=True) as conn:
-            found = schema_shapes(conn)
-            owners = {
-                (object_name(kind), object_name(name)): object_name(table)
-                for kind, name, table in conn.execute(
-                    "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB)"
-                    " FROM main.sqlite_master"
-                )
-            }
-        ours = {name for kind, name in expected if kind in ("table", "view")}
-        problems = []
-        for key in sorted(expected.keys() | found.keys()):
-            kind, name = key
-            if key not in found:
-                problems.append(f"schema: {kind} {name} is missing")
-            elif key not in expected:
-                if kind not in ("index", "trigger") or owners.get(key) not in ours:
-                    continue  # the user's own, beside the journal
-                problems.append(
-                    f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}"
-                )
-            elif found[key] != expected[key]:
-                problems.append(
-                    f"schema: {kind} {name} differs from schema version {SCHEMA_VERSION}"
-                    f"{difference(kind, found[key], expected[key])} (damaged or edited by hand)"
-                )
-        return problems
 
-    def _refuse_newer_schema(self, unknown: set[str]) -> None:
-        found = self._stored_version()
-        if (found is not None and found > SCHEMA_VERSION) or unknown:
-            raise SchemaVersionError(found=found or 0, supported=SCHEMA_VERSION, path=self.path)
+def verify_code(conn: sqlite3.Connection) -> tuple[str | None, str | None]:
+    """Compare the journal's view and triggers with its schema version's.
 
-    def _enable_wal(self) -> None:
-        if self.path == ":memory:":
-            return
-        mode = self._conn.execute("PRAGMA journal_mode").fetchone()[0]
-        if str(mode).lower() != "wal":
-            self._conn.execute("PRAGMA journal_mode = WAL")
+    Returns why writes, and why reads, are to be refused (``None``: they are not).
 
-    def _stored_version(self) -> int | None:
-        try:
-            row = self._conn.execute(
-                "SELECT value FROM meta WHERE key = 'schema_version'"
-            ).fetchone()
-        except sqlite3.OperationalError:
-            return None  # no meta table yet
-        if row is None:
-            return None
-        try:
-            return int(row[0])
-        except ValueError:
-            raise JournalError(
-                f"has an unreadable schema version {row[0]!r}", path=self.path
-            ) from None
+    Their SQL is fsm_runner's own text, stored as written, so a digest of it (whitespace
+    aside) tells a damaged or hand-edited one: ``transitions_fence`` altered or dropped
+    loses the fencing of every write (invariants 2 and 4), an extra trigger runs inside
+    every commit, and an altered ``runs`` view misreads every run's head. Writes are then
+    refused, and reads too when the view is not the expected one; ``check`` lists what
+    differs (:func:`schema_problems`). Costs one read of ``sqlite_master`` (~25 µs).
+    """
+    found = {  # triggers on tables of the user's own (in the same file) are theirs
+        key: value for key, value in code_objects(conn).items() if key in CODE or value[0] in TABLES
+    }
+    damaged = sorted(
+        f"{kind} {name}"
+        for kind, name in found.keys() ^ CODE.keys()
+        | {key for key in found.keys() & CODE.keys() if found[key] != CODE[key]}
+    )
+    if not damaged:
+        return None, None
+    what = (
+        f"its schema is damaged ({', '.join(damaged)}: not as schema version"
+        f" {SCHEMA_VERSION} has {'it' if len(damaged) == 1 else 'them'};"
+        " fsm-runner check lists what differs)"
+    )
+    unreadable = None
+    if found.get(("view", "runs")) != CODE["view", "runs"]:
+        unreadable = f"{what}; nothing was read"
+    return f"{what}; nothing was written", unreadable
+
+
+def schema_problems(conn: sqlite3.Connection) -> list[str]:
+    """How the journal's schema objects differ from those of its schema version.
+
+    Every table, index, view and trigger is compared with a new journal's (tables by their
+    columns, keys and unique constraints; indexes by their columns; views and triggers by
+    their SQL, whitespace aside): one line per object missing, altered, or added to one of
+    the journal's tables (an index or a trigger: it takes part in every write). Tables,
+    views and the like of the user's own in the same file are not the journal's business.
+    Empty for a journal as fsm_runner made (or migrated) it.
+    """
+    expected = expected_shapes()
+    found = schema_shapes(conn)
+    owners = {
+        (object_name(kind), object_name(name)): object_name(table)
+        for kind, name, table in conn.execute(
+            "SELECT CAST(type AS BLOB), CAST(name AS BLOB), CAST(tbl_name AS BLOB)"
+            " FROM main.sqlite_master"
+        )
+    }
+    ours = {name for kind, name in expected if kind in ("table", "view")}
+    problems = []
+    for key in sorted(expected.keys() | found.keys()):
+        kind, name = key
+        if key not in found:
+            problems.append(f"schema: {kind} {name} is missing")
+        elif key not in expected:
+            if kind not in ("index", "trigger") or owners.get(key) not in ours:
+                continue  # the user's own, beside the journal
+            problems.append(f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}")
+        elif found[key] != expected[key]:
+            problems.append(
+                f"schema: {kind} {name} differs from schema version {SCHEMA_VERSION}"
+                f"{difference(kind, found[key], expected[key])} (damaged or edited by hand)"
+            )
+    return problems
+
+
+def integrity_problems(conn: sqlite3.Connection) -> list[str]:
+    """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem.
+
+    Then the schema objects that differ from the schema version's (:func:`schema_problems`).
+    Also transitions whose ``run_key`` is not the key of the run their ``run_id`` names (only
+    a hand edit makes one: the fence trigger refuses such an insert): reads go by ``run_key``,
+    so such a row would show in another run's history.
+    """
+    schema = schema_problems(conn)
+    problems = [
+        f"SQLite integrity check: {row[0]}"
+        for row in conn.execute("PRAGMA integrity_check(20)")
+        if row[0] != "ok"
+    ]
+    dangling = conn.execute(
+        'SELECT "table", count(*), min(rowid) FROM pragma_foreign_key_check GROUP BY "table"'
+    ).fetchall()
+    miskeyed, first_miskeyed = conn.execute(
+        "SELECT count(*), min(t.rowid) FROM transitions AS t"
+        " JOIN run_rows AS r ON r.run_id = t.run_id WHERE t.run_key IS NOT r.run_key"
+    ).fetchone()
+    problems += schema
+    problems += [
+        f"{count} row(s) of table {table} refer to missing rows (first rowid {first})"
+        for table, count, first in dangling
+    ]
+    if miskeyed:
+        problems.append(
+            f"{miskeyed} row(s) of table transitions have a run_key that is not their run's"
+            f" (first rowid {first_miskeyed})"
+        )
+    return problems
+
+
+def _refuse_newer_schema(conn: sqlite3.Connection, path: str, unknown: set[str]) -> None:
+    found = _stored_version(conn, path)
+    if (found is not None and found > SCHEMA_VERSION) or unknown:
+        raise SchemaVersionError(found=found or 0, supported=SCHEMA_VERSION, path=path)
+
+
+def _enable_wal(conn: sqlite3.Connection, path: str) -> None:
+    if path == ":memory:":
+        return
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    if str(mode).lower() != "wal":
+        conn.execute("PRAGMA journal_mode = WAL")
+
+
+def _stored_version(conn: sqlite3.Connection, path: str) -> int | None:
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    except sqlite3.OperationalError:
+        return None  # no meta table yet
+    if row is None:
+        return None
+    try:
+        return int(row[0])
+    except ValueError:
+        raise JournalError(f"has an unreadable schema version {row[0]!r}", path=path) from None

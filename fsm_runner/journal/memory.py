@@ -7,7 +7,8 @@ write exactly as the SQLite journal checks them, so code that passes here passes
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Collection, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -62,11 +63,46 @@ def _check_pair(run: RunRecord, transition: TransitionRecord) -> None:
         raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
 
 
-class MemoryJournal(_fork.LockedAcrossFork):
-    """A journal held in this process's memory; gone when the process ends."""
+def _select(
+    runs: Iterable[RunRecord],
+    wanted: Mapping[str, object],
+    run_id_prefix: str | None,
+    in_flight: set[str] | None,
+) -> list[RunRecord]:
+    """The ``runs`` whose fields equal ``wanted``'s (``None``: any field), with that prefix.
+
+    Unless ``in_flight`` is ``None``, only runs it names (those with an effect in flight).
+    """
+    wanted = {field: value for field, value in wanted.items() if value is not None}
+    return [
+        run
+        for run in runs
+        if all(getattr(run, field) == value for field, value in wanted.items())
+        and (not run_id_prefix or run.run_id.startswith(run_id_prefix))
+        and (in_flight is None or run.run_id in in_flight)
+    ]
+
+
+def _stale(run: RunRecord, now: dt.datetime) -> bool:
+    """Whether ``run`` is active with a lease that has expired."""
+    return (
+        not run.ended
+        and run.lease_owner is not None
+        and run.lease_expires_at is not None
+        and run.lease_expires_at < now
+    )
+
+
+class MemoryJournal:
+    """A journal held in this process's memory; gone when the process ends.
+
+    Its ``_lock`` guards all of it: held still across a fork, and new in the child, which
+    copies the journal whole (see :mod:`fsm_runner._fork`).
+    """
 
     def __init__(self) -> None:
-        self._lock = self._registered_lock()
+        self._lock = threading.RLock()
+        _fork.register(self)
         self._runs: dict[str, RunRecord] = {}
         self._transitions: dict[str, list[TransitionRecord]] = {}
         self._specs: dict[str, str] = {}
@@ -77,6 +113,12 @@ class MemoryJournal(_fork.LockedAcrossFork):
         # journal's run_rows.abort_token): commits under it may only carry the abort out
         self._abort_tokens: dict[str, int] = {}
         self._closed = False
+
+    def _before_fork(self) -> Callable[[], None] | None:
+        return self._lock.release if self._lock.acquire(timeout=_fork.WAIT) else None
+
+    def _after_fork(self) -> None:
+        self._lock = threading.RLock()
 
     @property
     def location(self) -> str:
@@ -302,42 +344,29 @@ class MemoryJournal(_fork.LockedAcrossFork):
         lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
         listed after that run.
         """
-        wanted = RunOutcome(status) if status is not None else None
-        now = utc_now()
         with self._lock:
             self._check_open()
             ordered = list(self._runs.values())
+            in_flight = {
+                run_id
+                for run_id, ledger in self._effects.items()
+                if any(e.status.value == "in_flight" for e in ledger.values())
+            }
         ordered.reverse()  # insertion order is creation order; newest first
         ordered.sort(key=lambda run: run.created_at, reverse=True)
         if before is not None:
             ids = [run.run_id for run in ordered]
             ordered = ordered[ids.index(before) + 1 :] if before in ids else []
-        if run_id_prefix:
-            ordered = [run for run in ordered if run.run_id.startswith(run_id_prefix)]
-        selected = [
-            run
-            for run in ordered
-            if (machine is None or run.machine == machine)
-            and (wanted is None or run.status is wanted)
-            and (parent_run_id is None or run.parent_run_id == parent_run_id)
-            and (state is None or run.state == state)
-            and (
-                not stale
-                or (
-                    not run.ended
-                    and run.lease_owner is not None
-                    and run.lease_expires_at is not None
-                    and run.lease_expires_at < now
-                )
-            )
-            and (
-                not effect_in_flight
-                or any(
-                    e.status.value == "in_flight"
-                    for e in self._effects.get(run.run_id, {}).values()
-                )
-            )
-        ]
+        wanted = {
+            "machine": machine,
+            "status": RunOutcome(status) if status is not None else None,
+            "parent_run_id": parent_run_id,
+            "state": state,
+        }
+        selected = _select(ordered, wanted, run_id_prefix, in_flight if effect_in_flight else None)
+        if stale:
+            now = utc_now()
+            selected = [run for run in selected if _stale(run, now)]
         return selected if limit is None else selected[:limit]
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:

@@ -28,45 +28,61 @@ How it keeps the contract:
 
 Opening the journal connects once, without retrying: a wrong URL or password, or a server that
 is not there, is reported at once. Passwords never appear in messages or in :attr:`location`.
+
+:class:`PostgresJournal` holds three objects: its connection manager
+(:class:`~fsm_runner.journal._postgres_connection.PostgresConnection`: the URL, reconnects,
+forks), the SQL it shares with SQLite (:class:`~fsm_runner.journal._sql.SqlCore`) and its
+fenced writes (:class:`~fsm_runner.journal._postgres_writes.PostgresWriter`). This module holds
+the claims, reads and operations that are PostgreSQL's own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import threading
-import urllib.parse
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
-from psycopg import errors as pg_errors
-from psycopg.conninfo import conninfo_to_dict
 
-from fsm_runner import _fork
 from fsm_runner.exceptions import (
     JournalError,
-    RunExistsError,
     RunNotFoundError,
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, PostgresOpening
-from fsm_runner.journal._postgres_url import is_postgres_url, passwords, redact, split_schema
-from fsm_runner.journal._postgres_writes import (
-    _INSERT_RUN,
-    _TRANSITION_COLUMNS,
-    _UNRESOLVED,
+from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
-    _Connection,
-    _Unresolved,
-    _utc,
+    DEFAULT_SCHEMA,
+    UNRESOLVED,
+    Connection,
+    PostgresConnection,
+    Unresolved,
 )
-from fsm_runner.journal.base import Durability, PruneReport, Renewal, claim_each, renewals
+from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, integrity_problems, open_schema
+from fsm_runner.journal._postgres_url import is_postgres_url, redact
+from fsm_runner.journal._postgres_writes import (
+    TRANSITION_COLUMNS,
+    PostgresWriter,
+    utc,
+)
+from fsm_runner.journal._sql import SqlCore, SqlDialect, bind_hot_path
+from fsm_runner.journal.base import (
+    Commit,
+    Durability,
+    NewRun,
+    PruneReport,
+    Renewal,
+    claim_each,
+    renewals,
+)
 from fsm_runner.records import (
+    ArtifactRecord,
+    EffectRecord,
+    IterationRecord,
     RunRecord,
     TransitionRecord,
 )
+from fsm_runner.spec import RunOutcome
 
 __all__ = [
     "DEFAULT_RETRY_FOR",
@@ -76,11 +92,6 @@ __all__ = [
     "is_postgres_url",
     "redact",
 ]
-
-T = TypeVar("T")
-
-#: The PostgreSQL schema (namespace) a journal lives in when the URL names none.
-DEFAULT_SCHEMA = "public"
 
 _RUN_SELECT = ", ".join(_rows.RUN_COLUMNS)
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
@@ -93,10 +104,19 @@ _PUT_EFFECT = (
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _rows.EFFECT_COLUMNS[3:])
     + ", rowid = DEFAULT"
 )
-_TABLES = ("transitions", "iterations", "artifacts", "effects", "runs")
+_DIALECT = SqlDialect(
+    mark="%s",
+    run_table="runs",
+    run_select=_RUN_SELECT,
+    row_order="rowid",
+    run_transitions="run_id = %s",
+    put_effect=_PUT_EFFECT,
+    stamp=utc,
+    stale_bound=lambda: ("clock_timestamp()", []),
+)
 
 
-def _server_now(conn: _Connection) -> dt.datetime:
+def _server_now(conn: Connection) -> dt.datetime:
     """The database server's time: leases are set and judged by one clock, whatever the hosts'.
 
     Workers on several hosts each see a lease expire when the *server's* clock passes it, so a
@@ -108,7 +128,7 @@ def _server_now(conn: _Connection) -> dt.datetime:
     return now
 
 
-class PostgresJournal(PostgresOpening):
+class PostgresJournal:
     """A journal in a PostgreSQL database, shared by every worker that connects to it.
 
     Args:
@@ -133,14 +153,6 @@ class PostgresJournal(PostgresOpening):
         SchemaVersionError: the journal was written by a newer fsm_runner.
     """
 
-    _MARK = "%s"
-    _RUN_TABLE = "runs"
-    _RUN_SELECT = _RUN_SELECT
-    _ROW_ORDER = "rowid"
-    _RUN_TRANSITIONS = "run_id = %s"
-    _PUT_EFFECT = _PUT_EFFECT
-    _stamp = staticmethod(_utc)
-
     def __init__(
         self,
         url: str,
@@ -152,65 +164,61 @@ class PostgresJournal(PostgresOpening):
     ) -> None:
         if durability not in ("process", "power"):
             raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
-        self._secrets = passwords(url)  # kept out of every message
-        conninfo, url_schema = split_schema(url)
-        if schema is not None and url_schema is not None and schema != url_schema:
-            raise ValueError(f"schema {schema!r} contradicts the URL's ?schema={url_schema}")
-        self.schema: str = schema or url_schema or DEFAULT_SCHEMA
         self.durability: Durability = durability
-        self.retry_for = retry_for
-        shown = redact(conninfo)
-        if is_postgres_url(conninfo):
-            joiner = "&" if "?" in shown else "?"
-            self._location = f"{shown}{joiner}schema={urllib.parse.quote(self.schema)}"
-        else:
-            self._location = f"{shown} schema={self.schema}"
+        self._connection = connection = PostgresConnection(url, schema=schema, retry_for=retry_for)
+        self.schema: str = connection.schema
         try:
-            params = conninfo_to_dict(conninfo)
+            conn = connection.connect()
         except psycopg.Error as exc:
             raise JournalError(
-                f"is not a valid PostgreSQL URL ({self._describe(exc)})",
-                path=self._location,
-            ) from None
-        self._conninfo = conninfo
-        self._connect_options: dict[str, Any] = {}
-        if "application_name" not in params:
-            self._connect_options["application_name"] = "fsm_runner"
-        if "connect_timeout" not in params:
-            self._connect_options["connect_timeout"] = 10
-        self._lock, self._closed = threading.RLock(), False
-        self._conn: _Connection | None = None
-        try:
-            conn = self._connect()
-        except psycopg.Error as exc:
-            raise JournalError(
-                f"cannot connect to PostgreSQL ({self._describe(exc)})", path=self._location
+                f"cannot connect to PostgreSQL ({connection.describe(exc)})",
+                path=connection.location,
             ) from None
         try:
-            self._open_schema(conn, create=create)
+            open_schema(conn, schema=self.schema, location=connection.location, create=create)
         except psycopg.Error as exc:
             conn.close()
-            raise JournalError(self._describe(exc), path=self._location) from None
+            raise JournalError(connection.describe(exc), path=connection.location) from None
         except BaseException:
             conn.close()
             raise
-        _fork.register(self)  # a forked child gets a connection of its own
+        self._core = SqlCore(_DIALECT, connection)
+        self._writer = PostgresWriter(connection, self._core)
+        # The hot path: the writer's own methods, bound to this journal as they are, so that
+        # a step makes no call through the journal (a subclass's own override is kept).
+        bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
 
     @property
     def location(self) -> str:
         """The journal's URL with its schema, without the password."""
-        return self._location
+        return self._connection.location
 
-    def _disconnect(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                self._conn.close()
-            self._conn = None
+    @property
+    def retry_for(self) -> float:
+        """Seconds an operation keeps trying to get a lost connection back."""
+        return self._connection.retry_for
+
+    @retry_for.setter
+    def retry_for(self, seconds: float) -> None:
+        self._connection.retry_for = seconds
+
+    def close(self) -> None:
+        """Close the connection; further use raises ``JournalError``."""
+        self._connection.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
+
+    def __enter__(self) -> PostgresJournal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def backend_pid(self) -> int | None:
         """The process id of this journal's server backend (``None`` while disconnected)."""
-        conn = self._conn
+        conn = self._connection.conn
         if conn is None or conn.closed:
             return None
         return int(conn.info.backend_pid)
@@ -218,7 +226,7 @@ class PostgresJournal(PostgresOpening):
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
 
-        def work(conn: _Connection) -> RunRecord:
+        def work(conn: Connection) -> RunRecord:
             with conn.transaction():
                 run = self._load(conn, run_id, lock=True)
                 if run.ended:
@@ -230,7 +238,42 @@ class PostgresJournal(PostgresOpening):
                 )
                 return self._run_from_row(cursor.fetchone())
 
-        return self._call(work)
+        return self._connection.call(work)
+
+    # -- writes (PostgresWriter's) ---------------------------------------------------------------
+
+    def create_run(
+        self,
+        run: RunRecord,
+        first: TransitionRecord,
+        *,
+        spec_json: str,
+        iterations: Sequence[IterationRecord] = (),
+    ) -> None:
+        """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
+        self.create_runs([(run, first, iterations)], spec_json=spec_json)
+
+    def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
+        """Store new runs in ONE transaction (:meth:`PostgresWriter.create_runs`)."""
+        self._writer.create_runs(runs, spec_json=spec_json)
+
+    def commit(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        *,
+        iterations: Sequence[IterationRecord] = (),
+        artifacts: Sequence[ArtifactRecord] = (),
+        spec_json: str | None = None,
+    ) -> None:
+        """Store ``transition`` and the run row it leads to (:meth:`PostgresWriter.commit`)."""
+        self._writer.commit(
+            run, transition, iterations=iterations, artifacts=artifacts, spec_json=spec_json
+        )
+
+    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
+        """Store several commits in one transaction (:meth:`PostgresWriter.commit_many`)."""
+        return self._writer.commit_many(commits)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -244,7 +287,7 @@ class PostgresJournal(PostgresOpening):
         """
         tried: list[dt.datetime] = []  # the expiry each try set: the resolver looks for them
 
-        def work(conn: _Connection) -> RunRecord:
+        def work(conn: Connection) -> RunRecord:
             with conn.transaction():
                 run = self._load(conn, run_id, lock=True)
                 now = _server_now(conn)
@@ -259,13 +302,13 @@ class PostgresJournal(PostgresOpening):
                 )
                 return self._run_from_row(cursor.fetchone())
 
-        def resolve(conn: _Connection) -> RunRecord | _Unresolved:
+        def resolve(conn: Connection) -> RunRecord | Unresolved:
             run = self._load(conn, run_id)
             if run.lease_owner == owner and run.lease_expires_at in tried:
                 return run  # the lease this very claim set
-            return _UNRESOLVED
+            return UNRESOLVED
 
-        return self._call(work, resolve=resolve)
+        return self._connection.call(work, resolve=resolve)
 
     def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
         """Claim ``run``'s lease if the stored run is still as ``run`` shows it; else ``None``.
@@ -275,7 +318,7 @@ class PostgresJournal(PostgresOpening):
         lease held and no abort requested. ``None``: nothing was written.
         """
 
-        def work(conn: _Connection) -> RunRecord | None:
+        def work(conn: Connection) -> RunRecord | None:
             cursor = conn.execute(
                 "UPDATE runs SET lease_owner = %s,"
                 " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
@@ -287,15 +330,15 @@ class PostgresJournal(PostgresOpening):
             row = cursor.fetchone()
             return None if row is None else self._run_from_row(row)
 
-        def resolve(conn: _Connection) -> RunRecord | _Unresolved | None:
+        def resolve(conn: Connection) -> RunRecord | Unresolved | None:
             stored = self._load(conn, run.run_id)
             if stored.lease_owner == owner and stored.lease_token == run.lease_token + 1:
                 return stored  # the lease this very claim set
             if stored.lease_token == run.lease_token and stored.lease_owner is None:
-                return _UNRESOLVED  # not written: try again
+                return UNRESOLVED  # not written: try again
             return None
 
-        return self._call(work, resolve=resolve)
+        return self._connection.call(work, resolve=resolve)
 
     def claim_many(
         self,
@@ -339,7 +382,7 @@ class PostgresJournal(PostgresOpening):
         )
         tried: list[dt.datetime] = []
 
-        def work(conn: _Connection) -> RunRecord | None:
+        def work(conn: Connection) -> RunRecord | None:
             now = _server_now(conn)
             expires = now + dt.timedelta(seconds=ttl)
             tried.append(expires)
@@ -350,20 +393,20 @@ class PostgresJournal(PostgresOpening):
             row = conn.execute(statement, params).fetchone()
             return None if row is None else self._run_from_row(row)
 
-        def resolve(conn: _Connection) -> RunRecord | _Unresolved | None:
+        def resolve(conn: Connection) -> RunRecord | Unresolved | None:
             row = conn.execute(
                 f"SELECT {_RUN_SELECT} FROM runs WHERE lease_owner = %s"
                 " AND lease_expires_at = ANY(%s) AND machine = %s",
                 (owner, tried, machine),
             ).fetchone()
-            return _UNRESOLVED if row is None else self._run_from_row(row)
+            return UNRESOLVED if row is None else self._run_from_row(row)
 
-        return self._call(work, resolve=resolve)
+        return self._connection.call(work, resolve=resolve)
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
 
-        def work(conn: _Connection) -> dt.datetime:
+        def work(conn: Connection) -> dt.datetime:
             expires = _server_now(conn) + dt.timedelta(seconds=ttl)
             changed = conn.execute(
                 "UPDATE runs SET lease_expires_at = %s WHERE run_id = %s AND lease_owner = %s"
@@ -371,10 +414,10 @@ class PostgresJournal(PostgresOpening):
                 (expires, run_id, owner, token),
             ).rowcount
             if not changed:
-                raise self._lease_lost(conn, run_id, token)
+                raise self._core.lease_lost(conn, run_id, token)
             return expires
 
-        return self._call(work)  # setting an expiry again is harmless
+        return self._connection.call(work)  # setting an expiry again is harmless
 
     def renew_many(
         self, leases: Sequence[tuple[str, int]], owner: str, *, ttl: float
@@ -382,7 +425,7 @@ class PostgresJournal(PostgresOpening):
         """Renew the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
         run_ids, tokens = [run_id for run_id, _ in leases], [token for _, token in leases]
 
-        def work(conn: _Connection) -> dict[str, Renewal]:
+        def work(conn: Connection) -> dict[str, Renewal]:
             with conn.transaction():
                 conn.execute(
                     "UPDATE runs SET lease_expires_at = %s FROM unnest(%s::text[], %s::bigint[])"
@@ -397,12 +440,12 @@ class PostgresJournal(PostgresOpening):
                 ).fetchall()
             return renewals(leases, owner, {row[0]: row[1:] for row in rows})
 
-        return self._call(work)  # setting expiries again is harmless
+        return self._connection.call(work)  # setting expiries again is harmless
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
 
-        def work(conn: _Connection) -> bool:
+        def work(conn: Connection) -> bool:
             return bool(
                 conn.execute(
                     "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
@@ -411,68 +454,21 @@ class PostgresJournal(PostgresOpening):
                 ).rowcount
             )
 
-        def resolve(conn: _Connection) -> bool | _Unresolved:
+        def resolve(conn: Connection) -> bool | Unresolved:
             row = conn.execute(
                 "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
             ).fetchone()
             if row is not None and row[0] is None and row[1] == token:
                 return True  # released by the try that was cut off, and nobody claimed since
-            return _UNRESOLVED
+            return UNRESOLVED
 
-        return self._call(work, resolve=resolve)
+        return self._connection.call(work, resolve=resolve)
 
     # -- operations ----------------------------------------------------------------------------
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
-        _rows.check_fork(run, at_seq)
-        row = self._run_params(run)
-        rest = [column for column in _TRANSITION_COLUMNS if column not in ("run_id", "lease_token")]
-        copy_transitions = (
-            f"INSERT INTO transitions (run_id, {', '.join(rest)}, lease_token)"
-            f" SELECT %s, {', '.join(rest)}, 0 FROM transitions"  # under the fork's own leases
-            " WHERE run_id = %s AND seq <= %s ORDER BY seq"
-        )
-        copies = (
-            ("iterations", _rows.ITERATION_COLUMNS, "iteration <= %s", "iteration", run.iteration),
-            ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= %s", "id", at_seq),
-            ("effects", _rows.EFFECT_COLUMNS, "visit_seq < %s", "rowid", run.visit_seq),
-        )
-
-        def work(conn: _Connection) -> None:
-            with conn.transaction():
-                found = conn.execute(
-                    "SELECT seq FROM runs WHERE run_id = %s FOR SHARE", (source_run_id,)
-                ).fetchone()
-                if found is None:
-                    raise RunNotFoundError(source_run_id)
-                _rows.check_fork_source(source_run_id, found[0], at_seq)
-                try:
-                    with conn.transaction():
-                        conn.execute(_INSERT_RUN, row)
-                except pg_errors.UniqueViolation as exc:
-                    if exc.diag.constraint_name == "runs_pkey":
-                        raise RunExistsError(run.run_id) from None
-                    raise
-                conn.execute(copy_transitions, (run.run_id, source_run_id, at_seq))
-                for table, columns, condition, order, bound in copies:
-                    names = [column for column in columns if column != "run_id"]
-                    conn.execute(
-                        f"INSERT INTO {table} (run_id, {', '.join(names)})"
-                        f" SELECT %s, {', '.join(names)} FROM {table}"
-                        f" WHERE run_id = %s AND {condition} ORDER BY {order}",
-                        (run.run_id, source_run_id, bound),
-                    )
-
-        def resolve(conn: _Connection) -> _Unresolved | None:
-            found = conn.execute(
-                "SELECT forked_from, created_at FROM runs WHERE run_id = %s", (run.run_id,)
-            ).fetchone()
-            if found is not None and tuple(found) == (run.forked_from, _utc(run.created_at)):
-                return None
-            return _UNRESOLVED
-
-        self._call(work, resolve=resolve)
+        self._writer.fork_run(run, source_run_id=source_run_id, at_seq=at_seq)
 
     def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM`` the tables.
@@ -480,80 +476,18 @@ class PostgresJournal(PostgresOpening):
         The space is made reusable by the journal (PostgreSQL's plain ``VACUUM``), not given
         back to the operating system, so the report carries no sizes.
         """
-        select = (
-            "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < %s"
-            " AND NOT EXISTS (SELECT 1 FROM runs AS c WHERE c.parent_run_id = r.run_id"
-            " AND c.status = 'active')"
-        )
-        cutoff = (_utc(ended_before),)
-
-        def work(conn: _Connection) -> PruneReport:
-            with conn.transaction():
-                ids = tuple(
-                    str(row[0])
-                    for row in conn.execute(
-                        f"{select} ORDER BY updated_at NULLS FIRST, rowid"
-                        + ("" if dry_run else " FOR UPDATE"),
-                        cutoff,
-                    )
-                )
-                if dry_run or not ids:
-                    found = conn.execute(
-                        "SELECT count(*) FROM transitions WHERE run_id = ANY(%s)", (list(ids),)
-                    ).fetchone()
-                    return PruneReport(ids, int(found[0] if found else 0), dry_run=dry_run)
-                count = 0
-                for table in _TABLES:
-                    deleted = conn.execute(
-                        f"DELETE FROM {table} WHERE run_id = ANY(%s)", (list(ids),)
-                    ).rowcount
-                    if table == "transitions":
-                        count = deleted
-                conn.execute(
-                    "DELETE FROM specs WHERE NOT EXISTS"
-                    " (SELECT 1 FROM runs WHERE runs.spec_hash = specs.spec_hash)"
-                )
-                return PruneReport(ids, count, dry_run=False)
-
-        report = self._call(work)
-        if report.run_ids and not dry_run:
-            self._call(lambda conn: conn.execute("VACUUM " + ", ".join((*_TABLES, "specs"))))
-        return report
+        return self._writer.prune(ended_before=ended_before, dry_run=dry_run)
 
     def integrity_problems(self) -> list[str]:
         """Runs whose row is not their last transition's, and runs with gaps in their seqs.
 
-        PostgreSQL checks its own pages and the foreign keys (which it enforces); what is left
-        to check is the journal's invariants 1 and 2, over every run.
+        See :func:`fsm_runner.journal._postgres_schema.integrity_problems`.
         """
-        checks = (
-            (
-                "SELECT r.run_id FROM runs AS r LEFT JOIN LATERAL (SELECT seq, to_state"
-                " FROM transitions AS t WHERE t.run_id = r.run_id ORDER BY seq DESC LIMIT 1)"
-                " AS last ON true WHERE last.seq IS DISTINCT FROM r.seq"
-                " OR last.to_state IS DISTINCT FROM r.state ORDER BY r.run_id",
-                "run(s) whose row is not at their last transition",
-            ),
-            (
-                "SELECT run_id FROM transitions GROUP BY run_id"
-                " HAVING min(seq) <> 0 OR count(*) <> max(seq) + 1 ORDER BY run_id",
-                "run(s) with gaps in their seqs",
-            ),
-        )
-
-        def work(conn: _Connection) -> list[str]:
-            problems = []
-            for query, what in checks:
-                ids = [str(row[0]) for row in conn.execute(query)]
-                if ids:
-                    problems.append(f"{len(ids)} {what} (first {ids[0]})")
-            return problems
-
-        return self._call(work)
+        return self._connection.call(integrity_problems)
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
-        return self._call(
+        return self._connection.call(
             lambda conn: {
                 str(key): str(value)
                 for key, value in conn.execute("SELECT key, value FROM meta").fetchall()
@@ -564,9 +498,9 @@ class PostgresJournal(PostgresOpening):
 
     def load(self, run_id: str) -> RunRecord:
         """Return the run's row (one primary-key lookup; history is not read)."""
-        return self._call(lambda conn: self._load(conn, run_id))
+        return self._connection.call(lambda conn: self._load(conn, run_id))
 
-    def _load(self, conn: _Connection, run_id: str, *, lock: bool = False) -> RunRecord:
+    def _load(self, conn: Connection, run_id: str, *, lock: bool = False) -> RunRecord:
         row = conn.execute(
             f"SELECT {_RUN_SELECT} FROM runs WHERE run_id = %s" + (" FOR UPDATE" if lock else ""),
             (run_id,),
@@ -577,34 +511,93 @@ class PostgresJournal(PostgresOpening):
 
     def _run_from_row(self, row: Sequence[Any] | None) -> RunRecord:
         assert row is not None
-        return self._decode_run(dict(zip(_rows.RUN_COLUMNS, row, strict=True)))
-
-    def _select(
-        self, query: str, params: Sequence[Any], *, damaged: bool = False
-    ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        def work(conn: _Connection) -> tuple[list[str], list[tuple[Any, ...]]]:
-            cursor = conn.execute(query, params)
-            return [column.name for column in cursor.description or ()], cursor.fetchall()
-
-        return self._call(work)
-
-    def _writing(self, work: Callable[[_Connection], T]) -> T:
-        return self._call(work)
-
-    def _stale_bound(self) -> tuple[str, list[Any]]:
-        return "clock_timestamp()", []
+        return self._core.decode_run(dict(zip(_rows.RUN_COLUMNS, row, strict=True)))
 
     def transitions(
         self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
     ) -> list[TransitionRecord]:
         """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
 
-        def work(conn: _Connection) -> list[tuple[Any, ...]]:
-            self._require_run(conn, run_id)
+        def work(conn: Connection) -> list[tuple[Any, ...]]:
+            self._core.require_run(conn, run_id)
             return conn.execute(
-                f"SELECT {', '.join(_TRANSITION_COLUMNS)} FROM transitions"
+                f"SELECT {', '.join(TRANSITION_COLUMNS)} FROM transitions"
                 " WHERE run_id = %s AND seq >= %s AND seq <= %s ORDER BY seq",
                 (run_id, from_seq, to_seq if to_seq is not None else 2**62),
             ).fetchall()
 
-        return self._transition_records(_TRANSITION_COLUMNS, self._call(work))
+        return self._core.transition_records(TRANSITION_COLUMNS, self._connection.call(work))
+
+    # -- what both SQL journals share (SqlCore's) ----------------------------------------------
+
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit, if any."""
+        return self._core.effect(run_id, visit_seq, name)
+
+    def effects(self, run_id: str) -> list[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+        return self._core.effects(run_id)
+
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
+        """Store ``record`` only while the run is at ``run_seq`` (:meth:`SqlCore.put_effect`)."""
+        self._core.put_effect(record, run_seq=run_seq, lease_token=lease_token)
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+        return self._core.iteration(run_id, iteration)
+
+    def iterations(self, run_id: str) -> list[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+        return self._core.iterations(run_id)
+
+    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
+        return self._core.artifacts(run_id)
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunOutcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+        effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
+        run_id_prefix: str | None = None,
+        before: str | None = None,
+    ) -> list[RunRecord]:
+        """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
+        return self._core.runs(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            limit=limit,
+            effect_in_flight=effect_in_flight,
+            state=state,
+            stale=stale,
+            run_id_prefix=run_id_prefix,
+            before=before,
+        )
+
+    def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
+        """Return how many runs of ``machine`` there are per (state, status), now."""
+        return self._core.run_counts(machine=machine)
+
+    def transition_counts(self, run_id: str) -> list[tuple[str | None, str, str, int, int]]:
+        """How often the run took each move: ``(from, event, to, count, last seq)``, by last seq."""
+        return self._core.transition_counts(run_id)
+
+    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Return up to ``limit`` run ids that start with ``prefix``."""
+        return self._core.run_ids(prefix, limit=limit)
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash."""
+        return self._core.spec_json(spec_hash)
+
+    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
+        """Give up the ``(run_id, token)`` leases ``owner`` holds, in one write (``Journal``)."""
+        return self._core.release_many(leases, owner)

@@ -4,11 +4,13 @@ Schema and migrations go through ``sqlite-utils``; the hot path (one commit per 
 prepared SQL on the raw connection, in WAL mode, inside ``BEGIN IMMEDIATE`` with a busy timeout
 so concurrent writers queue instead of failing with "database is locked".
 
-This module opens the file and holds the reads, claims and operations that are SQLite's own;
-the writes (the connection guard, error mapping and the fenced commit) are in
-:mod:`~fsm_runner.journal._sqlite_writes`, the schema-object checks in
-:mod:`~fsm_runner.journal._sqlite_check`, and what is the same on PostgreSQL in
-:mod:`~fsm_runner.journal._sql`.
+:class:`SqliteJournal` holds three objects: its connection manager
+(:class:`~fsm_runner.journal._sqlite_connections.SqliteConnections`: opening the file, the
+lock, reads on a full disk, forks, checkpoints), the SQL it shares with PostgreSQL
+(:class:`~fsm_runner.journal._sql.SqlCore`) and its fenced writes
+(:class:`~fsm_runner.journal._sqlite_writes.SqliteWriter`). This module holds the reads, claims
+and operations that are SQLite's own; the file checks are functions in
+:mod:`~fsm_runner.journal._sqlite_check`.
 """
 
 from __future__ import annotations
@@ -16,60 +18,51 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sqlite3
-import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import attrs
-
-from fsm_runner import _fork
-from fsm_runner.exceptions import (
-    JournalError,
-    RunNotFoundError,
-    RunTerminalError,
-)
-from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._checkpoint import Checkpointer
-from fsm_runner.journal._sql import _IDS_A_STATEMENT
-from fsm_runner.journal._sqlite_check import (
-    APPLICATION_ID,
-    SCHEMA_VERSION,
-    SqliteChecks,
-)
-from fsm_runner.journal._sqlite_writes import (
-    _BULK_ROWS,
-    _INSERT_RUN,
-    _TRANSITION_PARAMS,
-    _inserted_key,
-    refused_if_exists,
-)
-from fsm_runner.journal.base import Durability, PruneReport, Renewal, renewals
+from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
+from fsm_runner.journal import _lease, _sqlite_check, _sqlite_writes
+from fsm_runner.journal._sql import _IDS_A_STATEMENT, SqlCore, SqlDialect, bind_hot_path
+from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
+from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
+from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
+from fsm_runner.journal.base import Commit, Durability, NewRun, PruneReport, Renewal, renewals
 from fsm_runner.records import (
+    ArtifactRecord,
+    EffectRecord,
+    IterationRecord,
     RunRecord,
     TransitionRecord,
     format_utc,
     utc_now,
 )
+from fsm_runner.spec import RunOutcome
 
 __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "SqliteJournal"]
 
 #: Where the CLI looks when neither ``--journal`` nor ``FSM_RUNNER_JOURNAL`` is given.
 DEFAULT_PATH = "fsm-runner.db"
 
-_LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
-#: Pragmas of every connection beyond WAL, synchronous and the page cache (benchmarks give their
-#: raw baselines the same). A checkpoint (with its fsyncs) once the WAL holds 10,000 pages
-#: (~40 MB) instead of SQLite's 1,000: a group commit of a thousand runs writes ~1,000 pages, and
-#: a checkpoint after every one cost ~15 % of its time (bench_concurrent). The WAL file is cut
-#: back to 64 MiB after a checkpoint; a crashed process's WAL is replayed on the next open
-#: (tens of milliseconds at that size).
-TUNING = {"wal_autocheckpoint": 10_000, "journal_size_limit": 64 * 1024 * 1024}
 
-T = TypeVar("T")
+def _stale_bound() -> tuple[str, list[Any]]:
+    return "?", [format_utc(utc_now())]
 
 
-class SqliteJournal(SqliteChecks):
+_DIALECT = SqlDialect(
+    mark="?",
+    run_table="run_rows",
+    run_select="*",  # the runs view, with run_key (remembered for commits)
+    row_order="run_key",
+    run_transitions="run_key = (SELECT run_key FROM run_rows WHERE run_id = ?)",
+    put_effect=PUT_EFFECT,
+    stamp=format_utc,
+    stale_bound=_stale_bound,
+)
+
+
+class SqliteJournal:
     """A journal in one SQLite file (WAL mode).
 
     Args:
@@ -93,14 +86,6 @@ class SqliteJournal(SqliteChecks):
         SchemaVersionError: the journal was written by a newer fsm_runner.
     """
 
-    _MARK = "?"
-    _RUN_TABLE = "run_rows"
-    _RUN_SELECT = "*"  # the runs view, with run_key (remembered for commits)
-    _ROW_ORDER = "run_key"
-    _RUN_TRANSITIONS = "run_key = (SELECT run_key FROM run_rows WHERE run_id = ?)"
-    _stamp = staticmethod(format_utc)
-    _tuning = TUNING
-
     def __init__(
         self,
         path: str | os.PathLike[str] = DEFAULT_PATH,
@@ -114,69 +99,85 @@ class SqliteJournal(SqliteChecks):
             raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
         self.path = str(Path(path).absolute()) if str(path) != ":memory:" else ":memory:"
         self.durability: Durability = durability
-        self._lock = threading.RLock()
-        self._closed = False
-        self._written: dict[str, RunRecord] = {}  # run rows as last written or read here
-        self._keys: dict[str, int] = {}  # run id -> run_rows.run_key, as read or written here
-        self._update_sql: dict[tuple[str, ...], str] = {}
-        self._create = create
-        #: The thread that checkpoints the WAL (started by the first write transaction).
-        self._checkpointer: Checkpointer | None = None
-        self._checkpoint_thread = checkpoint_thread and self.path != ":memory:"
-        #: Why reads, and why writes, are refused: a schema object they depend on is damaged.
-        self._unreadable: str | None = None
-        self._unwritable: str | None = None
-        self._busy_timeout = busy_timeout
-        self._shm_full = False
-        self._check_header()
-        if not create and self.path != ":memory:" and not os.path.exists(self.path):
-            raise JournalError("does not exist; nothing was created", path=self.path)
-        self._heal_side_files()
-        with self._errors():
-            self._conn = self._connect()
-        try:
-            with self._errors():
-                # recursive_triggers stays off (SQLite's default; sqlite-utils would turn it on):
-                # our one trigger never recurses, and on costs ~1 µs a step.
-                self._cursor = self._conn.cursor()
-                getlimit = getattr(self._conn, "getlimit", None)  # Python 3.11+
-                variables = getlimit(_LIMIT_VARIABLE_NUMBER) if getlimit else 999
-                self._bulk_rows = max(1, min(_BULK_ROWS, variables // _TRANSITION_PARAMS))
-                self._open_file()
-                # Foreign keys are declared (Datasette shows the links) but not enforced: the
-                # journal's own transactions keep them, and enforcing costs every commit.
-        except BaseException:
-            self._conn.close()
-            raise
-        _fork.register(self)  # a forked child gets a connection of its own
+        self._connections = SqliteConnections(
+            self.path,
+            durability=durability,
+            busy_timeout=busy_timeout,
+            create=create,
+            checkpoint_thread=checkpoint_thread,
+        )
+        self._core = SqlCore(_DIALECT, self._connections)
+        self._writer = SqliteWriter(self._connections, self._core)
+        # The hot path: the writer's own methods, bound to this journal as they are, so that
+        # a step makes no call through the journal (a subclass's own override is kept).
+        bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
 
     @property
     def location(self) -> str:
         """The journal file's absolute path."""
         return self.path
 
-    def _disconnect(self) -> None:
-        self._stop_checkpoints()
-        self._conn.close()
+    def close(self) -> None:
+        """Close the connection; further use raises ``JournalError``."""
+        self._connections.close()
 
-    def _stop_checkpoints(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.stop()
-            self._checkpointer = None
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
 
-    def _start_checkpoints(self) -> None:
-        """Checkpoint the WAL on a thread of its own from now on (see :mod:`._checkpoint`).
+    def __enter__(self) -> SqliteJournal:
+        return self
 
-        Called by the first write transaction (of a journal with ``checkpoint_thread``; never
-        ``:memory:``, which has no WAL), so that a journal opened only to be read starts none.
-        """
-        # By the file's real path: SQLite keeps the WAL beside a symlink's target.
-        real = os.path.realpath(self.path)
-        self._checkpointer = Checkpointer(self, real, size_limit=TUNING["journal_size_limit"])
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- writes (SqliteWriter's) ---------------------------------------------------------------
+
+    def create_run(
+        self,
+        run: RunRecord,
+        first: TransitionRecord,
+        *,
+        spec_json: str,
+        iterations: Sequence[IterationRecord] = (),
+    ) -> None:
+        """Store a new run with its transition seq 0, spec and iterations, in one transaction."""
+        self.create_runs([(run, first, iterations)], spec_json=spec_json)
+
+    def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
+        """Store new runs in ONE transaction (:meth:`SqliteWriter.create_runs`)."""
+        self._writer.create_runs(runs, spec_json=spec_json)
+
+    def commit(
+        self,
+        run: RunRecord,
+        transition: TransitionRecord,
+        *,
+        iterations: Sequence[IterationRecord] = (),
+        artifacts: Sequence[ArtifactRecord] = (),
+        spec_json: str | None = None,
+    ) -> None:
+        """Store ``transition`` and the run row it leads to (:meth:`SqliteWriter.commit`)."""
+        self._writer.commit(
+            run, transition, iterations=iterations, artifacts=artifacts, spec_json=spec_json
+        )
+
+    def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
+        """Store several commits in one transaction (:meth:`SqliteWriter.commit_many`)."""
+        return self._writer.commit_many(commits)
+
+    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
+        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        self._writer.fork_run(run, source_run_id=source_run_id, at_seq=at_seq)
+
+    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
+        return _sqlite_writes.prune(
+            self._connections, self._writer.forget, ended_before=ended_before, dry_run=dry_run
+        )
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
         """Mark an active run as to be aborted; its lease's writes are fenced but for the abort."""
-        with self._write() as conn:
+        with self._connections.write() as conn:
             run = self._load(conn, run_id)
             if run.ended:
                 raise RunTerminalError(run_id=run_id, state=run.state, status=run.status.value)
@@ -190,7 +191,7 @@ class SqliteJournal(SqliteChecks):
 
     def load(self, run_id: str) -> RunRecord:
         """Return the run's row (one primary-key lookup; history is not read)."""
-        with self._read() as conn:
+        with self._connections.read() as conn:
             return self._load(conn, run_id)
 
     def _load(self, conn: sqlite3.Connection, run_id: str) -> RunRecord:
@@ -199,47 +200,33 @@ class SqliteJournal(SqliteChecks):
         if row is None:
             raise RunNotFoundError(run_id)
         run = self._run_from_row(cursor.description, row)
-        self._remember(run)
+        self._writer.remember(run)
         return run
 
     def _run_from_row(self, description: Any, row: Sequence[Any]) -> RunRecord:
-        return self._decode_run(
-            {column[0]: value for column, value in zip(description, row, strict=True)}
-        )
-
-    def _decode_run(self, data: dict[str, Any]) -> RunRecord:
-        key = data.pop("run_key", None)  # the view's: remembered for this journal's commits
+        data = {column[0]: value for column, value in zip(description, row, strict=True)}
+        key = data.get("run_key")  # the view's: remembered for this journal's commits
         if key is not None:
-            self._remember_key(data["run_id"], key)
-        return super()._decode_run(data)
+            self._writer.remember_key(data["run_id"], key)
+        return self._core.decode_run(data)
 
     def transitions(
         self, run_id: str, *, from_seq: int = 0, to_seq: int | None = None
     ) -> list[TransitionRecord]:
         """Return the run's transitions with ``from_seq <= seq <= to_seq``, in seq order."""
-        with self._read() as conn:
+        with self._connections.read() as conn:
             cursor = conn.execute(
                 "SELECT * FROM transitions WHERE run_key = ? AND seq >= ? AND seq <= ?"
                 " ORDER BY seq",
-                (self._stored_key(conn, run_id), from_seq, 2**62 if to_seq is None else to_seq),
+                (
+                    self._writer.stored_key(conn, run_id),
+                    from_seq,
+                    2**62 if to_seq is None else to_seq,
+                ),
             )
             names = [column[0] for column in cursor.description]
             rows = cursor.fetchall()
-        return self._transition_records(names, rows)
-
-    def _select(
-        self, query: str, params: Sequence[Any], *, damaged: bool = False
-    ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        with self._read(damaged=damaged) as conn:
-            cursor = conn.execute(query, params)
-            return [column[0] for column in cursor.description], cursor.fetchall()
-
-    def _writing(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        with self._write() as conn:
-            return work(conn)
-
-    def _stale_bound(self) -> tuple[str, list[Any]]:
-        return "?", [format_utc(utc_now())]
+        return self._core.transition_records(names, rows)
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -252,9 +239,9 @@ class SqliteJournal(SqliteChecks):
         ``recoveries`` count increases), or when ``owner`` holds it already.
         """
         now = utc_now()
-        with self._write() as conn:
+        with self._connections.write() as conn:
             claimed = self._claim_in(conn, run_id, owner, now, ttl, take_over, None)
-        self._remember(claimed)
+        self._writer.remember(claimed)
         return claimed
 
     def claim_many(
@@ -276,7 +263,7 @@ class SqliteJournal(SqliteChecks):
         now = utc_now()
         results: list[RunRecord | Exception] = []
         try:
-            with self._write() as conn:
+            with self._connections.write() as conn:
                 for run_id in run_ids:
                     try:
                         results.append(self._claim_in(conn, run_id, owner, now, ttl, None, check))
@@ -288,7 +275,7 @@ class SqliteJournal(SqliteChecks):
             return [failure] * len(run_ids)
         for result in results:
             if isinstance(result, RunRecord):
-                self._remember(result)
+                self._writer.remember(result)
         return results
 
     def _claim_in(  # noqa: PLR0917 - one private call shape for claim and claim_many
@@ -324,7 +311,7 @@ class SqliteJournal(SqliteChecks):
         so the claim returns ``run`` as claimed. ``None``: nothing was written.
         """
         expires = utc_now() + dt.timedelta(seconds=ttl)
-        with self._write() as conn:
+        with self._connections.write() as conn:
             changed = conn.execute(
                 "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
                 " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
@@ -336,7 +323,7 @@ class SqliteJournal(SqliteChecks):
         if not changed:
             return None
         claimed = _lease.claimed(run, owner, expires, takeover=False)
-        self._remember(claimed)
+        self._writer.remember(claimed)
         return claimed
 
     def claim_next(
@@ -362,7 +349,7 @@ class SqliteJournal(SqliteChecks):
             sql += " AND spec_hash = ?"
             params.append(spec_hash)
         sql += " ORDER BY created_at, run_key LIMIT 1"
-        with self._write() as conn:
+        with self._connections.write() as conn:
             found = conn.execute(sql, params).fetchone()
             if found is None:
                 return None
@@ -377,14 +364,14 @@ class SqliteJournal(SqliteChecks):
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
         expires = utc_now() + dt.timedelta(seconds=ttl)
-        with self._write() as conn:
+        with self._connections.write() as conn:
             changed = conn.execute(
                 "UPDATE run_rows SET lease_expires_at = ? WHERE run_id = ? AND lease_owner = ?"
                 " AND lease_token = ?",
                 (format_utc(expires), run_id, owner, token),
             ).rowcount
             if not changed:
-                raise self._lease_lost(conn, run_id, token)
+                raise self._core.lease_lost(conn, run_id, token)
         return expires
 
     def renew_many(
@@ -393,7 +380,7 @@ class SqliteJournal(SqliteChecks):
         """Renew the ``(run_id, token)`` leases of ``owner`` in ONE transaction (``Journal``)."""
         expires = format_utc(utc_now() + dt.timedelta(seconds=ttl))
         found: dict[str, tuple[str | None, int, str | None, str]] = {}
-        with self._write() as conn:
+        with self._connections.write() as conn:
             conn.executemany(
                 "UPDATE run_rows SET lease_expires_at = ? WHERE run_id = ? AND lease_owner = ?"
                 " AND lease_token = ?",
@@ -411,7 +398,7 @@ class SqliteJournal(SqliteChecks):
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
-        with self._write() as conn:
+        with self._connections.write() as conn:
             released = conn.execute(
                 "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL"
                 " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
@@ -419,144 +406,102 @@ class SqliteJournal(SqliteChecks):
             ).rowcount
         return bool(released)
 
-    # -- operations ----------------------------------------------------------------------------
+    # -- checks --------------------------------------------------------------------------------
 
-    def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
-        """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
-        _rows.check_fork(run, at_seq)
-        first = self._run_params(attrs.evolve(run, seq=0))
-        with refused_if_exists(run.run_id), self._write() as conn:
-            found = conn.execute(
-                "SELECT seq, run_key FROM runs WHERE run_id = ?", (source_run_id,)
-            ).fetchone()
-            if found is None:
-                raise RunNotFoundError(source_run_id)
-            _rows.check_fork_source(source_run_id, found[0], at_seq)
-            key = _inserted_key(conn.execute(_INSERT_RUN, first))
-            # In seq order: the fence trigger admits each on top of the one before.
-            conn.execute(
-                "INSERT INTO transitions (run_id, run_key, seq, from_state, event, to_state,"
-                " iteration, attempt, at, duration_ms, result) SELECT ?, ?, seq, from_state,"
-                " event, to_state, iteration, attempt, at, duration_ms, result"
-                " FROM transitions WHERE run_key = ? AND seq <= ? ORDER BY seq",
-                (run.run_id, key, found[1], at_seq),
-            )
-            assignments = ", ".join(f"{column} = ?" for column in _rows.RUN_COLUMNS[1:])
-            conn.execute(
-                f"UPDATE run_rows SET {assignments} WHERE run_id = ?",
-                (*self._run_params(run)[1:], run.run_id),
-            )
-            copies = (
-                ("iterations", _rows.ITERATION_COLUMNS, "iteration <= ?", run.iteration),
-                ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= ?", at_seq),
-                ("effects", _rows.EFFECT_COLUMNS, "visit_seq < ?", run.visit_seq),
-            )
-            for table, columns, condition, bound in copies:
-                rest = [column for column in columns if column != "run_id"]
-                conn.execute(
-                    f"INSERT INTO {table} (run_id, {', '.join(rest)})"
-                    f" SELECT ?, {', '.join(rest)} FROM {table}"
-                    f" WHERE run_id = ? AND {condition}",
-                    (run.run_id, source_run_id, bound),
-                )
-        self._remember(run)
-        self._remember_key(run.run_id, key)
+    def schema_problems(self) -> list[str]:
+        """How the journal's schema objects differ from those of its schema version.
 
-    def _size(self) -> int | None:
-        if self.path == ":memory:":
-            return None
-        # SQLite follows a symlink and keeps the -wal beside the file it points to.
-        real = os.path.realpath(self.path)
-        return sum(
-            Path(real + suffix).stat().st_size
-            for suffix in ("", "-wal")
-            if Path(real + suffix).exists()
-        )
-
-    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
-        """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
-        # "+c.status": a child is looked up by its parent's id (idx_runs_parent_run_id); by
-        # status, SQLite would scan every active run for each ended one, with the write lock
-        # held (25 s for 680 ended among 20,000 active runs, while every worker waited).
-        select = (
-            "SELECT run_id, run_key FROM runs AS r WHERE status != 'active' AND updated_at < ?"
-            " AND NOT EXISTS (SELECT 1 FROM run_rows AS c WHERE c.parent_run_id = r.run_id"
-            " AND +c.status = 'active') ORDER BY updated_at, run_key"
-        )
-        cutoff = (format_utc(ended_before),)
-        before = self._size()
-        if dry_run:
-            with self._read() as conn:
-                ids = tuple(str(row[0]) for row in conn.execute(select, cutoff))
-                count = conn.execute(
-                    "SELECT count(*) FROM transitions"
-                    f" WHERE run_key IN (SELECT run_key FROM ({select}))",
-                    cutoff,
-                ).fetchone()[0]
-            return PruneReport(ids, int(count), dry_run=True, bytes_before=before)
-        with self._write() as conn:
-            conn.execute("DROP TABLE IF EXISTS temp.pruned")
-            conn.execute(f"CREATE TEMP TABLE pruned AS {select}", cutoff)
-            ids = tuple(str(row[0]) for row in conn.execute("SELECT run_id FROM temp.pruned"))
-            count = conn.execute(
-                "DELETE FROM transitions WHERE run_key IN (SELECT run_key FROM temp.pruned)"
-            ).rowcount
-            for table in ("iterations", "artifacts", "effects", "run_rows"):
-                conn.execute(
-                    f"DELETE FROM {table} WHERE run_id IN (SELECT run_id FROM temp.pruned)"
-                )
-            conn.execute(
-                "DELETE FROM specs WHERE spec_hash NOT IN (SELECT DISTINCT spec_hash FROM run_rows)"
-            )
-            conn.execute("DROP TABLE temp.pruned")
-        for run_id in ids:
-            self._written.pop(run_id, None)
-            self._keys.pop(run_id, None)
-        if ids:
-            with self._read() as conn:
-                # The thread's checkpoint would take the lock that TRUNCATE needs (SQLite does
-                # not wait for it): stopped here, started again by the next write.
-                self._stop_checkpoints()
-                conn.execute("VACUUM")
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        return PruneReport(ids, count, dry_run=False, bytes_before=before, bytes_after=self._size())
+        See :func:`fsm_runner.journal._sqlite_check.schema_problems`; empty for a journal as
+        fsm_runner made (or migrated) it.
+        """
+        with self._connections.read(damaged=True) as conn:
+            return _sqlite_check.schema_problems(conn)
 
     def integrity_problems(self) -> list[str]:
         """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem.
 
         Then the schema objects that differ from the schema version's
-        (:meth:`schema_problems`). Also transitions whose ``run_key`` is not the key of the run
-        their ``run_id`` names (only a hand edit makes one: the fence trigger refuses such an
-        insert): reads go by ``run_key``, so such a row would show in another run's history.
+        (:meth:`schema_problems`), and transitions filed under another run's ``run_key`` (see
+        :func:`fsm_runner.journal._sqlite_check.integrity_problems`).
         """
-        schema = self.schema_problems()
-        with self._read(damaged=True) as conn:
-            problems = [
-                f"SQLite integrity check: {row[0]}"
-                for row in conn.execute("PRAGMA integrity_check(20)")
-                if row[0] != "ok"
-            ]
-            dangling = conn.execute(
-                'SELECT "table", count(*), min(rowid) FROM pragma_foreign_key_check'
-                ' GROUP BY "table"'
-            ).fetchall()
-            miskeyed, first_miskeyed = conn.execute(
-                "SELECT count(*), min(t.rowid) FROM transitions AS t"
-                " JOIN run_rows AS r ON r.run_id = t.run_id WHERE t.run_key IS NOT r.run_key"
-            ).fetchone()
-        problems += schema
-        problems += [
-            f"{count} row(s) of table {table} refer to missing rows (first rowid {first})"
-            for table, count, first in dangling
-        ]
-        if miskeyed:
-            problems.append(
-                f"{miskeyed} row(s) of table transitions have a run_key that is not their run's"
-                f" (first rowid {first_miskeyed})"
-            )
-        return problems
+        with self._connections.read(damaged=True) as conn:
+            return _sqlite_check.integrity_problems(conn)
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
-        with self._read(damaged=True) as conn:
+        with self._connections.read(damaged=True) as conn:
             return dict(conn.execute("SELECT key, value FROM meta").fetchall())
+
+    # -- what both SQL journals share (SqlCore's) ----------------------------------------------
+
+    def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
+        """Return the effect recorded under that name in that visit, if any."""
+        return self._core.effect(run_id, visit_seq, name)
+
+    def effects(self, run_id: str) -> list[EffectRecord]:
+        """Return the run's effects, in the order they were started."""
+        return self._core.effects(run_id)
+
+    def put_effect(
+        self, record: EffectRecord, *, run_seq: int, lease_token: int | None = None
+    ) -> None:
+        """Store ``record`` only while the run is at ``run_seq`` (:meth:`SqlCore.put_effect`)."""
+        self._core.put_effect(record, run_seq=run_seq, lease_token=lease_token)
+
+    def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
+        """Return the run's record of that iteration, if there is one."""
+        return self._core.iteration(run_id, iteration)
+
+    def iterations(self, run_id: str) -> list[IterationRecord]:
+        """Return the run's iteration records, in iteration order."""
+        return self._core.iterations(run_id)
+
+    def artifacts(self, run_id: str) -> list[ArtifactRecord]:
+        """Return the run's artifacts, in the order they were committed."""
+        return self._core.artifacts(run_id)
+
+    def runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunOutcome | str | None = None,
+        parent_run_id: str | None = None,
+        limit: int | None = None,
+        effect_in_flight: bool = False,
+        state: str | None = None,
+        stale: bool = False,
+        run_id_prefix: str | None = None,
+        before: str | None = None,
+    ) -> list[RunRecord]:
+        """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
+        return self._core.runs(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            limit=limit,
+            effect_in_flight=effect_in_flight,
+            state=state,
+            stale=stale,
+            run_id_prefix=run_id_prefix,
+            before=before,
+        )
+
+    def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
+        """Return how many runs of ``machine`` there are per (state, status), now."""
+        return self._core.run_counts(machine=machine)
+
+    def transition_counts(self, run_id: str) -> list[tuple[str | None, str, str, int, int]]:
+        """How often the run took each move: ``(from, event, to, count, last seq)``, by last seq."""
+        return self._core.transition_counts(run_id)
+
+    def run_ids(self, prefix: str, *, limit: int = 2) -> list[str]:
+        """Return up to ``limit`` run ids that start with ``prefix``."""
+        return self._core.run_ids(prefix, limit=limit)
+
+    def spec_json(self, spec_hash: str) -> str:
+        """Return the canonical JSON of the spec with that hash."""
+        return self._core.spec_json(spec_hash)
+
+    def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
+        """Give up the ``(run_id, token)`` leases ``owner`` holds, in one write (``Journal``)."""
+        return self._core.release_many(leases, owner)

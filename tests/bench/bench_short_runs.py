@@ -59,7 +59,7 @@ from bench_engine import raw_rate, transitions_ddl  # noqa: E402
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition  # noqa: E402
 from fsm_runner._convert import format_utc  # noqa: E402
-from fsm_runner.journal import _sqlite_writes  # noqa: E402
+from fsm_runner.journal import _rows, _sqlite_writes  # noqa: E402
 from fsm_runner.records import TransitionRecord, utc_now  # noqa: E402
 
 PHASES = ["a", "b", "c", "d"]
@@ -222,7 +222,7 @@ def floor_rate(path: Path, runs: int) -> tuple[float, float]:
         for _ in range(runs):
             run, first, _ = engine._new_run(None, None, None, None, True)
             steps = [
-                journal._transition_params(
+                _rows.transition_params(
                     TransitionRecord(
                         run_id=run.run_id,
                         seq=seq,
@@ -232,14 +232,20 @@ def floor_rate(path: Path, runs: int) -> tuple[float, float]:
                         at=utc_now(),
                         duration_ms=0.01,
                         lease_token=1,
-                    )
+                    ),
+                    format_utc,
                 )
                 for seq, (state, next_state) in enumerate(
                     zip(PHASES, [*PHASES[1:], "done"], strict=True), 1
                 )
             ]
             built.append(
-                (run.run_id, journal._run_params(run), journal._transition_params(first), steps)
+                (
+                    run.run_id,
+                    _rows.run_params(run, _rows.RUN_COLUMNS, format_utc),
+                    _rows.transition_params(first, format_utc),
+                    steps,
+                )
             )
         spec = (SPEC.spec_hash, SPEC.name, SPEC.to_json(), format_utc(utc_now()))
         engine.close()
