@@ -1,12 +1,15 @@
 """Journals: the one I/O seam of the engine (``base.Journal``) and its implementations.
 
-Modules: ``base`` (the protocol), ``memory``, ``sqlite`` and ``postgres`` (the journals);
-``_sql`` (what both SQL journals share: reads, row decoding, effects), ``_rows`` (records as
-the rows they bind), ``_lease`` (the lease rules every journal asks: granting a claim, the
-verdict on a fenced commit); ``_sqlite_writes`` and ``_postgres_writes`` (each dialect's
-connection and fenced commit), ``_sqlite_check`` (opening and checking a SQLite file),
-``_postgres_url``; ``_schema`` and ``_postgres_schema`` (migrations; the latter also opens a
-PostgreSQL journal's schema).
+Modules: ``base`` (the protocol), ``memory``, ``sqlite`` and ``postgres`` (the journals, one
+class per dialect, each holding a connection manager, the shared SQL core and a writer);
+``_sql`` (``SqlCore``: what both SQL journals share, reads, row decoding, effects),
+``_rows`` (records as the rows they bind), ``_lease`` (the lease rules every journal asks:
+granting a claim, the verdict on a fenced commit); ``_sqlite_connections`` and
+``_postgres_connection`` (each dialect's connection manager), ``_sqlite_writes`` and
+``_postgres_writes`` (each dialect's fenced commit), ``_sqlite_check`` (opening and checking a
+SQLite file: functions), ``_sqlite_errors`` (what ``sqlite3``'s errors mean),
+``_checkpoint`` (the WAL's checkpoint thread), ``_postgres_url``; ``_schema`` and
+``_postgres_schema`` (migrations; the latter also opens a PostgreSQL journal's schema).
 
 :class:`PostgresJournal` loads on first use, so that nothing here imports psycopg unless a
 PostgreSQL journal is asked for; :class:`MemoryJournal` too, so that a process on a file journal

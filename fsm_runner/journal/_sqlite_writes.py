@@ -117,7 +117,7 @@ def _update_run_row(columns: Sequence[str], bound: int) -> str:
     return f"UPDATE run_rows SET {assignments} WHERE run_key = ?"
 
 
-#: The UPDATE :meth:`SqliteWrites._extra_update` writes when a plain step ends a run: the
+#: The UPDATE :meth:`SqliteWriter._extra_update` writes when a plain step ends a run: the
 #: head, the status, and no lease holder.
 _END_RUN = _update_run_row(
     ("state", "seq", "iteration", "updated_at", "visit_seq", "status", *_NO_HOLDER), 6

@@ -53,7 +53,7 @@ def _stale_bound() -> tuple[str, list[Any]]:
 _DIALECT = SqlDialect(
     mark="?",
     run_table="run_rows",
-    run_select="*",  # the runs view, with run_key (remembered for commits)
+    run_select="*",  # the runs view, with run_key
     row_order="run_key",
     run_transitions="run_key = (SELECT run_key FROM run_rows WHERE run_id = ?)",
     put_effect=PUT_EFFECT,
