@@ -333,6 +333,42 @@ class TestCommit:
         assert transition.duration_ms == 1.5
 
 
+class TestHotPath:
+    """A SQL journal's per-step writes go straight to its writer: no call through the journal."""
+
+    HOT = ("commit", "commit_many", "create_runs")
+
+    @pytest.fixture(params=["sqlite", "postgres"])
+    def sql_journal(self, request, tmp_path):
+        if request.param == "postgres":
+            yield request.getfixturevalue("postgres_journal")
+            return
+        journal = SqliteJournal(tmp_path / "j.db")
+        yield journal
+        journal.close()
+
+    def test_the_writers_own_methods(self, sql_journal):
+        # Private on purpose: what is checked is that the journal adds no call to a step.
+        for name in self.HOT:
+            assert getattr(sql_journal, name).__self__ is sql_journal._writer, name
+        run = start(sql_journal)
+        assert advance(sql_journal, run, "verifying") == sql_journal.load("r1")
+
+    def test_a_subclass_keeps_its_own(self, tmp_path):
+        committed = []
+
+        class Counting(SqliteJournal):
+            def commit(self, run, transition, **kwargs):
+                committed.append(transition.seq)
+                super().commit(run, transition, **kwargs)
+
+        with Counting(tmp_path / "j.db") as journal:
+            assert journal.commit_many.__self__ is journal._writer  # not overridden: bound
+            advance(journal, start(journal), "verifying")
+            assert committed == [1]
+            assert journal.load("r1").seq == 1
+
+
 class TestAbort:
     """request_abort marks an active run; a USER_ABORTED commit carries it out."""
 
