@@ -44,9 +44,9 @@ def bind_hot_path(journal: object, cls: type, target: object, names: Sequence[st
     """Bind ``target``'s methods ``names`` on ``journal`` itself, in place of ``cls``'s own.
 
     ``cls``'s methods of those names only pass the call on to ``target``; bound on the
-    instance, the engine's call per step goes straight to ``target`` (a call through the
-    journal is ~1 % of a journaled step). A subclass of ``cls`` that overrides one keeps its
-    own.
+    instance, the engine's call per step goes straight to ``target`` (the call through the
+    journal cost ~2 % of a sync step's instructions under callgrind: ~1,900 of ~91,000). A
+    subclass of ``cls`` that overrides one keeps its own.
     """
     for name in names:
         if getattr(type(journal), name) is getattr(cls, name):
