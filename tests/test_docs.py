@@ -285,7 +285,7 @@ def anchors(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("path", DOCS, ids=name_of)
+@pytest.mark.parametrize("path", [*DOCS, ROOT / "tests" / "README.md"], ids=name_of)
 def test_links_resolve(path):
     text = FENCE.sub("", path.read_text())
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
