@@ -1,4 +1,4 @@
-"""The README's and docs/'s examples are checked: every Python block runs, every `$` command parses.
+"""The README's and docs/'s examples are checked: Python blocks run, `$` commands parse or run.
 
 What each document holds is checked as a reader would use it:
 
@@ -11,6 +11,10 @@ What each document holds is checked as a reader would use it:
   subcommand and options exist (``fsm-runner`` and ``python -m fsm_runner...`` are parsed with
   ``--help``, so nothing runs; a bench script's options must be in its ``--help``; ``pip
   install`` names extras that exist; ``export`` sets a variable fsm_runner reads);
+* a ```console block marked ``<!-- session -->`` on the line before its fence runs for real, its
+  commands in order through ``bash`` in one empty directory, and each command must print what
+  the block shows: run ids (the document's ids stand for the session's, in commands too), times,
+  decimal numbers and absolute paths aside, a ``...`` line standing for any lines;
 * every fence says its language, and a ```text block is not Python in disguise;
 * every relative link and image resolves, anchors included;
 * the exception tree in docs/reference.md is ``fsm_runner.exceptions``' tree, and docs/design.md
@@ -25,6 +29,7 @@ import ast
 import builtins
 import configparser
 import functools
+import os
 import re
 import shlex
 import subprocess
@@ -74,6 +79,8 @@ def python_blocks(path: Path) -> list[str]:
 def test_every_fence_says_its_language(path):
     for language, text, before in blocks(path):
         assert language in LANGUAGES, f"{name_of(path)}: a fence labelled {language!r}:\n{text}"
+        if SESSION.search(before):
+            assert language == "console", f"{name_of(path)}: a session mark on a {language} block"
         marked = NOT_RUN.search(before)
         if marked:
             assert language == "python", f"{name_of(path)}: not-run marks a {language} block"
@@ -267,6 +274,113 @@ def test_a_bad_command_is_caught():
     ):
         with pytest.raises(AssertionError):
             check_line(bad)
+
+
+# -- sessions: console blocks run for real -------------------------------------------------------
+
+SESSION = re.compile(r"<!--\s*session\s*-->\s*$")
+#: A run id, or the 12-character prefix the CLI prints.
+RUN_ID = re.compile(r"\b[0-9a-f]{32}\b|\b[0-9a-f]{12}\b")
+#: What differs from one session to the next: times, durations, absolute paths.
+VARYING = [
+    (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?"), "<time>"),
+    (re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])"), "<number>"),
+    (re.compile(r"(?<![\w.])(?:/[\w.-]+)+/"), "/.../"),
+]
+
+
+def sessions(path: Path) -> list[list[tuple[str, list[str]]]]:
+    """Each console block marked ``<!-- session -->``: its commands, each with its output."""
+    found = []
+    for language, text, before in blocks(path):
+        if language != "console" or not SESSION.search(before):
+            continue
+        steps: list[tuple[str, list[str]]] = []
+        for line in text.replace("\\\n", " ").splitlines():
+            if line.startswith("$ "):
+                steps.append((line[2:], []))
+            else:
+                steps[-1][1].append(line)
+        found.append(steps)
+    return found
+
+
+def masked(line: str) -> str:
+    line = RUN_ID.sub("<id>", line)
+    for pattern, mask in VARYING:
+        line = pattern.sub(mask, line)
+    return " ".join(line.split())
+
+
+def bind_ids(expected: str, actual: str, ids: dict[str, str]) -> None:
+    """Learn which run of the session each id of the document stands for."""
+    for shown, real in zip(RUN_ID.findall(expected), RUN_ID.findall(actual), strict=True):
+        ids.setdefault(shown, real)
+
+
+def with_real_ids(command: str, ids: dict[str, str]) -> str:
+    """The command with each run id (or prefix of one) of the document replaced by the real one."""
+
+    def real(match: re.Match[str]) -> str:
+        word = match.group(0)
+        for shown, run_id in ids.items():
+            if len(word) >= 4 and shown.startswith(word):
+                return run_id[: len(word)]
+        return word
+
+    return re.sub(r"\b[0-9a-f]{4,32}\b", real, command)
+
+
+def outputs_match(expected: list[str], actual: list[str], ids: dict[str, str]) -> bool:
+    """Whether ``actual`` is ``expected``, a ``...`` line standing for any lines."""
+    if not expected:
+        return not actual
+    if expected[0].strip() == "...":
+        return any(
+            outputs_match(expected[1:], actual[skip:], ids) for skip in range(len(actual) + 1)
+        )
+    if not actual or masked(expected[0]) != masked(actual[0]):
+        return False
+    bind_ids(expected[0], actual[0], ids)
+    return outputs_match(expected[1:], actual[1:], ids)
+
+
+def run_session(steps: list[tuple[str, list[str]]], directory: Path) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.update(PYTHONUNBUFFERED="1", NO_COLOR="1", COLUMNS="200")
+    env.pop("FSM_RUNNER_JOURNAL", None)
+    ids: dict[str, str] = {}
+    for command, expected in steps:
+        real = with_real_ids(command, ids)
+        done = subprocess.run(
+            ["bash", "-c", f"{{ {real}\n}} 2>&1"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=directory,
+            env=env,
+            timeout=120,
+        )
+        actual = done.stdout.rstrip("\n").split("\n") if done.stdout.strip() else []
+        assert outputs_match(expected, actual, ids), (
+            f"$ {command}\n(run as: {real})\n--- the document shows:\n"
+            + "\n".join(expected)
+            + "\n--- it printed:\n"
+            + "\n".join(actual)
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in DOCS if sessions(p)], ids=name_of)
+def test_sessions_print_what_the_docs_show(path, tmp_path):
+    for index, steps in enumerate(sessions(path)):
+        directory = tmp_path / f"session-{index}"
+        directory.mkdir()
+        run_session(steps, directory)
+
+
+def test_the_readme_shows_a_session():
+    assert sessions(README)
 
 
 # -- links --------------------------------------------------------------------------------------
