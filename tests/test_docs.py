@@ -29,6 +29,7 @@ import ast
 import builtins
 import configparser
 import functools
+import inspect
 import os
 import re
 import shlex
@@ -420,6 +421,16 @@ def test_the_readme_links_every_doc(path):
 # -- the reference and the design ---------------------------------------------------------------
 
 
+def sets_attribute(cls: type, attribute: str) -> bool:
+    """Whether ``cls`` (or a base of it) sets or defines ``attribute``."""
+    return any(
+        attribute in vars(klass)
+        or re.search(rf"self\.{attribute}\b(: [^=]+)? =", inspect.getsource(klass))
+        for klass in cls.__mro__
+        if klass.__module__.startswith("fsm_runner")
+    )
+
+
 def test_the_reference_draws_the_exception_tree():
     import fsm_runner.exceptions as exceptions
 
@@ -431,7 +442,7 @@ def test_the_reference_draws_the_exception_tree():
     parents: list[type] = []
     drawn = set()
     for line in tree.splitlines():
-        match = re.match(r"^([│ ]*)(?:[├└]── )?(\w+)(?:\s+\(also (\w+)\))?", line)
+        match = re.match(r"^([│ ]*)(?:[├└]── )?(\w+)(?:\s+\(also (\w+)\))?(.*)$", line)
         assert match, line
         depth = len(match.group(1)) // 4 + (1 if "──" in line else 0)
         cls = getattr(exceptions, match.group(2))
@@ -440,6 +451,8 @@ def test_the_reference_draws_the_exception_tree():
             assert cls.__bases__[0] is parents[-1], (cls, parents[-1])
         if match.group(3):
             assert issubclass(cls, getattr(builtins, match.group(3))), cls
+        for attribute in re.findall(r"(?<![\w.])\.(\w+)", match.group(4)):
+            assert sets_attribute(cls, attribute), f"{cls.__name__} has no .{attribute}"
         parents.append(cls)
         drawn.add(cls.__name__)
     public = {
