@@ -14,7 +14,8 @@ What each document holds is checked as a reader would use it:
 * a ```console block marked ``<!-- session -->`` on the line before its fence runs for real, its
   commands in order through ``bash`` in one empty directory, and each command must print what
   the block shows: run ids (the document's ids stand for the session's, in commands too), times,
-  decimal numbers and absolute paths aside, a ``...`` line standing for any lines;
+  decimal numbers, numbers with thousands separators and absolute paths aside, a ``...`` line
+  standing for any lines;
 * every fence says its language, and a ```text block is not Python in disguise;
 * every relative link and image resolves, anchors included;
 * the exception tree in docs/reference.md is ``fsm_runner.exceptions``' tree, and docs/design.md
@@ -286,6 +287,7 @@ RUN_ID = re.compile(r"\b[0-9a-f]{32}\b|\b[0-9a-f]{12}\b")
 VARYING = [
     (re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(\.\d+)?"), "<time>"),
     (re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])"), "<number>"),
+    (re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\w.,])"), "<number>"),  # sizes in bytes
     (re.compile(r"(?<![\w.])(?:/[\w.-]+)+/"), "/.../"),
 ]
 
