@@ -159,6 +159,35 @@ class TestAll:
     def test_sorted(self):
         assert fsm_runner.__all__ == sorted(fsm_runner.__all__, key=isort_style_key)
 
+    def test_the_export_list_is_sorted(self):
+        # _EXPORTS is the one list: __all__ and the lazy __getattr__ are made from it
+        assert list(fsm_runner._EXPORTS) == sorted(fsm_runner._EXPORTS, key=isort_style_key)
+        assert fsm_runner.__all__ == [
+            name for name in fsm_runner._EXPORTS if name not in fsm_runner._OPTIONAL
+        ]
+
+    def test_what_type_checkers_see_is_the_export_list(self):
+        # the TYPE_CHECKING imports say for type checkers what _EXPORTS says at run time
+        tree = ast.parse(Path(fsm_runner.__file__).read_text(encoding="utf-8"))
+        block = next(
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "typing.TYPE_CHECKING"
+        )
+        seen: dict[str, str] = {}
+        for node in block.body:
+            assert isinstance(node, ast.ImportFrom)
+            assert node.module is not None
+            for alias in node.names:
+                assert alias.asname == alias.name, f"{alias.name}: `X as X` re-exports it"
+                seen[alias.name] = node.module
+        assert seen == fsm_runner._EXPORTS
+
+    def test_every_public_exception_is_exported(self):
+        assert set(exceptions.__all__) <= set(fsm_runner.__all__)
+        for name in exceptions.__all__:
+            assert getattr(fsm_runner, name) is getattr(exceptions, name)
+
     def test_no_duplicates(self):
         assert len(set(fsm_runner.__all__)) == len(fsm_runner.__all__)
 
