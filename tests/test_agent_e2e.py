@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from fsm_runner import SqliteJournal
 from fsm_runner.cli import cli
-from fsm_runner.presets.agent_commands import loop_input, make_engine
+from fsm_runner.presets.agent_loop.commands import loop_input, make_engine
 from fsm_runner.records import ErrorType
 
 REPO = Path(__file__).parents[1]

@@ -322,14 +322,18 @@ def fsm_runner_imports(path: Path) -> set[str]:
 
 PRESETS = Path(fsm_runner.__file__).parent.joinpath("presets")
 
+#: Preset modules that import more than the public API, and why. The sub-phases preset's command
+#: line uses the CLI's journal option, run-id prefixes and exit codes, and its harness the
+#: supervisor (documented, but not in ``fsm_runner.__all__``).
+BEYOND_THE_PUBLIC_API = {
+    "subphases/__init__.py": {"fsm_runner.cli", "fsm_runner.supervisor"},
+}
+
 
 @pytest.mark.parametrize(
     "path",
-    [
-        *sorted(PRESETS.glob("coordinator*.py")),
-        *sorted(PRESETS.glob("agent_*.py")),
-    ],
-    ids=lambda path: path.name,
+    sorted(PRESETS.rglob("*.py")),
+    ids=lambda path: path.relative_to(PRESETS).as_posix(),
 )
 def test_the_presets_use_only_the_public_api(path):
     private = {
@@ -337,7 +341,7 @@ def test_the_presets_use_only_the_public_api(path):
         for name in fsm_runner_imports(path)
         if name not in PUBLIC_MODULES and not name.startswith("fsm_runner.presets.")
     }
-    assert not private
+    assert private == BEYOND_THE_PUBLIC_API.get(path.relative_to(PRESETS).as_posix(), set())
 
 
 class TestExceptionModule:

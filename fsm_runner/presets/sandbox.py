@@ -45,8 +45,7 @@ A run's input is ``{"key": KEY, "change": CHANGE}`` (and optionally ``"topic"``,
 ``store``  :class:`ExternalStore` — the external system the run reads and changes once.
 
 :class:`MemoryTopic` and :class:`MemoryStore` are real in-process implementations, for examples
-and tests; :class:`fsm_runner.presets.counter_server.CounterClient` is an :class:`ExternalStore`
-over HTTP::
+and tests (which also use an :class:`ExternalStore` over HTTP, their own counter server)::
 
     from fsm_runner import SqliteJournal
     from fsm_runner.presets.sandbox import MemoryStore, MemoryTopic, sandbox_engine

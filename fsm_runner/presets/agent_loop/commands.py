@@ -7,11 +7,12 @@ continues it with no Python to write::
     {"task": "...", "workspace": "/path/to/repo", "max_iterations": 3, "max_seconds": null,
      "agent": {"command": "my-agent --json", "timeout": 600},
      "verify": {"L0": ["python -m compileall -q ."], "L1": ["python -m pytest -q"]},
-     "app": "fsm_runner.presets.agent_commands:make_engine"}
+     "app": "fsm_runner.presets.agent_loop.commands:make_engine"}
 
 The demo (:func:`create_demo_project`, :func:`demo_input`) makes a small git project with a
 failing test, and a scripted agent — a real subprocess, ``python -m
-fsm_runner.presets.agent_commands agent`` — that edits files: a wrong attempt first, then the fix.
+fsm_runner.presets.agent_loop.commands agent`` — that edits files: a wrong attempt first, then
+the fix.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 from fsm_runner import Engine, Journal, MemoryJournal
 from fsm_runner.presets.agent_loop import AgentRequest, AgentResult, agent_loop_engine
-from fsm_runner.presets.agent_services import (
+from fsm_runner.presets.agent_loop.services import (
     CommandAgentDriver,
     CommandVerifier,
     GitSnapshotter,
@@ -38,7 +39,7 @@ from fsm_runner.presets.agent_services import (
 __all__ = ["APP", "create_demo_project", "demo_input", "loop_input", "main", "make_engine"]
 
 #: The import path of :func:`make_engine`, recorded in every run's input.
-APP = "fsm_runner.presets.agent_commands:make_engine"
+APP = "fsm_runner.presets.agent_loop.commands:make_engine"
 
 
 class _OptionsAgent:
@@ -129,7 +130,7 @@ def demo_input(workspace: Path) -> dict[str, Any]:
     return loop_input(
         task="Make the tests in test_calc.py pass: calc.add must add its arguments.",
         workspace=workspace,
-        agent=f"{python} -m fsm_runner.presets.agent_commands agent",
+        agent=f"{python} -m fsm_runner.presets.agent_loop.commands agent",
         verify={
             "L0": f"{python} -m compileall -q calc.py test_calc.py",
             "L1": f"{python} -m pytest -q -p no:cacheprovider test_calc.py",
@@ -163,10 +164,10 @@ def _scripted_agent() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fsm_runner.presets.agent_commands agent``: the demo's scripted agent."""
+    """``python -m fsm_runner.presets.agent_loop.commands agent``: the demo's scripted agent."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args != ["agent"]:
-        print("usage: python -m fsm_runner.presets.agent_commands agent", file=sys.stderr)
+        print("usage: python -m fsm_runner.presets.agent_loop.commands agent", file=sys.stderr)
         return 2
     return _scripted_agent()
 

@@ -5,7 +5,7 @@ It stands for the kind of service a sandboxed phase changes (see
 exactly how many times a side effect happened — across kills of the process that caused it.
 Run it as::
 
-    python -m fsm_runner.presets.counter_server --state FILE [--port P] [--stall-after-hit MARKER]
+    python tests/servers/counter_server.py --state FILE [--port P] [--stall-after-hit MARKER]
 
 It listens on 127.0.0.1 only (port 0, the default, picks a free one), prints the port it
 listens on as its first line of output, and answers:
@@ -57,7 +57,7 @@ from types import TracebackType
 from typing import Any
 
 from fsm_runner.exceptions import FsmRunnerError, SupervisorError
-from fsm_runner.presets._local_server import HOST, LocalServer
+from fsm_runner.presets.subphases._local_server import HOST, LocalServer
 
 __all__ = ["CounterClient", "CounterServer", "CounterServerError", "main"]
 
@@ -179,7 +179,7 @@ class CounterClient:
 class CounterServer(LocalServer):
     """The counter server process: a :class:`fsm_runner.supervisor.Resource` and a context manager.
 
-    :meth:`start` spawns ``python -m fsm_runner.presets.counter_server`` and returns once it
+    :meth:`start` spawns ``python tests/servers/counter_server.py`` and returns once it
     listens. The port is the one asked for, or the one the first start picked; later starts keep
     it, so clients handed out earlier stay valid.
 
@@ -232,7 +232,7 @@ class CounterServer(LocalServer):
 
     def command(self) -> list[str]:
         """The command line that starts the server."""
-        argv = [sys.executable, "-m", "fsm_runner.presets.counter_server"]
+        argv = [sys.executable, str(Path(__file__).resolve())]  # a script: from any cwd
         argv += ["--state", str(self.state), "--port", str(self.port or 0)]
         if self.stall_after_hit is not None:
             argv += ["--stall-after-hit", str(self.stall_after_hit)]
@@ -247,7 +247,7 @@ class CounterServer(LocalServer):
         """
         with self._lock:
             self._stop_locked()
-            process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            process = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
             )
             self._process = process
@@ -390,7 +390,7 @@ class _Server(http.server.ThreadingHTTPServer):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the counter server until it is killed (0 after Ctrl-C)."""
     parser = argparse.ArgumentParser(
-        prog="python -m fsm_runner.presets.counter_server",
+        prog="python tests/servers/counter_server.py",
         description="A counter server with idempotency keys (127.0.0.1 only).",
     )
     parser.add_argument("--state", type=Path, required=True, help="the state file")

@@ -4,7 +4,8 @@ The server stands for the kind of helper a harness runs beside its phases (a lan
 an analysis daemon): the sub-phases of :mod:`fsm_runner.presets.subphases` call it, and it may
 die at any moment. Run it as::
 
-    python -m fsm_runner.presets.helper_server --port P --log FILE [--refuse-if-exists PATH]
+    python -m fsm_runner.presets.subphases.helper_server --port P --log FILE \
+        [--refuse-if-exists PATH]
 
 It listens on 127.0.0.1 only and answers:
 
@@ -23,32 +24,27 @@ It listens on 127.0.0.1 only and answers:
 With ``--refuse-if-exists PATH``, the server exits with code 1 at once if ``PATH`` exists;
 tests create that file to make a killed server "never come back".
 
-This module is also the I/O edge of the preset: :class:`HelperServer` is the harness's
-:class:`fsm_runner.supervisor.Resource` for the server process, and :class:`HelperClient` is all
-a phase gets — it can do work, and nothing else. Foreign failures (``OSError``,
+The server process is this package's ``__main__``. This module is the I/O edge of the preset
+that uses it: :class:`HelperServer` is the harness's :class:`fsm_runner.supervisor.Resource` for
+the server process, and :class:`HelperClient` is all a phase gets — it can do work, and nothing
+else. Foreign failures (``OSError``,
 ``http.client.HTTPException``, bad JSON) become :class:`ServerUnreachableError` or
 :class:`HelperServerError` here.
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
-import http.server
 import json
-import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.parse
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets._local_server import HOST, LocalServer
+from fsm_runner.presets.subphases._local_server import HOST, LocalServer
 
 __all__ = [
     "HelperClient",
@@ -56,7 +52,6 @@ __all__ = [
     "HelperServerError",
     "ServerUnreachableError",
     "free_port",
-    "main",
 ]
 
 
@@ -196,8 +191,8 @@ def free_port() -> int:
 class HelperServer(LocalServer):
     """The helper server as a supervised :class:`fsm_runner.supervisor.Resource`.
 
-    Each :meth:`start` spawns ``python -m fsm_runner.presets.helper_server`` in the caller's
-    process group, so whatever kills the runner's group kills the server too. The port is
+    Each :meth:`start` spawns ``python -m fsm_runner.presets.subphases.helper_server`` in the
+    caller's process group, so whatever kills the runner's group kills the server too. The port is
     chosen once and kept across restarts, so clients handed out earlier stay valid.
 
     Args:
@@ -236,7 +231,7 @@ class HelperServer(LocalServer):
         argv = [
             sys.executable,
             "-m",
-            "fsm_runner.presets.helper_server",
+            "fsm_runner.presets.subphases.helper_server",
             "--port",
             str(self.port),
             "--log",
@@ -264,131 +259,3 @@ class HelperServer(LocalServer):
     def client(self) -> HelperClient:
         """A client for the server: it can do work, and nothing else."""
         return HelperClient(self.base_url)
-
-
-# -- the server process -----------------------------------------------------------------------
-
-
-class _WorkLog:
-    """The server's append-only log; every line is on disk before the server goes on."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-
-    def _lines(self) -> list[str]:
-        try:
-            return self.path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return []
-
-    def _append(self, line: str) -> None:
-        with self.path.open("a", encoding="utf-8") as log:
-            log.write(line + "\n")
-            log.flush()
-            os.fsync(log.fileno())
-
-    def start(self, name: str, key: str | None = None) -> bool:
-        """Log the start of ``name``; return whether it is the first (for ``key``) in the log."""
-        with self._lock:
-            first = not any(
-                fields[:2] == ["start", name] and (key is None or fields[3:] == [key])
-                for fields in (line.split() for line in self._lines())
-            )
-            self._append(f"start {name} {os.getpid()}" + ("" if key is None else f" {key}"))
-            return first
-
-    def done(self, name: str) -> int:
-        """Log the end of ``name``; return how many times ``name`` is done in the log."""
-        with self._lock:
-            self._append(f"done {name} {os.getpid()}")
-            return sum(line.split()[:2] == ["done", name] for line in self._lines())
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        """Keep the request log quiet; the work log is what matters."""
-
-    def _answer(self, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        """``/health``."""
-        if urllib.parse.urlsplit(self.path).path == "/health":
-            self._answer(http.HTTPStatus.OK, {"ok": True, "pid": os.getpid()})
-        else:
-            self._answer(http.HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
-
-    def do_POST(self) -> None:
-        """``/work/<name>?delay=S&fail=MESSAGE``."""
-        parts = urllib.parse.urlsplit(self.path)
-        prefix = "/work/"
-        name = urllib.parse.unquote(parts.path[len(prefix) :])
-        if not parts.path.startswith(prefix) or not name or " " in name:
-            self._answer(http.HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
-            return
-        query = urllib.parse.parse_qs(parts.query)
-        if "fail" in query:
-            self._answer(http.HTTPStatus.INTERNAL_SERVER_ERROR, {"error": query["fail"][0]})
-            return
-        try:
-            delay = float(query.get("delay", ["0"])[0])
-        except ValueError:
-            self._answer(http.HTTPStatus.BAD_REQUEST, {"error": "delay must be a number"})
-            return
-        key = query.get("key", [None])[0]
-        if key is not None and (not key or any(c.isspace() for c in key)):
-            self._answer(http.HTTPStatus.BAD_REQUEST, {"error": "key must be one word"})
-            return
-        log = self.server.work_log
-        if log.start(name, key) and delay > 0:
-            time.sleep(delay)
-        done = log.done(name)
-        self._answer(http.HTTPStatus.OK, {"name": name, "done": done, "pid": os.getpid()})
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, port: int, work_log: _WorkLog) -> None:
-        self.work_log = work_log
-        super().__init__((HOST, port), _Handler)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the helper server until it is killed.
-
-    Returns:
-        1 at once when ``--refuse-if-exists`` names an existing path; otherwise it never
-        returns on its own (0 after Ctrl-C).
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m fsm_runner.presets.helper_server",
-        description="The sub-phases preset's helper server (127.0.0.1 only).",
-    )
-    parser.add_argument("--port", type=int, required=True, help="TCP port to listen on")
-    parser.add_argument("--log", type=Path, required=True, help="the work log file")
-    parser.add_argument(
-        "--refuse-if-exists", type=Path, help="exit with code 1 at once if this path exists"
-    )
-    args = parser.parse_args(argv)
-    if args.refuse_if_exists is not None and args.refuse_if_exists.exists():
-        print(f"helper server: {args.refuse_if_exists} exists; refusing", file=sys.stderr)
-        return 1
-    with _Server(args.port, _WorkLog(args.log)) as server:
-        try:
-            server.serve_forever(poll_interval=0.1)
-        except KeyboardInterrupt:
-            return 0
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,11 +15,12 @@ service                               protocol                        medium
 
 Agent and verification commands run in a process group of their own, so a timeout kills
 everything they started, not just the shell (POSIX only). They never outlive their runner for
-long, and never run two at once in one workspace (:mod:`fsm_runner.presets._children`): on
-Linux the kernel kills a command when its runner dies, and while it runs its runner holds a lock
-in ``<workspace>/.fsm-runner/`` with a record of its process group, so the next command started
-in that workspace (after ``resume``, say) first kills whatever a dead runner left running there,
-and waits for a live runner's command to end. Their output goes to temporary files
+long, and never run two at once in one workspace
+(:mod:`fsm_runner.presets.agent_loop._children`): on Linux the kernel kills a command when its
+runner dies, and while it runs its runner holds a lock in ``<workspace>/.fsm-runner/`` with a
+record of its process group, so the next command started in that workspace (after ``resume``,
+say) first kills whatever a dead runner left running there, and waits for a live runner's
+command to end. Their output goes to temporary files
 rather than pipes: a background process that a command leaves behind cannot block the wait,
 and only the tail of a long output is read back into memory.
 
@@ -48,8 +49,6 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from fsm_runner import ArtifactRecord
-from fsm_runner.presets._children import WorkspaceBusyError, WorkspaceClaim, die_with_runner
-from fsm_runner.presets.agent_git import GitSnapshotter, SnapshotError, check_timeout
 from fsm_runner.presets.agent_loop import (
     AgentRequest,
     AgentResult,
@@ -57,6 +56,12 @@ from fsm_runner.presets.agent_loop import (
     LevelResult,
     VerificationReport,
 )
+from fsm_runner.presets.agent_loop._children import (
+    WorkspaceBusyError,
+    WorkspaceClaim,
+    die_with_runner,
+)
+from fsm_runner.presets.agent_loop.git import GitSnapshotter, SnapshotError, check_timeout
 
 if TYPE_CHECKING:
     from fsm_runner.presets.agent_loop import (
@@ -76,7 +81,7 @@ __all__ = [
     "TemplateFeedbackGenerator",
 ]
 
-_log = logging.getLogger("fsm_runner.presets.agent_services")
+_log = logging.getLogger("fsm_runner.presets.agent_loop.services")
 
 # Characters of an agent's stdout and stderr kept in its AgentResult.
 _AGENT_OUTPUT_TAIL = 20_000
