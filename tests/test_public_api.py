@@ -344,6 +344,33 @@ def test_the_presets_use_only_the_public_api(path):
     assert private == BEYOND_THE_PUBLIC_API.get(path.relative_to(PRESETS).as_posix(), set())
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # the README names this path
+        ("fsm_runner.presets.agent_services", "fsm_runner.presets.agent_loop.services"),
+        # runs journaled before the presets were grouped name this app and this agent command
+        ("fsm_runner.presets.agent_commands", "fsm_runner.presets.agent_loop.commands"),
+    ],
+)
+def test_a_preset_module_that_moved_keeps_its_old_path(old, new):
+    moved, kept = importlib.import_module(new), importlib.import_module(old)
+    assert kept.__all__ == moved.__all__
+    for name in moved.__all__:
+        assert getattr(kept, name) is getattr(moved, name)
+
+
+def test_the_old_agent_command_path_still_runs_the_demo_agent():
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_runner.presets.agent_commands"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "usage: python -m fsm_runner.presets.agent_loop.commands agent" in done.stderr
+
+
 class TestExceptionModule:
     """fsm_runner.exceptions exports the whole tree."""
 
