@@ -34,8 +34,6 @@ else. Foreign failures (``OSError``,
 
 from __future__ import annotations
 
-import http.client
-import json
 import socket
 import subprocess
 import sys
@@ -44,7 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets.subphases._local_server import HOST, LocalServer
+from fsm_runner.presets.subphases._local_server import (
+    HOST,
+    JsonClient,
+    LocalServer,
+)
 
 __all__ = [
     "HelperClient",
@@ -91,7 +93,7 @@ class HelperServerError(FsmRunnerError):
 # -- the client: all a phase gets -------------------------------------------------------------
 
 
-class HelperClient:
+class HelperClient(JsonClient):
     """Calls the helper server; has no handle on its process or lifecycle.
 
     It keeps only the server's address and its timeouts, so it goes on working after the
@@ -104,22 +106,12 @@ class HelperClient:
         read_timeout: seconds to wait for the answer (generous: work takes time).
     """
 
-    __slots__ = ("_host", "_port", "base_url", "connect_timeout", "read_timeout")
+    __slots__ = ()
 
     def __init__(
         self, base_url: str, *, connect_timeout: float = 2.0, read_timeout: float = 300.0
     ) -> None:
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname or parts.port is None:
-            raise ValueError(f"base_url must be http://HOST:PORT, not {base_url!r}")
-        self.base_url = base_url
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self._host = parts.hostname
-        self._port = parts.port
-
-    def __repr__(self) -> str:
-        return f"HelperClient({self.base_url!r})"
+        super().__init__(base_url, connect_timeout=connect_timeout, read_timeout=read_timeout)
 
     def work(
         self, name: str, *, delay: float = 0.0, fail: str | None = None, key: str | None = None
@@ -151,30 +143,11 @@ class HelperClient:
             path += "?" + urllib.parse.urlencode(query)
         return self._request("POST", path)
 
-    def _request(self, method: str, path: str) -> dict[str, Any]:
-        url = self.base_url + path
-        # http.client rather than urllib: urllib has one timeout for connecting and reading.
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.connect_timeout)
-        try:
-            conn.connect()
-            assert conn.sock is not None
-            conn.sock.settimeout(self.read_timeout)
-            conn.request(method, path, headers={"Content-Length": "0"})
-            response = conn.getresponse()
-            body = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            raise ServerUnreachableError(url, detail) from exc
-        finally:
-            conn.close()
-        try:
-            data = json.loads(body)
-        except ValueError:
-            raise HelperServerError(url, response.status, f"not JSON: {body[:80]!r}") from None
-        if response.status != http.HTTPStatus.OK or not isinstance(data, dict):
-            message = data.get("error") if isinstance(data, dict) else data
-            raise HelperServerError(url, response.status, str(message))
-        return data
+    def _unreachable(self, url: str, detail: str) -> Exception:
+        return ServerUnreachableError(url, detail)
+
+    def _error_answer(self, url: str, status: int, detail: str) -> Exception:
+        return HelperServerError(url, status, detail)
 
 
 # -- the resource: what the harness owns ------------------------------------------------------

@@ -1,15 +1,13 @@
 """The helper server process: what ``python -m fsm_runner.presets.subphases.helper_server`` runs.
 
 See :mod:`fsm_runner.presets.subphases.helper_server` for what it answers; this module is the
-process itself, and nothing imports it but the interpreter that runs it (and the tests).
+process itself, and nothing imports it but the interpreter that runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import http
-import http.server
-import json
 import os
 import sys
 import threading
@@ -17,9 +15,8 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from fsm_runner.presets.subphases._local_server import HOST
+from fsm_runner.presets.subphases._local_server import JsonHandler, JsonServer, serve
 
 __all__ = ["main"]
 
@@ -60,34 +57,23 @@ class _WorkLog:
             return sum(line.split()[:2] == ["done", name] for line in self._lines())
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        """Keep the request log quiet; the work log is what matters."""
-
-    def _answer(self, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
         """``/health``."""
         if urllib.parse.urlsplit(self.path).path == "/health":
-            self._answer(http.HTTPStatus.OK, {"ok": True, "pid": os.getpid()})
+            self._answer_health()
         else:
-            self._answer(http.HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+            self._answer_not_found()
 
-    def do_POST(self) -> None:
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
         """``/work/<name>?delay=S&fail=MESSAGE``."""
         parts = urllib.parse.urlsplit(self.path)
         prefix = "/work/"
         name = urllib.parse.unquote(parts.path[len(prefix) :])
         if not parts.path.startswith(prefix) or not name or " " in name:
-            self._answer(http.HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+            self._answer_not_found()
             return
         query = urllib.parse.parse_qs(parts.query)
         if "fail" in query:
@@ -109,12 +95,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._answer(http.HTTPStatus.OK, {"name": name, "done": done, "pid": os.getpid()})
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
+class _Server(JsonServer):
     def __init__(self, port: int, work_log: _WorkLog) -> None:
         self.work_log = work_log
-        super().__init__((HOST, port), _Handler)
+        super().__init__(port, _Handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,12 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.refuse_if_exists is not None and args.refuse_if_exists.exists():
         print(f"helper server: {args.refuse_if_exists} exists; refusing", file=sys.stderr)
         return 1
-    with _Server(args.port, _WorkLog(args.log)) as server:
-        try:
-            server.serve_forever(poll_interval=0.1)
-        except KeyboardInterrupt:
-            return 0
-    return 0
+    return serve(_Server(args.port, _WorkLog(args.log)))
 
 
 if __name__ == "__main__":
