@@ -25,7 +25,8 @@ that is journaled (``INTERRUPTED``) and leaves the run resumable. From a shell::
 ``1b``), so there is time to interrupt it (Ctrl-C, SIGTERM, ``kill -9``); ``RUN`` may be any
 unique prefix of the run's id. Exit codes are ``fsm-runner``'s, and 130 when interrupted.
 
-This module uses only fsm_runner's public API (and the supervisor), as a host app would.
+This module uses fsm_runner's public API, the supervisor, and the CLI's journal option, run-id
+prefixes and exit codes for its command line.
 """
 
 from __future__ import annotations
