@@ -5,6 +5,7 @@ build → snapshot → verify → feedback loop), :mod:`~fsm_runner.presets.subp
 sub-phases beside a helper server the harness owns), :mod:`~fsm_runner.presets.coordinator` (a
 session that walks a task graph), and :mod:`~fsm_runner.presets.sandbox` (phases each allowed
 only certain kinds of side effect). ``gitcli`` is the git the agent loop and the coordinator
-share; ``agent_services`` and ``agent_commands`` are the old paths of two modules that moved into
-``agent_loop``.
+share, ``_local_server`` the HTTP half of our small JSON servers (the sub-phases' helper server;
+the tests' counter server); ``agent_services`` and ``agent_commands`` are the old paths of two
+modules that moved into ``agent_loop``.
 """

@@ -4,7 +4,7 @@ It stands for the kind of service a sandboxed phase changes (see
 :mod:`fsm_runner.presets.sandbox`): every hit changes a counter, durably, so a test can tell
 exactly how many times a side effect happened — across kills of the process that caused it.
 Only the tests use it; it is built on the HTTP half the package's own helper server is built on
-(:mod:`fsm_runner.presets.subphases._local_server`). Run it as::
+(:mod:`fsm_runner.presets._local_server`). Run it as::
 
     python tests/servers/counter_server.py --state FILE [--port P] [--stall-after-hit MARKER]
 
@@ -56,7 +56,7 @@ from types import TracebackType
 from typing import Any
 
 from fsm_runner.exceptions import FsmRunnerError, SupervisorError
-from fsm_runner.presets.subphases._local_server import (
+from fsm_runner.presets._local_server import (
     HOST,
     JsonClient,
     JsonHandler,

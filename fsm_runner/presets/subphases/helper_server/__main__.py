@@ -1,7 +1,9 @@
-"""The helper server process: what ``python -m fsm_runner.presets.subphases.helper_server`` runs.
+"""The helper server process: this package's ``__main__``.
 
-See :mod:`fsm_runner.presets.subphases.helper_server` for what it answers; this module is the
-process itself, and nothing imports it but the interpreter that runs it.
+:class:`~fsm_runner.presets.subphases.helper_server.HelperServer` runs it as a script (``python
+DIR``, DIR this package's directory), so that the process imports only the HTTP half it is built
+on (:mod:`fsm_runner.presets._local_server`), not the preset and the engine; ``python -m
+fsm_runner.presets.subphases.helper_server`` runs it too. See the package for what it answers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
-from fsm_runner.presets.subphases._local_server import JsonHandler, JsonServer, serve
+from fsm_runner.presets._local_server import JsonHandler, JsonServer, serve
 
 __all__ = ["main"]
 
