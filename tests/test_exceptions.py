@@ -96,7 +96,6 @@ EXAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     ),
     "ServerUnreachableError": (("http://127.0.0.1:1/run", "connection refused"), {}),
     "HelperServerError": (("http://127.0.0.1:1/run", 500, "boom"), {}),
-    "CounterServerError": (("http://127.0.0.1:1/add", None, "timed out"), {}),
 }
 
 

@@ -27,8 +27,8 @@ def _journal_option(state: CliState) -> str:
 
 def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
     """Start an agent-loop run with ``run_input``, print it as it goes, then its iterations."""
-    from fsm_runner.presets.agent_commands import make_engine
-    from fsm_runner.presets.agent_services import GitSnapshotter
+    from fsm_runner.presets.agent_loop.commands import make_engine
+    from fsm_runner.presets.agent_loop.services import GitSnapshotter
 
     # Refused before anything starts: a workspace that cannot be snapshotted (not in a git
     # repository) would otherwise be found only after the agent had worked in it.
@@ -64,7 +64,7 @@ def demo(state: CliState) -> None:
     agent (a real subprocess that edits files: one wrong attempt, then the fix) with real
     verification: L0 compiles the code, L1 runs pytest.
     """
-    from fsm_runner.presets.agent_commands import create_demo_project, demo_input
+    from fsm_runner.presets.agent_loop.commands import create_demo_project, demo_input
 
     _run_agent_loop(state, demo_input(create_demo_project()))
 
@@ -117,7 +117,7 @@ def agent_loop(
     build (your agent) -> snapshot (git) -> verify (your levels) -> feedback -> build ...
     until verification passes or a limit is spent. Resume with `fsm-runner resume RUN`.
     """
-    from fsm_runner.presets.agent_commands import loop_input
+    from fsm_runner.presets.agent_loop.commands import loop_input
 
     verify: dict[str, list[str]] = {}
     for item in levels:

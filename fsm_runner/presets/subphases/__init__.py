@@ -8,11 +8,11 @@
          └  any sub-phase ──PHASE_FAILED──▶ failed
 
 plus ``SYSTEM_ERROR → failed`` and ``USER_ABORTED → canceled`` from anywhere. Every sub-phase
-calls the helper server (:mod:`fsm_runner.presets.helper_server`) through the one service it is
-given, ``ctx.services["server"]``: a client that can do work and nothing else. When the server
-dies, the sub-phase reports ``SERVER_UNREACHABLE``; the harness's ``recovering`` state restarts
-the server within its budget and returns the run to the sub-phase that failed — as that visit's
-next attempt — never to one already completed.
+calls the helper server (:mod:`fsm_runner.presets.subphases.helper_server`) through the one
+service it is given, ``ctx.services["server"]``: a client that can do work and nothing else.
+When the server dies, the sub-phase reports ``SERVER_UNREACHABLE``; the harness's
+``recovering`` state restarts the server within its budget and returns the run to the sub-phase
+that failed — as that visit's next attempt — never to one already completed.
 
 A :class:`Harness` puts it together: it owns the server (through a
 :class:`fsm_runner.supervisor.Supervisor`), the engine, and turns SIGTERM into an interruption
@@ -25,7 +25,8 @@ that is journaled (``INTERRUPTED``) and leaves the run resumable. From a shell::
 ``1b``), so there is time to interrupt it (Ctrl-C, SIGTERM, ``kill -9``); ``RUN`` may be any
 unique prefix of the run's id. Exit codes are ``fsm-runner``'s, and 130 when interrupted.
 
-This module uses only fsm_runner's public API (and the supervisor), as a host app would.
+This module uses fsm_runner's public API, the supervisor, and the CLI's journal option, run-id
+prefixes and exit codes for its command line.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from fsm_runner.cli import (
     resolve_run_id,
 )
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets.helper_server import (
+from fsm_runner.presets.subphases.helper_server import (
     HelperServer,
     HelperServerError,
     ServerUnreachableError,
@@ -460,7 +461,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     ``Error:`` line and exit with ``fsm-runner``'s codes (2 usage, 3 not found, 4 conflict).
     """
     cli.main(args=list(argv) if argv is not None else None, prog_name=PROG)
-
-
-if __name__ == "__main__":
-    main()
