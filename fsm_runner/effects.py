@@ -35,7 +35,7 @@ from fsm_runner.exceptions import (
 from fsm_runner.records import EffectRecord, EffectStatus, RunRecord, utc_now
 
 if TYPE_CHECKING:
-    from fsm_runner.journal import Journal
+    from fsm_runner.journal.base import Journal
     from fsm_runner.spec import State
 
 __all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "EffectCaller", "perform"]
