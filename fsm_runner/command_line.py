@@ -172,7 +172,8 @@ class ExitCodeGroup(_MapsErrors, click.Group):
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: The help of ``--journal``; where the journal is found is :func:`journal_location`'s rule.
+#: The help of ``--journal``: the rule of :func:`fsm_runner.journal.locate.journal_location`
+#: in words (a test checks that it names its variable and its file).
 _JOURNAL_HELP = (
     "The journal: a SQLite file, or a postgresql://USER@HOST/DB[?schema=NAME] URL "
     "(default: $FSM_RUNNER_JOURNAL, else ./fsm-runner.db)."

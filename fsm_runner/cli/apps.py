@@ -107,8 +107,7 @@ def _takes_journal(path: str, factory: Callable[..., Any], wanted: str) -> bool:
     """Whether ``factory`` is given the journal; refuse one that is no factory, before calling it.
 
     A factory takes no argument, or the journal (its first parameter is named ``journal``).
-    Calling, say, a CLI's ``main`` would run it; its signature tells it is not a
-    factory.
+    Calling, say, a CLI's ``main`` would run it; its signature tells it is not a factory.
     """
     import inspect
 
