@@ -14,6 +14,7 @@ import pytest
 import fsm_runner
 from fsm_runner import exceptions
 from fsm_runner.exceptions import (
+    AmbiguousRunIdError,
     CapabilityError,
     DiagramError,
     EffectFailedError,
@@ -23,6 +24,7 @@ from fsm_runner.exceptions import (
     HandlerResultError,
     InvalidTransitionError,
     JournalError,
+    JournalNotFoundError,
     LeaseError,
     LeaseHeldError,
     LeaseLostError,
@@ -98,6 +100,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
         JournalError("is read-only", path="/tmp/j.db"),
         {"detail": "is read-only", "path": "/tmp/j.db"},
     ),
+    JournalNotFoundError: (
+        JournalNotFoundError(path="/tmp/j.db"),
+        {"detail": "", "path": "/tmp/j.db"},
+    ),
     SchemaVersionError: (
         SchemaVersionError(found=99, supported=1, path="/tmp/j.db"),
         {"found": 99, "supported": 1, "path": "/tmp/j.db"},
@@ -111,6 +117,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
         {"run_id": "r1", "expected_seq": 4},
     ),
     RunNotFoundError: (RunNotFoundError("r1"), {"run_id": "r1"}),
+    AmbiguousRunIdError: (
+        AmbiguousRunIdError("ab", ["abc0", "abd1"]),
+        {"prefix": "ab", "matches": ("abc0", "abd1")},
+    ),
     RunExistsError: (RunExistsError("r1"), {"run_id": "r1"}),
     RunTerminalError: (
         RunTerminalError(run_id="r1", state="done", status="succeeded"),
@@ -404,6 +414,8 @@ class TestExceptionModule:
             (SpecMismatchError, JournalError),
             (RunConflictError, JournalError),
             (RunNotFoundError, KeyError),
+            (JournalNotFoundError, JournalError),
+            (AmbiguousRunIdError, LookupError),
             (LeaseHeldError, LeaseError),
             (LeaseLostError, LeaseError),
         ],
