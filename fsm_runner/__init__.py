@@ -19,6 +19,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.engine import interrupt_on_sigterm as interrupt_on_sigterm
     from fsm_runner.events import PhaseStatus as PhaseStatus
     from fsm_runner.events import RunEvent as RunEvent
+    from fsm_runner.exceptions import AmbiguousRunIdError as AmbiguousRunIdError
     from fsm_runner.exceptions import CapabilityError as CapabilityError
     from fsm_runner.exceptions import DiagramError as DiagramError
     from fsm_runner.exceptions import EffectFailedError as EffectFailedError
@@ -28,6 +29,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.exceptions import HandlerResultError as HandlerResultError
     from fsm_runner.exceptions import InvalidTransitionError as InvalidTransitionError
     from fsm_runner.exceptions import JournalError as JournalError
+    from fsm_runner.exceptions import JournalNotFoundError as JournalNotFoundError
     from fsm_runner.exceptions import LeaseError as LeaseError
     from fsm_runner.exceptions import LeaseHeldError as LeaseHeldError
     from fsm_runner.exceptions import LeaseLostError as LeaseLostError
@@ -80,6 +82,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "RETURN": "fsm_runner.spec",
     "WILDCARD": "fsm_runner.spec",
+    "AmbiguousRunIdError": "fsm_runner.exceptions",
     "ArtifactRecord": "fsm_runner.records",
     "CapabilityError": "fsm_runner.exceptions",
     "DiagramError": "fsm_runner.exceptions",
@@ -96,6 +99,7 @@ _EXPORTS: dict[str, str] = {
     "IterationRecord": "fsm_runner.records",
     "Journal": "fsm_runner.journal",
     "JournalError": "fsm_runner.exceptions",
+    "JournalNotFoundError": "fsm_runner.exceptions",
     "LeaseError": "fsm_runner.exceptions",
     "LeaseHeldError": "fsm_runner.exceptions",
     "LeaseLostError": "fsm_runner.exceptions",

@@ -10,7 +10,7 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── PhaseError                                       .run_id .state .event .error
     │   └── HandlerResultError        (also TypeError)   .run_id .state .detail
     ├── PayloadError                  (also TypeError)   .run_id .what .detail
-    ├── PhaseTimeoutError             (also TimeoutError) .state .deadline
+    ├── PhaseTimeoutError             (also TimeoutError) .state .timeout
     ├── RunAbortedError                                  .run_id .reason
     ├── JournalError                                     .path .detail
     │   ├── JournalNotFoundError                         .path .detail

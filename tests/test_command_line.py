@@ -92,12 +92,7 @@ class TestJournalOption:
             for path in root.rglob("*.py")
             if '"--journal",' in path.read_text()
         )
-        # presets/ and examples/ switch to journal_option when issue 27's branches are merged.
-        assert set(declaring) <= {
-            "command_line.py",
-            "presets/subphases.py",
-            "examples/release.py",
-        }
+        assert declaring == ["command_line.py"]
 
 
 class TestSuggestedCommand:
