@@ -154,23 +154,14 @@ _DEPRECATED: dict[str, str] = {"Outcome": "RunOutcome", "RunStatus": "PhaseStatu
 
 def __getattr__(name: str) -> typing.Any:
     if name in _DEPRECATED:
-        return _deprecated(__name__, name, _DEPRECATED[name], __getattr__(_DEPRECATED[name]))
+        from fsm_runner._deprecation import deprecated  # noqa: PLC0415 - only when used
+
+        return deprecated(__name__, name, _DEPRECATED[name], __getattr__(_DEPRECATED[name]))
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fsm_runner' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later uses are plain attribute reads
-    return value
-
-
-def _deprecated(module: str, old: str, new: str, value: typing.Any) -> typing.Any:
-    import warnings  # noqa: PLC0415 - only on the deprecated path
-
-    warnings.warn(
-        f"{module}.{old} is deprecated; use {new} (the same class)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
     return value
 
 

@@ -139,7 +139,7 @@ if not TYPE_CHECKING:  # type checkers see only the new name
 
     def __getattr__(name: str) -> Any:
         if name == "RunStatus":  # the old name, deprecated: see fsm_runner._DEPRECATED
-            from fsm_runner import _deprecated  # noqa: PLC0415
+            from fsm_runner._deprecation import deprecated  # noqa: PLC0415
 
-            return _deprecated(__name__, name, "PhaseStatus", PhaseStatus)
+            return deprecated(__name__, name, "PhaseStatus", PhaseStatus)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

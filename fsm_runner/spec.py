@@ -781,7 +781,7 @@ if not TYPE_CHECKING:  # type checkers see only the new name
 
     def __getattr__(name: str) -> Any:
         if name == "Outcome":  # the old name, deprecated: see fsm_runner._DEPRECATED
-            from fsm_runner import _deprecated  # noqa: PLC0415
+            from fsm_runner._deprecation import deprecated  # noqa: PLC0415
 
-            return _deprecated(__name__, name, "RunOutcome", RunOutcome)
+            return deprecated(__name__, name, "RunOutcome", RunOutcome)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,10 +25,6 @@ PACKAGE = Path(fsm_runner.__file__).parent
 #: this list when those branches are merged. The check runs on the graph without these edges,
 #: so a new cycle still fails; an entry that no longer closes a cycle fails too (no stale list).
 KNOWN_ELSEWHERE: list[tuple[str, str]] = [
-    # `from fsm_runner import _deprecated` inside the deprecated-alias __getattr__: the package
-    # __init__ imports everything, so these close a loop through the whole library (names).
-    ("fsm_runner.events", "fsm_runner"),
-    ("fsm_runner.spec", "fsm_runner"),
     # sqlite.py <-> _sqlite_check.py, named in issue 27 (journal).
     ("fsm_runner.journal._sqlite_check", "fsm_runner.journal.sqlite"),
 ]
