@@ -22,7 +22,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fsm_runner._json import dumps_json, exception_message
 from fsm_runner.exceptions import (
@@ -32,20 +32,38 @@ from fsm_runner.exceptions import (
     EffectOutcomeUnknownError,
     PayloadError,
 )
-from fsm_runner.records import EffectRecord, EffectStatus, utc_now
+from fsm_runner.records import EffectRecord, EffectStatus, RunRecord, utc_now
 
 if TYPE_CHECKING:
-    from fsm_runner.journal import Journal
-    from fsm_runner.phases import PhaseContext
+    from fsm_runner.journal.base import Journal
     from fsm_runner.spec import State
 
-__all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "perform"]
+__all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "EffectCaller", "perform"]
 
 #: The standard operation kinds; hosts may use their own strings.
 READ = "read"
 MUTATE = "mutate"
 PEEK = "topic_peek"
 PUBLISH = "topic_publish"
+
+
+class EffectCaller(Protocol):
+    """What the ledger reads of the phase an effect is called from (a ``PhaseContext``).
+
+    A protocol, so that this module sits below :mod:`fsm_runner.phases`, which calls it.
+    """
+
+    @property
+    def run(self) -> RunRecord:
+        """The run as journaled before the phase."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the phase has returned."""
+
+    @property
+    def effect_names(self) -> dict[str, str]:
+        """The effects the phase has called so far, name → kind."""
 
 
 def _takes_key(fn: Callable[..., Any]) -> bool:
@@ -69,7 +87,7 @@ def _canonical(value: Any, *, run_id: str, what: str) -> str:
 
 
 def perform(  # noqa: PLR0917 - ctx.effect's arguments
-    ctx: PhaseContext,
+    ctx: EffectCaller,
     journal: Journal | None,
     state: State | None,
     name: str,
@@ -127,7 +145,7 @@ def perform(  # noqa: PLR0917 - ctx.effect's arguments
     return _carry_out(ctx, journal, record, fn, args, kwargs)
 
 
-def _check_capability(ctx: PhaseContext, state: State, name: str, kind: str) -> None:
+def _check_capability(ctx: EffectCaller, state: State, name: str, kind: str) -> None:
     """Refuse an effect the state may not perform, or a name already used in the visit.
 
     Raises:
@@ -158,7 +176,7 @@ def _check_capability(ctx: PhaseContext, state: State, name: str, kind: str) -> 
 
 def _check_recorded(
     found: EffectRecord,
-    ctx: PhaseContext,
+    ctx: EffectCaller,
     state: State,
     kind: str,
     canonical: str,
@@ -197,7 +215,7 @@ def _check_recorded(
 
 
 def _carry_out(  # noqa: PLR0917 - the record, and the call to make
-    ctx: PhaseContext,
+    ctx: EffectCaller,
     journal: Journal,
     record: EffectRecord,
     fn: Callable[..., Any],

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 __all__ = [
     "DEAD_LETTERED",
-    "ENGINE_EVENTS",
     "INTERRUPTED",
+    "OFF_SPEC_EVENTS",
+    "RESERVED_EVENTS",
     "RETRIED",
     "REWOUND",
     "SPEC_CHANGED",
@@ -96,15 +97,25 @@ STATUS_EVENTS: dict[PhaseStatus, RunEvent] = {
     PhaseStatus.INTERRUPTED: RunEvent.INTERRUPTED,
 }
 
-#: Events the engine itself journals without a spec transition: the first row of a run,
-#: a retried attempt (a self transition), an abort from a state with no USER_ABORTED exit,
-#: an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable), and an
+#: Events the engine journals on its own, without a spec transition to follow: the first row
+#: of a run, a retried attempt (a self transition), an abort from a state with no USER_ABORTED
+#: exit, an interruption (Ctrl-C, SIGTERM: a self transition; the run stays resumable), an
 #: operator's resume from an earlier state (``resume --from-state``: the run is rewound there),
 #: recovery parking a run whose worker was lost too often (a self transition; status
 #: ``dead_letter``), and a run continuing under another spec (``allow_spec_change``: a self
-#: transition of the same visit that records the switch).
-ENGINE_EVENTS: frozenset[str] = frozenset(
+#: transition of the same visit that records the switch). A journaled transition on one of these
+#: need not be an edge of the spec; every other one must be.
+OFF_SPEC_EVENTS: frozenset[str] = frozenset(
     {STARTED, RETRIED, USER_ABORTED, INTERRUPTED, REWOUND, DEAD_LETTERED, SPEC_CHANGED}
+)
+
+#: The part of :data:`OFF_SPEC_EVENTS` a spec may not use at all: a spec transition on one would
+#: be indistinguishable from the engine's own in the journal, and replay (invariant 8) could not
+#: tell them apart. The two others are a spec's to use too: ``USER_ABORTED`` (an abort follows a
+#: state's own exit when it has one) and ``INTERRUPTED`` (except as a self transition, which is
+#: the engine's own).
+RESERVED_EVENTS: frozenset[str] = frozenset(
+    {STARTED, RETRIED, REWOUND, DEAD_LETTERED, SPEC_CHANGED}
 )
 
 
@@ -128,7 +139,7 @@ if not TYPE_CHECKING:  # type checkers see only the new name
 
     def __getattr__(name: str) -> Any:
         if name == "RunStatus":  # the old name, deprecated: see fsm_runner._DEPRECATED
-            from fsm_runner import _deprecated  # noqa: PLC0415
+            from fsm_runner._deprecation import deprecated  # noqa: PLC0415
 
-            return _deprecated(__name__, name, "PhaseStatus", PhaseStatus)
+            return deprecated(__name__, name, "PhaseStatus", PhaseStatus)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

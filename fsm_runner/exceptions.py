@@ -10,14 +10,16 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── PhaseError                                       .run_id .state .event .error
     │   └── HandlerResultError        (also TypeError)   .run_id .state .detail
     ├── PayloadError                  (also TypeError)   .run_id .what .detail
-    ├── PhaseTimeoutError             (also TimeoutError) .state .deadline
+    ├── PhaseTimeoutError             (also TimeoutError) .state .timeout
     ├── RunAbortedError                                  .run_id .reason
     ├── JournalError                                     .path .detail
+    │   ├── JournalNotFoundError                         .path .detail
     │   ├── SchemaVersionError                           .found .supported
     │   ├── SpecMismatchError                            .run_id .expected .found
     │   ├── RunConflictError                             .run_id .expected_seq .abort_reason
     │   └── ReplayMismatchError                          .run_id .seq .expected .found
     ├── RunNotFoundError              (also KeyError)    .run_id
+    ├── AmbiguousRunIdError           (also LookupError) .prefix .matches
     ├── RunExistsError                                   .run_id
     ├── RunTerminalError                                 .run_id .state .status
     ├── LeaseError                                       .run_id
@@ -39,6 +41,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "AmbiguousRunIdError",
     "CapabilityError",
     "DiagramError",
     "EffectFailedError",
@@ -48,6 +51,7 @@ __all__ = [
     "HandlerResultError",
     "InvalidTransitionError",
     "JournalError",
+    "JournalNotFoundError",
     "LeaseError",
     "LeaseHeldError",
     "LeaseLostError",
@@ -230,6 +234,22 @@ class JournalError(FsmRunnerError):
         return f"journal {self.path}: {self.detail}" if self.path else f"journal: {self.detail}"
 
 
+class JournalNotFoundError(JournalError):
+    """No journal is at the location given; nothing was created or changed there.
+
+    ``detail`` says what is there instead (a directory, a text file, an empty file, a database
+    without a journal); it is empty when nothing is there at all.
+    """
+
+    def __init__(self, detail: str = "", *, path: str | None = None) -> None:
+        super().__init__(detail, path=path)
+
+    @property
+    def message(self) -> str:
+        """Name the location, and what is there instead of a journal."""
+        return super().message if self.detail else f"no journal at {self.path}"
+
+
 class SchemaVersionError(JournalError):
     """The journal was written by a newer fsm_runner (or its schema is unknown)."""
 
@@ -321,6 +341,28 @@ class RunNotFoundError(FsmRunnerError, KeyError):
     def message(self) -> str:
         """Name the missing run."""
         return f"no run {self.run_id!r} in the journal"
+
+
+class AmbiguousRunIdError(FsmRunnerError, LookupError):
+    """A run id prefix matches several runs; ``matches`` holds some of them."""
+
+    #: How many of the matching runs the message names.
+    SHOWN = 5
+
+    def __init__(self, prefix: str, matches: Iterable[str]) -> None:
+        self.prefix = prefix
+        self.matches = tuple(matches)
+        super().__init__(prefix, self.matches)
+
+    @property
+    def message(self) -> str:
+        """Name the prefix and the first runs it matches."""
+        shown = ", ".join(match[:12] for match in self.matches[: self.SHOWN])
+        more = ", …" if len(self.matches) > self.SHOWN else ""
+        return (
+            f"run id prefix {self.prefix!r} is ambiguous: it matches {shown}{more}; "
+            "give more characters"
+        )
 
 
 class RunExistsError(FsmRunnerError):

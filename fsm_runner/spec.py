@@ -23,12 +23,8 @@ import cattrs.gen
 
 from fsm_runner._convert import by_value, converter
 from fsm_runner.events import (
-    DEAD_LETTERED,
     INTERRUPTED,
-    RETRIED,
-    REWOUND,
-    SPEC_CHANGED,
-    STARTED,
+    RESERVED_EVENTS,
     STATUS_EVENTS,
     PhaseStatus,
     RunEvent,
@@ -59,10 +55,6 @@ class RunOutcome(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
-
-#: Events only the engine journals: a spec transition on one would be indistinguishable from
-#: the engine's own in the journal, and replay (invariant 8) could not tell them apart.
-_ENGINE_ONLY_EVENTS = frozenset({STARTED, RETRIED, REWOUND, DEAD_LETTERED, SPEC_CHANGED})
 
 # The fields' converters never raise: a value of the wrong type is kept as it was given, and
 # validate() names it with every other problem of the spec in one SpecError.
@@ -624,7 +616,7 @@ class MachineSpec:
                 yield f"{label}: unknown destination state {transition.dest!r}"
             if not _is_text(transition.event):
                 pass  # _type_problems() names it
-            elif transition.event in _ENGINE_ONLY_EVENTS:
+            elif transition.event in RESERVED_EVENTS:
                 yield f"{label}: {transition.event} is journaled by the engine alone"
             elif transition.event == INTERRUPTED and transition.dest in (
                 *transition.source,
@@ -789,7 +781,7 @@ if not TYPE_CHECKING:  # type checkers see only the new name
 
     def __getattr__(name: str) -> Any:
         if name == "Outcome":  # the old name, deprecated: see fsm_runner._DEPRECATED
-            from fsm_runner import _deprecated  # noqa: PLC0415
+            from fsm_runner._deprecation import deprecated  # noqa: PLC0415
 
-            return _deprecated(__name__, name, "RunOutcome", RunOutcome)
+            return deprecated(__name__, name, "RunOutcome", RunOutcome)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

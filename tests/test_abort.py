@@ -317,7 +317,7 @@ class TestAbortAcrossProcesses:
                 loop.kill()
                 loop.communicate()
         assert loop.returncode == 1, f"{out}\n{err}"  # the run ended aborted
-        assert f"run {run.run_id} is aborted in state 'canceled'" in out
+        assert f"run {run.run_id} has ended (aborted) in state 'canceled'" in out
         found = assert_aborted_in(location, run.run_id, "building", "stop the agent loop")
         assert found["events"] == ["STARTED", "RUN_ACCEPTED", USER_ABORTED]
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from fsm_runner import SqliteJournal
 from fsm_runner.cli import cli
-from fsm_runner.presets.agent_commands import loop_input, make_engine
+from fsm_runner.presets.agent_loop.commands import loop_input, make_engine
 from fsm_runner.records import ErrorType
 
 REPO = Path(__file__).parents[1]
@@ -355,7 +355,7 @@ class TestCommands:
         for _ in range(2):
             result = runner.invoke(cli, ["demo"], catch_exceptions=False)
             assert result.exit_code == 0, result.output
-            assert "succeeded in state 'succeeded'" in result.output
+            assert "(succeeded) in state 'succeeded'" in result.output
             assert "--VERIFY_FAILED_RETRYABLE--> feedback" in result.output
         with SqliteJournal(tmp_path / "fsm-runner.db") as journal:
             runs = journal.runs()
@@ -379,7 +379,7 @@ class TestCommands:
             args += ["--verify", f"{level}={cmd}"]
         result = CliRunner().invoke(cli, args, catch_exceptions=False)
         assert result.exit_code == 0, result.output
-        assert "succeeded in state 'succeeded'" in result.output
+        assert "(succeeded) in state 'succeeded'" in result.output
         with SqliteJournal(journal_path) as journal:
             (run,) = journal.runs()
             assert run.input["verify"] == {"L0": [levels()["L0"]], "L1": [levels()["L1"]]}

@@ -893,7 +893,7 @@ class TestWorkspaceCheckedBeforeTheAgent:
         assert agent.requests == []
 
     def test_a_real_workspace_outside_git(self, journal, tmp_path):
-        from fsm_runner.presets.agent_services import GitSnapshotter
+        from fsm_runner.presets.agent_loop.services import GitSnapshotter
 
         agent = FakeAgent()
         engine = agent_loop_engine(

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets import _children, agent_services
 from fsm_runner.presets.agent_loop import (
     AgentDriver,
     AgentRequest,
@@ -30,8 +29,10 @@ from fsm_runner.presets.agent_loop import (
     Snapshotter,
     VerificationReport,
     Verifier,
+    _children,
 )
-from fsm_runner.presets.agent_services import (
+from fsm_runner.presets.agent_loop import services as agent_services
+from fsm_runner.presets.agent_loop.services import (
     CommandAgentDriver,
     CommandVerifier,
     FileResultPersister,
@@ -685,7 +686,7 @@ class TestFileResultPersister:
         blocker = tmp_path / "blocker"
         blocker.write_text("a file, not a directory")
 
-        with caplog.at_level(logging.WARNING, logger="fsm_runner.presets.agent_services"):
+        with caplog.at_level(logging.WARNING, logger="fsm_runner.presets.agent_loop.services"):
             record = FileResultPersister(blocker).persist("run-1", "agent-1", "agent_result", {})
 
         assert record.status == "failed"
@@ -755,7 +756,7 @@ class TestSnapshotSince:
 RUNNER = """
 import sys
 from fsm_runner.presets.agent_loop import AgentRequest
-from fsm_runner.presets.agent_services import CommandAgentDriver, CommandVerifier
+from fsm_runner.presets.agent_loop.services import CommandAgentDriver, CommandVerifier
 kind, workspace, command = sys.argv[1:]
 if kind == "agent":
     CommandAgentDriver(command).run(AgentRequest(task="t", workspace=workspace, iteration=1))
@@ -847,7 +848,7 @@ class TestCommandsEndWithTheirRunner:
             name="probe.py",
         )
 
-        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_services"):
+        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_loop.services"):
             report = CommandVerifier({"L0": f"{QPY} {probe}"}).verify(str(tmp_path))
 
         assert report.passed, report
@@ -908,7 +909,7 @@ class TestCommandsEndWithTheirRunner:
     def test_a_workspace_where_no_record_can_be_kept_still_runs_commands(self, tmp_path, caplog):
         (tmp_path / ".fsm-runner").write_text("a file where the directory would go")
 
-        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_services"):
+        with caplog.at_level(logging.WARNING, "fsm_runner.presets.agent_loop.services"):
             result = CommandAgentDriver("echo ran").run(request(tmp_path))
 
         assert (result.success, result.stdout) == (True, "ran\n")

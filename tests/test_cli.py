@@ -131,7 +131,7 @@ class TestResume:
         result = invoke("resume", run_id[:8], "--app", APP)
         assert result.exit_code == 0, result.output
         assert "testing --TESTS_PASSED--> publishing" in result.output
-        assert "succeeded in state 'published'" in result.output
+        assert "(succeeded) in state 'published'" in result.output
         with SqliteJournal(journal_path) as journal:
             events = [t.event for t in journal.transitions(run_id)]
         assert events == ["STARTED", "FETCHED", "BUILT", "TESTS_PASSED", "PUBLISHED"]
@@ -203,7 +203,7 @@ class TestResume:
         path = "./myapp/jobs.py" if form == "relative" else str(app_dir / "jobs.py")
         result = invoke("resume", run_id[:8], "--app", f"{path}:make_engine")
         assert result.exit_code == 0, result.output
-        assert "succeeded in state 'published'" in result.output
+        assert "(succeeded) in state 'published'" in result.output
 
     def test_app_without_colon_is_a_usage_error(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, 1)
@@ -217,7 +217,7 @@ class TestResume:
         engine.journal.close()
         result = invoke("resume", run_id, "--app", APP)
         assert result.exit_code == 1
-        assert "failed in state 'failed'" in result.output
+        assert "(failed) in state 'failed'" in result.output
 
 
 class TestShowSubphases:

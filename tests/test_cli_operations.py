@@ -187,7 +187,7 @@ class TestFork:
         assert invoke("fork", run_id, "--at", "0", "--run-id", "again").exit_code == 0
         result = invoke("resume", "again", "--app", APP)
         assert result.exit_code == 0, result.output
-        assert "run again is succeeded in state 'published'" in result.output
+        assert "run again has ended (succeeded) in state 'published'" in result.output
         original = json.loads(invoke("show", run_id, "--json").output)
         assert len(original["transitions"]) == 5
 
@@ -211,7 +211,7 @@ class TestResumeFromState:
         result = invoke("resume", run_id, "--app", APP, "--from-state", "building")
         assert result.exit_code == 0, result.output
         assert "publishing --REWOUND--> building" in result.output
-        assert "succeeded in state 'published'" in result.output
+        assert "(succeeded) in state 'published'" in result.output
 
     def test_a_state_never_visited_is_refused(self, invoke, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, 1)
@@ -241,7 +241,7 @@ class TestWatch:
         lines = result.output.splitlines()
         assert "- --STARTED--> fetching" in lines[0]
         assert "publishing --PUBLISHED--> published" in lines[4]
-        assert lines[-1] == f"run {run_id} is succeeded in state 'published'"
+        assert lines[-1] == f"run {run_id} has ended (succeeded) in state 'published'"
 
     def test_follows_a_live_run_until_it_ends(self, journal_path):
         """A real `fsm-runner watch` process follows a run another thread is advancing."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fsm_runner import InvalidTransitionError, RunOutcome, RunTerminalError, SqliteJournal
-from fsm_runner.presets.agent_services import CommandVerifier
+from fsm_runner.presets.agent_loop.services import CommandVerifier
 from fsm_runner.presets.coordinator import (
     SESSION,
     TASK,
@@ -26,7 +26,7 @@ from fsm_runner.presets.coordinator import (
     TaskGraph,
     TaskGraphError,
 )
-from fsm_runner.presets.coordinator_services import (
+from fsm_runner.presets.coordinator.services import (
     DiffGate,
     GitWorkspace,
     PolicyGate,

@@ -5,7 +5,7 @@ import enum
 import pytest
 
 from fsm_runner import PhaseStatus, RunEvent
-from fsm_runner.events import ENGINE_EVENTS, STATUS_EVENTS, event_name
+from fsm_runner.events import OFF_SPEC_EVENTS, RESERVED_EVENTS, STATUS_EVENTS, event_name
 
 
 class HostEvent(str, enum.Enum):
@@ -56,8 +56,8 @@ class TestRunEvent:
         assert str(RunEvent.VERIFY_PASSED) == "VERIFY_PASSED"
         assert f"{RunEvent.TIMEOUT}" == "TIMEOUT"
 
-    def test_engine_events(self):
-        assert sorted(ENGINE_EVENTS) == [
+    def test_off_spec_events(self):
+        assert sorted(OFF_SPEC_EVENTS) == [
             "DEAD_LETTERED",
             "INTERRUPTED",
             "RETRIED",
@@ -66,6 +66,12 @@ class TestRunEvent:
             "STARTED",
             "USER_ABORTED",
         ]
+
+    def test_reserved_events_are_the_off_spec_events_a_spec_may_not_use(self):
+        # a spec may declare USER_ABORTED and INTERRUPTED transitions (the engine follows them)
+        spec_may_use = OFF_SPEC_EVENTS - RESERVED_EVENTS
+        assert spec_may_use == {"USER_ABORTED", "INTERRUPTED"}
+        assert RESERVED_EVENTS < OFF_SPEC_EVENTS
 
 
 class TestRunStatus:

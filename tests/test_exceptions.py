@@ -51,6 +51,7 @@ EXAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "PhaseTimeoutError": ((), {"state": "building", "timeout": 2.5}),
     "RunAbortedError": ((), {"run_id": "r1", "reason": "operator"}),
     "JournalError": (("is read-only",), {"path": "/tmp/j.db"}),
+    "JournalNotFoundError": (("is a directory, not a journal file",), {"path": "/tmp/j"}),
     "SchemaVersionError": ((), {"found": 99, "supported": 8, "path": "/tmp/j.db"}),
     "SpecMismatchError": ((), {"run_id": "r1", "expected": "a" * 64, "found": "b" * 64}),
     "RunConflictError": (
@@ -62,6 +63,7 @@ EXAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
         {"run_id": "r1", "seq": 3, "expected": "state 'b'", "found": "state 'c'", "path": "/j"},
     ),
     "RunNotFoundError": (("r1",), {}),
+    "AmbiguousRunIdError": (("ab", ["abc0", "abd1"]), {}),
     "RunExistsError": (("r1",), {}),
     "RunTerminalError": ((), {"run_id": "r1", "state": "done", "status": "succeeded"}),
     "LeaseError": (("r1", "no lease"), {}),
@@ -96,7 +98,6 @@ EXAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     ),
     "ServerUnreachableError": (("http://127.0.0.1:1/run", "connection refused"), {}),
     "HelperServerError": (("http://127.0.0.1:1/run", 500, "boom"), {}),
-    "CounterServerError": (("http://127.0.0.1:1/add", None, "timed out"), {}),
 }
 
 

@@ -24,7 +24,7 @@ from fsm_runner import (
     Transition,
 )
 from fsm_runner.engine import _advance
-from fsm_runner.events import ENGINE_EVENTS
+from fsm_runner.events import OFF_SPEC_EVENTS
 from fsm_runner.exceptions import (
     LeaseHeldError,
     LeaseLostError,
@@ -465,7 +465,7 @@ def fold(spec, transitions, start_context=None):
         assert transition.from_state == state, (
             f"seq {transition.seq}: from_state {transition.from_state!r}, expected {state!r}"
         )
-        if transition.event not in ENGINE_EVENTS or (
+        if transition.event not in OFF_SPEC_EVENTS or (
             transition.event == USER_ABORTED and transition.from_state != transition.to_state
         ):
             allowed = {t.dest for t in spec.edges.get((state, transition.event), ())}

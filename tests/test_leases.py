@@ -384,7 +384,7 @@ class TestCli:
         assert [r["run_id"] for r in listed] == [run_id]
         result = self.invoke(path, "recover", "--app", APP)
         assert result.exit_code == 0, result.output
-        assert f"run {run_id} is succeeded in state 'done'" in result.output
+        assert f"run {run_id} has ended (succeeded) in state 'done'" in result.output
         assert "recovered 1 runs" in result.output
 
     def test_resume_of_a_held_run_is_a_conflict(self, tmp_path):

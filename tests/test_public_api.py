@@ -14,6 +14,7 @@ import pytest
 import fsm_runner
 from fsm_runner import exceptions
 from fsm_runner.exceptions import (
+    AmbiguousRunIdError,
     CapabilityError,
     DiagramError,
     EffectFailedError,
@@ -23,6 +24,7 @@ from fsm_runner.exceptions import (
     HandlerResultError,
     InvalidTransitionError,
     JournalError,
+    JournalNotFoundError,
     LeaseError,
     LeaseHeldError,
     LeaseLostError,
@@ -98,6 +100,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
         JournalError("is read-only", path="/tmp/j.db"),
         {"detail": "is read-only", "path": "/tmp/j.db"},
     ),
+    JournalNotFoundError: (
+        JournalNotFoundError(path="/tmp/j.db"),
+        {"detail": "", "path": "/tmp/j.db"},
+    ),
     SchemaVersionError: (
         SchemaVersionError(found=99, supported=1, path="/tmp/j.db"),
         {"found": 99, "supported": 1, "path": "/tmp/j.db"},
@@ -111,6 +117,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
         {"run_id": "r1", "expected_seq": 4},
     ),
     RunNotFoundError: (RunNotFoundError("r1"), {"run_id": "r1"}),
+    AmbiguousRunIdError: (
+        AmbiguousRunIdError("ab", ["abc0", "abd1"]),
+        {"prefix": "ab", "matches": ("abc0", "abd1")},
+    ),
     RunExistsError: (RunExistsError("r1"), {"run_id": "r1"}),
     RunTerminalError: (
         RunTerminalError(run_id="r1", state="done", status="succeeded"),
@@ -158,6 +168,35 @@ class TestAll:
 
     def test_sorted(self):
         assert fsm_runner.__all__ == sorted(fsm_runner.__all__, key=isort_style_key)
+
+    def test_the_export_list_is_sorted(self):
+        # _EXPORTS is the one list: __all__ and the lazy __getattr__ are made from it
+        assert list(fsm_runner._EXPORTS) == sorted(fsm_runner._EXPORTS, key=isort_style_key)
+        assert fsm_runner.__all__ == [
+            name for name in fsm_runner._EXPORTS if name not in fsm_runner._OPTIONAL
+        ]
+
+    def test_what_type_checkers_see_is_the_export_list(self):
+        # the TYPE_CHECKING imports say for type checkers what _EXPORTS says at run time
+        tree = ast.parse(Path(fsm_runner.__file__).read_text(encoding="utf-8"))
+        block = next(
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "typing.TYPE_CHECKING"
+        )
+        seen: dict[str, str] = {}
+        for node in block.body:
+            assert isinstance(node, ast.ImportFrom)
+            assert node.module is not None
+            for alias in node.names:
+                assert alias.asname == alias.name, f"{alias.name}: `X as X` re-exports it"
+                seen[alias.name] = node.module
+        assert seen == fsm_runner._EXPORTS
+
+    def test_every_public_exception_is_exported(self):
+        assert set(exceptions.__all__) <= set(fsm_runner.__all__)
+        for name in exceptions.__all__:
+            assert getattr(fsm_runner, name) is getattr(exceptions, name)
 
     def test_no_duplicates(self):
         assert len(set(fsm_runner.__all__)) == len(fsm_runner.__all__)
@@ -293,14 +332,23 @@ def fsm_runner_imports(path: Path) -> set[str]:
 
 PRESETS = Path(fsm_runner.__file__).parent.joinpath("presets")
 
+#: Preset modules that import more than the public API, and why. The sub-phases preset's command
+#: line uses the journal option and exit codes every command line shares (``command_line``) and
+#: run-id prefixes (``journal.locate``), and its harness the supervisor (documented, but not in
+#: ``fsm_runner.__all__``).
+BEYOND_THE_PUBLIC_API = {
+    "subphases/__init__.py": {
+        "fsm_runner.command_line",
+        "fsm_runner.journal.locate",
+        "fsm_runner.supervisor",
+    },
+}
+
 
 @pytest.mark.parametrize(
     "path",
-    [
-        *sorted(PRESETS.glob("coordinator*.py")),
-        *sorted(PRESETS.glob("agent_*.py")),
-    ],
-    ids=lambda path: path.name,
+    sorted(PRESETS.rglob("*.py")),
+    ids=lambda path: path.relative_to(PRESETS).as_posix(),
 )
 def test_the_presets_use_only_the_public_api(path):
     private = {
@@ -308,7 +356,34 @@ def test_the_presets_use_only_the_public_api(path):
         for name in fsm_runner_imports(path)
         if name not in PUBLIC_MODULES and not name.startswith("fsm_runner.presets.")
     }
-    assert not private
+    assert private <= BEYOND_THE_PUBLIC_API.get(path.relative_to(PRESETS).as_posix(), set())
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # the README names this path
+        ("fsm_runner.presets.agent_services", "fsm_runner.presets.agent_loop.services"),
+        # runs journaled before the presets were grouped name this app and this agent command
+        ("fsm_runner.presets.agent_commands", "fsm_runner.presets.agent_loop.commands"),
+    ],
+)
+def test_a_preset_module_that_moved_keeps_its_old_path(old, new):
+    moved, kept = importlib.import_module(new), importlib.import_module(old)
+    assert kept.__all__ == moved.__all__
+    for name in moved.__all__:
+        assert getattr(kept, name) is getattr(moved, name)
+
+
+def test_the_old_agent_command_path_still_runs_the_demo_agent():
+    done = subprocess.run(
+        [sys.executable, "-m", "fsm_runner.presets.agent_commands"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "usage: python -m fsm_runner.presets.agent_loop.commands agent" in done.stderr
 
 
 class TestExceptionModule:
@@ -344,6 +419,8 @@ class TestExceptionModule:
             (SpecMismatchError, JournalError),
             (RunConflictError, JournalError),
             (RunNotFoundError, KeyError),
+            (JournalNotFoundError, JournalError),
+            (AmbiguousRunIdError, LookupError),
             (LeaseHeldError, LeaseError),
             (LeaseLostError, LeaseError),
         ],

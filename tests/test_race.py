@@ -264,7 +264,9 @@ class TestEightProcessesRaceForOneRun:
                 assert report["worker"] == held.lease_owner
                 assert (report["state"], report["seq"]) == ("done", 2)
             else:
-                assert stdout.splitlines()[-1] == f"run {run_id} is succeeded in state 'done'"
+                assert (
+                    stdout.splitlines()[-1] == f"run {run_id} has ended (succeeded) in state 'done'"
+                )
             logged = procs.logged()
 
         run, transitions, effects = journaled(path, run_id)

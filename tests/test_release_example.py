@@ -40,7 +40,7 @@ class TestForks:
         assert forked.exit_code == 0, forked.output
         result = fsm_runner(journal_path, "resume", "f1", "--app", APP)
         assert result.exit_code == 0, result.output
-        assert "run f1 is succeeded in state 'published'" in result.output
+        assert "run f1 has ended (succeeded) in state 'published'" in result.output
         with SqliteJournal(journal_path) as journal:
             outputs = {t.from_state: t.output for t in journal.transitions("f1")}
         assert outputs["publishing"]["sha256"] == digest  # the same archive, rebuilt

@@ -15,7 +15,6 @@ import pytest
 from fsm_runner import PhaseContext, RunEvent, RunOutcome, SpecError, SqliteJournal
 from fsm_runner.effects import MUTATE, PEEK, PUBLISH, READ
 from fsm_runner.exceptions import CapabilityError
-from fsm_runner.presets.counter_server import CounterClient, CounterServer, CounterServerError
 from fsm_runner.presets.sandbox import (
     CAPABILITIES,
     MUTATION_APPLIED,
@@ -32,6 +31,7 @@ from fsm_runner.presets.sandbox import (
     sandbox_engine,
 )
 from fsm_runner.records import EffectStatus
+from tests.servers.counter_server import CounterClient, CounterServer, CounterServerError
 
 ROOT = Path(__file__).parents[1]
 APP = [sys.executable, "-m", "tests.apps.effects_app"]

@@ -22,11 +22,6 @@ import click
 import pytest
 
 from fsm_runner import RetryPolicy, RunOutcome, RunRecord, SqliteJournal
-from fsm_runner.presets.helper_server import (
-    HelperClient,
-    HelperServer,
-    ServerUnreachableError,
-)
 from fsm_runner.presets.subphases import (
     SUBPHASE_NAMES,
     SUBPHASES,
@@ -34,6 +29,11 @@ from fsm_runner.presets.subphases import (
     SubPhase,
     _delays,
     plain_spec,
+)
+from fsm_runner.presets.subphases.helper_server import (
+    HelperClient,
+    HelperServer,
+    ServerUnreachableError,
 )
 from fsm_runner.supervisor import Resource, Supervisor
 
@@ -192,7 +192,7 @@ class TestHelperServer:
         assert caught.value.url == f"{server.base_url}/work/x"
 
     def test_a_delay_applies_to_each_keys_first_time(self, tmp_path):
-        from fsm_runner.presets.helper_server import _WorkLog
+        from fsm_runner.presets.subphases.helper_server.__main__ import _WorkLog
 
         log = _WorkLog(tmp_path / "log")
         assert log.start("1b", "run-1")

@@ -27,9 +27,9 @@ from typing import Any
 
 from fsm_runner import Engine, MachineSpec, RetryPolicy, RunEvent, State, Transition
 from fsm_runner.journal import Journal, open_journal
-from fsm_runner.presets.agent_commands import create_demo_project, demo_input, make_engine
+from fsm_runner.presets.agent_loop.commands import create_demo_project, demo_input, make_engine
 from fsm_runner.presets.coordinator import Coordinator, Task, TaskGraph
-from fsm_runner.presets.coordinator_services import GitWorkspace, ScriptedAgents, file_diff
+from fsm_runner.presets.coordinator.services import GitWorkspace, ScriptedAgents, file_diff
 from fsm_runner.presets.subphases import Harness
 from tests.test_coordinator import make_repo
 from tests.test_subphases import Background, log_counts, started_pid, wait_for

@@ -12,8 +12,10 @@ topic: :mod:`~fsm_runner.cli.inspection` (``runs``, ``watch``, ``replay``),
 ``prune``, ``export``), :mod:`~fsm_runner.cli.drawing` (``diagram``) and
 :mod:`~fsm_runner.cli.agent` (``demo``, ``agent-loop``); what they share:
 :mod:`~fsm_runner.cli.errors` (exit codes, one-line errors), :mod:`~fsm_runner.cli.journals`
-(opening the journal, run-id prefixes), :mod:`~fsm_runner.cli.apps` (importing ``--app``) and
-:mod:`~fsm_runner.cli.output` (tables, wrapping, colour).
+(the journal a command works on), :mod:`~fsm_runner.cli.apps` (importing ``--app``) and
+:mod:`~fsm_runner.cli.output` (tables, wrapping, colour). Below it: finding and opening the
+journal (:mod:`fsm_runner.journal.locate`) and what every fsm_runner command line shares, the
+``--journal`` option among them (:mod:`fsm_runner.command_line`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -41,8 +44,6 @@ from fsm_runner.cli.errors import CliError as CliError
 from fsm_runner.cli.inspection import replay as replay
 from fsm_runner.cli.inspection import runs as runs
 from fsm_runner.cli.inspection import watch as watch
-from fsm_runner.cli.journals import DEFAULT_JOURNAL as DEFAULT_JOURNAL
-from fsm_runner.cli.journals import ENV_JOURNAL as ENV_JOURNAL
 from fsm_runner.cli.journals import CliState, open_cli_journal, resolve_run_id
 from fsm_runner.cli.maintenance import check as check
 from fsm_runner.cli.maintenance import export as export
@@ -53,6 +54,7 @@ from fsm_runner.cli.operations import recover as recover
 from fsm_runner.cli.operations import resume as resume
 from fsm_runner.cli.operations import worker as worker
 from fsm_runner.cli.report import show as show
+from fsm_runner.command_line import journal_option
 from fsm_runner.ui.command import ui
 
 __all__ = [
@@ -71,19 +73,18 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    # Where the journal is found, kept here by name for the presets and examples that read it
+    # from the CLI; loaded on first use, as the journal package is (`--help` stays fast).
+    if name in ("DEFAULT_JOURNAL", "ENV_JOURNAL"):
+        from fsm_runner.journal import locate
+
+        return getattr(locate, name)
+    raise AttributeError(f"module 'fsm_runner.cli' has no attribute {name!r}")
+
+
 @click.group(cls=ExitCodeGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--journal",
-    "journal_path",
-    envvar=ENV_JOURNAL,
-    default=DEFAULT_JOURNAL,
-    show_default=True,
-    metavar="PATH",
-    help=(
-        "The SQLite journal file, or a postgresql://USER@HOST/DB[?schema=NAME] URL "
-        f"(also from ${ENV_JOURNAL})."
-    ),
-)
+@journal_option()
 @click.version_option(package_name="fsm-runner", prog_name="fsm-runner")
 @click.pass_context
 def cli(ctx: click.Context, journal_path: str) -> None:

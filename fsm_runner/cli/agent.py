@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,25 +9,16 @@ import click
 
 from fsm_runner.cli.apps import driving, interrupted_run
 from fsm_runner.cli.errors import FiniteFloatRange, Int64Range, exit_if_failed
-from fsm_runner.cli.journals import DEFAULT_JOURNAL, ENV_JOURNAL, CliState
+from fsm_runner.cli.journals import CliState
 from fsm_runner.cli.output import echo_transition, run_standing
 from fsm_runner.cli.report import print_iterations
-
-
-def _journal_option(state: CliState) -> str:
-    """``--journal LOCATION `` for a suggested command, unless it would find the journal anyway."""
-    import shlex
-
-    location = state.journal_path
-    if location in (DEFAULT_JOURNAL, os.environ.get(ENV_JOURNAL)):
-        return ""
-    return f"--journal {shlex.quote(location)} "
+from fsm_runner.command_line import suggested_command
 
 
 def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
     """Start an agent-loop run with ``run_input``, print it as it goes, then its iterations."""
-    from fsm_runner.presets.agent_commands import make_engine
-    from fsm_runner.presets.agent_services import GitSnapshotter
+    from fsm_runner.presets.agent_loop.commands import make_engine
+    from fsm_runner.presets.agent_loop.services import GitSnapshotter
 
     # Refused before anything starts: a workspace that cannot be snapshotted (not in a git
     # repository) would otherwise be found only after the agent had worked in it.
@@ -47,11 +37,12 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
     click.echo(run_standing(run))
     if run.error and run.ended:
         click.echo(f"reason: {run.error.get('message')}")
-    short, journal_option = run_id[:12], _journal_option(state)
-    click.echo(
-        f"see it with: fsm-runner {journal_option}show {short}   "
-        f"export it with: fsm-runner {journal_option}export {short} fsm-runner-export-{short}"
+    short = run_id[:12]
+    show = suggested_command("fsm-runner", state.journal_path, "show", short)
+    export = suggested_command(
+        "fsm-runner", state.journal_path, "export", short, f"fsm-runner-export-{short}"
     )
+    click.echo(f"see it with: {show}   export it with: {export}")
     exit_if_failed(run)
 
 
@@ -64,7 +55,7 @@ def demo(state: CliState) -> None:
     agent (a real subprocess that edits files: one wrong attempt, then the fix) with real
     verification: L0 compiles the code, L1 runs pytest.
     """
-    from fsm_runner.presets.agent_commands import create_demo_project, demo_input
+    from fsm_runner.presets.agent_loop.commands import create_demo_project, demo_input
 
     _run_agent_loop(state, demo_input(create_demo_project()))
 
@@ -117,7 +108,7 @@ def agent_loop(
     build (your agent) -> snapshot (git) -> verify (your levels) -> feedback -> build ...
     until verification passes or a limit is spent. Resume with `fsm-runner resume RUN`.
     """
-    from fsm_runner.presets.agent_commands import loop_input
+    from fsm_runner.presets.agent_loop.commands import loop_input
 
     verify: dict[str, list[str]] = {}
     for item in levels:

@@ -30,9 +30,9 @@ _required_app = click.option(
 @click.option(
     "--app",
     metavar="MODULE:ATTR",
-    help="The host app: an Engine, or a zero-argument factory returning one, as MODULE:ATTR or"
-    " FILE.py:ATTR. Optional for runs whose input names their app (as `demo` and `agent-loop`"
-    " runs do).",
+    help="The host app: an Engine, or a factory returning one (given the journal if it takes"
+    " it), as MODULE:ATTR or FILE.py:ATTR. Optional for runs whose input names their app (as"
+    " `demo` and `agent-loop` runs do).",
 )
 @click.option("--max-steps", type=Int64Range(min=1), help="Stop after this many steps.")
 @click.option(
@@ -60,7 +60,7 @@ def resume(
             raise click.UsageError("this run's input names no app; pass --app MODULE:ATTR")
     from fsm_runner.exceptions import InvalidTransitionError
 
-    engine = load_app(app).with_journal(journal)
+    engine = load_app(app, journal)
     engine.listeners.append(echo_transition)
     try:
         with driving(engine, interrupted=interrupted_run(run_id)):
@@ -84,7 +84,7 @@ def recover(state: CliState, app: str, limit: int | None) -> None:
     with the reason instead. Prints one line per run recovered.
     """
     journal = state.journal()
-    engine = load_app(app).with_journal(journal)
+    engine = load_app(app, journal)
     engine.listeners.append(echo_transition)
     with driving(engine, interrupted="interrupted; the runs not finished stay recoverable"):
         recovered = engine.recover(limit=limit)
@@ -116,7 +116,7 @@ def worker(
     Stops on Ctrl-C or SIGTERM, leaving the run in progress resumable.
     """
     journal = state.journal()
-    engine = load_app(app).with_journal(journal)
+    engine = load_app(app, journal)
     engine.listeners.append(
         lambda transition, run: click.echo(
             f"{run.run_id[:12]} {transition.seq:>4}  {transition.from_state or '-'} "
@@ -144,7 +144,11 @@ def abort(state: CliState, run_id: str, reason: str, app: str | None) -> None:
 
     journal = state.journal()
     run_id = resolve_run_id(journal, run_id)
-    guards = load_app(app).guards if app else None
+    guards = None
+    if app:
+        engine = load_app(app, journal)
+        guards = engine.guards
+        engine.close()
     run = abort_run(journal, run_id, reason, guards=guards)
     if run.ended:
         click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")

@@ -118,5 +118,12 @@ def echo_transition(transition: TransitionRecord, run: RunRecord) -> None:
 
 
 def run_standing(run: RunRecord) -> str:
-    """Where a run stands: ``run ID is STATUS in state 'STATE'``."""
-    return f"run {run.run_id} is {run.status.value} in state {run.state!r}"
+    """Where a run stands, e.g. ``run ID has ended (succeeded) in state 'STATE'``."""
+    status = run.status.value
+    if status == "active":
+        standing = "is active"
+    elif status == "dead_letter":
+        standing = "is parked (dead_letter)"
+    else:
+        standing = f"has ended ({status})"
+    return f"run {run.run_id} {standing} in state {run.state!r}"

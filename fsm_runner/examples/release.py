@@ -23,7 +23,6 @@ import gzip
 import hashlib
 import io
 import os
-import shlex
 import shutil
 import sys
 import tarfile
@@ -34,6 +33,7 @@ import click
 
 from fsm_runner import (
     Engine,
+    Journal,
     MachineSpec,
     PhaseContext,
     PhaseResult,
@@ -43,13 +43,14 @@ from fsm_runner import (
     Transition,
     interrupt_on_sigterm,
 )
-from fsm_runner.cli import (
-    ENV_JOURNAL,
+from fsm_runner.command_line import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     ExitCodeCommand,
-    open_cli_journal,
+    journal_option,
+    suggested_command,
 )
+from fsm_runner.journal.locate import locate_journal
 from fsm_runner.records import RunRecord, TransitionRecord
 
 __all__ = ["SPEC", "main", "make_engine"]
@@ -195,9 +196,15 @@ def publish(ctx: PhaseContext) -> PhaseResult:
 HANDLERS = {"fetch": fetch, "build": build, "test": test, "publish": publish}
 
 
-def make_engine(journal_path: str | os.PathLike[str] = "fsm-runner.db") -> Engine:
-    """The release engine on a SQLite journal (the CLI rebinds it to its own journal)."""
-    return Engine(SPEC, handlers=HANDLERS, journal=SqliteJournal(journal_path))
+def make_engine(journal: Journal | str | os.PathLike[str] = "fsm-runner.db") -> Engine:
+    """The release engine on ``journal``, or on a SQLite journal at that path.
+
+    ``fsm-runner resume RUN --app fsm_runner.examples.release:make_engine`` gives it the
+    command's journal (its parameter is named ``journal``).
+    """
+    if isinstance(journal, str | os.PathLike):
+        journal = SqliteJournal(journal)
+    return Engine(SPEC, handlers=HANDLERS, journal=journal)
 
 
 def _print(transition: TransitionRecord, run: RunRecord) -> None:
@@ -210,16 +217,7 @@ def _print(transition: TransitionRecord, run: RunRecord) -> None:
     name=PROG,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-@click.option(
-    "--journal",
-    "journal_path",
-    envvar=ENV_JOURNAL,
-    default="fsm-runner.db",
-    show_default=True,
-    metavar="PATH",
-    help=f"The journal, as for fsm-runner: a SQLite file or a postgresql://USER@HOST/DB URL "
-    f"(also from ${ENV_JOURNAL}).",
-)
+@journal_option()
 @click.option(
     "--workspace",
     default="fsm-runner-release",
@@ -243,16 +241,13 @@ def release(journal_path: str, workspace: Path, version: str, stop_after: int | 
     failed, 130 when it was interrupted (Ctrl-C, SIGTERM; it stays resumable), and like
     fsm-runner on a journal it cannot use (3: none there).
     """
-    journal = open_cli_journal(journal_path, must_exist=False)
+    journal = locate_journal(journal_path, must_exist=False)
     engine = Engine(SPEC, handlers=HANDLERS, journal=journal)
     try:
         engine.listeners.append(_print)
         run_id = engine.start({"version": version, "workspace": str(workspace.absolute())})
         # Suggested commands name the journal unless fsm-runner finds it by itself.
-        option = f"--journal {shlex.quote(journal_path)} "
-        if journal_path in ("fsm-runner.db", os.environ.get(ENV_JOURNAL)):
-            option = ""
-        resume = f"fsm-runner {option}resume {run_id[:12]} --app {APP}"
+        resume = suggested_command("fsm-runner", journal_path, "resume", run_id[:12], "--app", APP)
         try:
             with interrupt_on_sigterm():
                 run = engine.run(run_id, max_steps=stop_after)
@@ -264,7 +259,9 @@ def release(journal_path: str, workspace: Path, version: str, stop_after: int | 
         engine.close()
         journal.close()
     click.echo(f"run {run_id}: {run.status.value} in state {run.state!r}")
-    click.echo(f"inspect it with: fsm-runner {option}show {run_id[:12]}")
+    click.echo(
+        f"inspect it with: {suggested_command('fsm-runner', journal_path, 'show', run_id[:12])}"
+    )
     if not run.ended:
         click.echo(f"finish it with: {resume}")
     if run.status.value not in ("succeeded", "active"):

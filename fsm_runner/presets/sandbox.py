@@ -45,8 +45,7 @@ A run's input is ``{"key": KEY, "change": CHANGE}`` (and optionally ``"topic"``,
 ``store``  :class:`ExternalStore` — the external system the run reads and changes once.
 
 :class:`MemoryTopic` and :class:`MemoryStore` are real in-process implementations, for examples
-and tests; :class:`fsm_runner.presets.counter_server.CounterClient` is an :class:`ExternalStore`
-over HTTP::
+and tests (which also use an :class:`ExternalStore` over HTTP, their own counter server)::
 
     from fsm_runner import SqliteJournal
     from fsm_runner.presets.sandbox import MemoryStore, MemoryTopic, sandbox_engine
@@ -80,7 +79,6 @@ from fsm_runner import (
     State,
     Transition,
 )
-from fsm_runner.effects import MUTATE, PEEK, PUBLISH, READ
 
 __all__ = [
     "CAPABILITIES",
@@ -103,6 +101,14 @@ __all__ = [
 
 # -- the machine -------------------------------------------------------------------------------
 
+# The kinds of operation the phases perform: the effects ledger's standard kinds, written as a
+# host app writes them (``kind="mutate"`` is the kind ``max_mutations`` counts). A preset uses
+# the public API only, and these are strings of that API, not names to import from the engine.
+_READ = "read"
+_MUTATE = "mutate"
+_PEEK = "topic_peek"
+_PUBLISH = "topic_publish"
+
 OUTPUT_PRODUCED = "OUTPUT_PRODUCED"
 MUTATION_PREPARED = "MUTATION_PREPARED"
 MUTATION_APPLIED = "MUTATION_APPLIED"
@@ -118,10 +124,10 @@ PHASE_STATES: Mapping[str, str] = {
 
 #: The capability matrix: the kinds of operation each phase may perform.
 CAPABILITIES: Mapping[str, tuple[str, ...]] = {
-    "producer": (READ, PUBLISH),
-    "prepare": (READ, PEEK),
-    "mutate": (MUTATE,),
-    "next": (PUBLISH,),
+    "producer": (_READ, _PUBLISH),
+    "prepare": (_READ, _PEEK),
+    "mutate": (_MUTATE,),
+    "next": (_PUBLISH,),
 }
 
 _MUTATIONS = {"producer": 0, "prepare": 0, "mutate": 1, "next": 0}
@@ -340,9 +346,9 @@ class ProducerPhase:
         key, change, topic_name = _job(ctx)
         topic: Topic = ctx.services["topic"]
         store: ExternalStore = ctx.services["store"]
-        current = ctx.effect("read_current", store.read, key, kind=READ)
+        current = ctx.effect("read_current", store.read, key, kind=_READ)
         announcement = {"event": "proposed", "run_id": ctx.run_id, "key": key, "change": change}
-        offset = ctx.effect("announce", topic.publish, topic_name, announcement, kind=PUBLISH)
+        offset = ctx.effect("announce", topic.publish, topic_name, announcement, kind=_PUBLISH)
         return PhaseResult(
             OUTPUT_PRODUCED,
             output={"key": key, "change": change, "current": current, "announced_at": offset},
@@ -358,9 +364,9 @@ class PreparePhase:
         _, _, topic_name = _job(ctx)
         topic: Topic = ctx.services["topic"]
         store: ExternalStore = ctx.services["store"]
-        messages = ctx.effect("peek_topic", topic.peek, topic_name, kind=PEEK)
+        messages = ctx.effect("peek_topic", topic.peek, topic_name, kind=_PEEK)
         key = produced["key"]
-        before = ctx.effect("read_before", store.read, key, kind=READ)
+        before = ctx.effect("read_before", store.read, key, kind=_READ)
         plan = {
             "key": key,
             "change": produced["change"],
@@ -397,7 +403,7 @@ class MutatePhase:
             store.mutate,
             key,
             plan["change"],
-            kind=MUTATE,
+            kind=_MUTATE,
             idempotent=self.idempotent,
         )
         return PhaseResult(MUTATION_APPLIED, output={"key": key, "result": result})
@@ -417,7 +423,7 @@ class NextPhase:
             "key": mutation["key"],
             "result": mutation["result"],
         }
-        offset = ctx.effect("publish_result", topic.publish, topic_name, message, kind=PUBLISH)
+        offset = ctx.effect("publish_result", topic.publish, topic_name, message, kind=_PUBLISH)
         return PhaseResult(
             RESULT_PUBLISHED,
             output={"key": mutation["key"], "result": mutation["result"], "published_at": offset},

@@ -27,7 +27,6 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 import attrs
-import click
 import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -38,11 +37,16 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from fsm_runner.cli import open_cli_journal, resolve_run_id
 from fsm_runner.engine import abort_run, fork_run
-from fsm_runner.exceptions import FsmRunnerError, JournalError, RunNotFoundError
+from fsm_runner.exceptions import (
+    AmbiguousRunIdError,
+    FsmRunnerError,
+    JournalError,
+    RunNotFoundError,
+)
 from fsm_runner.journal import Journal
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
+from fsm_runner.journal.locate import locate_journal, resolve_run_id
 from fsm_runner.ui import views
 
 __all__ = ["LOOPBACK_HOSTS", "Inspector", "create_app", "shown_location"]
@@ -98,10 +102,11 @@ class _PageError(Exception):
 class Inspector:
     """One journal, opened on first use, and what the pages share (templates, CSRF secret).
 
-    The journal is opened with the CLI's own rules (:func:`fsm_runner.cli.open_cli_journal`):
-    a missing or damaged journal is an error page, not a server that refuses to start, and it
-    is opened again on the next request once it was refused. Requests are served one at a time
-    (a lock around each use of the journal), as one CLI command would read it.
+    The journal is opened as every command opens it
+    (:func:`~fsm_runner.journal.locate.locate_journal`): a missing or damaged journal is an
+    error page, not a server that refuses to start, and it is opened again on the next request
+    once it was refused. Requests are served one at a time (a lock around each use of the
+    journal), as one CLI command would read it.
     """
 
     def __init__(self, location: str, *, allow_actions: bool = False) -> None:
@@ -140,12 +145,9 @@ class Inspector:
 
     def _open(self) -> Journal:
         try:
-            return open_cli_journal(self.location)
-        except click.ClickException as exc:
-            raise _PageError(503, "The journal cannot be opened", exc.format_message()) from None
-        except JournalError as exc:  # there, but damaged, foreign, or its server unreachable
-            detail = " ".join(str(exc).split())
-            raise _PageError(503, "The journal cannot be opened", detail) from None
+            return locate_journal(self.location)
+        except JournalError as exc:  # none there; or damaged, foreign, its server unreachable
+            raise _PageError(503, "The journal cannot be opened", _one_line(exc)) from None
 
     def close_journal(self) -> None:
         """Close the journal (the server stops, or the journal was refused)."""
@@ -170,11 +172,15 @@ def shown_location(location: str) -> str:
     return redact(location) if is_postgres_url(location) else location
 
 
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
 def _resolve(journal: Journal, run_id: str) -> str:
     try:
         return resolve_run_id(journal, run_id)
-    except click.ClickException as exc:  # an ambiguous prefix
-        raise _PageError(400, "Ambiguous run id", exc.format_message()) from None
+    except AmbiguousRunIdError as exc:
+        raise _PageError(400, "Ambiguous run id", _one_line(exc)) from None
 
 
 def _inspector(request: Request) -> Inspector:

@@ -8,12 +8,12 @@ list the command and must stay fast; Starlette, uvicorn and Jinja2 (``pip instal
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import TYPE_CHECKING
 
 import click
 
 from fsm_runner._lazy import LazyModule
+from fsm_runner.command_line import journal_option
 
 if TYPE_CHECKING:
     import ipaddress
@@ -44,12 +44,7 @@ def is_loopback(host: str) -> bool:
 
 
 @click.command("ui")
-@click.option(
-    "--journal",
-    "journal_path",
-    metavar="PATH",
-    help="The journal (default: fsm-runner's --journal, $FSM_RUNNER_JOURNAL, ./fsm-runner.db).",
-)
+@journal_option(inherited=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True)
 @click.option("--open", "open_browser", is_flag=True, help="Open the inspector in a browser.")
@@ -63,10 +58,8 @@ def is_loopback(host: str) -> bool:
     is_flag=True,
     help="Offer abort and fork on run pages (POST with a CSRF token); off by default.",
 )
-@click.pass_context
 def ui(  # noqa: PLR0917 - click passes each option by keyword
-    ctx: click.Context,
-    journal_path: str | None,
+    journal_path: str,
     host: str,
     port: int,
     open_browser: bool,
@@ -78,12 +71,6 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     Read-only unless --allow-actions. Listens on 127.0.0.1 unless --host names another
     address together with --allow-remote. Stop it with Ctrl-C.
     """
-    location = (
-        journal_path
-        or getattr(ctx.obj, "journal_path", None)  # fsm-runner's own --journal
-        or os.environ.get("FSM_RUNNER_JOURNAL")
-        or "fsm-runner.db"
-    )
     if not is_loopback(host):
         if not allow_remote:
             raise click.UsageError(
@@ -99,7 +86,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     missing = [n for n in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(n) is None]
     if missing:
         raise click.ClickException(_MISSING.format(name=", ".join(missing)))
-    _serve(location, host, port, open_browser=open_browser, allow_actions=allow_actions)
+    _serve(journal_path, host, port, open_browser=open_browser, allow_actions=allow_actions)
 
 
 def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_actions: bool) -> None:

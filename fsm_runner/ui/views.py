@@ -10,7 +10,6 @@ and the library's own functions (:func:`fsm_runner.diagrams.extract`,
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,13 +17,14 @@ from urllib.parse import urlencode
 
 import attrs
 
-from fsm_runner.cli.report import subphase_visits
+from fsm_runner.command_line import suggested_command
 from fsm_runner.diagrams import Graph, extract
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord
 from fsm_runner.replay import check_journal
 from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
+from fsm_runner.visits import subphase_visits
 
 __all__ = [
     "EXACT_UP_TO",
@@ -210,15 +210,15 @@ def diagram(journal: Journal, run: RunRecord) -> str:
 
 
 def _commands(run: RunRecord, journal_location: str) -> dict[str, str]:
-    option = f"--journal {shlex.quote(journal_location)} "
-    # Quoted: a run id is the app's text, and this line is pasted into a shell.
-    short = shlex.quote(run.run_id[:12])
+    def command(*args: str) -> str:
+        # The journal always named: the page may be read far from the shell it came from.
+        return suggested_command("fsm-runner", journal_location, *args, name_journal=True)
+
+    short = run.run_id[:12]  # the app's text: quoted, as the line is pasted into a shell
     app = run.input.get("app") if isinstance(run.input, Mapping) else None
-    commands = {"fork": f"fsm-runner {option}fork {short} --at {run.seq}"}
+    commands = {"fork": command("fork", short, "--at", str(run.seq))}
     if not run.ended:
-        commands["resume"] = f"fsm-runner {option}resume {short}" + (
-            "" if app else " --app MODULE:ATTR"
-        )
+        commands["resume"] = command("resume", short, *(() if app else ("--app", "MODULE:ATTR")))
     return commands
 
 

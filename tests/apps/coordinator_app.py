@@ -26,7 +26,7 @@ from typing import Any
 
 from fsm_runner import SqliteJournal
 from fsm_runner.presets.coordinator import Coordinator, PatchResult, TaskGraph
-from fsm_runner.presets.coordinator_services import GitWorkspace, ScriptedAgents
+from fsm_runner.presets.coordinator.services import GitWorkspace, ScriptedAgents
 
 
 class BlockingWorkspace:

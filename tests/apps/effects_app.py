@@ -1,7 +1,7 @@
 """The sandbox preset as an app, for the effects crash tests: a real process to SIGKILL.
 
 The run's mutation is a hit on the counter server at ``FSM_TEST_COUNTER_URL``
-(:class:`fsm_runner.presets.counter_server.CounterClient`); the journal is the SQLite file
+(:class:`tests.servers.counter_server.CounterClient`); the journal is the SQLite file
 ``FSM_TEST_JOURNAL``. Other settings, from the environment:
 
 ``FSM_TEST_IDEMPOTENT=1``
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from fsm_runner import PhaseContext, PhaseResult, SqliteJournal
-from fsm_runner.presets.counter_server import CounterClient
 from fsm_runner.presets.sandbox import MemoryTopic, MutatePhase, sandbox_engine
+from tests.servers.counter_server import CounterClient
 
 
 class BlockingMutatePhase(MutatePhase):

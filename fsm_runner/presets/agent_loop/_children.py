@@ -47,7 +47,7 @@ from fsm_runner.exceptions import FsmRunnerError
 
 __all__ = ["GUARD_DIRECTORY", "WorkspaceBusyError", "WorkspaceClaim", "die_with_runner"]
 
-_log = logging.getLogger("fsm_runner.presets.agent_services")
+_log = logging.getLogger("fsm_runner.presets.agent_loop.services")
 
 #: The directory, in a workspace, of the lock and the record of the command running in it.
 GUARD_DIRECTORY = ".fsm-runner"

@@ -1,6 +1,6 @@
 """The coordinator's two machines, :data:`SESSION` and :data:`TASK`, and the task's phases.
 
-A session has one handler (``finalizing``, in :mod:`fsm_runner.presets.coordinator_summary`);
+A session has one handler (``finalizing``, in :mod:`fsm_runner.presets.coordinator.summary`);
 every other step is an event the :class:`fsm_runner.presets.coordinator.Coordinator` sends. A
 task has a handler for each step: :class:`SchedulePhase`, :class:`DispatchPhase`,
 :class:`GatePhase`, :class:`ApplyPhase`, :class:`VerifyPhase` and :class:`RevertPhase`. Every
@@ -27,8 +27,8 @@ from fsm_runner import (
     Transition,
 )
 from fsm_runner.presets.agent_loop import VerificationReport, Verifier
-from fsm_runner.presets.agent_services import TemplateFeedbackGenerator
-from fsm_runner.presets.coordinator_tasks import (
+from fsm_runner.presets.agent_loop.services import TemplateFeedbackGenerator
+from fsm_runner.presets.coordinator.tasks import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_ROLES,
     AgentRole,

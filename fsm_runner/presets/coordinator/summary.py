@@ -31,7 +31,7 @@ from fsm_runner import (
     TransitionRecord,
 )
 from fsm_runner.presets.agent_loop import VerificationReport, Verifier
-from fsm_runner.presets.coordinator_machines import (
+from fsm_runner.presets.coordinator.machines import (
     _RECORD_EVENT_NAMES,
     _TASK_ENDS,
     TASK,
@@ -42,7 +42,7 @@ from fsm_runner.presets.coordinator_machines import (
     _plain,
     _report_data,
 )
-from fsm_runner.presets.coordinator_tasks import Summarizer, TaskGraph, Workspace, _str_tuple
+from fsm_runner.presets.coordinator.tasks import Summarizer, TaskGraph, Workspace, _str_tuple
 
 __all__ = [
     "FinalizePhase",

@@ -20,7 +20,7 @@ The phase handlers are thin: each uses services injected through ``ctx.services`
 ``feedback``    :class:`FeedbackGenerator` — turns a failed report into feedback.
 ``persister``   :class:`ResultPersister` — stores agent results and reports as artifacts.
 
-Real implementations live in :mod:`fsm_runner.presets.agent_services`; this module uses only
+Real implementations live in :mod:`fsm_runner.presets.agent_loop.services`; this module uses only
 fsm_runner's public API, as a host app would.
 """
 
@@ -265,7 +265,7 @@ class Snapshotter(Protocol):
     """Captures the workspace's state.
 
     A snapshotter may also have a ``check_workspace(workspace)`` method (as
-    :class:`~fsm_runner.presets.agent_services.GitSnapshotter` has): ``queued`` calls it, so a
+    :class:`~fsm_runner.presets.agent_loop.services.GitSnapshotter` has): ``queued`` calls it, so a
     workspace that could never be captured fails the run before the agent works in it.
     """
 

@@ -51,12 +51,12 @@ diff of a task that fails verification, is aborted or fails mid-step is taken ou
 
 The services (:class:`AgentRole`, :class:`Gate`, :class:`Workspace`, a
 :class:`fsm_runner.presets.agent_loop.Verifier` and a :class:`Summarizer`) are injected;
-:mod:`fsm_runner.presets.coordinator_services` has real ones (git, shell commands) and scripted
+:mod:`fsm_runner.presets.coordinator.services` has real ones (git, shell commands) and scripted
 agents for tests and examples::
 
     from fsm_runner import SqliteJournal
     from fsm_runner.presets.coordinator import Coordinator, Task, TaskGraph
-    from fsm_runner.presets.coordinator_services import GitWorkspace, ScriptedAgents, file_diff
+    from fsm_runner.presets.coordinator.services import GitWorkspace, ScriptedAgents, file_diff
 
     graph = TaskGraph(
         [Task("hello", verify="test -f hello.txt"), Task("readme", depends_on=["hello"])],
@@ -76,10 +76,10 @@ agents for tests and examples::
 This module uses only fsm_runner's public API, as a host app would. It holds the
 :class:`Coordinator`, whose operations are the session's rules; the rest of the preset lives
 beside it, and every name is re-exported here: the errors, the task graph and the service
-protocols in :mod:`~fsm_runner.presets.coordinator_tasks`, the machines and the task phases
-in :mod:`~fsm_runner.presets.coordinator_machines`, and what the journal says about a session
+protocols in :mod:`~fsm_runner.presets.coordinator.tasks`, the machines and the task phases
+in :mod:`~fsm_runner.presets.coordinator.machines`, and what the journal says about a session
 (finalizing, summaries, what the coordinator reports) in
-:mod:`~fsm_runner.presets.coordinator_summary`.
+:mod:`~fsm_runner.presets.coordinator.summary`.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ from fsm_runner import (
 )
 from fsm_runner.exceptions import RunConflictError
 from fsm_runner.presets.agent_loop import Verifier
-from fsm_runner.presets.agent_services import CommandVerifier, TemplateFeedbackGenerator
-from fsm_runner.presets.coordinator_machines import (
+from fsm_runner.presets.agent_loop.services import CommandVerifier, TemplateFeedbackGenerator
+from fsm_runner.presets.coordinator.machines import (
     _CUT_SHORT,
     _DIFF_STATES,
     _RECORD_EVENTS,
@@ -119,7 +119,7 @@ from fsm_runner.presets.coordinator_machines import (
     VerifyPhase,
     _attempts_left,
 )
-from fsm_runner.presets.coordinator_summary import (
+from fsm_runner.presets.coordinator.summary import (
     FinalizePhase,
     JournalSummarizer,
     NextStatus,
@@ -138,7 +138,7 @@ from fsm_runner.presets.coordinator_summary import (
     _unsettled,
     fallback_summary,
 )
-from fsm_runner.presets.coordinator_tasks import (
+from fsm_runner.presets.coordinator.tasks import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_ROLES,
     AgentRole,
@@ -294,7 +294,7 @@ class Coordinator:
         agents: the agents, by role.
         gates: the gates each proposal must pass, in order.
         verifier: runs task and global verification commands; a
-            :class:`fsm_runner.presets.agent_services.CommandVerifier` when not given.
+            :class:`fsm_runner.presets.agent_loop.services.CommandVerifier` when not given.
         summarizer: writes the run summary; a :class:`JournalSummarizer` when not given.
         roles: the roles attempts escalate through, for sessions started by this
             coordinator (the last one takes every later attempt).

@@ -1,6 +1,6 @@
 """Git snapshots of an agent's workspace: the agent loop's :class:`Snapshotter` on git.
 
-Part of :mod:`fsm_runner.presets.agent_services`, which exports its names: a capture commits
+Part of :mod:`fsm_runner.presets.agent_loop.services`, which exports its names: a capture commits
 everything in the workspace to the branch checked out there (see :class:`GitSnapshotter`).
 ``check_timeout`` is the validator the services share for their timeouts.
 """

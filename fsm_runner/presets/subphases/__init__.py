@@ -8,11 +8,11 @@
          └  any sub-phase ──PHASE_FAILED──▶ failed
 
 plus ``SYSTEM_ERROR → failed`` and ``USER_ABORTED → canceled`` from anywhere. Every sub-phase
-calls the helper server (:mod:`fsm_runner.presets.helper_server`) through the one service it is
-given, ``ctx.services["server"]``: a client that can do work and nothing else. When the server
-dies, the sub-phase reports ``SERVER_UNREACHABLE``; the harness's ``recovering`` state restarts
-the server within its budget and returns the run to the sub-phase that failed — as that visit's
-next attempt — never to one already completed.
+calls the helper server (:mod:`fsm_runner.presets.subphases.helper_server`) through the one
+service it is given, ``ctx.services["server"]``: a client that can do work and nothing else.
+When the server dies, the sub-phase reports ``SERVER_UNREACHABLE``; the harness's
+``recovering`` state restarts the server within its budget and returns the run to the sub-phase
+that failed — as that visit's next attempt — never to one already completed.
 
 A :class:`Harness` puts it together: it owns the server (through a
 :class:`fsm_runner.supervisor.Supervisor`), the engine, and turns SIGTERM into an interruption
@@ -25,13 +25,12 @@ that is journaled (``INTERRUPTED``) and leaves the run resumable. From a shell::
 ``1b``), so there is time to interrupt it (Ctrl-C, SIGTERM, ``kill -9``); ``RUN`` may be any
 unique prefix of the run's id. Exit codes are ``fsm-runner``'s, and 130 when interrupted.
 
-This module uses only fsm_runner's public API (and the supervisor), as a host app would.
+This module uses fsm_runner's public API, the supervisor, and the CLI's journal option, run-id
+prefixes and exit codes for its command line.
 """
 
 from __future__ import annotations
 
-import os
-import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -55,18 +54,17 @@ from fsm_runner import (
     Transition,
     interrupt_on_sigterm,
 )
-from fsm_runner.cli import (
-    DEFAULT_JOURNAL,
-    ENV_JOURNAL,
+from fsm_runner.command_line import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     ExitCodeCommand,
     ExitCodeGroup,
-    open_cli_journal,
-    resolve_run_id,
+    journal_option,
+    suggested_command,
 )
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets.helper_server import (
+from fsm_runner.journal.locate import locate_journal, resolve_run_id
+from fsm_runner.presets.subphases.helper_server import (
     HelperServer,
     HelperServerError,
     ServerUnreachableError,
@@ -326,28 +324,14 @@ class _Options:
 
     def resume_hint(self, run_id: str) -> str:
         """The command that continues the run."""
-        argv = []
-        if self.journal_path not in (DEFAULT_JOURNAL, _env_journal()):
-            argv += ["--journal", self.journal_path]
-        argv += ["--workdir", str(self.options["workdir"]), "resume", run_id[:12]]
-        return f"{PROG} {shlex.join(argv)}"
-
-
-def _env_journal() -> str | None:
-    return os.environ.get(ENV_JOURNAL)
+        workdir = str(self.options["workdir"])
+        return suggested_command(
+            PROG, self.journal_path, "--workdir", workdir, "resume", run_id[:12]
+        )
 
 
 @click.group(cls=ExitCodeGroup, name=PROG, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--journal",
-    "journal_path",
-    envvar=ENV_JOURNAL,
-    default=DEFAULT_JOURNAL,
-    show_default=True,
-    metavar="PATH",
-    help=f"The journal, as for fsm-runner: a SQLite file or a postgresql:// URL "
-    f"(also from ${ENV_JOURNAL}).",
-)
+@journal_option()
 @click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -424,7 +408,7 @@ def resume(options: _Options, run_id: str) -> None:
 def _drive(options: _Options, pick: Callable[[Harness], str], must_exist: bool) -> None:
     """Open the journal, start the harness, pick the run and run it; print as documented."""
     run_id = None
-    journal = open_cli_journal(options.journal_path, must_exist=must_exist)
+    journal = locate_journal(options.journal_path, must_exist=must_exist)
     try:
         # The whole body, not only the run: a SIGTERM during start-up must still stop the
         # server on the way out rather than orphan it.
@@ -460,7 +444,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     ``Error:`` line and exit with ``fsm-runner``'s codes (2 usage, 3 not found, 4 conflict).
     """
     cli.main(args=list(argv) if argv is not None else None, prog_name=PROG)
-
-
-if __name__ == "__main__":
-    main()

@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from fsm_runner.exceptions import FsmRunnerError
-from fsm_runner.presets.coordinator_tasks import GateVerdict, PatchResult, Proposal, Task
+from fsm_runner.presets.coordinator.tasks import GateVerdict, PatchResult, Proposal, Task
 from fsm_runner.presets.gitcli import git_environment, run_git, text_tail
 
 if TYPE_CHECKING:
-    from fsm_runner.presets.coordinator_tasks import AgentRole, Gate, Workspace
+    from fsm_runner.presets.coordinator.tasks import AgentRole, Gate, Workspace
 
 __all__ = [
     "AgentCall",

@@ -3,9 +3,10 @@
 It stands for the kind of service a sandboxed phase changes (see
 :mod:`fsm_runner.presets.sandbox`): every hit changes a counter, durably, so a test can tell
 exactly how many times a side effect happened — across kills of the process that caused it.
-Run it as::
+Only the tests use it; it is built on the HTTP half the package's own helper server is built on
+(:mod:`fsm_runner.presets._local_server`). Run it as::
 
-    python -m fsm_runner.presets.counter_server --state FILE [--port P] [--stall-after-hit MARKER]
+    python tests/servers/counter_server.py --state FILE [--port P] [--stall-after-hit MARKER]
 
 It listens on 127.0.0.1 only (port 0, the default, picks a free one), prints the port it
 listens on as its first line of output, and answers:
@@ -42,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import http
-import http.client
-import http.server
 import json
 import os
 import subprocess
@@ -57,7 +56,14 @@ from types import TracebackType
 from typing import Any
 
 from fsm_runner.exceptions import FsmRunnerError, SupervisorError
-from fsm_runner.presets._local_server import HOST, LocalServer
+from fsm_runner.presets._local_server import (
+    HOST,
+    JsonClient,
+    JsonHandler,
+    JsonServer,
+    LocalServer,
+    serve,
+)
 
 __all__ = ["CounterClient", "CounterServer", "CounterServerError", "main"]
 
@@ -85,7 +91,7 @@ class CounterServerError(FsmRunnerError):
 # -- the client --------------------------------------------------------------------------------
 
 
-class CounterClient:
+class CounterClient(JsonClient):
     """Calls the counter server; an :class:`~fsm_runner.presets.sandbox.ExternalStore`.
 
     Args:
@@ -93,19 +99,10 @@ class CounterClient:
         timeout: seconds to wait for a connection and for an answer.
     """
 
-    __slots__ = ("_host", "_port", "base_url", "timeout")
+    __slots__ = ()
 
     def __init__(self, base_url: str, *, timeout: float = 30.0) -> None:
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname or parts.port is None:
-            raise ValueError(f"base_url must be http://HOST:PORT, not {base_url!r}")
-        self.base_url = base_url
-        self.timeout = timeout
-        self._host = parts.hostname
-        self._port = parts.port
-
-    def __repr__(self) -> str:
-        return f"CounterClient({self.base_url!r})"
+        super().__init__(base_url, connect_timeout=timeout, read_timeout=timeout)
 
     def hit(self, key: str, by: int = 1, *, idempotency_key: str | None = None) -> dict[str, Any]:
         """Add ``by`` to ``key``'s counter (once per ``idempotency_key``, when given).
@@ -149,28 +146,11 @@ class CounterClient:
             raise TypeError(f"a counter change is an integer, not {change!r}")
         return self.hit(key, change, idempotency_key=idempotency_key)
 
-    def _request(
-        self, method: str, path: str, headers: dict[str, str] | None = None
-    ) -> dict[str, Any]:
-        url = self.base_url + path
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
-        try:
-            conn.request(method, path, headers={"Content-Length": "0", **(headers or {})})
-            response = conn.getresponse()
-            body = response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            raise CounterServerError(url, None, detail) from exc
-        finally:
-            conn.close()
-        try:
-            data = json.loads(body)
-        except ValueError:
-            raise CounterServerError(url, response.status, f"not JSON: {body[:80]!r}") from None
-        if response.status != http.HTTPStatus.OK or not isinstance(data, dict):
-            message = data.get("error") if isinstance(data, dict) else data
-            raise CounterServerError(url, response.status, str(message))
-        return data
+    def _unreachable(self, url: str, detail: str) -> Exception:
+        return CounterServerError(url, None, detail)
+
+    def _error_answer(self, url: str, status: int, detail: str) -> Exception:
+        return CounterServerError(url, status, detail)
 
 
 # -- the resource ------------------------------------------------------------------------------
@@ -179,7 +159,7 @@ class CounterClient:
 class CounterServer(LocalServer):
     """The counter server process: a :class:`fsm_runner.supervisor.Resource` and a context manager.
 
-    :meth:`start` spawns ``python -m fsm_runner.presets.counter_server`` and returns once it
+    :meth:`start` spawns ``python tests/servers/counter_server.py`` and returns once it
     listens. The port is the one asked for, or the one the first start picked; later starts keep
     it, so clients handed out earlier stay valid.
 
@@ -232,7 +212,7 @@ class CounterServer(LocalServer):
 
     def command(self) -> list[str]:
         """The command line that starts the server."""
-        argv = [sys.executable, "-m", "fsm_runner.presets.counter_server"]
+        argv = [sys.executable, str(Path(__file__).resolve())]  # a script: from any cwd
         argv += ["--state", str(self.state), "--port", str(self.port or 0)]
         if self.stall_after_hit is not None:
             argv += ["--stall-after-hit", str(self.stall_after_hit)]
@@ -247,7 +227,7 @@ class CounterServer(LocalServer):
         """
         with self._lock:
             self._stop_locked()
-            process = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            process = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
             )
             self._process = process
@@ -320,19 +300,8 @@ class _State:
             return answer, stall
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        """Keep the request log quiet; the state file is what matters."""
-
-    def _answer(self, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self) -> None:
         """``/health``, ``/count[?key=K]``, ``/hits``."""
@@ -340,7 +309,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         query = urllib.parse.parse_qs(parts.query)
         state = self.server.state
         if parts.path == "/health":
-            self._answer(http.HTTPStatus.OK, {"ok": True, "pid": os.getpid()})
+            self._answer_health()
         elif parts.path == "/count":
             with state.lock:
                 if "key" in query:
@@ -354,14 +323,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 payload = {"hits": list(state.hits)}
             self._answer(http.HTTPStatus.OK, payload)
         else:
-            self._answer(http.HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+            self._answer_not_found()
 
     def do_POST(self) -> None:
         """``/hit?key=K&by=N``, with an optional ``Idempotency-Key`` header."""
         parts = urllib.parse.urlsplit(self.path)
         query = urllib.parse.parse_qs(parts.query)
         if parts.path != "/hit":
-            self._answer(http.HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+            self._answer_not_found()
             return
         if not query.get("key", [""])[0]:
             self._answer(http.HTTPStatus.BAD_REQUEST, {"error": "a hit needs a key"})
@@ -379,18 +348,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._answer(http.HTTPStatus.OK, answer)
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
+class _Server(JsonServer):
     def __init__(self, port: int, state: _State) -> None:
         self.state = state
-        super().__init__((HOST, port), _Handler)
+        super().__init__(port, _Handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the counter server until it is killed (0 after Ctrl-C)."""
     parser = argparse.ArgumentParser(
-        prog="python -m fsm_runner.presets.counter_server",
+        prog="python tests/servers/counter_server.py",
         description="A counter server with idempotency keys (127.0.0.1 only).",
     )
     parser.add_argument("--state", type=Path, required=True, help="the state file")
@@ -401,13 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="stall the first counted hit while this marker does not exist (and create it)",
     )
     args = parser.parse_args(argv)
-    with _Server(args.port, _State(args.state, args.stall_after_hit)) as server:
-        print(server.server_address[1], flush=True)
-        try:
-            server.serve_forever(poll_interval=0.1)
-        except KeyboardInterrupt:
-            return 0
-    return 0
+    server = _Server(args.port, _State(args.state, args.stall_after_hit))
+    print(server.server_address[1], flush=True)  # the port: CounterServer.start waits for it
+    return serve(server)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Servers only the tests run: real external systems in subprocesses."""
