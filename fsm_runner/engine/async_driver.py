@@ -125,12 +125,12 @@ class AsyncDriver:
                             ):
                                 value = await value
                         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
-                            held.close_phase(run_id)
+                            core.close_phase(run_id)
                             transition, after = await self._afinish_fast(
                                 run, ctx, started, None, exc
                             )
                         except BaseException as exc:
-                            held.close_phase(run_id)
+                            core.close_phase(run_id)
                             self._interrupted(run, exc)
                             raise
                         else:
@@ -194,7 +194,7 @@ class AsyncDriver:
             core.journal_interruption(run, exc)
             raise
         finally:
-            core.held.close_phase(run.run_id)
+            core.close_phase(run.run_id)
         return await self._asettle(step, outcome)
 
     async def _afinish_fast(

@@ -347,6 +347,12 @@ class StepCore:
         self.held.active[run.run_id] = ctx
         return PhaseStep(run, state, ctx, started)
 
+    def close_phase(self, run_id: str) -> None:
+        """The phase has returned: forget it, and refuse its effects from now on."""
+        ctx = self.held.active.pop(run_id, None)
+        if ctx is not None:
+            ctx.close()
+
     def outcome(self, step: PhaseStep, value: Any, error: BaseException | None) -> PhaseOutcome:
         """What the handler's return ``value`` (or ``error``) came to (the pure decision)."""
         return phase_outcome(

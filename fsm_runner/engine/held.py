@@ -38,9 +38,3 @@ class HeldRuns:
         self.lock = threading.Lock()
         self.active.clear()
         self.aborts.clear()
-
-    def close_phase(self, run_id: str) -> None:
-        """The phase has returned: forget it, and refuse its effects from now on."""
-        ctx = self.active.pop(run_id, None)
-        if ctx is not None:
-            ctx.close()

@@ -168,7 +168,7 @@ class SyncDriver:
             core.journal_interruption(run, exc)
             raise
         finally:
-            core.held.close_phase(run_id)
+            core.close_phase(run_id)
         return self._settle(step, outcome)
 
     def _step_fast(
@@ -195,15 +195,15 @@ class SyncDriver:
         try:
             value = handler(ctx)
         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
-            core.held.close_phase(run_id)
+            core.close_phase(run_id)
             step = PhaseStep(run, state, ctx, started)
             return self._settle(step, core.outcome(step, None, exc))
         except KeyboardInterrupt as exc:
-            core.held.close_phase(run_id)
+            core.close_phase(run_id)
             core.journal_interruption(run, exc)
             raise
         except BaseException:  # SystemExit and the like: not journaled, but the phase is over
-            core.held.close_phase(run_id)
+            core.close_phase(run_id)
             raise
         if type(value) is str and not run.iteration and run.return_to is None:
             dest = core.plain_edges.get((run.state, value), "")
@@ -229,7 +229,7 @@ class SyncDriver:
         except Exception as exc:  # noqa: BLE001 - journaled like any handler failure
             outcome = core.outcome(step, None, exc)
         finally:
-            core.held.close_phase(run_id)
+            core.close_phase(run_id)
         return self._settle(step, outcome)
 
     def _settle(self, step: PhaseStep, outcome: PhaseOutcome) -> tuple[TransitionRecord, RunRecord]:
