@@ -25,6 +25,7 @@ this checkout's figure to the first of them is printed. The workloads use the pu
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import re
@@ -68,6 +69,7 @@ def child_sync(directory: Path, steps: int, *, setup_only: bool) -> None:
         engine = Engine(spec, handlers=handlers, journal=journal, lease_ttl=86400.0)
         run_id = engine.start()
         engine.run(run_id, max_steps=WARM_UP)
+        gc.freeze()  # the setup's objects: not traversed again by the measured steps' collections
         if not setup_only:
             assert engine.run(run_id, max_steps=steps).seq == WARM_UP + steps
         engine.close()
@@ -92,6 +94,7 @@ def child_async(directory: Path, runs: int, steps: int, *, setup_only: bool) -> 
             assert all(run.status.value == "active" for run in done)
 
         asyncio.run(drive(WARM_UP))
+        gc.freeze()
         if not setup_only:
             asyncio.run(drive(steps))
         engine.close()
@@ -179,6 +182,9 @@ def main() -> int:
         default=[],
         help="another interpreter to measure in the same run (the first is the baseline)",
     )
+    parser.add_argument(
+        "--modes", default="sync,async", help="which workloads: sync, async (comma-separated)"
+    )
     parser.add_argument("--child", choices=["sync", "async", "raw"], help=argparse.SUPPRESS)
     parser.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -196,7 +202,7 @@ def main() -> int:
     print(f"  raw sqlite3 commit   {raw:>12,.0f} instructions per row (the baseline)")
     pythons = [sys.executable, *args.python]
     figures: dict[str, list[float]] = {}
-    for mode in ("sync", "async"):
+    for mode in args.modes.split(","):
         figures[mode] = [per_step(python, mode, args) for python in pythons]
     for mode, values in figures.items():
         for python, value in zip(pythons, values, strict=True):
