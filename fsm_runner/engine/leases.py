@@ -107,11 +107,6 @@ class LeaseKeeper:
         self._started: dict[str, tuple[Journal, RunRecord]] = {}
         _fork.register(self)
 
-    @property
-    def lock(self) -> threading.Lock:
-        """The lock of the holds: the held runs' (a new one after a fork)."""
-        return self._runs.lock
-
     def _after_fork(self) -> None:
         """In a forked child: another worker, holding nothing (see ``_fork``).
 
@@ -125,7 +120,7 @@ class LeaseKeeper:
         self._heartbeat, self._stop_heartbeat = None, threading.Event()
 
     def holds(self, run_id: str) -> bool:
-        """Whether this engine holds the run, or is claiming it (read under :attr:`lock`)."""
+        """Whether this engine holds the run, or is claiming it (read under the held runs' lock)."""
         return run_id in self._held
 
     def stop(self) -> None:
@@ -136,7 +131,7 @@ class LeaseKeeper:
             self._heartbeat = None
         self._stop_heartbeat.clear()
         self._claimer = None
-        with self.lock:
+        with self._runs.lock:
             self._started.clear()
 
     # -- claiming ------------------------------------------------------------------------------
@@ -152,7 +147,7 @@ class LeaseKeeper:
         """
         journal = self._core.journal
         loaded = [_as_loaded(run) for run in runs]
-        with self.lock:
+        with self._runs.lock:
             started = self._started
             held = self._held
             holding = False
@@ -169,7 +164,7 @@ class LeaseKeeper:
 
     def _take_fresh(self, run_id: str) -> RunRecord | None:
         """A run this engine started holding and has not driven, as written, now driven; or None."""
-        with self.lock:
+        with self._runs.lock:
             hold = self._held.get(run_id)
             if hold is None or hold.fresh is None or hold.fresh[0] is not self._core.journal:
                 return None
@@ -182,7 +177,7 @@ class LeaseKeeper:
         In one journal call where the journal can (``release_many``), else run by run. Returns
         each run's abort reason as its row holds it (``None``: none, or it could not be read).
         """
-        with self.lock:
+        with self._runs.lock:
             leases = [
                 (run_id, hold.token)
                 for run_id, hold in self._held.items()
@@ -213,7 +208,7 @@ class LeaseKeeper:
 
     def let_go_fresh(self, run_id: str) -> bool:
         """Let go of a run this engine started holding and has not driven; whether it was one."""
-        with self.lock:
+        with self._runs.lock:
             hold = self._held.get(run_id)
             if hold is None or hold.fresh is None:
                 return False
@@ -232,7 +227,7 @@ class LeaseKeeper:
         if held is not None:
             return held
         journal, worker_id, ttl = self._core.journal, self.worker_id, self.lease_ttl
-        with self.lock:
+        with self._runs.lock:
             fresh = self._started.pop(run_id, None)
         if fresh is not None and fresh[0] is journal:
             claimed = self._claim_unchanged(journal, fresh[1])
@@ -283,7 +278,7 @@ class LeaseKeeper:
             return held
         if not grouped:
             return self.claim(run_id)
-        with self.lock:  # claimed with the loop's others, by claim_many (a load each)
+        with self._runs.lock:  # claimed with the loop's others, by claim_many (a load each)
             self._started.pop(run_id, None)
         loop = asyncio.get_running_loop()
         claimer = self._claimer
@@ -328,7 +323,7 @@ class LeaseKeeper:
 
     def reserve(self, run_id: str) -> None:
         """Mark the run as being claimed here: one engine advances a run in one place at a time."""
-        with self.lock:
+        with self._runs.lock:
             if run_id in self._held:
                 raise LeaseHeldError(run_id, owner=self.worker_id, expires_at="its release")
             self._held[run_id] = _RESERVED
@@ -344,7 +339,7 @@ class LeaseKeeper:
 
     def hold(self, claimed: RunRecord) -> None:
         """Remember a lease this engine took, and make sure the heartbeat renews it."""
-        with self.lock:
+        with self._runs.lock:
             self._held[claimed.run_id] = _Hold(claimed.lease_token)
             self._beating()
 
@@ -365,7 +360,7 @@ class LeaseKeeper:
         run cleared its lease (and a lease left on an ended run holds nothing back: no claim
         takes an ended run).
         """
-        with self.lock:
+        with self._runs.lock:
             hold = self._held.pop(run_id, None)
         if hold is None or hold.token is None or ended:
             return
@@ -376,7 +371,7 @@ class LeaseKeeper:
 
     def forget(self, run_id: str) -> None:
         """Stop holding the run without releasing its lease: it is left to expire."""
-        with self.lock:
+        with self._runs.lock:
             self._held.pop(run_id, None)
 
     # -- the heartbeat -------------------------------------------------------------------------
@@ -388,7 +383,7 @@ class LeaseKeeper:
         refused anyway); an abort requested from elsewhere is carried out at the next step.
         """
         while not self._stop_heartbeat.wait(self.heartbeat_interval):
-            with self.lock:
+            with self._runs.lock:
                 held = [
                     (run_id, hold.token)
                     for run_id, hold in self._held.items()

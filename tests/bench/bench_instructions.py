@@ -13,6 +13,8 @@ warm-up steps); the difference divided by the steps taken is the figure per jour
   steps, on a :class:`SqliteJournal` in a temporary directory (durability ``process``).
 * ``async``: ``--runs`` runs of the same loop with async no-op handlers, driven together by
   ``asyncio.gather`` of ``Engine.arun`` (group commit) for ``--async-steps`` steps each.
+* ``short``: ``--short-runs`` runs of a 3-step machine one after another, each
+  ``start(claim=True)`` then ``run``: the per-run fixed cost with its steps (figure per run).
 * ``raw`` (the baseline, measured in the same run): ``sqlite3`` single-row autocommit INSERTs
   into a table of the transitions' shape, WAL + synchronous NORMAL: SQLite's own cost of one
   commit, which every journaled step pays at least once.
@@ -100,6 +102,29 @@ def child_async(directory: Path, runs: int, steps: int, *, setup_only: bool) -> 
         engine.close()
 
 
+def child_short(directory: Path, runs: int, *, setup_only: bool) -> None:
+    """``runs`` short runs one after another: ``start(claim=True)`` then ``run`` (3 steps)."""
+    from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
+
+    def noop(_ctx: object) -> str:
+        return "NEXT"
+
+    spec = MachineSpec(
+        "bench-short",
+        [*(State(n, handler="noop") for n in "abc"), State("done", terminal=True)],
+        [Transition(n, "NEXT", m) for n, m in zip("abc", ["b", "c", "done"], strict=True)],
+    )
+    with SqliteJournal(directory / "short.db") as journal:
+        engine = Engine(spec, handlers={"noop": noop}, journal=journal, lease_ttl=86400.0)
+        for _ in range(WARM_UP):
+            engine.run(engine.start(claim=True))
+        gc.freeze()
+        if not setup_only:
+            for _ in range(runs):
+                assert engine.run(engine.start(claim=True)).seq == 3
+        engine.close()
+
+
 def child_raw(directory: Path, steps: int, *, setup_only: bool) -> None:
     """``steps`` single-row autocommit INSERTs of a transition's shape (SQLite's own cost)."""
     import sqlite3
@@ -127,6 +152,8 @@ def child(args: argparse.Namespace) -> int:
             child_sync(directory, args.steps, setup_only=args.setup_only)
         elif args.child == "async":
             child_async(directory, args.runs, args.async_steps, setup_only=args.setup_only)
+        elif args.child == "short":
+            child_short(directory, args.short_runs, setup_only=args.setup_only)
         else:
             child_raw(directory, args.steps, setup_only=args.setup_only)
     return 0
@@ -148,6 +175,8 @@ def instructions(python: str, mode: str, args: argparse.Namespace, *, setup_only
         str(args.runs),
         "--async-steps",
         str(args.async_steps),
+        "--short-runs",
+        str(args.short_runs),
     ]
     if setup_only:
         command.append("--setup-only")
@@ -165,7 +194,7 @@ def instructions(python: str, mode: str, args: argparse.Namespace, *, setup_only
 
 def per_step(python: str, mode: str, args: argparse.Namespace) -> float:
     """Instructions per measured step: the whole run less its setup, over the steps."""
-    steps = args.runs * args.async_steps if mode == "async" else args.steps
+    steps = {"async": args.runs * args.async_steps, "short": args.short_runs}.get(mode, args.steps)
     whole = instructions(python, mode, args, setup_only=False)
     setup = instructions(python, mode, args, setup_only=True)
     return (whole - setup) / steps
@@ -182,10 +211,15 @@ def main() -> int:
         default=[],
         help="another interpreter to measure in the same run (the first is the baseline)",
     )
+    parser.add_argument("--short-runs", type=int, default=300, help="short runs, one by one")
     parser.add_argument(
-        "--modes", default="sync,async", help="which workloads: sync, async (comma-separated)"
+        "--modes",
+        default="sync,async,short",
+        help="which workloads: sync, async, short (comma-separated)",
     )
-    parser.add_argument("--child", choices=["sync", "async", "raw"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=["sync", "async", "short", "raw"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -205,10 +239,11 @@ def main() -> int:
     for mode in args.modes.split(","):
         figures[mode] = [per_step(python, mode, args) for python in pythons]
     for mode, values in figures.items():
+        unit = "run (start + 3 steps)" if mode == "short" else "step"
         for python, value in zip(pythons, values, strict=True):
             who = "this checkout" if python == sys.executable else python
             print(
-                f"  {mode:<5} {value:>12,.0f} instructions per step  ({value / raw:.2f}x raw)"
+                f"  {mode:<5} {value:>12,.0f} instructions per {unit}  ({value / raw:.2f}x raw)"
                 f"  {who}"
             )
         if len(values) > 1:
