@@ -9,6 +9,9 @@ runs under ``valgrind --tool=callgrind`` twice, in a fresh process: once whole, 
 just before the measured steps (the setup: imports, journal, engine, runs started, a few
 warm-up steps); the difference divided by the steps taken is the figure per journaled step.
 
+The journals run without their checkpoint thread (``checkpoint_thread=False``): it wakes on a
+timer, and under callgrind's slowdown its wake-ups would count in the figures at random.
+
 * ``sync``: one run of a 4-state loop with plain no-op handlers, ``Engine.run`` for ``--steps``
   steps, on a :class:`SqliteJournal` in a temporary directory (durability ``process``).
 * ``async``: ``--runs`` runs of the same loop with async no-op handlers, driven together by
@@ -67,7 +70,7 @@ def child_sync(directory: Path, steps: int, *, setup_only: bool) -> None:
         return "NEXT"
 
     spec, handlers = _spec(noop)
-    with SqliteJournal(directory / "sync.db") as journal:
+    with SqliteJournal(directory / "sync.db", checkpoint_thread=False) as journal:
         engine = Engine(spec, handlers=handlers, journal=journal, lease_ttl=86400.0)
         run_id = engine.start()
         engine.run(run_id, max_steps=WARM_UP)
@@ -87,7 +90,7 @@ def child_async(directory: Path, runs: int, steps: int, *, setup_only: bool) -> 
         return "NEXT"
 
     spec, handlers = _spec(noop)
-    with SqliteJournal(directory / "async.db") as journal:
+    with SqliteJournal(directory / "async.db", checkpoint_thread=False) as journal:
         engine = Engine(spec, handlers=handlers, journal=journal, lease_ttl=86400.0)
         run_ids = [engine.start() for _ in range(runs)]
 
@@ -114,7 +117,7 @@ def child_short(directory: Path, runs: int, *, setup_only: bool) -> None:
         [*(State(n, handler="noop") for n in "abc"), State("done", terminal=True)],
         [Transition(n, "NEXT", m) for n, m in zip("abc", ["b", "c", "done"], strict=True)],
     )
-    with SqliteJournal(directory / "short.db") as journal:
+    with SqliteJournal(directory / "short.db", checkpoint_thread=False) as journal:
         engine = Engine(spec, handlers={"noop": noop}, journal=journal, lease_ttl=86400.0)
         for _ in range(WARM_UP):
             engine.run(engine.start(claim=True))
