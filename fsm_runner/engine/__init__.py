@@ -32,8 +32,6 @@ from fsm_runner.engine.leases import LeaseKeeper
 from fsm_runner.engine.operations import abort_run, fork_run
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.engine.worker import Worker
-from fsm_runner.events import REWOUND, event_name
-from fsm_runner.exceptions import InvalidTransitionError
 from fsm_runner.journal import Journal
 from fsm_runner.machine import Guard
 from fsm_runner.phases import PhaseHandler
@@ -480,15 +478,7 @@ class Engine:
             InvalidTransitionError: ``state`` is not in the spec, is terminal, or the run has
                 never been in it; nothing was written.
         """
-        core = self._core
-        core.rewind_target(core.journal.load(run_id), state)  # refused before the lease
-        return self._sync.commit_once(
-            run_id,
-            REWOUND,
-            "rewind",
-            lambda run: core.rewind_target(run, state),
-            lambda run: {"output": {"rewound_from": run.state}},
-        )
+        return self._sync.rewind(run_id, state)
 
     def fork(
         self, run_id: str, *, at_seq: int | None = None, new_run_id: str | None = None
@@ -505,29 +495,7 @@ class Engine:
             RunTerminalError: the run has ended.
             PayloadError: the output is not JSON the journal stores; nothing changed.
         """
-        try:
-            name = event_name(event)
-        except TypeError:
-            state = self.journal.load(run_id).state
-            raise InvalidTransitionError(
-                run_id=run_id,
-                state=state,
-                event=repr(event),
-                reason=f"not a str or a str enum ({type(event).__name__})",
-            ) from None
-        core = self._core
-        core.check_json(run_id, "output", output)
-        run = core.journal.load(run_id)
-        core.check_runnable(run)
-        # Refused before the lease is taken: a refused event changes nothing at all.
-        core.machine.resolve(run.state, name, run, core.guards, run_id=run_id)
-        return self._sync.commit_once(
-            run_id,
-            name,
-            "transition",
-            lambda run: core.machine.resolve(run.state, name, run, core.guards, run_id=run_id),
-            lambda _run: {"output": output} if output is not None else None,
-        )
+        return self._sync.send(run_id, event, output=output)
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.

@@ -21,8 +21,8 @@ from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.async_driver import with_deadline
 from fsm_runner.engine.core import PLAIN_RETURNS, StepCore
 from fsm_runner.engine.leases import LeaseKeeper, unleased
-from fsm_runner.events import USER_ABORTED
-from fsm_runner.exceptions import RunConflictError
+from fsm_runner.events import REWOUND, USER_ABORTED, event_name
+from fsm_runner.exceptions import InvalidTransitionError, RunConflictError
 from fsm_runner.phases import PhaseContext
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.rules.classify import StepKind
@@ -40,6 +40,8 @@ __all__ = ["SyncDriver"]
 
 class SyncDriver:
     """Steps runs in the calling thread: :meth:`step`, :meth:`run` (and workers' runs).
+
+    Also what is written without a phase from the calling thread: :meth:`send`, :meth:`rewind`.
 
     Args:
         core: the step core it drives runs with.
@@ -125,7 +127,45 @@ class SyncDriver:
             steps += 1
         return run
 
-    def commit_once(
+    def send(self, run_id: str, event: Any, *, output: Any = None) -> RunRecord:
+        """``Engine.send``: journal an external event for the run; no phase runs."""
+        core = self.core
+        try:
+            name = event_name(event)
+        except TypeError:
+            state = core.journal.load(run_id).state
+            raise InvalidTransitionError(
+                run_id=run_id,
+                state=state,
+                event=repr(event),
+                reason=f"not a str or a str enum ({type(event).__name__})",
+            ) from None
+        core.check_json(run_id, "output", output)
+        run = core.journal.load(run_id)
+        core.check_runnable(run)
+        # Refused before the lease is taken: a refused event changes nothing at all.
+        core.machine.resolve(run.state, name, run, core.guards, run_id=run_id)
+        return self._commit_once(
+            run_id,
+            name,
+            "transition",
+            lambda run: core.machine.resolve(run.state, name, run, core.guards, run_id=run_id),
+            lambda _run: {"output": output} if output is not None else None,
+        )
+
+    def rewind(self, run_id: str, state: str) -> RunRecord:
+        """``Engine.rewind``: a ``REWOUND`` transition back to a state the run was in."""
+        core = self.core
+        core.rewind_target(core.journal.load(run_id), state)  # refused before the lease
+        return self._commit_once(
+            run_id,
+            REWOUND,
+            "rewind",
+            lambda run: core.rewind_target(run, state),
+            lambda run: {"output": {"rewound_from": run.state}},
+        )
+
+    def _commit_once(
         self,
         run_id: str,
         event: str,
@@ -133,10 +173,7 @@ class SyncDriver:
         dest: Callable[[RunRecord], str],
         result: Callable[[RunRecord], Mapping[str, Any] | None],
     ) -> RunRecord:
-        """Claim the run, commit one transition decided on the claimed row, and let go of it.
-
-        What ``Engine.send`` and ``Engine.rewind`` write: no phase runs.
-        """
+        """Claim the run, commit one transition decided on the claimed row, and let go of it."""
         core = self.core
         run = self.leases.claim(run_id)
         try:
