@@ -7,12 +7,12 @@ committed state; :meth:`Engine.resume` continues from there, so no completed pha
 
 The package, object by object: :class:`Engine` (this module) is the façade and holds no step
 logic; ``core.py`` (:class:`~.core.StepCore`: the spec, handlers, journal and settings; decide,
-plan, write) is what the two drivers hold, ``sync_driver.py`` (``step``, ``run``) and
-``async_driver.py`` (``astep``, ``arun``, the group committer), siblings each with one fast
-path; ``held.py`` (:class:`~.held.HeldRuns`: the phases running here, the aborts to carry out,
-their lock); ``leases.py`` (:class:`~.leases.LeaseKeeper`: claims, renews, releases);
-``worker.py`` (:class:`~.worker.Worker`: ``work``, ``recover``, aborts of runs held);
-``operations.py`` aborts and forks runs without an engine; ``interruption.py`` names an
+plan, write) is what the two drivers hold, ``sync_driver.py`` (``step``, ``run``; ``send``,
+``rewind``) and ``async_driver.py`` (``astep``, ``arun``, the group committer), siblings each
+with one fast path; ``held.py`` (:class:`~.held.HeldRuns`: the phases running here, the aborts
+to carry out, their lock); ``leases.py`` (:class:`~.leases.LeaseKeeper`: claims, renews,
+releases); ``worker.py`` (:class:`~.worker.Worker`: ``work``, ``recover``, aborts of runs
+held); ``operations.py`` aborts and forks runs without an engine; ``interruption.py`` names an
 interruption. The pure step logic is :mod:`fsm_runner.rules`.
 """
 
