@@ -8,6 +8,8 @@ this is the figure to compare two versions of the step path on a busy machine. E
 runs under ``valgrind --tool=callgrind`` twice, in a fresh process: once whole, and once stopped
 just before the measured steps (the setup: imports, journal, engine, runs started, a few
 warm-up steps); the difference divided by the steps taken is the figure per journaled step.
+A third run takes a fifth of the steps: the whole run less it, over the steps between them, is
+the steady figure (without what the measured part pays once), which the ratio compares.
 
 The journals run without their checkpoint thread (``checkpoint_thread=False``): it wakes on a
 timer, and under callgrind's slowdown its wake-ups would count in the figures at random.
@@ -30,6 +32,7 @@ this checkout's figure to the first of them is printed. The workloads use the pu
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
 import os
 import platform
@@ -162,7 +165,21 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def instructions(python: str, mode: str, args: argparse.Namespace, *, setup_only: bool) -> int:
+def _measured(mode: str, args: argparse.Namespace, part: int) -> tuple[list[str], int]:
+    """The child's options for ``1/part`` of the measured steps, and how many steps that is."""
+    steps, runs, async_steps, short_runs = (
+        args.steps // part,
+        args.runs,
+        args.async_steps // part,
+        args.short_runs // part,
+    )
+    options = ["--steps", str(steps), "--runs", str(runs), "--async-steps", str(async_steps)]
+    options += ["--short-runs", str(short_runs)]
+    taken = {"async": runs * async_steps, "short": short_runs}.get(mode, steps)
+    return options, taken
+
+
+def instructions(python: str, mode: str, options: list[str]) -> int:
     """Instructions callgrind counts for one child process."""
     command = [
         "valgrind",
@@ -172,17 +189,8 @@ def instructions(python: str, mode: str, args: argparse.Namespace, *, setup_only
         str(HERE),
         "--child",
         mode,
-        "--steps",
-        str(args.steps),
-        "--runs",
-        str(args.runs),
-        "--async-steps",
-        str(args.async_steps),
-        "--short-runs",
-        str(args.short_runs),
+        *options,
     ]
-    if setup_only:
-        command.append("--setup-only")
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("PYTHONPATH", None)  # each interpreter imports the fsm_runner it has installed
     with tempfile.TemporaryDirectory() as cwd:
@@ -195,12 +203,22 @@ def instructions(python: str, mode: str, args: argparse.Namespace, *, setup_only
     return int(found.group(1))
 
 
-def per_step(python: str, mode: str, args: argparse.Namespace) -> float:
-    """Instructions per measured step: the whole run less its setup, over the steps."""
-    steps = {"async": args.runs * args.async_steps, "short": args.short_runs}.get(mode, args.steps)
-    whole = instructions(python, mode, args, setup_only=False)
-    setup = instructions(python, mode, args, setup_only=True)
-    return (whole - setup) / steps
+def per_step(python: str, mode: str, args: argparse.Namespace) -> tuple[float, float]:
+    """Instructions per measured step, two ways: less the setup, and less a fifth of the steps.
+
+    The first is the whole run less the setup-only run, over the steps: it includes what the
+    measured part pays once (a lazy import, a cache filled). The second is the whole run less
+    one taking a fifth of the steps, over the difference: steady steps only.
+    """
+    whole_options, whole_steps = _measured(mode, args, 1)
+    fifth_options, fifth_steps = _measured(mode, args, 5)
+    setup_options = [*whole_options, "--setup-only"]
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        whole, fifth, setup = pool.map(
+            lambda options: instructions(python, mode, options),
+            [whole_options, fifth_options, setup_options],
+        )
+    return (whole - setup) / whole_steps, (whole - fifth) / (whole_steps - fifth_steps)
 
 
 def main() -> int:
@@ -224,6 +242,7 @@ def main() -> int:
         "--child", choices=["sync", "async", "short", "raw"], help=argparse.SUPPRESS
     )
     parser.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at once")
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -235,22 +254,25 @@ def main() -> int:
         f"sync: {args.steps} steps of one run; async: {args.runs} runs x {args.async_steps}"
         f" steps, group commit\n"
     )
-    raw = per_step(sys.executable, "raw", args)
-    print(f"  raw sqlite3 commit   {raw:>12,.0f} instructions per row (the baseline)")
+    raw = per_step(sys.executable, "raw", args)[1]
+    print(f"  raw sqlite3 commit   {raw:>12,.0f} instructions per row (the baseline)\n")
+    print("  per step: less the setup | less a fifth of the steps (steady; the ratio's)")
     pythons = [sys.executable, *args.python]
-    figures: dict[str, list[float]] = {}
     for mode in args.modes.split(","):
-        figures[mode] = [per_step(python, mode, args) for python in pythons]
-    for mode, values in figures.items():
+        values = [per_step(python, mode, args) for python in pythons]
         unit = "run (start + 3 steps)" if mode == "short" else "step"
-        for python, value in zip(pythons, values, strict=True):
+        for python, (with_once, steady) in zip(pythons, values, strict=True):
             who = "this checkout" if python == sys.executable else python
             print(
-                f"  {mode:<5} {value:>12,.0f} instructions per {unit}  ({value / raw:.2f}x raw)"
-                f"  {who}"
+                f"  {mode:<5} {with_once:>10,.0f} | {steady:>10,.0f} instructions per {unit}"
+                f"  ({steady / raw:.2f}x raw)  {who}"
             )
         if len(values) > 1:
-            print(f"  {mode:<5} ratio this / {pythons[1]}: {values[0] / values[1]:.4f}")
+            ours, theirs = values[0], values[1]
+            print(
+                f"  {mode:<5} ratio this / {pythons[1]}: {ours[1] / theirs[1]:.4f}"
+                f" (less the setup: {ours[0] / theirs[0]:.4f})\n"
+            )
     return 0
 
 
