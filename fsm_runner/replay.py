@@ -16,13 +16,13 @@ Per transition the walk checks that
   are not evaluated, they need the host app) or the engine's own use of an engine event
   (``RETRIED``, ``INTERRUPTED``, ``USER_ABORTED`` without an exit, ``REWOUND``,
   ``DEAD_LETTERED``, ``SPEC_CHANGED``). Which rule, and what breaks it, the pure classifier
-  says (:func:`fsm_runner.engine.classify.classify`, where the rules are spelled out);
+  says (:func:`fsm_runner.rules.classify.classify`, where the rules are spelled out);
 * the transition's ``attempt`` is the attempt the run was on, and its ``iteration`` the one the
   rules give (entering a ``starts_iteration`` state starts one, unless the entry continues a
   visit: a retry, an interruption, an in-place stop, a return).
 
 Each step rebuilds the row the engine wrote with it, with the engine's own reducer
-(:mod:`fsm_runner.engine.reducer`): state, status, seq, iteration, attempt, context (a phase's
+(:mod:`fsm_runner.rules.reducer`): state, status, seq, iteration, attempt, context (a phase's
 ``result["context"]`` merged in), error (the phase's, or the chosen transition's ``reason``),
 ``updated_at``, visit and return target. What the engine does not derive from the
 transitions — input, ``created_at``, parent, fork origin, lease, a pending abort request — is
@@ -39,14 +39,6 @@ from typing import Any
 import attrs
 
 from fsm_runner._convert import format_utc
-from fsm_runner.engine.classify import (
-    Problem,
-    StepKind,
-    classify,
-    classify_start,
-    output_text,
-)
-from fsm_runner.engine.reducer import advance, begin
 from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -57,6 +49,14 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import Journal
 from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.rules.classify import (
+    Problem,
+    StepKind,
+    classify,
+    classify_start,
+    output_text,
+)
+from fsm_runner.rules.reducer import advance, begin
 from fsm_runner.spec import MachineSpec, RunOutcome, State
 
 __all__ = [

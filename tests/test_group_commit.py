@@ -17,7 +17,9 @@ import attrs
 import pytest
 
 from fsm_runner import Engine, PhaseResult, SqliteJournal
-from fsm_runner._group import GroupClaimer, GroupCommitter
+from fsm_runner.engine import async_driver
+from fsm_runner.engine.async_driver import GroupCommitter
+from fsm_runner.engine.leases import GroupClaimer
 from fsm_runner.exceptions import JournalError, LeaseHeldError, LeaseLostError, RunConflictError
 from fsm_runner.journal.base import Commit
 from fsm_runner.records import IterationRecord, TransitionRecord, utc_now
@@ -237,7 +239,9 @@ class TestEngineGroupCommit:
     """Concurrent async runs on a real file: durable before the next phase, replayable after."""
 
     @pytest.mark.parametrize("max_batch", [7, 4096])
-    def test_no_phase_starts_before_its_transition_is_durable(self, tmp_path, max_batch):
+    def test_no_phase_starts_before_its_transition_is_durable(
+        self, tmp_path, monkeypatch, max_batch
+    ):
         path = tmp_path / "journal.db"
         observer = sqlite3.connect(path, check_same_thread=False)  # sees committed data only
         observer.execute("PRAGMA query_only = 1")
@@ -254,17 +258,22 @@ class TestEngineGroupCommit:
             await asyncio.sleep(0)
             return NEXT
 
+        made = []  # the engine's group committer, with this test's max_batch
+
+        def committer_of(journal, loop):
+            made.append(GroupCommitter(journal, loop, max_batch=max_batch))
+            return made[-1]
+
+        monkeypatch.setattr(async_driver, "GroupCommitter", committer_of)
         with SqliteJournal(path) as journal:
             engine = Engine(loop_spec(), handlers={"noop": phase}, journal=journal)
             run_ids = [engine.start() for _ in range(200)]
 
             async def main():
-                loop = asyncio.get_running_loop()
-                engine._committer = GroupCommitter(journal, loop, max_batch=max_batch)
                 return await asyncio.gather(*(engine.arun(r, max_steps=12) for r in run_ids))
 
             done = asyncio.run(main())
-            committer = engine._committer
+            (committer,) = made
             engine.close()
             assert premature == []
             assert len(entered) == 200 * 12

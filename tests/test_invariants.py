@@ -23,7 +23,7 @@ from fsm_runner import (
     State,
     Transition,
 )
-from fsm_runner.engine import _advance
+from fsm_runner.engine.core import take_now
 from fsm_runner.events import OFF_SPEC_EVENTS
 from fsm_runner.exceptions import (
     LeaseHeldError,
@@ -335,9 +335,9 @@ class TestInvariant4OnlyOneWriterAdvancesARun:
         spec = linear_spec("a", "b")
         run_id = Engine(spec, handlers={"a": noop, "b": noop}, journal=journal).start()
         held = journal.claim(run_id, "worker", ttl=60)  # one holder, one token, two writes
-        journal.commit(*reversed(_advance(spec, held, NEXT, "b", result=None, duration_ms=0)))
+        journal.commit(*reversed(take_now(spec, held, NEXT, "b", result=None, duration_ms=0)))
         with pytest.raises(RunConflictError) as info:  # the same row again: its seq is stale
-            journal.commit(*reversed(_advance(spec, held, NEXT, "b", result=None, duration_ms=0)))
+            journal.commit(*reversed(take_now(spec, held, NEXT, "b", result=None, duration_ms=0)))
         assert info.value.expected_seq == 0
         assert journal.load(run_id).seq == 1
 

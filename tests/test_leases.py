@@ -94,9 +94,10 @@ class TestJournalLeases:
         run_id = engine.start()
         mine = journal.claim(run_id, "w1", ttl=-1)
         journal.claim(run_id, "w2", ttl=60)  # taken over
-        from fsm_runner.engine import _advance
+        from fsm_runner.records import utc_now
+        from fsm_runner.rules.reducer import take
 
-        transition, after = _advance(SPEC, mine, NEXT, "b", result=None, duration_ms=0.0)
+        transition, after = take(SPEC, mine, NEXT, "b", result=None, duration_ms=0.0, at=utc_now())
         assert transition.lease_token == mine.lease_token
         before = journal.transitions(run_id)
         with pytest.raises(LeaseLostError):

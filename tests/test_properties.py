@@ -55,7 +55,6 @@ from fsm_runner import (
     Transition,
 )
 from fsm_runner.engine import fork_run
-from fsm_runner.engine.reducer import advance, begin
 from fsm_runner.exceptions import (
     HandlerResultError,
     PhaseError,
@@ -63,6 +62,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.records import RunRecord
 from fsm_runner.replay import check_journal, journal_specs, replay_run
+from fsm_runner.rules.reducer import advance, begin
 from fsm_runner.testing import FakeClock
 from tests.helpers import snapshot
 from tests.strategies import (

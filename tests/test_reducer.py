@@ -1,4 +1,4 @@
-"""The reducer (fsm_runner.engine.reducer) and its classifier (fsm_runner.engine.classify).
+"""The reducer (fsm_runner.rules.reducer) and its classifier (fsm_runner.rules.classify).
 
 The reducer is pure, and the one place a run row is derived; the classifier, the one place a
 journaled transition is read as a kind. That the engine and replay agree with them on random
@@ -22,14 +22,15 @@ from fsm_runner import (
     State,
 )
 from fsm_runner import Transition as Edge
-from fsm_runner.engine.classify import (
+from fsm_runner.records import ErrorType, IterationRecord, RunRecord, TransitionRecord
+from fsm_runner.rules.classify import (
     Problem,
     abort_stops,
     classify,
     classify_start,
     retries_left,
 )
-from fsm_runner.engine.reducer import (
+from fsm_runner.rules.reducer import (
     abort_records,
     advance,
     advance_plain,
@@ -37,7 +38,6 @@ from fsm_runner.engine.reducer import (
     take,
     writes_iterations,
 )
-from fsm_runner.records import ErrorType, IterationRecord, RunRecord, TransitionRecord
 from tests.helpers import NEXT, iteration_loop_spec, linear_spec
 
 AT = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)

@@ -13,6 +13,7 @@ import datetime as dt
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from fsm_runner import (
     Transition,
 )
 from fsm_runner.engine import abort_run
+from fsm_runner.engine.core import StepCore
+from fsm_runner.engine.leases import LeaseKeeper
+from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.exceptions import LeaseHeldError, PayloadError, RunExistsError
 from fsm_runner.journal.base import Renewal
 from fsm_runner.replay import verify
@@ -67,6 +71,12 @@ class Counting:
 
 def engine_for(journal, **options) -> Engine:
     return Engine(SPEC, handlers={"a": noop, "b": noop, "c": noop}, journal=journal, **options)
+
+
+def parts_for(journal, **lease_options) -> tuple[StepCore, LeaseKeeper]:
+    """An engine's step core and lease keeper, on their own: what this process holds, readable."""
+    core = StepCore(SPEC, handlers={"a": noop, "b": noop, "c": noop}, journal=journal)
+    return core, LeaseKeeper(core, core.held, **lease_options)
 
 
 class TestStartedRunsClaim:
@@ -208,18 +218,18 @@ class TestTheLastCommitEndsTheLease:
         assert all(journal.load(r).lease_owner is None for r in run_ids)
 
     def test_a_heartbeat_after_the_last_commit_reports_no_lost_lease(self, journal, caplog):
-        engine = engine_for(journal)
-        run_id = engine.start()
-        claimed = journal.claim(run_id, engine.worker_id, ttl=60)
-        engine._leases.hold(claimed)
+        run_id = engine_for(journal).start()
+        core, keeper = parts_for(journal, worker_id="w")
+        claimed = journal.claim(run_id, "w", ttl=60)
+        keeper.hold(claimed)
         journal.request_abort(run_id, "stop")
         # the run ends (aborted) by a commit under the lease the heartbeat renews
-        after = engine_for(journal, worker_id=engine.worker_id)._drive(claimed, None)
+        after = SyncDriver(core, keeper, sleep=time.sleep).drive(claimed, None)
         assert after.ended
-        engine._leases._renew(run_id, claimed.lease_token)
+        keeper.renew(run_id, claimed.lease_token)
         assert "taken over" not in caplog.text
-        engine._leases.let_go(run_id, ended=True)
-        engine.close()
+        keeper.let_go(run_id, ended=True)
+        keeper.stop()
 
 
 class TestStartedHolding:
@@ -253,11 +263,23 @@ class TestStartedHolding:
         engine.close()
 
     def test_one_engine_drives_it_in_one_place_at_a_time(self, journal):
-        engine = engine_for(journal)
+        entered, release = threading.Event(), threading.Event()
+
+        def waiting(_ctx):
+            entered.set()
+            release.wait(10)
+            return NEXT
+
+        engine = Engine(SPEC, handlers={"a": waiting, "b": noop, "c": noop}, journal=journal)
         run_id = engine.start(claim=True)
-        engine._leases._take_fresh(run_id)  # as a drive in another thread would, first
+        first = threading.Thread(target=engine.run, args=(run_id,))
+        first.start()  # drives it in another thread, first
+        assert entered.wait(10)
         with pytest.raises(LeaseHeldError):
             engine.run(run_id)
+        release.set()
+        first.join()
+        assert journal.load(run_id).status is RunOutcome.SUCCEEDED
         engine.close()
 
     def test_close_lets_go_of_runs_never_driven(self, journal):
@@ -358,9 +380,9 @@ class TestStartMany:
         assert list(journal.runs()) == []
 
     def test_an_existing_id_refuses_the_whole_batch(self, journal):
-        engine = engine_for(journal)
-        runs = [engine._new_run(n, f"run-{n}", None, None, False) for n in range(3)]
-        engine.journal.create_run(*runs[1][:2], spec_json=SPEC.to_json())
+        core, _ = parts_for(journal)
+        runs = [core.new_run(n, f"run-{n}", None, None, None) for n in range(3)]
+        journal.create_run(*runs[1][:2], spec_json=SPEC.to_json())
         with pytest.raises(RunExistsError) as raised:
             journal.create_runs(runs, spec_json=SPEC.to_json())
         assert raised.value.run_id == "run-1"
@@ -369,9 +391,9 @@ class TestStartMany:
     def test_runs_under_two_specs_are_refused(self, journal):
         other = linear_spec("x", name="other")
         batch = [
-            engine_for(journal)._new_run(None, None, None, None, False),
-            Engine(other, handlers={"x": noop}, journal=journal)._new_run(
-                None, None, None, None, False
+            parts_for(journal)[0].new_run(None, None, None, None, None),
+            StepCore(other, handlers={"x": noop}, journal=journal).new_run(
+                None, None, None, None, None
             ),
         ]
         with pytest.raises(ValueError, match="one spec"):
@@ -436,16 +458,30 @@ class TestRenewMany:
         engine = engine_for(counting, heartbeat_interval=0.02)
         run_ids = engine.start_many([None] * 3, claim=True)
         journal.request_abort(run_ids[0], "from elsewhere")
+        # two beats more: at least one began after the request
+        after = counting.calls.count("renew_many") + 2
         deadline = time.monotonic() + 10
-        while run_ids[0] not in engine._aborts and time.monotonic() < deadline:
+        while counting.calls.count("renew_many") < after and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert engine._aborts == {run_ids[0]: "from elsewhere"}  # passed on by a heartbeat
         beats = [call for call in counting.calls if call != "create_runs"]
         assert beats
         assert set(beats) == {"renew_many"}  # no renew or load run by run
         engine.close()  # carries the abort out: the run was never driven
         assert journal.load(run_ids[0]).status is RunOutcome.ABORTED
         assert journal.load(run_ids[1]).lease_owner is None
+
+    def test_the_heartbeat_passes_on_an_abort_requested_elsewhere(self, journal):
+        run_ids = engine_for(journal).start_many([None] * 3)
+        core, keeper = parts_for(Counting(journal), worker_id="w", heartbeat_interval=0.02)
+        for run_id in run_ids:
+            keeper.hold(journal.claim(run_id, "w", ttl=60))
+        journal.request_abort(run_ids[0], "from elsewhere")
+        deadline = time.monotonic() + 10
+        while run_ids[0] not in core.held.aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        keeper.stop()
+        assert core.held.aborts == {run_ids[0]: "from elsewhere"}  # for its next step here
+        assert set(core.journal.calls) == {"renew_many"}  # no renew or load run by run
 
 
 class TestReleaseMany:

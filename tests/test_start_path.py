@@ -11,12 +11,12 @@ import attrs
 import pytest
 
 from fsm_runner import Engine, MemoryJournal, SqliteJournal
-from fsm_runner.engine import _random_ids
-from fsm_runner.engine.reducer import begin
+from fsm_runner.engine.core import StepCore, random_ids
 from fsm_runner.exceptions import JournalError, RunExistsError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sqlite_writes import _INSERT_TRANSITION, _insert_rows
 from fsm_runner.records import RunOutcome, TransitionRecord, format_utc
+from fsm_runner.rules.reducer import begin
 from tests.helpers import NEXT, linear_spec
 
 UTC = dt.timezone.utc
@@ -27,8 +27,18 @@ def noop(_ctx):
     return NEXT
 
 
+HANDLERS = {"a": noop, "b": noop, "c": noop}
+#: The lease a run is started holding (``start(claim=True)``): its worker and duration.
+LEASE = ("w", dt.timedelta(seconds=30))
+
+
 def _engine(journal):
-    return Engine(SPEC, handlers={"a": noop, "b": noop, "c": noop}, journal=journal)
+    return Engine(SPEC, handlers=HANDLERS, journal=journal)
+
+
+def _core(journal):
+    """The engine's step core, on its own: it plans new runs without writing them."""
+    return StepCore(SPEC, handlers=HANDLERS, journal=journal)
 
 
 def _keys(path):
@@ -75,35 +85,32 @@ class TestCreateRuns:
 
     def test_the_runs_and_their_first_transitions_read_back_as_written(self, tmp_path):
         with SqliteJournal(tmp_path / "j.db") as journal:
-            engine = _engine(journal)
+            core = _core(journal)
             batch = [
-                engine._new_run(None, None, None, None, False),
-                engine._new_run({"n": 1}, "given", {"k": "v"}, "parent", True),
-                engine._new_run("x", None, None, None, True),
-                engine._new_run(None, None, None, "parent", False),
+                core.new_run(None, None, None, None, None),
+                core.new_run({"n": 1}, "given", {"k": "v"}, "parent", LEASE),
+                core.new_run("x", None, None, None, LEASE),
+                core.new_run(None, None, None, "parent", None),
             ]
             journal.create_runs(batch, spec_json=SPEC.to_json())
             for run, first, _ in batch:
                 assert journal.load(run.run_id) == run
                 assert journal.transitions(run.run_id) == [first]
-            engine.close()
 
     @pytest.mark.parametrize("at", [0, 2, 4])
     def test_an_existing_id_is_named_wherever_it_is_in_the_batch(self, tmp_path, at):
         with SqliteJournal(tmp_path / "j.db") as journal:
-            engine = _engine(journal)
-            batch = [engine._new_run(n, f"run-{n}", None, None, False) for n in range(5)]
+            batch = [_core(journal).new_run(n, f"run-{n}", None, None, None) for n in range(5)]
             journal.create_run(*batch[at][:2], spec_json=SPEC.to_json())
             with pytest.raises(RunExistsError) as raised:
                 journal.create_runs(batch, spec_json=SPEC.to_json())
             assert raised.value.run_id == f"run-{at}"
             assert [run.run_id for run in journal.runs()] == [f"run-{at}"]
-            engine.close()
 
     def test_an_id_twice_in_the_batch_is_named_and_nothing_is_stored(self, tmp_path):
         with SqliteJournal(tmp_path / "j.db") as journal:
             engine = _engine(journal)
-            batch = [engine._new_run(n, f"run-{n % 3}", None, None, False) for n in range(5)]
+            batch = [_core(journal).new_run(n, f"run-{n % 3}", None, None, None) for n in range(5)]
             with pytest.raises(RunExistsError) as raised:
                 journal.create_runs(batch, spec_json=SPEC.to_json())
             assert raised.value.run_id == "run-0"
@@ -135,7 +142,7 @@ class TestRunParams:
 
     def _run(self, **changes):
         now = dt.datetime(2026, 11, 24, 23, 0, 1, 123456, tzinfo=UTC)
-        run = _engine(MemoryJournal())._new_run({"n": 1}, None, {"k": 1}, None, True)[0]
+        run = _core(MemoryJournal()).new_run({"n": 1}, None, {"k": 1}, None, LEASE)[0]
         return attrs.evolve(run, **{"created_at": now, "updated_at": now, **changes})
 
     @pytest.mark.parametrize(
@@ -192,7 +199,7 @@ class TestNewRuns:
     """The engine's side of a start: ids, the first row, the lease keeper told once a batch."""
 
     def test_run_ids_are_uuid4_hex(self):
-        ids = _random_ids(500)
+        ids = random_ids(500)
         assert len(set(ids)) == 500
         for run_id in ids:
             parsed = uuid.UUID(hex=run_id)
@@ -202,8 +209,9 @@ class TestNewRuns:
     @pytest.mark.parametrize("claim", [False, True])
     @pytest.mark.parametrize("context", [None, {"k": [1]}])
     def test_a_new_runs_row_is_what_begin_derives_from_its_fields(self, claim, context):
-        engine = _engine(MemoryJournal())
-        run, first, _ = engine._new_run({"n": 1}, "r", context, "parent", claim)
+        run, first, _ = _core(MemoryJournal()).new_run(
+            {"n": 1}, "r", context, "parent", LEASE if claim else None
+        )
         given = attrs.evolve(run, state="elsewhere", seq=7, context={}, updated_at=None)
         assert begin(SPEC, given, first) == run
         assert run.lease_token == (1 if claim else 0)
@@ -211,7 +219,6 @@ class TestNewRuns:
         assert first == TransitionRecord(
             "r", 0, None, "STARTED", "a", 0, 1, run.created_at, 0.0, first.result, 0
         )
-        engine.close()
 
     @pytest.mark.parametrize("claim", [False, True])
     def test_start_many_tells_the_lease_keeper_and_every_listener(self, claim):
@@ -224,6 +231,7 @@ class TestNewRuns:
         )
         run_ids = engine.start_many(range(3), claim=claim)
         assert heard == [(0, run_id) for run_id in run_ids]
-        assert sorted(engine._leases.undriven()) == (sorted(run_ids) if claim else [])
+        held = [engine.journal.load(run_id).lease_owner for run_id in run_ids]
+        assert held == [engine.worker_id if claim else None] * 3
         assert [engine.run(run_id).seq for run_id in run_ids] == [3, 3, 3]
         engine.close()

@@ -16,11 +16,11 @@ import attrs
 import pytest
 
 from fsm_runner import Engine, SqliteJournal
-from fsm_runner.engine.reducer import advance_plain, take
 from fsm_runner.exceptions import LeaseLostError
 from fsm_runner.journal.base import Commit
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.replay import check_journal
+from fsm_runner.rules.reducer import advance_plain, take
 from fsm_runner.spec import RunOutcome
 from tests.helpers import NEXT, linear_spec
 

@@ -1,7 +1,7 @@
 """The step path of async runs (issue 20): what its shortcuts must give exactly as before.
 
-``arun`` writes the plain step out and ``_plan_plain`` reads one table of the states a plain
-step may enter (``_plain_outcomes``); SQLite's group commit binds no ``None`` (a transition
+``arun`` writes the plain step out and the step core's ``plan_plain`` reads one table of the
+states a plain step may enter (``StepCore.plain_outcomes``); SQLite's group commit binds no ``None`` (a transition
 without a result binds 0, which ``NULLIF`` stores as NULL; the NULLs of the UPDATE are in its
 SQL) and builds the UPDATE of a run's end at once. Each is checked against the general path.
 """
@@ -24,8 +24,11 @@ from fsm_runner import (
     State,
     Transition,
 )
-from fsm_runner.engine.reducer import advance_plain
+from fsm_runner.engine import async_driver
+from fsm_runner.engine.async_driver import GroupCommitter
+from fsm_runner.engine.core import StepCore
 from fsm_runner.journal.base import Commit
+from fsm_runner.rules.reducer import advance_plain
 from fsm_runner.spec import RunOutcome
 from tests.helpers import NEXT, iteration_loop_spec, linear_spec
 
@@ -110,7 +113,7 @@ def what_was_journaled(journal, run_id):
 
 
 class TestPlainOutcomes:
-    """``_plain_outcomes`` holds exactly the states a plain step may enter, with their status."""
+    """``plain_outcomes`` holds exactly the states a plain step may enter, with their status."""
 
     @pytest.mark.parametrize(
         ("spec", "handlers"),
@@ -123,32 +126,29 @@ class TestPlainOutcomes:
     )
     def test_it_is_what_each_state_says(self, tmp_path, spec, handlers):
         with SqliteJournal(tmp_path / "j.db") as journal:
-            engine = Engine(spec, handlers=handlers, journal=journal, guards=GUARDS)
+            core = StepCore(spec, handlers=handlers, journal=journal, guards=GUARDS)
             expected = {
                 name: state.final_outcome
-                for name, state in engine._states.items()
+                for name, state in core.states.items()
                 if not state.starts_iteration and name not in spec.returning_states
             }
-            assert engine._plain_outcomes == expected
-            engine.close()
+            assert core.plain_outcomes == expected
 
     def test_a_state_that_starts_iterations_or_returns_is_not_in_it(self, tmp_path):
         with SqliteJournal(tmp_path / "j.db") as journal:
-            loop = Engine(
+            loop = StepCore(
                 iteration_loop_spec(),
                 handlers=loop_handlers(asynchronous=False),
                 journal=journal,
                 guards=GUARDS,
             )
-            assert "building" not in loop._plain_outcomes
-            assert loop._plain_outcomes["succeeded"] is RunOutcome.SUCCEEDED
-            returning = Engine(
+            assert "building" not in loop.plain_outcomes
+            assert loop.plain_outcomes["succeeded"] is RunOutcome.SUCCEEDED
+            returning = StepCore(
                 returning_spec(), handlers=returning_handlers(asynchronous=False), journal=journal
             )
-            assert "fixing" not in returning._plain_outcomes
-            assert returning._plain_outcomes["b"] is RunOutcome.ACTIVE
-            loop.close()
-            returning.close()
+            assert "fixing" not in returning.plain_outcomes
+            assert returning.plain_outcomes["b"] is RunOutcome.ACTIVE
 
 
 class TestArunJournalsWhatRunDoes:
@@ -192,9 +192,17 @@ class TestArunJournalsWhatRunDoes:
 
         assert drive(tmp_path / "async.db", True) == drive(tmp_path / "sync.db", False)
 
-    def test_the_plain_steps_are_group_committed(self, tmp_path):
+    def test_the_plain_steps_are_group_committed(self, tmp_path, monkeypatch):
         async def anext_(_ctx):
             return NEXT
+
+        made = []  # the group committers the engine makes (one per event loop)
+
+        def committer(journal, loop):
+            made.append(GroupCommitter(journal, loop))
+            return made[-1]
+
+        monkeypatch.setattr(async_driver, "GroupCommitter", committer)
 
         with SqliteJournal(tmp_path / "j.db") as journal:
             spec = linear_spec("a", "b", "c")
@@ -206,9 +214,9 @@ class TestArunJournalsWhatRunDoes:
 
             runs = asyncio.run(main())
             assert {(run.state, run.seq, run.lease_owner) for run in runs} == {("done", 3, None)}
-            assert engine._committer is not None
-            assert engine._committer.commits == 15
-            assert engine._committer.transactions == 3  # each turn's steps in one transaction
+            assert len(made) == 1
+            assert made[0].commits == 15
+            assert made[0].transactions == 3  # each turn's steps in one transaction
             engine.close()
 
 

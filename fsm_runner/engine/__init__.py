@@ -5,50 +5,42 @@ machine where the handler's event leads (guards read the run), and commits the t
 the new run row in one journal transaction. A crash anywhere leaves the run at its last
 committed state; :meth:`Engine.resume` continues from there, so no completed phase runs again.
 
-The package, along its seams: :class:`Engine` (this module) is the façade; the sync and async
-drivers (``sync_driver.py``, ``async_driver.py``) step runs, each with one fast path;
-``commits.py`` plans and commits a step's transition (the group committer too);
-``leases.py`` claims, holds and lets go of runs (the heartbeat, ``work``, ``recover``);
-``reducer.py`` and ``decisions.py`` are pure; ``operations.py`` aborts and forks runs
-without an engine; ``deadlines.py`` and ``interruption.py`` are small helpers of the drivers.
+The package, object by object: :class:`Engine` (this module) is the façade and holds no step
+logic; ``core.py`` (:class:`~.core.StepCore`: the spec, handlers, journal and settings; decide,
+plan, write) is what the two drivers hold, ``sync_driver.py`` (``step``, ``run``; ``send``,
+``rewind``) and ``async_driver.py`` (``astep``, ``arun``, the group committer), siblings each
+with one fast path; ``held.py`` (:class:`~.held.HeldRuns`: the phases running here, the aborts
+to carry out, their lock); ``leases.py`` (:class:`~.leases.LeaseKeeper`: claims, renews,
+releases); ``worker.py`` (:class:`~.worker.Worker`: ``work``, ``recover``, aborts of runs
+held); ``operations.py`` aborts and forks runs without an engine; ``interruption.py`` names an
+interruption. The pure step logic is :mod:`fsm_runner.rules`.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import logging
-import os
 import threading
 import time
-import types
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
-from fsm_runner._json import storable_text
 from fsm_runner.engine.async_driver import AsyncDriver
-from fsm_runner.engine.commits import Listener, take_now
+from fsm_runner.engine.core import Listener, StepCore, random_ids
+from fsm_runner.engine.held import HeldRuns
 from fsm_runner.engine.interruption import interrupt_on_sigterm
-from fsm_runner.engine.leases import LeaseKeeper, new_worker_id
+from fsm_runner.engine.leases import LeaseKeeper
 from fsm_runner.engine.operations import abort_run, fork_run
-from fsm_runner.engine.reducer import begin_fields
 from fsm_runner.engine.sync_driver import SyncDriver
-from fsm_runner.events import REWOUND, STARTED, event_name
-from fsm_runner.exceptions import FsmRunnerError, InvalidTransitionError, SpecError
-from fsm_runner.journal import Journal, SqliteJournal
-from fsm_runner.machine import Guard, compile_spec
-from fsm_runner.phases import PhaseContext, PhaseHandler, split_handler
-from fsm_runner.records import (
-    IterationRecord,
-    RunRecord,
-    TransitionRecord,
-    positional_builder,
-    utc_now,
-)
+from fsm_runner.engine.worker import Worker
+from fsm_runner.journal import Journal
+from fsm_runner.machine import Guard
+from fsm_runner.phases import PhaseHandler
+from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
 
-_log = logging.getLogger("fsm_runner.engine")
+_T = TypeVar("_T")
 
 
 async def _asyncio_sleep(delay: float) -> None:
@@ -58,27 +50,31 @@ async def _asyncio_sleep(delay: float) -> None:
     await asyncio.sleep(delay)
 
 
-#: A transition record from every field, in order (see positional_builder).
-_new_transition = positional_builder(TransitionRecord)
-#: uuid4's bits: the version (4) and the variant (RFC 4122), as ``uuid.UUID`` sets them.
-_UUID4_KEEP = ~(0xF000 << 64) & ~(0xC000 << 48)
-_UUID4_SET = (4 << 76) | (0x8000 << 48)
+class _Setting(Generic[_T]):
+    """An attribute of the engine that is one of its parts': read and set there, at once."""
+
+    def __init__(self, part: str) -> None:
+        self._part = part
+        self._name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> _Setting[_T]: ...
+    @overload
+    def __get__(self, engine: Engine, owner: type) -> _T: ...
+    def __get__(self, engine: Engine | None, owner: type) -> _T | _Setting[_T]:
+        if engine is None:
+            return self
+        value: _T = getattr(getattr(engine, self._part), self._name)
+        return value
+
+    def __set__(self, engine: Engine, value: _T) -> None:
+        setattr(getattr(engine, self._part), self._name, value)
 
 
-def _random_ids(count: int) -> list[str]:
-    """``count`` new run ids, each what ``uuid.uuid4().hex`` gives, from one ``os.urandom``."""
-    data = os.urandom(16 * count)
-    return [
-        f"{int.from_bytes(data[at : at + 16], 'big') & _UUID4_KEEP | _UUID4_SET:032x}"
-        for at in range(0, 16 * count, 16)
-    ]
-
-
-#: The reducer's ``take`` at the time it is now, under the name tests import it by.
-_advance = take_now
-
-
-class Engine(SyncDriver, AsyncDriver):
+class Engine:
     """Runs machines durably: start runs, step them, run them to the end, resume, abort.
 
     Args:
@@ -114,6 +110,11 @@ class Engine(SyncDriver, AsyncDriver):
             phases ended in the same turn of the event loop in one journal transaction; each
             run still waits for its own transition to be durable before its next phase.
 
+    The engine is a façade over objects that each own their state: the step core (the spec,
+    handlers, journal and how a step is written), the sync and the async driver holding it,
+    the held runs, the lease keeper and the worker (see the module). Its settings are theirs:
+    reading or setting one (``engine.journal = ...``) reads or sets the part's, at once.
+
     Raises:
         SpecError: the spec is invalid, or names handlers or guards that are not given.
     """
@@ -141,55 +142,53 @@ class Engine(SyncDriver, AsyncDriver):
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be positive, not {lease_ttl!r}")
-        self.spec = spec
-        self.handlers = dict(handlers)
-        self.guards = dict(guards or {})
-        spec.validate(handlers=self.handlers, guards=self.guards)
-        try:
-            self._handlers = {name: split_handler(h) for name, h in self.handlers.items()}
-        except TypeError as exc:
-            raise SpecError([str(exc)], machine=spec.name) from None
-        self._machine = compile_spec(spec)
-        # No journal given: the engine's own, at ./fsm-runner.db, which close() closes.
+        held = HeldRuns()
+        # No journal given: the core opens the engine's own, at ./fsm-runner.db, which
+        # close() closes.
+        core = StepCore(
+            spec,
+            handlers=handlers,
+            journal=journal,
+            held=held,
+            guards=guards,
+            services=services,
+            listeners=listeners,
+            clock=clock,
+            allow_spec_change=allow_spec_change,
+            max_recoveries=max_recoveries,
+            max_payload_bytes=max_payload_bytes,
+        )
         self._owns_journal = journal is None
-        self.journal: Journal = journal if journal is not None else SqliteJournal()
-        self.services: Mapping[str, Any] = types.MappingProxyType(dict(services or {}))
-        self.listeners = list(listeners)
-        self.clock = clock
-        self.sleep = sleep
-        self.async_sleep = async_sleep
-        self.allow_spec_change = allow_spec_change
-        self._spec_json = spec.to_json()
-        self._initial = spec.state(spec.initial_leaf)
-        self._active: dict[str, PhaseContext] = {}  # runs whose phase runs in this process
-        self._by_state = {
-            state.name: self._handlers[state.handler] for state in spec.leaves if state.handler
-        }
-        self._states = {state.name: state for state in spec.leaves}
-        # States whose handler is a plain callable with no validate() and no timeout: their
-        # step takes the inlined hot path (_step_fast in sync runs, arun's loop in async ones).
-        self._fast = {
-            name: run_fn
-            for name, (run_fn, validate_fn) in self._by_state.items()
-            if validate_fn is None and self._states[name].timeout is None
-        }
-        self._plain_edges = self._machine.plain_edges
-        self._returning = spec.returning_states
-        self._logger_names = {
-            state.name: f"fsm_runner.phase.{spec.name}.{state.name}" for state in spec.leaves
-        }
-        self._aborts: dict[str, str] = {}
-        self._loop = None
-        self.worker_id = worker_id or new_worker_id()
-        self.lease_ttl = lease_ttl
-        self.heartbeat_interval = heartbeat_interval or lease_ttl / 3
-        self.max_recoveries = max_recoveries
-        self.max_payload_bytes = max_payload_bytes
-        self.group_commit = group_commit
-        self._committer = None
-        self._leases = LeaseKeeper(self, own_worker_id=worker_id is None)
-        # One lock for the leases held and for what the heartbeat shares with the steps.
-        self._lock = self._leases.lock
+        self._core = core
+        self._leases = LeaseKeeper(
+            core,
+            held,
+            worker_id=worker_id,
+            lease_ttl=lease_ttl,
+            heartbeat_interval=heartbeat_interval,
+        )
+        self._sync = SyncDriver(core, self._leases, sleep=sleep)
+        self._async = AsyncDriver(
+            core, self._leases, async_sleep=async_sleep, group_commit=group_commit
+        )
+        self._worker = Worker(core, self._leases, self._sync)
+
+    spec = _Setting[MachineSpec]("_core")
+    handlers = _Setting[dict[str, PhaseHandler]]("_core")
+    guards = _Setting[dict[str, Guard]]("_core")
+    journal = _Setting[Journal]("_core")
+    services = _Setting[Mapping[str, Any]]("_core")
+    listeners = _Setting[list[Listener]]("_core")
+    clock = _Setting[Callable[[], float]]("_core")
+    allow_spec_change = _Setting[bool]("_core")
+    max_recoveries = _Setting[int]("_core")
+    max_payload_bytes = _Setting[int]("_core")
+    sleep = _Setting[Callable[[float], None]]("_sync")
+    async_sleep = _Setting[Callable[[float], Awaitable[None]]]("_async")
+    group_commit = _Setting[bool]("_async")
+    worker_id = _Setting[str]("_leases")
+    lease_ttl = _Setting[float]("_leases")
+    heartbeat_interval = _Setting[float]("_leases")
 
     def __repr__(self) -> str:
         """``Engine('spec-name', journal=SqliteJournal('/abs/fsm-runner.db', ...))``.
@@ -223,31 +222,17 @@ class Engine(SyncDriver, AsyncDriver):
     def close(self) -> None:
         """Stop the heartbeat and close the event loop of async handlers in sync runs.
 
-        A journal passed to the engine is the host's to close; the default one the engine
-        opened itself (no ``journal`` given) is closed here, after everything else.
+        Runs started holding (``start(claim=True)``) and never driven are let go of (an abort
+        requested meanwhile is carried out here). A journal passed to the engine is the host's
+        to close; the default one the engine opened itself (no ``journal`` given) is closed
+        here, after everything else.
         """
-        self._let_go_undriven()
+        self._worker.let_go_undriven()
         self._leases.stop()
-        self._committer = None
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        self._async.close()
+        self._sync.close()
         if self._owns_journal:
             self.journal.close()
-
-    def _let_go_undriven(self) -> None:
-        """Let go of the runs started holding and never driven; carry out aborts asked of them."""
-        # One release for all of them where the journal can, which reads whether an abort was
-        # asked from elsewhere since the last heartbeat.
-        for run_id, stored in self._leases.let_go_undriven().items():
-            with self._lock:
-                reason = self._aborts.pop(run_id, None) or stored
-            if reason is None:
-                continue
-            try:
-                self.abort(run_id, reason)
-            except FsmRunnerError as exc:  # a request stays journaled for the next holder
-                _log.warning("run %s: could not carry out its abort: %s", run_id, exc)
 
     def __enter__(self) -> Engine:
         return self
@@ -283,7 +268,7 @@ class Engine(SyncDriver, AsyncDriver):
         Returns:
             How many runs this worker took.
         """
-        return self._leases.work(
+        return self._worker.work(
             max_runs=max_runs,
             stop=stop or threading.Event(),
             idle_wait=idle_wait,
@@ -305,7 +290,7 @@ class Engine(SyncDriver, AsyncDriver):
         Returns:
             The recovered runs as they ended up (parked ones included).
         """
-        return self._leases.recover(limit=limit)
+        return self._worker.recover(limit=limit)
 
     def start(
         self,
@@ -341,9 +326,11 @@ class Engine(SyncDriver, AsyncDriver):
                 was written.
             JournalError: the journal failed; nothing was written.
         """
-        run, first, opened = self._new_run(input, run_id, context, parent_run_id, claim)
-        self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
-        self._started(run, first)
+        core = self._core
+        run, first, opened = core.new_run(input, run_id, context, parent_run_id, self._lease(claim))
+        core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
+        self._leases.started([run])
+        core.notify(first, run)
         return run.run_id
 
     def start_many(
@@ -373,74 +360,77 @@ class Engine(SyncDriver, AsyncDriver):
             JournalError: the journal failed; nothing was written.
         """
         inputs = list(inputs)
-        ttl = dt.timedelta(seconds=self.lease_ttl)
+        core = self._core
+        lease = self._lease(claim)
         batch = [
-            self._new_run(given, run_id, None, parent_run_id, claim, ttl=ttl)
-            for given, run_id in zip(inputs, _random_ids(len(inputs)), strict=True)
+            core.new_run(given, run_id, None, parent_run_id, lease)
+            for given, run_id in zip(inputs, random_ids(len(inputs)), strict=True)
         ]
-        create_runs = getattr(self.journal, "create_runs", None)
+        create_runs = getattr(core.journal, "create_runs", None)
         if create_runs is not None:
-            create_runs(batch, spec_json=self._spec_json)
+            create_runs(batch, spec_json=core.spec_json)
         else:
             for run, first, opened in batch:
-                self.journal.create_run(run, first, spec_json=self._spec_json, iterations=opened)
-        self._leases.started_many([run for run, _, _ in batch])
-        if self.listeners:
+                core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
+        self._leases.started([run for run, _, _ in batch])
+        if core.listeners:
             for run, first, _ in batch:
-                self._notify(first, run)
+                core.notify(first, run)
         return [run.run_id for run, _, _ in batch]
 
-    def _new_run(
-        self,
-        input: Any,  # noqa: A002 - as in start()
-        run_id: str | None,
-        context: Mapping[str, Any] | None,
-        parent_run_id: str | None,
-        claim: bool,
-        *,
-        ttl: dt.timedelta | None = None,
-    ) -> tuple[RunRecord, TransitionRecord, list[IterationRecord]]:
-        """A new run's row, its transition seq 0 and its opened iteration, checked for storage.
+    def _lease(self, claim: bool) -> tuple[str, dt.timedelta] | None:
+        """The lease a run is started holding: this engine's, or none."""
+        if not claim:
+            return None
+        return self._leases.worker_id, dt.timedelta(seconds=self._leases.lease_ttl)
 
-        ``ttl``: ``lease_ttl`` as a timedelta, made once for a batch.
+    def step(self, run_id: str) -> TransitionRecord | None:
+        """Run the current state's phase once and journal where it led.
+
+        Returns:
+            The committed transition, or ``None`` when the state has no handler (it waits for
+            :meth:`send`).
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has ended.
+            SpecMismatchError: the run started under another spec (see ``allow_spec_change``).
+            InvalidTransitionError: the handler's event is not allowed in the state; nothing
+                was written and the phase runs again on resume.
+            PhaseError: the phase failed and the spec has no transition for that failure.
+            RunConflictError: another writer advanced the run while the phase ran.
         """
-        initial = self._initial
-        run_id = run_id or _random_ids(1)[0]
-        if not run_id.isascii():  # SQL journals store it as text: UTF-8 must hold it
-            self._check_json(storable_text(run_id), "run id", run_id)
-        now = utc_now()
-        iteration = 1 if initial.starts_iteration else 0
-        # the journal alone reproduces the run row (invariant 8), initial context included
-        seeded = {"context": dict(context)} if context else None
-        first = _new_transition(
-            run_id, 0, None, STARTED, initial.name, iteration, 1, now, 0.0, seeded, 0
-        )
-        # What the transition does not say; the reducer derives the rest from seq 0.
-        if claim and not initial.terminal:  # as a claim would leave it: its first token
-            expires = now + (ttl or dt.timedelta(seconds=self.lease_ttl))
-            owner, token = self.worker_id, 1
-        else:
-            owner, expires, token = None, None, 0
-        spec = self.spec
-        run = begin_fields(
-            spec, first, run_id, spec.name, spec.spec_hash, input, now, parent_run_id,
-            owner, expires, token,
-        )  # fmt: skip
-        self._check_json(run_id, "input", input)
-        if run.context:
-            self._check_json(run_id, "context", run.context)
-        opened = (
-            [IterationRecord(run_id, 1, state=initial.name, started_at=now)] if iteration else []
-        )
-        return run, first, opened
+        return self._sync.step(run_id)
 
-    def _started(self, run: RunRecord, first: TransitionRecord) -> None:
-        """Tell the lease keeper and the listeners about a run just stored."""
-        if run.lease_owner is not None:
-            self._leases.started_holding(run)
-        else:
-            self._leases.started(run)
-        self._notify(first, run)
+    def run(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+        """Step the run until it ends, waits for an event, or ``max_steps`` steps were taken.
+
+        The engine holds the run's lease meanwhile (renewed by a heartbeat) and releases it
+        when it returns, whatever the reason.
+
+        Returns:
+            The run as it stands at the end.
+
+        Raises:
+            LeaseHeldError: another worker holds the run's live lease; nothing was written.
+            LeaseLostError: the lease expired and was taken over while a phase ran; this engine
+                wrote nothing after that.
+            The errors of :meth:`step`; when another writer ended the run meanwhile (an abort
+            from another process), the ended run is returned instead.
+        """
+        return self._sync.run(run_id, max_steps=max_steps)
+
+    async def astep(self, run_id: str) -> TransitionRecord | None:
+        """Async :meth:`step`: async handlers are awaited (and cancelled at their deadline)."""
+        return await self._async.astep(run_id)
+
+    async def arun(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
+        """Async :meth:`run`: runs on one event loop share it (and their commits' transactions).
+
+        With ``group_commit``, the transitions of all runs whose phases ended in the same turn
+        of the loop are committed in one journal transaction.
+        """
+        return await self._async.arun(run_id, max_steps=max_steps)
 
     def resume(
         self, run_id: str, *, max_steps: int | None = None, from_state: str | None = None
@@ -488,14 +478,7 @@ class Engine(SyncDriver, AsyncDriver):
             InvalidTransitionError: ``state`` is not in the spec, is terminal, or the run has
                 never been in it; nothing was written.
         """
-        self._rewind_target(self.journal.load(run_id), state)  # refused before the lease
-        return self._commit_held(
-            run_id,
-            REWOUND,
-            "rewind",
-            lambda run: self._rewind_target(run, state),
-            lambda run: {"output": {"rewound_from": run.state}},
-        )
+        return self._sync.rewind(run_id, state)
 
     def fork(
         self, run_id: str, *, at_seq: int | None = None, new_run_id: str | None = None
@@ -512,28 +495,7 @@ class Engine(SyncDriver, AsyncDriver):
             RunTerminalError: the run has ended.
             PayloadError: the output is not JSON the journal stores; nothing changed.
         """
-        try:
-            name = event_name(event)
-        except TypeError:
-            state = self.journal.load(run_id).state
-            raise InvalidTransitionError(
-                run_id=run_id,
-                state=state,
-                event=repr(event),
-                reason=f"not a str or a str enum ({type(event).__name__})",
-            ) from None
-        self._check_json(run_id, "output", output)
-        run = self.journal.load(run_id)
-        self._check_runnable(run)
-        # Refused before the lease is taken: a refused event changes nothing at all.
-        self._machine.resolve(run.state, name, run, self.guards, run_id=run_id)
-        return self._commit_held(
-            run_id,
-            name,
-            "transition",
-            lambda run: self._machine.resolve(run.state, name, run, self.guards, run_id=run_id),
-            lambda _run: {"output": output} if output is not None else None,
-        )
+        return self._sync.send(run_id, event, output=output)
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.
@@ -550,23 +512,4 @@ class Engine(SyncDriver, AsyncDriver):
         Raises:
             RunTerminalError: the run has already ended.
         """
-        reason = storable_text(reason)  # a lone surrogate (an argv byte that is not UTF-8)
-        self._leases.let_go_fresh(run_id)  # started holding, not driven: aborted at once below
-        with self._lock:
-            held = self._leases.holds(run_id)
-            if held:
-                self._aborts[run_id] = reason
-                ctx = self._active.get(run_id)
-                if ctx is not None:
-                    ctx.request_cancel(reason)
-        if held:
-            return self.journal.request_abort(run_id, reason)
-        return abort_run(
-            self.journal,
-            run_id,
-            reason,
-            spec=self.spec,
-            guards=self.guards,
-            owner=self.worker_id,
-            _notify=self._notify,
-        )
+        return self._worker.abort(run_id, reason)

@@ -10,13 +10,13 @@ from collections.abc import Mapping
 import attrs
 
 from fsm_runner._json import storable_text
-from fsm_runner.engine.commits import Listener
+from fsm_runner.engine.core import Listener
 from fsm_runner.engine.leases import unleased
-from fsm_runner.engine.reducer import abort_records
 from fsm_runner.exceptions import LeaseHeldError, RunConflictError, RunTerminalError
 from fsm_runner.journal import Journal
 from fsm_runner.machine import Guard
 from fsm_runner.records import RunRecord, utc_now
+from fsm_runner.rules.reducer import abort_records
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["abort_run", "fork_run"]

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "tests" / "bench"):
@@ -39,6 +40,7 @@ for path in (ROOT, ROOT / "tests" / "bench"):
 from bench_engine import raw_rate, transitions_ddl  # noqa: E402
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition  # noqa: E402
+from fsm_runner.engine import async_driver  # noqa: E402
 
 TARGET = 1.0
 NAMES = ["a", "b", "c", "d"]
@@ -53,8 +55,22 @@ async def noop(ctx: object) -> str:
     return "NEXT"
 
 
+#: The group committers the engine made (one per event loop): what their transactions held.
+_MADE: list[async_driver.GroupCommitter] = []
+_GroupCommitter = async_driver.GroupCommitter
+
+
+def _recorded_committer(*args: Any, **kwargs: Any) -> async_driver.GroupCommitter:
+    _MADE.append(_GroupCommitter(*args, **kwargs))
+    return _MADE[-1]
+
+
+async_driver.GroupCommitter = _recorded_committer  # type: ignore[assignment,misc]
+
+
 def drive(path: Path, runs: int, steps: int, *, group_commit: bool) -> tuple[float, float]:
     """Steps per second of ``runs`` concurrent runs, and the mean commits per transaction."""
+    _MADE.clear()
     with SqliteJournal(path) as journal:
         engine = Engine(SPEC, handlers={"noop": noop}, journal=journal, group_commit=group_commit)
         run_ids = [engine.start() for _ in range(runs)]
@@ -68,7 +84,7 @@ def drive(path: Path, runs: int, steps: int, *, group_commit: bool) -> tuple[flo
             return elapsed
 
         elapsed = asyncio.run(main())
-        committer = engine._committer
+        committer = _MADE[-1] if _MADE else None
         batch = committer.commits / committer.transactions if committer else 1.0
         for run_id in run_ids[:: max(runs // 20, 1)]:
             seqs = [t.seq for t in journal.transitions(run_id)]

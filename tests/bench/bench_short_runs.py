@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import gc
 import os
 import platform
@@ -59,6 +60,7 @@ from bench_engine import raw_rate, transitions_ddl  # noqa: E402
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition  # noqa: E402
 from fsm_runner._convert import format_utc  # noqa: E402
+from fsm_runner.engine.core import StepCore  # noqa: E402
 from fsm_runner.journal import _rows, _sqlite_writes  # noqa: E402
 from fsm_runner.records import TransitionRecord, utc_now  # noqa: E402
 
@@ -218,9 +220,11 @@ def floor_rate(path: Path, runs: int) -> tuple[float, float]:
     with SqliteJournal(path) as journal:
         engine = Engine(SPEC, handlers={"noop": noop}, journal=journal)
         engine.run(engine.start(claim=True))
+        core = StepCore(SPEC, handlers={"noop": noop}, journal=journal)  # plans, writes nothing
+        lease = (engine.worker_id, dt.timedelta(seconds=engine.lease_ttl))
         built = []
         for _ in range(runs):
-            run, first, _ = engine._new_run(None, None, None, None, True)
+            run, first, _ = core.new_run(None, None, None, None, lease)
             steps = [
                 _rows.transition_params(
                     TransitionRecord(

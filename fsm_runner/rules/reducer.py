@@ -21,7 +21,6 @@ from typing import Any
 
 import attrs
 
-from fsm_runner.engine.classify import StepKind, abort_stops, leaf
 from fsm_runner.events import SYSTEM_ERROR, TIMEOUT, USER_ABORTED
 from fsm_runner.exceptions import InvalidTransitionError, SpecError
 from fsm_runner.machine import Guard, compile_spec
@@ -33,6 +32,7 @@ from fsm_runner.records import (
     TransitionRecord,
     positional_builder,
 )
+from fsm_runner.rules.classify import StepKind, abort_stops, leaf
 from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
 
 __all__ = [

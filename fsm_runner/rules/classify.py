@@ -5,7 +5,7 @@ a journaled transition has to be read back. The rules for both live here, once, 
 functions of the spec, the run row before the transition and the transition: no journal, no
 I/O. :mod:`fsm_runner.replay` reads every journaled transition with :func:`classify`; the
 reducer asks :func:`abort_stops` where an abort ends; :func:`retries_left` is the rule by which
-the engine retries a failed attempt (``engine.decisions.retry_wait``).
+the engine retries a failed attempt (``rules.decisions.retry_wait``).
 
 The rules: seq 0 is ``STARTED`` from no state into the spec's initial leaf; then, per
 transition:
