@@ -14,17 +14,9 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import pytest
-
 import fsm_runner
 
 PACKAGE = Path(fsm_runner.__file__).parent
-
-#: Imports that close a cycle outside the CLI and the inspector, each (importer, imported).
-#: The engine, journal and names reshaping of issue 27 removes them; the coordinator empties
-#: this list when those branches are merged. The check runs on the graph without these edges,
-#: so a new cycle still fails; an entry that no longer closes a cycle fails too (no stale list).
-KNOWN_ELSEWHERE: list[tuple[str, str]] = []
 
 
 def module_names(root: Path, package: str) -> dict[str, Path]:
@@ -122,31 +114,12 @@ def _describe(component: tuple[str, ...], graph: Mapping[str, set[str]]) -> str:
 GRAPH = import_graph(PACKAGE.parent, "fsm_runner")
 
 
-def without(graph: Mapping[str, set[str]], edges: Iterable[tuple[str, str]]) -> dict[str, set[str]]:
-    """``graph`` without ``edges``."""
-    pruned = {module: set(targets) for module, targets in graph.items()}
-    for importer, imported in edges:
-        pruned.get(importer, set()).discard(imported)
-    return pruned
-
-
 class TestNoCycles:
-    """No import cycle among fsm_runner's modules, beyond the allow-listed imports."""
+    """No import cycle among fsm_runner's modules."""
 
     def test_no_import_cycle(self):
-        graph = without(GRAPH, KNOWN_ELSEWHERE)
-        found = cycles(graph)
-        assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
-
-    def test_every_allow_listed_import_still_closes_a_cycle(self):
-        on_cycles = [set(component) for component in cycles(GRAPH)]
-        stale = [
-            (importer, imported)
-            for importer, imported in KNOWN_ELSEWHERE
-            if imported not in GRAPH.get(importer, ())
-            or not any({importer, imported} <= component for component in on_cycles)
-        ]
-        assert not stale, f"remove from KNOWN_ELSEWHERE, they close no cycle now: {stale}"
+        found = cycles(GRAPH)
+        assert not found, "import cycles:\n" + "\n".join(_describe(c, GRAPH) for c in found)
 
     def test_the_graph_sees_the_package(self):
         # A checker that found no module would find no cycle.
@@ -249,11 +222,8 @@ class TestPureStepLogic:
 
     def test_rules_import_no_engine_or_journal_implementation(self):
         rules = [m for m in GRAPH if m == "fsm_runner.rules" or m.startswith("fsm_runner.rules.")]
-        if not rules:
-            pytest.skip("fsm_runner.rules does not exist on this branch yet (issue 27, engine)")
-        # Without the allow-listed imports: `events` -> `fsm_runner` (the package, which
-        # re-exports everything) would otherwise make every module reach every other.
-        assert forbidden_paths(without(GRAPH, KNOWN_ELSEWHERE), rules) == []
+        assert rules, "the checker found no module of fsm_runner.rules"
+        assert forbidden_paths(GRAPH, rules) == []
 
     def test_the_check_follows_imports_through_other_modules(self):
         graph = {

@@ -12,10 +12,6 @@ from pathlib import Path
 TESTS = Path(__file__).parent
 MAP = TESTS / "README.md"
 
-#: Test modules other branches of issue 27 add at the same time as this map's rows for them;
-#: named before they exist. Drop each once its module is on main.
-PENDING = {"test_imports.py", "test_engine_privates.py"}
-
 
 def named() -> set[str]:
     """Every ``.py`` file of tests/ the map names, as a path relative to tests/."""
@@ -52,5 +48,5 @@ def test_every_bench_script_and_helper_is_on_the_map():
 
 def test_the_map_names_no_module_that_is_gone():
     present = files() | {Path(name).name for name in files()}
-    gone = named() - present - PENDING
+    gone = named() - present
     assert not gone, f"tests/README.md names modules that do not exist: {sorted(gone)}"
