@@ -68,7 +68,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.spec import WILDCARD as WILDCARD
     from fsm_runner.spec import MachineSpec as MachineSpec
     from fsm_runner.spec import RetryPolicy as RetryPolicy
-    from fsm_runner.spec import RunOutcome as RunOutcome
+    from fsm_runner.spec import RunLifecycle as RunLifecycle
     from fsm_runner.spec import State as State
     from fsm_runner.spec import Transition as Transition
 
@@ -121,8 +121,8 @@ _EXPORTS: dict[str, str] = {
     "RunConflictError": "fsm_runner.exceptions",
     "RunEvent": "fsm_runner.events",
     "RunExistsError": "fsm_runner.exceptions",
+    "RunLifecycle": "fsm_runner.spec",
     "RunNotFoundError": "fsm_runner.exceptions",
-    "RunOutcome": "fsm_runner.spec",
     "RunRecord": "fsm_runner.records",
     "RunTerminalError": "fsm_runner.exceptions",
     "SchemaVersionError": "fsm_runner.exceptions",
@@ -146,10 +146,15 @@ _OPTIONAL = frozenset({"PostgresJournal"})
 
 __all__ = [name for name in _EXPORTS if name not in _OPTIONAL]
 
-#: Old names kept working for a while: ``Outcome`` said nothing of whose outcome (a run's end,
-#: now :class:`RunOutcome`), and ``RunStatus`` was a phase's result, not a run's (now
+#: Old names kept working for a while: ``Outcome`` and then ``RunOutcome`` named a run's
+#: lifecycle status (``active``, how it ended, ``dead_letter``) as if it were only its end (now
+#: :class:`RunLifecycle`), and ``RunStatus`` was a phase's result, not a run's (now
 #: :class:`PhaseStatus`). Using one warns (DeprecationWarning) and gives the new class itself.
-_DEPRECATED: dict[str, str] = {"Outcome": "RunOutcome", "RunStatus": "PhaseStatus"}
+_DEPRECATED: dict[str, str] = {
+    "Outcome": "RunLifecycle",
+    "RunOutcome": "RunLifecycle",
+    "RunStatus": "PhaseStatus",
+}
 
 
 def __getattr__(name: str) -> typing.Any:

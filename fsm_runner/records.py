@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import attrs
 
 from fsm_runner._convert import by_value, converter, format_utc, parse_utc
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = [
     "ITERATION_FIELDS",
@@ -80,7 +80,7 @@ class RunRecord:
     machine: str
     spec_hash: str
     state: str
-    status: RunOutcome = RunOutcome.ACTIVE
+    status: RunLifecycle = RunLifecycle.ACTIVE
     seq: int = 0
     iteration: int = 0
     attempt: int = 1
@@ -104,7 +104,7 @@ class RunRecord:
     @property
     def ended(self) -> bool:
         """Whether the run has ended (it can no longer be advanced, only forked)."""
-        return self.status is not RunOutcome.ACTIVE
+        return self.status is not RunLifecycle.ACTIVE
 
 
 @attrs.frozen

@@ -57,7 +57,7 @@ from fsm_runner.rules.classify import (
     output_text,
 )
 from fsm_runner.rules.reducer import advance, begin
-from fsm_runner.spec import MachineSpec, RunOutcome, State
+from fsm_runner.spec import MachineSpec, RunLifecycle, State
 
 __all__ = [
     "Replay",
@@ -457,7 +457,7 @@ def _show(name: str, value: Any) -> str:
         return f"{name} {_json(value)}"
     if name == "updated_at":
         return f"{name} {format_utc(value)}"
-    if isinstance(value, RunOutcome):
+    if isinstance(value, RunLifecycle):
         return f"{name} {value.value!r}"
     return f"{name} {value!r}"
 

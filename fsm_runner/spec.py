@@ -32,7 +32,15 @@ from fsm_runner.events import (
 )
 from fsm_runner.exceptions import SpecError
 
-__all__ = ["RETURN", "WILDCARD", "MachineSpec", "RetryPolicy", "RunOutcome", "State", "Transition"]
+__all__ = [
+    "RETURN",
+    "WILDCARD",
+    "MachineSpec",
+    "RetryPolicy",
+    "RunLifecycle",
+    "State",
+    "Transition",
+]
 
 #: A transition source that stands for every non-terminal state.
 WILDCARD = "*"
@@ -42,8 +50,14 @@ RETURN = "$return"
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 
 
-class RunOutcome(str, enum.Enum):
-    """How a run that reaches a state has ended (``active`` while it has not)."""
+class RunLifecycle(str, enum.Enum):
+    """Where a run is in its life: the status a :class:`~fsm_runner.records.RunRecord` carries.
+
+    ``active`` until it ends; then how it ended, which is the outcome of the terminal state it
+    reached (``succeeded``, ``failed``, ``aborted``: what ``State(outcome=...)`` may say), or
+    ``dead_letter`` when recovery parked it. (It was called ``RunOutcome``, a name that said
+    less than it holds: ``active`` and ``dead_letter`` are no state's outcome.)
+    """
 
     ACTIVE = "active"
     SUCCEEDED = "succeeded"
@@ -140,11 +154,11 @@ def _optional_float(value: float | None) -> float | None:
     return None if value is None else _float_field(value)
 
 
-def _optional_outcome(value: RunOutcome | str | None) -> RunOutcome | None:
+def _optional_outcome(value: RunLifecycle | str | None) -> RunLifecycle | None:
     try:
-        return None if value is None else RunOutcome(value)
+        return None if value is None else RunLifecycle(value)
     except ValueError:
-        return cast(RunOutcome, value)  # validate() names it
+        return cast(RunLifecycle, value)  # validate() names it
 
 
 @attrs.frozen
@@ -176,7 +190,7 @@ class State:
     name: str
     handler: str | None = None
     terminal: bool = False
-    outcome: RunOutcome | None = attrs.field(default=None, converter=_optional_outcome)
+    outcome: RunLifecycle | None = attrs.field(default=None, converter=_optional_outcome)
     timeout: float | None = attrs.field(default=None, converter=_optional_float)
     retry: RetryPolicy | None = None
     starts_iteration: bool = False
@@ -192,11 +206,11 @@ class State:
         return bool(self.children)
 
     @property
-    def final_outcome(self) -> RunOutcome:
+    def final_outcome(self) -> RunLifecycle:
         """How a run that enters this state stands afterwards."""
         if not self.terminal:
-            return RunOutcome.ACTIVE
-        return self.outcome or RunOutcome.SUCCEEDED
+            return RunLifecycle.ACTIVE
+        return self.outcome or RunLifecycle.SUCCEEDED
 
 
 def _source_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
@@ -568,7 +582,7 @@ class MachineSpec:
                 yield f"terminal state {state.name!r} has a handler ({state.handler!r})"
             if not state.terminal and state.outcome is not None:
                 yield f"non-terminal state {state.name!r} has an outcome"
-            if state.terminal and state.outcome in (RunOutcome.ACTIVE, RunOutcome.DEAD_LETTER):
+            if state.terminal and state.outcome in (RunLifecycle.ACTIVE, RunLifecycle.DEAD_LETTER):
                 yield f"terminal state {state.name!r} cannot have outcome {state.outcome.value!r}"
             if isinstance(state.timeout, float) and state.timeout <= 0:
                 yield f"state {state.name!r} has a timeout <= 0"
@@ -732,9 +746,9 @@ def _state_type_problems(state: State) -> Iterator[str]:
         if not isinstance(getattr(state, flag), bool):
             yield f"{where}: {flag} must be True or False, not {getattr(state, flag)!r:.80}"
     outcome: Any = state.outcome
-    if outcome is not None and not isinstance(outcome, RunOutcome):
+    if outcome is not None and not isinstance(outcome, RunLifecycle):
         outcomes = ", ".join(
-            o.value for o in (RunOutcome.SUCCEEDED, RunOutcome.FAILED, RunOutcome.ABORTED)
+            o.value for o in (RunLifecycle.SUCCEEDED, RunLifecycle.FAILED, RunLifecycle.ABORTED)
         )
         yield f"{where}: outcome {outcome!r:.80} is not one of {outcomes}"
     if state.timeout is not None and not (
@@ -772,7 +786,7 @@ def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:
     return _transition_from_dict(fields)
 
 
-by_value(RunOutcome)
+by_value(RunLifecycle)
 _transition_from_dict = cattrs.gen.make_dict_structure_fn(Transition, converter)
 converter.register_structure_hook(Transition, _structure_transition)
 
@@ -780,8 +794,8 @@ converter.register_structure_hook(Transition, _structure_transition)
 if not TYPE_CHECKING:  # type checkers see only the new name
 
     def __getattr__(name: str) -> Any:
-        if name == "Outcome":  # the old name, deprecated: see fsm_runner._DEPRECATED
+        if name in ("Outcome", "RunOutcome"):  # old names, deprecated: see fsm_runner._DEPRECATED
             from fsm_runner._deprecation import deprecated  # noqa: PLC0415
 
-            return deprecated(__name__, name, "RunOutcome", RunOutcome)
+            return deprecated(__name__, name, "RunLifecycle", RunLifecycle)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,7 +45,7 @@ from fsm_runner import (
     MachineSpec,
     PhaseContext,
     PhaseResult,
-    RunOutcome,
+    RunLifecycle,
     RunRecord,
     RunTerminalError,
     SqliteJournal,
@@ -220,7 +220,7 @@ def assert_aborted_in(location: str, run_id: str, state: str, reason: str) -> di
         transitions = journal.transitions(run_id)
     finally:
         journal.close()
-    assert (run.state, run.status, run.abort_reason) == ("canceled", RunOutcome.ABORTED, None)
+    assert (run.state, run.status, run.abort_reason) == ("canceled", RunLifecycle.ABORTED, None)
     last = transitions[-1]
     assert (last.from_state, last.event, last.to_state) == (state, USER_ABORTED, "canceled")
     assert last.result == {"error": {"type": USER_ABORTED, "message": reason}}
@@ -340,14 +340,14 @@ class TestAbortInProcess:
         engine.step(run_id)
         history = journal.transitions(run_id)
         run = engine.abort(run_id, "operator said so")
-        assert (run.state, run.status, run.seq) == ("canceled", RunOutcome.ABORTED, 2)
+        assert (run.state, run.status, run.seq) == ("canceled", RunLifecycle.ABORTED, 2)
         assert run == journal.load(run_id)
         transitions = journal.transitions(run_id)
         assert transitions[: len(history)] == history
         last = transitions[-1]
         assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "canceled")
         assert last.result["error"]["message"] == "operator said so"
-        assert seen[-1] == (USER_ABORTED, RunOutcome.ABORTED)
+        assert seen[-1] == (USER_ABORTED, RunLifecycle.ABORTED)
         with pytest.raises(RunTerminalError):
             engine.resume(run_id)
 
@@ -356,10 +356,10 @@ class TestAbortInProcess:
         run_id = engine.start()
         engine.step(run_id)
         run = engine.abort(run_id, "stop")
-        assert (run.state, run.status) == ("b", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("b", RunLifecycle.ABORTED)
         last = journal.transitions(run_id)[-1]
         assert (last.from_state, last.event, last.to_state) == ("b", USER_ABORTED, "b")
-        assert journal.load(run_id).status is RunOutcome.ABORTED
+        assert journal.load(run_id).status is RunLifecycle.ABORTED
         with pytest.raises(RunTerminalError) as info:
             engine.resume(run_id)
         assert info.value.status == "aborted"
@@ -393,7 +393,7 @@ class TestAbortInProcess:
         run_id = engine.start()
         run = engine.run(run_id)
         assert seen == {"cancelled": True, "check": "RunAbortedError"}
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
         assert run.error["message"] == "stop"
         assert b_calls == []
         last = journal.transitions(run_id)[-1]
@@ -426,7 +426,7 @@ class TestAbortInProcess:
             (None, "STARTED", "a"),
             ("a", USER_ABORTED, "canceled"),
         ]
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
 
 
 # -- from elsewhere: a run another writer holds -------------------------------------------------
@@ -461,7 +461,7 @@ class TestAbortFromElsewhere:
             )
             run_id = engine_a.start()
             run = engine_a.run(run_id)
-            assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+            assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
             # the phase in progress was told and finished; the journal refused its outcome and
             # took the abort from its state instead, before b ran
             assert [(t.event, t.to_state) for t in journal_a.transitions(run_id)] == [
@@ -476,7 +476,7 @@ class TestAbortFromElsewhere:
         run_id = engine.start()
         other = Engine(linear_spec("a", "b"), handlers={"a": noop, "b": noop}, journal=journal)
         run = other.abort(run_id, "not needed")
-        assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
+        assert (run.state, run.status, run.lease_owner) == ("canceled", RunLifecycle.ABORTED, None)
 
     def test_a_held_run_aborted_elsewhere_stops_at_its_next_step(self, journal):
         """The holder sees a request journaled by another writer through its heartbeat."""
@@ -498,7 +498,7 @@ class TestAbortFromElsewhere:
         run = engine.run(engine.start())
         engine.close()
         assert seen.is_set()
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
 
     def test_abort_moves_the_run_itself_when_its_holder_lets_go_meanwhile(self, journal):
         """The holder releases between the abort's refused claim and its request: nobody would
@@ -518,7 +518,7 @@ class TestAbortFromElsewhere:
             run = abort_run(journal, run_id, "stop it")
         finally:
             del journal.request_abort
-        assert (run.state, run.status, run.lease_owner) == ("canceled", RunOutcome.ABORTED, None)
+        assert (run.state, run.status, run.lease_owner) == ("canceled", RunLifecycle.ABORTED, None)
         assert journal.load(run_id) == run
 
 
@@ -601,7 +601,7 @@ def route_engine(
 
 def assert_aborted_while_working(journal, run_id: str, calls: list[str]) -> None:
     run = journal.load(run_id)
-    assert (run.state, run.status, run.abort_reason) == ("canceled", RunOutcome.ABORTED, None)
+    assert (run.state, run.status, run.abort_reason) == ("canceled", RunLifecycle.ABORTED, None)
     assert [(t.from_state, t.event, t.to_state) for t in journal.transitions(run_id)] == [
         (None, "STARTED", "working"),
         ("working", USER_ABORTED, "canceled"),
@@ -677,7 +677,7 @@ class TestEveryRouteOfAStep:
         assert engine.work(max_runs=1, exit_when_idle=True) == 1
         engine.close()
         run = journal.load(run_id)
-        assert (run.state, run.status, run.recoveries) == ("canceled", RunOutcome.ABORTED, 1)
+        assert (run.state, run.status, run.recoveries) == ("canceled", RunLifecycle.ABORTED, 1)
         assert calls == []
 
     def test_group_commit_refuses_only_the_run_whose_abort_was_requested(self, journal):
@@ -695,8 +695,8 @@ class TestEveryRouteOfAStep:
         ended = asyncio.run(drive())
         engine.close()
         assert [(run.state, run.status) for run in ended] == [
-            ("canceled", RunOutcome.ABORTED),
-            *[("done", RunOutcome.SUCCEEDED)] * 3,
+            ("canceled", RunLifecycle.ABORTED),
+            *[("done", RunLifecycle.SUCCEEDED)] * 3,
         ]
         assert [t.event for t in journal.transitions(aborted)] == ["STARTED", USER_ABORTED]
 
@@ -714,9 +714,9 @@ class TestReasons:
         run = abort_run(journal, run_id, "stop \udcff now")
         expected = "stop \\udcff now"
         if held:
-            assert (run.status, run.abort_reason) == (RunOutcome.ACTIVE, expected)
+            assert (run.status, run.abort_reason) == (RunLifecycle.ACTIVE, expected)
         else:
-            assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+            assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
             assert journal.transitions(run_id)[-1].result["error"]["message"] == expected
         engine.close()
 
@@ -738,7 +738,7 @@ class TestReasons:
         journal = open_journal(location)
         try:
             run = journal.load(run_id)
-            assert run.status is RunOutcome.ABORTED
+            assert run.status is RunLifecycle.ABORTED
             assert journal.transitions(run_id)[-1].result["error"]["message"] == "bad \\udcff byte"
         finally:
             journal.close()

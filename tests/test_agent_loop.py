@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fsm_runner import PhaseContext, RunEvent, RunOutcome, RunRecord
+from fsm_runner import PhaseContext, RunEvent, RunLifecycle, RunRecord
 from fsm_runner.presets.agent_loop import (
     AGENT_LOOP,
     AgentDriver,
@@ -526,7 +526,7 @@ class TestWholeRuns:
     def test_passes_on_the_first_try(self, journal):
         engine = engine_with(journal)
         run = engine.run(engine.start(INPUT))
-        assert (run.state, run.status, run.iteration) == ("succeeded", RunOutcome.SUCCEEDED, 1)
+        assert (run.state, run.status, run.iteration) == ("succeeded", RunLifecycle.SUCCEEDED, 1)
         assert events(journal, run.run_id) == [
             "STARTED",
             "RUN_ACCEPTED",
@@ -544,7 +544,7 @@ class TestWholeRuns:
         engine = engine_with(journal, agent=agent, verifier=verifier, feedback=feedback)
         run = engine.run(engine.start(INPUT))
 
-        assert (run.state, run.status, run.iteration) == ("succeeded", RunOutcome.SUCCEEDED, 3)
+        assert (run.state, run.status, run.iteration) == ("succeeded", RunLifecycle.SUCCEEDED, 3)
         assert run.error is None
 
         records = journal.iterations(run.run_id)
@@ -606,7 +606,7 @@ class TestWholeRuns:
         engine = engine_with(journal, agent=agent, verifier=verifier, feedback=FakeFeedback())
         run = engine.run(engine.start({**INPUT, "max_iterations": 2}))
 
-        assert (run.state, run.status, run.iteration) == ("failed", RunOutcome.FAILED, 2)
+        assert (run.state, run.status, run.iteration) == ("failed", RunLifecycle.FAILED, 2)
         assert run.error is not None
         assert run.error["message"] == "iteration limit spent"
         assert journal.transitions(run.run_id)[-1].result["reason"] == "iteration limit spent"
@@ -630,7 +630,7 @@ class TestWholeRuns:
         engine = engine_with(journal, agent=agent, verifier=verifier, feedback=feedback)
         run = engine.run(engine.start({**INPUT, "max_seconds": 0}))
 
-        assert (run.state, run.status, run.iteration) == ("failed", RunOutcome.FAILED, 1)
+        assert (run.state, run.status, run.iteration) == ("failed", RunLifecycle.FAILED, 1)
         assert run.error["message"] == "wall-clock limit spent"
         assert len(agent.requests) == 1
         assert len(feedback.reports) == 1
@@ -707,7 +707,7 @@ class TestWholeRuns:
         verifier = FakeVerifier()
         engine = engine_with(journal, snapshotter=snapshotter, verifier=verifier)
         run = engine.run(engine.start(INPUT))
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         assert run.error["type"] == "snapshot_failed"
         assert verifier.calls == []
 
@@ -739,7 +739,7 @@ class TestWholeRuns:
         engine = engine_with(journal, verifier=verifier)
         run = engine.run(engine.start(INPUT))
 
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         assert events(journal, run.run_id)[-1] == RunEvent.SYSTEM_ERROR.value
         assert run.error["type"] == "RuntimeError"
         assert run.error["message"] == "bug in the verifier"
@@ -770,7 +770,7 @@ class TestWholeRuns:
 
         run = engine.abort(run_id, "operator said stop")
 
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
         assert run.error == {"type": "USER_ABORTED", "message": "operator said stop"}
         assert journal.load(run_id).state == "canceled"
         assert events(journal, run_id)[-1] == RunEvent.USER_ABORTED.value
@@ -791,7 +791,7 @@ class TestWholeRuns:
         engine.start(INPUT, run_id=run_id)
         run = engine.run(run_id)
 
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
         # the build's outcome came after the request: refused, the abort taken from building
         assert events(journal, run_id)[-2:] == ["RUN_ACCEPTED", RunEvent.USER_ABORTED.value]
         assert journal.transitions(run_id)[-1].from_state == "building"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_runner import InvalidTransitionError, RunOutcome, RunTerminalError, SqliteJournal
+from fsm_runner import InvalidTransitionError, RunLifecycle, RunTerminalError, SqliteJournal
 from fsm_runner.presets.agent_loop.services import CommandVerifier
 from fsm_runner.presets.coordinator import (
     SESSION,
@@ -166,7 +166,7 @@ class TestHappyPath:
         assert step.status is NextStatus.ALL_DONE
 
         run = coordinator.finalize_session(session)
-        assert (run.state, run.status) == ("complete", RunOutcome.SUCCEEDED)
+        assert (run.state, run.status) == ("complete", RunLifecycle.SUCCEEDED)
         for name, word in [("a", "alpha"), ("b", "beta"), ("c", "gamma"), ("d", "delta")]:
             assert env.read(f"{name}.txt") == f"{word}\n"
         assert git(env.repo, "status", "--porcelain") == ""  # every task's work committed
@@ -238,7 +238,7 @@ class TestGates:
         assert not (env.repo / "secrets").exists()  # a blocked diff is never applied
 
         blocked = env.journal.load(f"{session}:1:b")
-        assert blocked.status is RunOutcome.FAILED
+        assert blocked.status is RunLifecycle.FAILED
         assert blocked.error["type"] == "gate_blocked"
         gated = env.journal.transitions(blocked.run_id)[-1]
         assert gated.output["gate"] == "policy"
@@ -250,7 +250,7 @@ class TestGates:
 
         run = coordinator.run_until_done(session)  # c still runs; then the session fails
         assert coordinator.status(session).task("c").state == "done"
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         failed = env.journal.transitions(session)[-1]
         assert failed.event == "SESSION_FAILED"
         assert "b blocked" in failed.output["reason"]
@@ -409,7 +409,7 @@ class TestFinalize:
         with pytest.raises(InvalidTransitionError, match="rejected by every guard"):
             coordinator.session_engine.send(session, "FINALIZE_REQUESTED")  # the spec's guard
         run = coordinator.run_until_done(session)
-        assert (run.state, run.status) == ("execution", RunOutcome.ACTIVE)
+        assert (run.state, run.status) == ("execution", RunLifecycle.ACTIVE)
         assert run.error["type"] == "verification_failed"
         assert "level test failed" in run.error["message"]
         last = env.journal.transitions(session)[-1]
@@ -481,7 +481,7 @@ class TestAbort:
         if phase == "plan_review":
             coordinator.submit_plan(session, "plan")
         run = coordinator.abort_session(session, "changed my mind")
-        assert (run.state, run.status) == ("aborted", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("aborted", RunLifecycle.ABORTED)
         last = env.journal.transitions(session)[-1]
         assert (last.from_state, last.event) == (phase, "USER_ABORTED")
         assert last.error["message"] == "changed my mind"
@@ -505,9 +505,9 @@ class TestAbort:
         rows_before = len(env.journal.transitions(running.run_id))
 
         run = coordinator.abort_session(session, "stop everything")
-        assert (run.state, run.status) == ("aborted", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("aborted", RunLifecycle.ABORTED)
         aborted = env.journal.load(running.run_id)
-        assert (aborted.state, aborted.status) == ("aborted", RunOutcome.ABORTED)
+        assert (aborted.state, aborted.status) == ("aborted", RunLifecycle.ABORTED)
         assert env.read("c.txt") is None  # the aborted task's diff is out again, whole
         assert env.read("b.txt") == "beta\n"  # done tasks stay done
         assert git(env.repo, "status", "--porcelain") == ""

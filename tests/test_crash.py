@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_runner import RunOutcome, SqliteJournal
+from fsm_runner import RunLifecycle, SqliteJournal
 
 ROOT = Path(__file__).parents[1]
 APP = [sys.executable, "-m", "tests.apps.fourphase"]
@@ -93,7 +93,7 @@ def test_sigkill_inside_phase_3_then_resume_in_a_new_process(tmp_path):
     assert (base_state, base_run.state, base_run.status) == (
         "published",
         "published",
-        RunOutcome.SUCCEEDED,
+        RunLifecycle.SUCCEEDED,
     )
     assert phases_logged(base_log, base_id) == dict.fromkeys(PHASES, 1)
 
@@ -101,7 +101,7 @@ def test_sigkill_inside_phase_3_then_resume_in_a_new_process(tmp_path):
     journal, log, marker = tmp_path / "crash.db", tmp_path / "crash.log", tmp_path / "in-phase-3"
     run_id = start_and_kill_in_phase_3(journal, log, marker)
     killed, killed_transitions = journaled(journal, run_id)
-    assert (killed.state, killed.seq, killed.status) == ("testing", 2, RunOutcome.ACTIVE)
+    assert (killed.state, killed.seq, killed.status) == ("testing", 2, RunLifecycle.ACTIVE)
     assert [t.to_state for t in killed_transitions] == ["fetching", "building", "testing"]
     assert phases_logged(log, run_id) == {"fetching": 1, "building": 1, "testing": 1}
 

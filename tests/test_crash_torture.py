@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from fsm_runner import Engine, MachineSpec, RunOutcome, SqliteJournal, State, Transition
+from fsm_runner import Engine, MachineSpec, RunLifecycle, SqliteJournal, State, Transition
 from fsm_runner.exceptions import LeaseLostError
 from tests.torture import (
     PHASES,
@@ -132,7 +132,7 @@ def test_a_lost_lease_does_not_abort_a_later_claim(tmp_path):
 
         run = engine.run(run_id)  # A claims the run again, under a new token
         engine.close()
-        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED), journal.transitions(
+        assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED), journal.transitions(
             run_id
         )[-1]
 

@@ -23,7 +23,7 @@ from fsm_runner import (
     PhaseStatus,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     State,
     Transition,
     TransitionRecord,
@@ -1088,7 +1088,7 @@ class TestExtractRun:
         assert [node.name for node in graph.nodes if node.failed] == ["checking"]
 
     @pytest.mark.skipif(
-        "dead_letter" not in {outcome.value for outcome in RunOutcome},
+        "dead_letter" not in {outcome.value for outcome in RunLifecycle},
         reason="this fsm_runner has no dead_letter status",
     )
     def test_a_dead_lettered_run_is_drawn_failed_where_it_was_parked(self, journal):
@@ -1098,7 +1098,7 @@ class TestExtractRun:
         run = journal.load(run_id)
         parked = TransitionRecord(run_id, run.seq + 1, "end", "DEAD_LETTERED", "end")
         timeline = [*journal.transitions(run_id), parked]
-        run = attrs.evolve(run, seq=parked.seq, status=RunOutcome("dead_letter"))
+        run = attrs.evolve(run, seq=parked.seq, status=RunLifecycle("dead_letter"))
 
         graph = extract(engine.spec, run=run, timeline=timeline)
 

@@ -19,7 +19,7 @@ from fsm_runner import (
     PhaseResult,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     SpecError,
     State,
     Transition,
@@ -124,7 +124,7 @@ class TestDoneEffects:
         crash[0] = False
         run = engine(spec, journal, paying=paying).resume(run_id)
 
-        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
+        assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED)
         assert charge.count == 1
         assert results == [{"charged": 5}, {"charged": 5}]
         [effect] = journal.effects(run_id)
@@ -214,7 +214,7 @@ class TestInFlightEffects:
         assert charge.count == 0
         assert (run.state, run.status, run.error["type"]) == (
             "failed",
-            RunOutcome.FAILED,
+            RunLifecycle.FAILED,
             "EffectOutcomeUnknownError",
         )
         last = journal.transitions(run_id)[-1]

@@ -20,8 +20,8 @@ from fsm_runner import (
     PhaseResult,
     PhaseStatus,
     RunEvent,
+    RunLifecycle,
     RunNotFoundError,
-    RunOutcome,
     RunTerminalError,
     SpecError,
     SqliteJournal,
@@ -88,7 +88,7 @@ class TestStart:
         run_id = engine.start({"repo": "x"}, run_id="r1", context={"k": 1})
         assert run_id == "r1"
         run = journal.load("r1")
-        assert (run.state, run.status, run.seq, run.attempt) == ("a", RunOutcome.ACTIVE, 0, 1)
+        assert (run.state, run.status, run.seq, run.attempt) == ("a", RunLifecycle.ACTIVE, 0, 1)
         assert run.input == {"repo": "x"}
         assert run.context == {"k": 1}
         assert run.machine == "linear"
@@ -154,7 +154,7 @@ class TestStepRunResume:
         )
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.seq) == ("done", RunOutcome.SUCCEEDED, 3)
+        assert (run.state, run.status, run.seq) == ("done", RunLifecycle.SUCCEEDED, 3)
         assert run == journal.load(run_id)
         assert path_of(journal, run_id) == [
             (None, "STARTED", "a"),
@@ -177,12 +177,12 @@ class TestStepRunResume:
         )
         run_id = engine.start()
         run = engine.run(run_id, max_steps=2)
-        assert (run.state, run.seq, run.status) == ("c", 2, RunOutcome.ACTIVE)
+        assert (run.state, run.seq, run.status) == ("c", 2, RunLifecycle.ACTIVE)
         assert calls == ["a", "b"]
         run = engine.resume(run_id, max_steps=1)
         assert (run.state, run.seq) == ("d", 3)
         run = engine.resume(run_id)
-        assert (run.state, run.seq, run.status) == ("done", 4, RunOutcome.SUCCEEDED)
+        assert (run.state, run.seq, run.status) == ("done", 4, RunLifecycle.SUCCEEDED)
         assert calls == ["a", "b", "c", "d"]
 
     def test_max_steps_zero_does_nothing(self, journal):
@@ -384,7 +384,7 @@ class TestHandlerObjects:
         engine = two_phase_engine(journal, a=Phase(), b=Phase())
         run_id = engine.start()
         run = asyncio.run(engine.arun(run_id))
-        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
+        assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED)
         assert calls == ["validate", "run", "validate", "run"]
 
 
@@ -490,7 +490,7 @@ class TestGuards:
         )
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.iteration) == ("failed", RunOutcome.FAILED, 3)
+        assert (run.state, run.status, run.iteration) == ("failed", RunLifecycle.FAILED, 3)
         assert iterations == [1, 2, 3]
         assert [t.to_state for t in journal.transitions(run_id)] == [
             "building",
@@ -603,7 +603,7 @@ class TestHandlerFailures:
         engine = two_phase_engine(journal, a=exploding_phase)
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.seq) == ("failed", RunOutcome.FAILED, 1)
+        assert (run.state, run.status, run.seq) == ("failed", RunLifecycle.FAILED, 1)
         last = journal.transitions(run_id)[-1]
         assert (last.from_state, last.event, last.to_state) == ("a", SYSTEM_ERROR, "failed")
         error = last.result["error"]
@@ -635,7 +635,7 @@ class TestHandlerFailures:
         engine = two_phase_engine(journal, a=phase)
         run = engine.run(engine.start())
 
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         error = journal.transitions(run.run_id)[-1].error
         assert error["type"] == "Unprintable"
         assert error["message"] == "<unprintable Unprintable: __str__ raised RuntimeError>"
@@ -779,7 +779,7 @@ class TestTimeouts:
         last = journal.transitions(run_id)[-1]
         assert (last.event, last.to_state) == (TIMEOUT, "timed_out")
         assert last.result["error"]["type"] == "PhaseTimeoutError"
-        assert (run.state, run.status) == ("timed_out", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("timed_out", RunLifecycle.FAILED)
 
     @pytest.mark.parametrize("kind", ["sync", "async"])
     def test_handlers_own_timeout_error_is_a_system_error(self, journal, kind):
@@ -925,7 +925,7 @@ class TestSend:
         engine = self.engine(journal)
         run_id = engine.start()
         run = engine.run(run_id)
-        assert (run.state, run.status, run.seq) == ("awaiting_approval", RunOutcome.ACTIVE, 1)
+        assert (run.state, run.status, run.seq) == ("awaiting_approval", RunLifecycle.ACTIVE, 1)
         assert engine.step(run_id) is None
         assert journal.load(run_id).seq == 1
         run = engine.send(run_id, "APPROVED", output={"by": "alice"})
@@ -947,7 +947,7 @@ class TestSend:
         run_id = engine.start()
         engine.run(run_id)
         run = engine.send(run_id, Decision.REJECTED)
-        assert (run.state, run.status) == ("rejected", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("rejected", RunLifecycle.FAILED)
         assert journal.transitions(run_id)[-1].event == "REJECTED"
 
     def test_disallowed_event_changes_nothing(self, journal):
@@ -1020,7 +1020,7 @@ class TestSpecMismatch:
             allow_spec_change=True,
         )
         run = engine_b.resume(run_id)
-        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
+        assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED)
         # the switch is journaled (a same-visit SPEC_CHANGED), and the run names its new spec
         assert [(t.event, t.to_state) for t in journal.transitions(run_id)][1:3] == [
             (NEXT, "b"),

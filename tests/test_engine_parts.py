@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from fsm_runner import Engine, MemoryJournal, RunOutcome
+from fsm_runner import Engine, MemoryJournal, RunLifecycle
 from fsm_runner.engine.async_driver import AsyncDriver
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.exceptions import PayloadError
@@ -55,8 +55,8 @@ class TestSettingsApplyAtOnce:
         engine = Engine(SPEC, handlers={"a": noop, "b": noop}, journal=first)
         engine.journal = second
         run_id = engine.start()
-        assert engine.run(run_id).status is RunOutcome.SUCCEEDED
-        assert second.load(run_id).status is RunOutcome.SUCCEEDED
+        assert engine.run(run_id).status is RunLifecycle.SUCCEEDED
+        assert second.load(run_id).status is RunLifecycle.SUCCEEDED
         assert list(first.runs()) == []
         engine.close()
 
@@ -74,7 +74,7 @@ class TestSettingsApplyAtOnce:
         engine = Engine(SPEC, handlers={"a": anoop, "b": anoop}, journal=journal)
         engine.group_commit = group_commit
         run_id = engine.start()
-        assert asyncio.run(engine.arun(run_id)).status is RunOutcome.SUCCEEDED
+        assert asyncio.run(engine.arun(run_id)).status is RunLifecycle.SUCCEEDED
         assert ("commit_many" in journal.calls) is group_commit
         engine.close()
 

@@ -16,7 +16,7 @@ from fsm_runner import (
     PhaseResult,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     RunTerminalError,
     SpecError,
     SqliteJournal,
@@ -233,7 +233,7 @@ class TestInvariant3APhaseRunsAgainOnlyIfItsExitWasNotJournaled:
         with pytest.raises(SystemExit):
             crashing.run(run_id)
         run = journal.load(run_id)
-        assert (run.state, run.seq, run.status) == ("c", 2, RunOutcome.ACTIVE)
+        assert (run.state, run.seq, run.status) == ("c", 2, RunLifecycle.ACTIVE)
         assert [t.to_state for t in journal.transitions(run_id)] == ["a", "b", "c"]
         resumed = reopen(journal)
         try:
@@ -401,7 +401,7 @@ class TestInvariant6BadEventsChangeNothingAndFailuresAreJournaled:
         assert last.result["error"]["type"] == "KeyError"
         assert "missing-key" in last.result["error"]["message"]
         assert "broken" in last.result["error"]["traceback"]
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         assert_row_is_last_transition(journal, run_id)
 
 
@@ -458,7 +458,7 @@ def fold(spec, transitions, start_context=None):
     Each transition must be an edge of the spec (or an engine event: STARTED, RETRIED, an
     abort where the state has no USER_ABORTED exit); a mismatch names the seq.
     """
-    state, context, error, status = None, dict(start_context or {}), None, RunOutcome.ACTIVE
+    state, context, error, status = None, dict(start_context or {}), None, RunLifecycle.ACTIVE
     attempt, iteration = 1, 0
     for index, transition in enumerate(transitions):
         assert transition.seq == index, f"seq {transition.seq} found where {index} was expected"
@@ -480,7 +480,7 @@ def fold(spec, transitions, start_context=None):
         attempt = transition.attempt + 1 if transition.event == RETRIED else 1
         status = spec.state(state).final_outcome
         if transition.event == USER_ABORTED and not spec.state(state).terminal:
-            status = RunOutcome.ABORTED
+            status = RunLifecycle.ABORTED
     return {
         "state": state,
         "seq": len(transitions) - 1,

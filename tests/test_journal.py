@@ -18,8 +18,8 @@ from fsm_runner import (
     JournalError,
     MemoryJournal,
     RunEvent,
+    RunLifecycle,
     RunNotFoundError,
-    RunOutcome,
     RunRecord,
     RunTerminalError,
     SqliteJournal,
@@ -216,7 +216,7 @@ class TestCommit:
             run,
             "failed",
             event=RunEvent.SYSTEM_ERROR.value,
-            status=RunOutcome.FAILED,
+            status=RunLifecycle.FAILED,
             error={"type": "RuntimeError", "message": "boom"},
         )
 
@@ -226,7 +226,7 @@ class TestCommit:
         assert (loaded.state, loaded.seq, loaded.status, loaded.iteration) == (
             "failed",
             2,
-            RunOutcome.FAILED,
+            RunLifecycle.FAILED,
             1,
         )
         assert loaded.context == {"built": True}
@@ -391,7 +391,7 @@ class TestAbort:
         before = snapshot(journal)
 
         for commit in (
-            lambda: advance(journal, run, "done", status=RunOutcome.SUCCEEDED, **changes),
+            lambda: advance(journal, run, "done", status=RunLifecycle.SUCCEEDED, **changes),
             lambda: journal.commit_many([Commit(*next_step(run, "feedback", **changes))])[0],
         ):
             refused = None
@@ -410,12 +410,12 @@ class TestAbort:
             journal.load("r1"),
             "canceled",
             event=RunEvent.USER_ABORTED.value,
-            status=RunOutcome.ABORTED,
+            status=RunLifecycle.ABORTED,
         )
         loaded = journal.load("r1")
         assert (loaded.state, loaded.status, loaded.abort_reason) == (
             "canceled",
-            RunOutcome.ABORTED,
+            RunLifecycle.ABORTED,
             None,
         )
 
@@ -432,7 +432,7 @@ class TestAbort:
         loaded = journal.load("r1")
         assert (loaded.state, loaded.abort_reason) == ("feedback", "operator asked")
         with pytest.raises(LeaseLostError):  # the old holder's token is fenced for good
-            advance(journal, run, "done", status=RunOutcome.SUCCEEDED)
+            advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
 
     def test_a_stale_seq_is_a_plain_conflict_even_with_an_abort_requested(self, journal):
         run = start(journal)
@@ -454,16 +454,16 @@ class TestAbort:
             journal.load("r1"),
             "canceled",
             event=RunEvent.USER_ABORTED.value,
-            status=RunOutcome.ABORTED,
+            status=RunLifecycle.ABORTED,
         )
 
         loaded = journal.load("r1")
         assert loaded.abort_reason is None
-        assert (loaded.state, loaded.status) == ("canceled", RunOutcome.ABORTED)
+        assert (loaded.state, loaded.status) == ("canceled", RunLifecycle.ABORTED)
 
     def test_ended_run_cannot_be_aborted(self, journal):
         run = start(journal)
-        advance(journal, run, "done", status=RunOutcome.SUCCEEDED)
+        advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
 
         with pytest.raises(RunTerminalError) as info:
             journal.request_abort("r1", "too late")
@@ -489,7 +489,7 @@ class TestRuns:
         start(journal, "r2", machine="beta", created=2, parent="r1")
         start(journal, "r1", machine="alpha", created=1)
         r3 = start(journal, "r3", machine="alpha", created=3, parent="r1")
-        advance(journal, r3, "failed", event="SYSTEM_ERROR", status=RunOutcome.FAILED)
+        advance(journal, r3, "failed", event="SYSTEM_ERROR", status=RunLifecycle.FAILED)
         start(journal, "r4", machine="alpha", created=4)
         return journal
 
@@ -507,8 +507,8 @@ class TestRuns:
             ({"machine": "beta"}, ["r2"]),
             ({"machine": "gamma"}, []),
             ({"status": "failed"}, ["r3"]),
-            ({"status": RunOutcome.FAILED}, ["r3"]),
-            ({"status": RunOutcome.ACTIVE}, ["r4", "r2", "r1"]),
+            ({"status": RunLifecycle.FAILED}, ["r3"]),
+            ({"status": RunLifecycle.ACTIVE}, ["r4", "r2", "r1"]),
             ({"status": "succeeded"}, []),
             ({"parent_run_id": "r1"}, ["r3", "r2"]),
             ({"machine": "alpha", "parent_run_id": "r1"}, ["r3"]),
@@ -799,7 +799,7 @@ class TestSqliteFile:
         with SqliteJournal(path) as journal:  # migrated: the request now fences the holder
             assert journal.meta()["schema_version"] == "8"
             with pytest.raises(RunConflictError) as info:
-                advance(journal, run, "done", status=RunOutcome.SUCCEEDED)
+                advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
             assert info.value.abort_reason == "operator asked"
             assert journal.load("r1").state == "verifying"
 
@@ -823,7 +823,7 @@ class TestSqliteFile:
     def test_a_key_this_journal_knew_for_a_pruned_run_is_never_used(self, tmp_path):
         path = tmp_path / "j.db"
         with SqliteJournal(path) as first, SqliteJournal(path) as second:
-            advance(first, start(first), "done", status=RunOutcome.SUCCEEDED)
+            advance(first, start(first), "done", status=RunLifecycle.SUCCEEDED)
             assert second.prune(ended_before=minutes(60)).run_ids == ("r1",)
             again = start(second, created=120)  # the same run id: a new run, a new run_key
             after, transition = next_step(again, "verifying")
@@ -864,13 +864,13 @@ class TestSqliteFile:
             assert snapshot(journal) == before
             assert journal.spec_json(SPEC.spec_hash) == SPEC.to_json()
             with pytest.raises(RunConflictError):  # the abort request survived the reopen
-                advance(journal, run, "done", status=RunOutcome.SUCCEEDED)
+                advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
             advance(
                 journal,
                 run,
                 "canceled",
                 event=RunEvent.USER_ABORTED.value,
-                status=RunOutcome.ABORTED,
+                status=RunLifecycle.ABORTED,
             )
             assert journal.load("r1").seq == 2
 

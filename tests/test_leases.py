@@ -13,7 +13,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from fsm_runner import Engine, RunOutcome, RunTerminalError, SqliteJournal
+from fsm_runner import Engine, RunLifecycle, RunTerminalError, SqliteJournal
 from fsm_runner.cli import EXIT_CONFLICT, cli
 from fsm_runner.effects import MUTATE
 from fsm_runner.exceptions import LeaseHeldError, LeaseLostError
@@ -311,14 +311,14 @@ class TestWork:
             engine.work(max_runs=1, exit_when_idle=True)
         run = journal.load(run_id)
         assert calls == [0, 1, 2]
-        assert (run.state, run.status, run.recoveries) == ("a", RunOutcome.DEAD_LETTER, 3)
+        assert (run.state, run.status, run.recoveries) == ("a", RunLifecycle.DEAD_LETTER, 3)
         last = journal.transitions(run_id)[-1]
         assert (last.event, last.from_state, last.to_state) == ("DEAD_LETTERED", "a", "a")
         assert "lost 3 times" in run.error["message"]
         assert check_journal(journal) == []
         with pytest.raises(RunTerminalError):
             engine.resume(run_id)
-        assert engine.fork(run_id, at_seq=0).status is RunOutcome.ACTIVE
+        assert engine.fork(run_id, at_seq=0).status is RunLifecycle.ACTIVE
 
 
 class TestRecover:
@@ -341,7 +341,7 @@ class TestRecover:
             journal.claim(run_id, owner, ttl=-1)
         (parked,) = engine.recover()
         assert (parked.status, parked.recoveries, parked.lease_owner) == (
-            RunOutcome.DEAD_LETTER,
+            RunLifecycle.DEAD_LETTER,
             2,
             None,
         )

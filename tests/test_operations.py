@@ -22,7 +22,7 @@ from fsm_runner.engine import fork_run
 from fsm_runner.exceptions import RunExistsError
 from fsm_runner.records import ArtifactRecord, RunRecord, TransitionRecord, utc_now
 from fsm_runner.replay import replay
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 from tests.helpers import NEXT, linear_spec
 
 SPEC = linear_spec("fetching", "building", "testing", "publishing", name="ops")
@@ -182,7 +182,7 @@ def ended_run(journal, run_id: str, *, ended: bool = True, parent: str | None = 
     first = TransitionRecord(run_id, 0, None, "STARTED", "fetching", at=now)
     journal.create_run(run, first, spec_json=SPEC.to_json())
     if ended:
-        after = attrs.evolve(run, state="failed", seq=1, status=RunOutcome.FAILED, updated_at=now)
+        after = attrs.evolve(run, state="failed", seq=1, status=RunLifecycle.FAILED, updated_at=now)
         journal.commit(after, TransitionRecord(run_id, 1, "fetching", "SYSTEM_ERROR", "failed"))
 
 

@@ -15,8 +15,8 @@ from fsm_runner import (
     Engine,
     MachineSpec,
     PhaseResult,
+    RunLifecycle,
     RunNotFoundError,
-    RunOutcome,
     State,
     Transition,
 )
@@ -232,7 +232,7 @@ class TestStandardJson:
 
         run = engine.run(engine.start(context={"keep": 1}))
 
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         last = journal.transitions(run.run_id)[-1]
         assert (last.from_state, last.event) == ("a", "SYSTEM_ERROR")
         assert last.error["type"] == "HandlerResultError"

@@ -26,7 +26,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from fsm_runner import Engine, RunOutcome
+from fsm_runner import Engine, RunLifecycle
 from fsm_runner.exceptions import JournalError
 from fsm_runner.journal import _postgres_connection
 from fsm_runner.journal.base import Commit, Renewal
@@ -105,7 +105,7 @@ def check_session(journal, engine, batches, reported, calls: Calls) -> None:
         assert all(journal.load(run_id).run_id == run_id for run_id in batch)
     for run_id, final in reported.items():
         stored = journal.load(run_id)
-        assert final.status is RunOutcome.SUCCEEDED
+        assert final.status is RunLifecycle.SUCCEEDED
         assert (stored.state, stored.seq, stored.ended) == (final.state, final.seq, True)
         transitions = journal.transitions(run_id)
         assert [t.seq for t in transitions] == list(range(stored.seq + 1))  # gapless
@@ -480,7 +480,7 @@ class TestRefusedConnections:
             assert sorted(run.run_id for run in journal.runs()) == sorted(batch)
             assert [t.seq for t in journal.transitions(batch[0])] == [0, 1, 2]
             final = engine.run(batch[0])  # the engine goes on where the journal stands
-            assert final.status is RunOutcome.SUCCEEDED
+            assert final.status is RunLifecycle.SUCCEEDED
             assert calls.seen[(batch[0], 2)] == 2  # c ran again: its step was never committed
             engine.close()
             assert check_journal(journal) == []

@@ -27,7 +27,7 @@ from fsm_runner import (
     MemoryJournal,
     PostgresJournal,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     RunRecord,
     SqliteJournal,
     TransitionRecord,
@@ -252,7 +252,7 @@ class TestSchema:
             run = journal.load("old")
             assert (run.seq, run.visit_seq, run.lease_token, run.recoveries) == (1, 1, 0, 0)
             assert [t.lease_token for t in journal.transitions("old")] == [0, 0]
-            journal.commit(*next_step(run, "done", status=RunOutcome.SUCCEEDED))
+            journal.commit(*next_step(run, "done", status=RunLifecycle.SUCCEEDED))
             assert journal.load("old").state == "done"
 
     def test_a_version_5_journal_gets_the_abort_fence(
@@ -283,7 +283,7 @@ class TestSchema:
         with PostgresJournal(postgres_server.url, schema=postgres_schema) as journal:
             assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "6"
             run = journal.load("old")
-            after, transition = next_step(run, "done", status=RunOutcome.SUCCEEDED)
+            after, transition = next_step(run, "done", status=RunLifecycle.SUCCEEDED)
             with pytest.raises(RunConflictError) as info:
                 journal.commit(after, attrs.evolve(transition, lease_token=3))
             assert info.value.abort_reason == "stop"
@@ -586,7 +586,7 @@ class TestLostConnections:
         )
         run_id = engine.start({"x": 1})
         final = engine.run(run_id)
-        assert final.status is RunOutcome.SUCCEEDED
+        assert final.status is RunLifecycle.SUCCEEDED
         assert [t.seq for t in postgres_journal.transitions(run_id)] == list(range(final.seq + 1))
 
     def test_the_retry_budget_runs_out(self, postgres_server, postgres_schema, admin):

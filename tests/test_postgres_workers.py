@@ -44,7 +44,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from fsm_runner import Engine, RunOutcome
+from fsm_runner import Engine, RunLifecycle
 from fsm_runner.journal.postgres import PostgresJournal
 from tests.pg_worker_app import (
     LONG_MS,
@@ -286,7 +286,7 @@ def test_four_workers_share_the_journal_and_take_over_a_killed_ones_run(
     # Taken over only once its lease expired, and finished by the others.
     assert report.taken_over == [target.run_id], context
     assert (held.recoveries, held.lease_token) == (1, target.lease_token + 1), context
-    assert held.status is not RunOutcome.ACTIVE, context
+    assert held.status is not RunLifecycle.ACTIVE, context
     assert held.lease_owner is None, context
     assert (left_behind.lease_owner, left_behind.lease_token) == (
         target.worker,

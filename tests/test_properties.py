@@ -48,7 +48,7 @@ from fsm_runner import (
     PhaseResult,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     RunTerminalError,
     SqliteJournal,
     State,
@@ -483,7 +483,7 @@ class Checker:
         assert new == [*adoption, (before.state, expected.event, expected.dest)]
         run = journal.load(run_id)
         dest = deciding.state(expected.dest)
-        assert run.status is (RunOutcome.ABORTED if expected.in_place else dest.final_outcome)
+        assert run.status is (RunLifecycle.ABORTED if expected.in_place else dest.final_outcome)
         if expected.event in (RETRIED, INTERRUPTED):  # the same visit, its next attempt
             assert run.attempt == row.attempt + 1
             assert run.visit_seq == row.visit_seq

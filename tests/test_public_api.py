@@ -493,14 +493,16 @@ class TestExceptionMessages:
 
 
 class TestDeprecatedNames:
-    """``Outcome`` and ``RunStatus`` were renamed ``RunOutcome`` and ``PhaseStatus``."""
+    """``Outcome`` (then ``RunOutcome``) and ``RunStatus`` were renamed ``RunLifecycle`` and ``PhaseStatus``."""
 
     @pytest.mark.parametrize(
         ("module", "old", "new"),
         [
-            ("fsm_runner", "Outcome", "RunOutcome"),
+            ("fsm_runner", "Outcome", "RunLifecycle"),
+            ("fsm_runner", "RunOutcome", "RunLifecycle"),
             ("fsm_runner", "RunStatus", "PhaseStatus"),
-            ("fsm_runner.spec", "Outcome", "RunOutcome"),
+            ("fsm_runner.spec", "Outcome", "RunLifecycle"),
+            ("fsm_runner.spec", "RunOutcome", "RunLifecycle"),
             ("fsm_runner.events", "RunStatus", "PhaseStatus"),
         ],
     )
@@ -511,9 +513,9 @@ class TestDeprecatedNames:
         assert value is getattr(fsm_runner, new)
 
     def test_from_import_of_an_old_name_warns_too(self):
-        with pytest.warns(DeprecationWarning, match="use RunOutcome"):
+        with pytest.warns(DeprecationWarning, match="use RunLifecycle"):
             from fsm_runner import Outcome
-        assert Outcome.SUCCEEDED is fsm_runner.RunOutcome.SUCCEEDED
+        assert Outcome.SUCCEEDED is fsm_runner.RunLifecycle.SUCCEEDED
 
     @pytest.mark.parametrize("module", ["fsm_runner.spec", "fsm_runner.events"])
     def test_an_unknown_name_is_still_an_attribute_error(self, module):
@@ -521,4 +523,4 @@ class TestDeprecatedNames:
             getattr(importlib.import_module(module), "Nope")  # noqa: B009
 
     def test_old_names_are_not_in_all(self):
-        assert {"Outcome", "RunStatus"}.isdisjoint(fsm_runner.__all__)
+        assert {"Outcome", "RunOutcome", "RunStatus"}.isdisjoint(fsm_runner.__all__)

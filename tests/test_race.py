@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_runner import Engine, RunOutcome, SqliteJournal
+from fsm_runner import Engine, RunLifecycle, SqliteJournal
 from fsm_runner.records import EffectStatus, format_utc, utc_now
 from tests.race_app import HANDLERS, SPEC
 
@@ -270,7 +270,7 @@ class TestEightProcessesRaceForOneRun:
             logged = procs.logged()
 
         run, transitions, effects = journaled(path, run_id)
-        assert (run.state, run.status, run.seq) == ("done", RunOutcome.SUCCEEDED, 2)
+        assert (run.state, run.status, run.seq) == ("done", RunLifecycle.SUCCEEDED, 2)
         assert (run.lease_owner, run.lease_token, run.recoveries) == (None, 1, 0)
         # Every transition after the start carries the winner's token: no loser wrote one.
         assert [(t.seq, t.from_state, t.to_state, t.lease_token) for t in transitions] == [
@@ -368,7 +368,7 @@ class TestAStaleWorkerIsFencedOut:
             logged = procs.logged()
 
         run, transitions, effects = journaled(path, run_id)
-        assert (run.state, run.status, run.seq) == ("done", RunOutcome.SUCCEEDED, 2)
+        assert (run.state, run.status, run.seq) == ("done", RunLifecycle.SUCCEEDED, 2)
         assert (run.lease_owner, run.lease_token, run.recoveries) == (None, 2, 1)
         assert [(t.seq, t.from_state, t.to_state, t.lease_token) for t in transitions] == [
             (0, None, "working", 0),

@@ -6,7 +6,7 @@ import json
 import attrs
 import pytest
 
-from fsm_runner import RunOutcome, RunRecord, TransitionRecord
+from fsm_runner import RunLifecycle, RunRecord, TransitionRecord
 from fsm_runner.records import format_utc, parse_utc, structure, unstructure
 
 UTC = dt.timezone.utc
@@ -20,7 +20,7 @@ def full_run() -> RunRecord:
         machine="agent",
         spec_hash="ab" * 32,
         state="verifying",
-        status=RunOutcome.FAILED,
+        status=RunLifecycle.FAILED,
         seq=7,
         iteration=2,
         attempt=3,
@@ -159,7 +159,7 @@ class TestConverter:
         data = unstructure(full_run())
         data["status"] = "aborted"
 
-        assert structure(data, RunRecord).status is RunOutcome.ABORTED
+        assert structure(data, RunRecord).status is RunLifecycle.ABORTED
 
 
 class TestOlderJournals:
@@ -180,7 +180,7 @@ class TestOlderJournals:
         run = structure(row, RunRecord)
 
         assert run.seq == 3
-        assert run.status is RunOutcome.ACTIVE
+        assert run.status is RunLifecycle.ACTIVE
         assert (run.iteration, run.attempt, run.lease_token) == (0, 1, 0)
         assert run.context == {}
         assert run.error is None
@@ -196,7 +196,7 @@ class TestOlderJournals:
 
         assert (run.iteration, run.attempt, run.lease_token, run.seq) == (0, 1, 0, 0)
         assert run.context == {}
-        assert run.status is RunOutcome.ACTIVE
+        assert run.status is RunLifecycle.ACTIVE
 
     def test_old_transition_row(self):
         row = {
@@ -236,10 +236,10 @@ class TestRecords:
     @pytest.mark.parametrize(
         ("status", "ended"),
         [
-            (RunOutcome.ACTIVE, False),
-            (RunOutcome.SUCCEEDED, True),
-            (RunOutcome.FAILED, True),
-            (RunOutcome.ABORTED, True),
+            (RunLifecycle.ACTIVE, False),
+            (RunLifecycle.SUCCEEDED, True),
+            (RunLifecycle.FAILED, True),
+            (RunLifecycle.ABORTED, True),
         ],
     )
     def test_ended(self, status, ended):
@@ -291,7 +291,7 @@ class TestPositionalBuilder:
 
         now = dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc)
         values = [f"v{i}" for i in range(len(attrs.fields(RunRecord)))]
-        values[4] = RunOutcome.ACTIVE
+        values[4] = RunLifecycle.ACTIVE
         built = positional_builder(RunRecord)(*values)
         assert type(built) is RunRecord  # not the builder's private subclass
         assert built == RunRecord(*values)

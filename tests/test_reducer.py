@@ -18,7 +18,7 @@ from fsm_runner import (
     MachineSpec,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     State,
 )
 from fsm_runner import Transition as Edge
@@ -60,7 +60,7 @@ class TestTake:
 
     def test_a_plain_step_is_what_the_hot_path_builds(self):
         run = row(seq=3, visit_seq=2, attempt=2, context={"k": 1})
-        assert advance_plain(run, NEXT, "b", RunOutcome.ACTIVE, 1.5, AT) == take(
+        assert advance_plain(run, NEXT, "b", RunLifecycle.ACTIVE, 1.5, AT) == take(
             SPEC, run, NEXT, "b", result=None, duration_ms=1.5, at=AT
         )
 
@@ -114,13 +114,13 @@ class TestKinds:
     )
     def test_a_retry_or_interruption_is_the_next_attempt_of_the_visit(self, kind, event):
         after = self.advance(row(seq=4, attempt=2, visit_seq=3), event, kind)
-        assert (after.attempt, after.visit_seq, after.status) == (3, 3, RunOutcome.ACTIVE)
+        assert (after.attempt, after.visit_seq, after.status) == (3, 3, RunLifecycle.ACTIVE)
 
     @pytest.mark.parametrize(
         ("kind", "event", "status"),
         [
-            ("stop", RunEvent.USER_ABORTED.value, RunOutcome.ABORTED),
-            ("park", RunEvent.DEAD_LETTERED.value, RunOutcome.DEAD_LETTER),
+            ("stop", RunEvent.USER_ABORTED.value, RunLifecycle.ABORTED),
+            ("park", RunEvent.DEAD_LETTERED.value, RunLifecycle.DEAD_LETTER),
         ],
     )
     def test_a_stop_or_park_ends_the_run_where_it_is(self, kind, event, status):
@@ -167,14 +167,14 @@ class TestIterationsAndAborts:
 
     def test_an_abort_follows_the_exit_or_stops_in_place(self):
         _, after = abort_records(SPEC, row(), "enough", None, at=AT)
-        assert (after.state, after.status) == ("canceled", RunOutcome.ABORTED)
+        assert (after.state, after.status) == ("canceled", RunLifecycle.ABORTED)
         no_exit = MachineSpec(
             "no-exit",
             [State("a", handler="a"), State("done", terminal=True)],
             [Edge("a", NEXT, "done")],
         )
         transition, after = abort_records(no_exit, row(no_exit), "enough", None, at=AT)
-        assert (transition.to_state, after.state, after.status) == ("a", "a", RunOutcome.ABORTED)
+        assert (transition.to_state, after.state, after.status) == ("a", "a", RunLifecycle.ABORTED)
         assert after.error == {"type": RunEvent.USER_ABORTED.value, "message": "enough"}
 
 

@@ -23,7 +23,7 @@ from fsm_runner import (
     PhaseStatus,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     RunRecord,
     SqliteJournal,
     State,
@@ -223,7 +223,7 @@ class TestLinearRuns:
         )
         run_id = engine.start({"x": 1}, context={"seed": 7})
         run = engine.run(run_id)
-        assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
+        assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED)
         result = assert_replays(journal, run_id, held)
         assert result.path == ("a", "b", "c", "done")
         assert kinds(result) == ["start", "transition", "transition", "transition"]
@@ -339,7 +339,7 @@ class TestRetriesAndFailures:
 
         engine, held = engine_for(linear_spec("a", "b"), journal, {"a": recorder(), "b": broken})
         run = engine.run(engine.start())
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         assert run.error["type"] == "ValueError"
         assert "Traceback" in run.error["traceback"]
         result = assert_replays(journal, run.run_id, held)
@@ -504,7 +504,7 @@ class TestAborts:
         run_id = engine.start()
         engine.step(run_id)
         run = engine.abort(run_id, "operator said so")
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
         result = assert_replays(journal, run_id, held)
         assert kinds(result)[-1] == "transition"
         assert result.run.error == {"type": USER_ABORTED, "message": "operator said so"}
@@ -514,7 +514,7 @@ class TestAborts:
         run_id = engine.start()
         engine.step(run_id)
         run = engine.abort(run_id, "stop")
-        assert (run.state, run.status) == ("b", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("b", RunLifecycle.ABORTED)
         result = assert_replays(journal, run_id, held)
         assert kinds(result)[-1] == "stop"
         assert (result.run.visit_seq, result.run.attempt) == (1, 1)
@@ -529,7 +529,7 @@ class TestAborts:
         engine, held = engine_for(linear_spec("a", "b"), journal, {"a": a, "b": recorder()})
         holder["engine"] = engine
         run = engine.run(engine.start())
-        assert (run.state, run.status) == ("canceled", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
         assert_replays(journal, run.run_id, held)
 
     def test_abort_in_place_during_recovery(self, journal):
@@ -537,7 +537,7 @@ class TestAborts:
         run_id = engine.start()
         engine.run(run_id, max_steps=3)
         run = engine.abort(run_id, "stop in recovery")
-        assert (run.state, run.status, run.return_to) == ("recovering", RunOutcome.ABORTED, "b")
+        assert (run.state, run.status, run.return_to) == ("recovering", RunLifecycle.ABORTED, "b")
         assert_replays(journal, run_id, held)
 
 

@@ -16,7 +16,7 @@ import asyncio
 
 import pytest
 
-from fsm_runner import Engine, MachineSpec, RetryPolicy, RunEvent, RunOutcome, State, Transition
+from fsm_runner import Engine, MachineSpec, RetryPolicy, RunEvent, RunLifecycle, State, Transition
 from fsm_runner.testing import FakeClock, ScriptedHandler
 from tests.helpers import NEXT, events_of
 
@@ -84,7 +84,7 @@ class TestRetryPolicy:
         run = engine.run(run_id)
         assert attempts == [1, 2, 3]
         assert fc.slept == [0.1, 0.2]
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         transitions = journal.transitions(run_id)
         assert [(t.from_state, t.event, t.to_state, t.attempt) for t in transitions[1:]] == [
             ("calling", RETRIED, "calling", 1),

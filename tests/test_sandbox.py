@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_runner import PhaseContext, RunEvent, RunOutcome, SpecError, SqliteJournal
+from fsm_runner import PhaseContext, RunEvent, RunLifecycle, SpecError, SqliteJournal
 from fsm_runner.effects import MUTATE, PEEK, PUBLISH, READ
 from fsm_runner.exceptions import CapabilityError
 from fsm_runner.presets.sandbox import (
@@ -181,7 +181,7 @@ def test_capability_matrix_cell(journal, phase, kind):
         assert (topic.messages("sandbox"), store.mutations, store.read("item")) == ([], [], "old")
         assert (run.state, run.status, run.error["type"]) == (
             "failed",
-            RunOutcome.FAILED,
+            RunLifecycle.FAILED,
             "CapabilityError",
         )
         last = journal.transitions(run.run_id)[-1]
@@ -310,7 +310,7 @@ def test_values_pass_between_phases_only_through_the_journal(journal):
         engine = sandbox_engine(journal=journal, topic=topic, store=store)  # nothing carried over
         engine.step(run_id)
         run = journal.load(run_id)
-    assert (run.state, run.status) == ("succeeded", RunOutcome.SUCCEEDED)
+    assert (run.state, run.status) == ("succeeded", RunLifecycle.SUCCEEDED)
 
     transitions = journal.transitions(run_id)
     assert [(t.from_state, t.event) for t in transitions[1:]] == [
@@ -437,7 +437,7 @@ class TestSigkill:
             run_id = start_and_kill({**env, "FSM_TEST_BLOCK_AFTER_MUTATION": str(marker)}, marker)
 
             run, mutation, transitions, in_flight = journaled(journal, run_id)
-            assert (run.state, run.status) == ("mutating", RunOutcome.ACTIVE)
+            assert (run.state, run.status) == ("mutating", RunLifecycle.ACTIVE)
             assert mutation.status is EffectStatus.DONE
             assert mutation.result["count"] == 1
             assert in_flight == []
@@ -455,7 +455,7 @@ class TestSigkill:
                 }
             ]
             run, after, transitions, _ = journaled(journal, run_id)
-            assert (run.state, run.status) == ("succeeded", RunOutcome.SUCCEEDED)
+            assert (run.state, run.status) == ("succeeded", RunLifecycle.SUCCEEDED)
             assert after == mutation
             assert [t.seq for t in transitions] == list(range(len(transitions)))
             assert transitions[-1].output["result"] == mutation.result
@@ -469,7 +469,7 @@ class TestSigkill:
             run_id = start_and_kill(env, marker)  # the server counted the hit, then stalled
 
             run, mutation, _, in_flight = journaled(journal, run_id)
-            assert (run.state, run.status) == ("mutating", RunOutcome.ACTIVE)
+            assert (run.state, run.status) == ("mutating", RunLifecycle.ACTIVE)
             assert (mutation.status, mutation.idempotent) == (EffectStatus.IN_FLIGHT, False)
             assert in_flight == [run_id]
             assert client.count("item") == 1
@@ -483,7 +483,7 @@ class TestSigkill:
             assert client.count("item") == 1
             assert len(client.hits()) == 1  # never sent again
             run, after, transitions, in_flight = journaled(journal, run_id)
-            assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+            assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
             last = transitions[-1]
             assert (last.from_state, last.event, last.to_state) == (
                 "mutating",
@@ -516,7 +516,7 @@ class TestSigkill:
             ]
             assert client.count("item") == 1  # the server's idempotency kept it at one
             run, after, _transitions, in_flight = journaled(journal, run_id)
-            assert (run.state, run.status) == ("succeeded", RunOutcome.SUCCEEDED)
+            assert (run.state, run.status) == ("succeeded", RunLifecycle.SUCCEEDED)
             assert (after.status, after.idempotency_key) == (EffectStatus.DONE, key)
             assert after.result == {
                 "key": "item",

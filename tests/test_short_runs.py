@@ -23,7 +23,7 @@ from fsm_runner import (
     Engine,
     MachineSpec,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     SqliteJournal,
     State,
     Transition,
@@ -88,7 +88,7 @@ class TestStartedRunsClaim:
         run_id = engine.start()
         counting.calls.clear()
         ended = engine.run(run_id)
-        assert ended.status is RunOutcome.SUCCEEDED
+        assert ended.status is RunLifecycle.SUCCEEDED
         assert counting.calls[0] == "claim_unchanged"
         assert "load" not in counting.calls
         assert "claim" not in counting.calls
@@ -100,7 +100,7 @@ class TestStartedRunsClaim:
         assert journal.load(run_id).lease_owner is None
         other = engine_for(journal, worker_id="elsewhere")
         assert other.work(exit_when_idle=True) == 1
-        assert journal.load(run_id).status is RunOutcome.SUCCEEDED
+        assert journal.load(run_id).status is RunLifecycle.SUCCEEDED
 
     def test_a_run_claimed_elsewhere_since_is_claimed_the_usual_way(self, journal):
         counting = Counting(journal)
@@ -112,21 +112,21 @@ class TestStartedRunsClaim:
             engine.run(run_id)
         assert counting.calls[:2] == ["claim_unchanged", "load"]
         journal.release(run_id, "elsewhere", 1)
-        assert engine.run(run_id).status is RunOutcome.SUCCEEDED  # token 2: a normal claim
+        assert engine.run(run_id).status is RunLifecycle.SUCCEEDED  # token 2: a normal claim
 
     def test_a_run_advanced_elsewhere_since_goes_on_from_where_it_is(self, journal):
         engine = engine_for(journal)
         run_id = engine.start()
         assert engine_for(journal, worker_id="elsewhere").run(run_id, max_steps=1).state == "b"
         ended = engine.run(run_id)
-        assert (ended.status, ended.seq) == (RunOutcome.SUCCEEDED, 3)
+        assert (ended.status, ended.seq) == (RunLifecycle.SUCCEEDED, 3)
 
     def test_an_abort_requested_since_is_carried_out(self, journal):
         engine = engine_for(journal)
         run_id = engine.start()
         journal.request_abort(run_id, "stop it")
         ended = engine.run(run_id)
-        assert (ended.status, ended.seq) == (RunOutcome.ABORTED, 1)
+        assert (ended.status, ended.seq) == (RunLifecycle.ABORTED, 1)
 
     def test_the_conditional_claim_refuses_a_changed_run(self, journal):
         run_id = engine_for(journal).start()
@@ -159,7 +159,7 @@ class TestTheLastCommitEndsTheLease:
         engine = engine_for(counting)
         run_id = engine.start()
         counting.calls.clear()
-        assert engine.run(run_id).status is RunOutcome.SUCCEEDED
+        assert engine.run(run_id).status is RunLifecycle.SUCCEEDED
         assert "release" not in counting.calls
         stored = journal.load(run_id)
         assert (stored.lease_owner, stored.lease_expires_at, stored.lease_token) == (None, None, 1)
@@ -180,14 +180,14 @@ class TestTheLastCommitEndsTheLease:
         journal.request_abort(run_id, "stop")
         engine_for(journal, worker_id="w1").run(run_id)
         stored = journal.load(run_id)
-        assert stored.status is RunOutcome.ABORTED
+        assert stored.status is RunLifecycle.ABORTED
         assert (stored.lease_owner, stored.lease_token) == (None, held.lease_token + 1)
 
     def test_an_abort_from_outside_that_ends_the_run_writes_no_release(self, journal):
         run_id = engine_for(journal).start()
         counting = Counting(journal)
         aborted = abort_run(counting, run_id, "operator", spec=SPEC)
-        assert aborted.status is RunOutcome.ABORTED
+        assert aborted.status is RunLifecycle.ABORTED
         assert "release" not in counting.calls
         assert journal.load(run_id).lease_owner is None
 
@@ -204,7 +204,7 @@ class TestTheLastCommitEndsTheLease:
         run_id = Engine(spec, handlers={"a": noop}, journal=journal).start()
         counting = Counting(journal)
         moved = abort_run(counting, run_id, "operator", spec=spec)
-        assert (moved.state, moved.status) == ("cleaning", RunOutcome.ACTIVE)
+        assert (moved.state, moved.status) == ("cleaning", RunLifecycle.ACTIVE)
         assert counting.calls[-1] == "release"
         assert journal.load(run_id).lease_owner is None
         assert Engine(spec, handlers={"a": noop}, journal=journal).run(run_id).state == "done"
@@ -245,7 +245,7 @@ class TestStartedHolding:
         assert stored.lease_expires_at is not None
         counting.calls.clear()
         ended = engine.run(run_id)
-        assert (ended.status, ended.seq) == (RunOutcome.SUCCEEDED, 3)
+        assert (ended.status, ended.seq) == (RunLifecycle.SUCCEEDED, 3)
         assert counting.calls == ["commit", "commit", "commit"]  # no claim, load or release
         stored = journal.load(run_id)
         assert (stored.lease_owner, stored.lease_expires_at, stored.lease_token) == (None, None, 1)
@@ -259,7 +259,7 @@ class TestStartedHolding:
         with pytest.raises(LeaseHeldError):
             other.run(run_id)
         assert other.work(exit_when_idle=True) == 0
-        assert engine.run(run_id).status is RunOutcome.SUCCEEDED
+        assert engine.run(run_id).status is RunLifecycle.SUCCEEDED
         engine.close()
 
     def test_one_engine_drives_it_in_one_place_at_a_time(self, journal):
@@ -279,7 +279,7 @@ class TestStartedHolding:
             engine.run(run_id)
         release.set()
         first.join()
-        assert journal.load(run_id).status is RunOutcome.SUCCEEDED
+        assert journal.load(run_id).status is RunLifecycle.SUCCEEDED
         engine.close()
 
     def test_close_lets_go_of_runs_never_driven(self, journal):
@@ -294,11 +294,11 @@ class TestStartedHolding:
         run_id = engine.start(claim=True)
         aborted = engine.abort(run_id, "not needed")
         assert (aborted.status, aborted.state, aborted.lease_owner) == (
-            RunOutcome.ABORTED,
+            RunLifecycle.ABORTED,
             "canceled",
             None,
         )
-        assert journal.load(run_id).status is RunOutcome.ABORTED
+        assert journal.load(run_id).status is RunLifecycle.ABORTED
         engine.close()
 
     def test_an_abort_from_elsewhere_is_carried_out_when_driven(self, journal):
@@ -307,7 +307,7 @@ class TestStartedHolding:
         requested = abort_run(journal, run_id, "operator")  # the holder's to carry out
         assert requested.lease_owner == engine.worker_id
         ended = engine.run(run_id)
-        assert (ended.status, ended.state) == (RunOutcome.ABORTED, "canceled")
+        assert (ended.status, ended.state) == (RunLifecycle.ABORTED, "canceled")
         engine.close()
 
     def test_an_abort_from_elsewhere_is_carried_out_by_close(self, journal):
@@ -317,7 +317,7 @@ class TestStartedHolding:
         engine.close()  # never driven: close carries the abort out rather than leave it asked
         stored = journal.load(run_id)
         assert (stored.status, stored.state, stored.lease_owner) == (
-            RunOutcome.ABORTED,
+            RunLifecycle.ABORTED,
             "canceled",
             None,
         )
@@ -341,7 +341,7 @@ class TestStartedHolding:
         with SqliteJournal(path) as journal:
             assert journal.load(run_id).lease_owner is not None  # held by the dead process
             recovered = engine_for(journal).run(run_id)  # its holder is gone: taken over
-            assert (recovered.status, recovered.seq) == (RunOutcome.SUCCEEDED, 3)
+            assert (recovered.status, recovered.seq) == (RunLifecycle.SUCCEEDED, 3)
 
 
 class TestStartMany:
@@ -365,7 +365,7 @@ class TestStartMany:
             return await asyncio.gather(*(engine.arun(r) for r in run_ids))
 
         ended = asyncio.run(drive())
-        assert {(run.status, run.seq) for run in ended} == {(RunOutcome.SUCCEEDED, 3)}
+        assert {(run.status, run.seq) for run in ended} == {(RunLifecycle.SUCCEEDED, 3)}
         assert not {"claim", "claim_many", "claim_unchanged", "load", "release"} & set(
             counting.calls
         )
@@ -467,7 +467,7 @@ class TestRenewMany:
         assert beats
         assert set(beats) == {"renew_many"}  # no renew or load run by run
         engine.close()  # carries the abort out: the run was never driven
-        assert journal.load(run_ids[0]).status is RunOutcome.ABORTED
+        assert journal.load(run_ids[0]).status is RunLifecycle.ABORTED
         assert journal.load(run_ids[1]).lease_owner is None
 
     def test_the_heartbeat_passes_on_an_abort_requested_elsewhere(self, journal):
@@ -517,7 +517,7 @@ class TestReleaseMany:
         assert "load" not in counting.calls[: counting.calls.index("release_many") + 1]
         runs = {run_id: journal.load(run_id) for run_id in run_ids}
         assert all(run.lease_owner is None for run in runs.values())
-        aborted = {run_id for run_id, run in runs.items() if run.status is RunOutcome.ABORTED}
+        aborted = {run_id for run_id, run in runs.items() if run.status is RunLifecycle.ABORTED}
         assert aborted == {run_ids[7], run_ids[1100]}  # carried out, the rest left for workers
         assert engine_for(journal, worker_id="elsewhere").work(exit_when_idle=True) == 1198
 
@@ -530,6 +530,6 @@ class TestReleaseMany:
         run_ids = engine.start_many([None] * 3, claim=True)
         abort_run(journal, run_ids[0], "operator")
         engine.close()
-        assert journal.load(run_ids[0]).status is RunOutcome.ABORTED
+        assert journal.load(run_ids[0]).status is RunLifecycle.ABORTED
         assert all(journal.load(r).lease_owner is None for r in run_ids)
         journal.close()

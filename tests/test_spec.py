@@ -13,7 +13,7 @@ from fsm_runner import (
     MemoryJournal,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     SpecError,
     State,
     Transition,
@@ -75,7 +75,7 @@ def rich_spec() -> MachineSpec:
             State("verifying", handler="verify"),
             State("waiting"),
             State("succeeded", terminal=True),
-            State("failed", terminal=True, outcome=RunOutcome.FAILED),
+            State("failed", terminal=True, outcome=RunLifecycle.FAILED),
         ],
         [
             Transition("building", RunEvent.BUILD_SUCCEEDED, "verifying"),
@@ -396,9 +396,9 @@ class TestNoTerminalState:
         run_id = engine.start()
 
         run = engine.run(run_id, max_steps=5)
-        assert (run.state, run.seq, run.status) == ("handling", 5, RunOutcome.ACTIVE)
+        assert (run.state, run.seq, run.status) == ("handling", 5, RunLifecycle.ACTIVE)
         run = engine.abort(run_id, "shutting down")
-        assert (run.state, run.status) == ("handling", RunOutcome.ABORTED)
+        assert (run.state, run.status) == ("handling", RunLifecycle.ABORTED)
 
 
 class TestWildcard:
@@ -642,9 +642,9 @@ class TestParts:
         assert Transition("a", "GO", "b", unless="u").guarded
 
     def test_final_outcome(self):
-        assert State("a", handler="a").final_outcome is RunOutcome.ACTIVE
-        assert State("done", terminal=True).final_outcome is RunOutcome.SUCCEEDED
-        assert State("x", terminal=True, outcome="failed").final_outcome is RunOutcome.FAILED
+        assert State("a", handler="a").final_outcome is RunLifecycle.ACTIVE
+        assert State("done", terminal=True).final_outcome is RunLifecycle.SUCCEEDED
+        assert State("x", terminal=True, outcome="failed").final_outcome is RunLifecycle.FAILED
 
     def test_spec_lookups(self):
         spec = linear_spec("building", "verifying")

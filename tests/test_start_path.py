@@ -15,7 +15,7 @@ from fsm_runner.engine.core import StepCore, random_ids
 from fsm_runner.exceptions import JournalError, RunExistsError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sqlite_writes import _INSERT_TRANSITION, _insert_rows
-from fsm_runner.records import RunOutcome, TransitionRecord, format_utc
+from fsm_runner.records import RunLifecycle, TransitionRecord, format_utc
 from fsm_runner.rules.reducer import begin
 from tests.helpers import NEXT, linear_spec
 
@@ -150,7 +150,7 @@ class TestRunParams:
         [
             {},
             {"lease_owner": None, "lease_expires_at": None, "lease_token": 0},
-            {"updated_at": dt.datetime(2026, 11, 25, tzinfo=UTC), "status": RunOutcome.FAILED},
+            {"updated_at": dt.datetime(2026, 11, 25, tzinfo=UTC), "status": RunLifecycle.FAILED},
             {"parent_run_id": "pärent", "forked_from": "run@3", "abort_reason": "stop"},
             {"return_to": "b", "return_attempt": 2, "return_visit": 3, "recoveries": 1},
             {"error": {"type": "E"}, "input": None, "context": {}},

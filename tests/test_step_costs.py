@@ -21,7 +21,7 @@ from fsm_runner.journal.base import Commit
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.replay import check_journal
 from fsm_runner.rules.reducer import advance_plain, take
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 from tests.helpers import NEXT, linear_spec
 
 SPEC = linear_spec("a", "b", name="short")  # a -> b -> done
@@ -39,7 +39,7 @@ async def anoop(_ctx):
 def next_commit(run: RunRecord, *, token: int | None = None) -> Commit:
     """The commit moving ``run`` one state on (a -> b -> done); ``done`` ends it."""
     dest = {"a": "b", "b": "done"}[run.state]
-    status = RunOutcome.SUCCEEDED if dest == "done" else RunOutcome.ACTIVE
+    status = RunLifecycle.SUCCEEDED if dest == "done" else RunLifecycle.ACTIVE
     seq, now = run.seq + 1, utc_now()
     transition = TransitionRecord(
         run.run_id, seq, run.state, NEXT, dest,
@@ -108,7 +108,7 @@ class TestGroupOfDistinctRuns:
             assert [r for i, r in enumerate(results) if i != 1] == [None] * 4
             assert any(s.startswith("SAVEPOINT") for s in statements)  # the fallback ran
             refused = journal.load(fenced.run_id)
-            assert (refused.state, refused.seq, refused.status) == ("b", 1, RunOutcome.ACTIVE)
+            assert (refused.state, refused.seq, refused.status) == ("b", 1, RunLifecycle.ACTIVE)
             assert refused.lease_owner == "w"
             for commit in [c for i, c in enumerate(commits) if i != 1]:
                 stored = journal.load(commit.run.run_id)
@@ -133,7 +133,7 @@ class TestEndedRunsHoldNoLease:
 
     def test_a_plain_step_into_a_terminal_state(self):
         run = self.row("b")
-        transition, after = advance_plain(run, NEXT, "done", RunOutcome.SUCCEEDED, 0.5, AT)
+        transition, after = advance_plain(run, NEXT, "done", RunLifecycle.SUCCEEDED, 0.5, AT)
         assert (after.lease_owner, after.lease_expires_at, after.lease_token) == (None, None, 4)
         assert (transition, after) == take(
             SPEC, run, NEXT, "done", result=None, duration_ms=0.5, at=AT
@@ -141,7 +141,7 @@ class TestEndedRunsHoldNoLease:
 
     def test_a_step_that_does_not_end_the_run_keeps_its_holder(self):
         run = self.row("a")
-        _, after = advance_plain(run, NEXT, "b", RunOutcome.ACTIVE, 0.5, AT)
+        _, after = advance_plain(run, NEXT, "b", RunLifecycle.ACTIVE, 0.5, AT)
         assert (after.lease_owner, after.lease_expires_at) == (
             run.lease_owner,
             run.lease_expires_at,
@@ -155,7 +155,7 @@ class TestEndedRunsHoldNoLease:
             run_id = engine.start()
             ended = engine.run(run_id) if driver == "run" else asyncio.run(engine.arun(run_id))
             stored = journal.load(run_id)
-            assert ended.status is RunOutcome.SUCCEEDED
+            assert ended.status is RunLifecycle.SUCCEEDED
             assert (ended.lease_owner, ended.lease_expires_at) == (None, None)
             assert ended == stored
             engine.close()

@@ -29,7 +29,7 @@ from fsm_runner.engine.async_driver import GroupCommitter
 from fsm_runner.engine.core import StepCore
 from fsm_runner.journal.base import Commit
 from fsm_runner.rules.reducer import advance_plain
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 from tests.helpers import NEXT, iteration_loop_spec, linear_spec
 
 AT = dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
@@ -143,12 +143,12 @@ class TestPlainOutcomes:
                 guards=GUARDS,
             )
             assert "building" not in loop.plain_outcomes
-            assert loop.plain_outcomes["succeeded"] is RunOutcome.SUCCEEDED
+            assert loop.plain_outcomes["succeeded"] is RunLifecycle.SUCCEEDED
             returning = StepCore(
                 returning_spec(), handlers=returning_handlers(asynchronous=False), journal=journal
             )
             assert "fixing" not in returning.plain_outcomes
-            assert returning.plain_outcomes["b"] is RunOutcome.ACTIVE
+            assert returning.plain_outcomes["b"] is RunLifecycle.ACTIVE
 
 
 class TestArunJournalsWhatRunDoes:
@@ -234,7 +234,7 @@ class TestNoNoneBound:
             bound: list[tuple] = []
             commits = []
             for run in runs:
-                transition, after = advance_plain(run, NEXT, "b", RunOutcome.ACTIVE, 0.5, AT)
+                transition, after = advance_plain(run, NEXT, "b", RunLifecycle.ACTIVE, 0.5, AT)
                 commits.append(Commit(after, transition))
                 insert, rows = journal._writer._statements(after, transition, (), (), None)
                 bound.append(insert)
@@ -256,7 +256,7 @@ class TestNoNoneBound:
     def test_a_result_is_stored_as_its_json(self, tmp_path):
         with SqliteJournal(tmp_path / "j.db") as journal:
             engine, (run,) = self.plain_runs(journal, 1)
-            transition, after = advance_plain(run, NEXT, "b", RunOutcome.ACTIVE, 0.5, AT)
+            transition, after = advance_plain(run, NEXT, "b", RunLifecycle.ACTIVE, 0.5, AT)
             transition = attrs.evolve(transition, result={"output": 0})
             assert journal.commit_many([Commit(after, transition)]) == [None]
             assert journal.transitions(run.run_id)[1].result == {"output": 0}
@@ -267,7 +267,7 @@ class TestNoNoneBound:
     @staticmethod
     def next_step(journal, run_id, result):
         run = journal.load(run_id)
-        transition, after = advance_plain(run, NEXT, "done", RunOutcome.SUCCEEDED, 0.5, AT)
+        transition, after = advance_plain(run, NEXT, "done", RunLifecycle.SUCCEEDED, 0.5, AT)
         return after, attrs.evolve(transition, result=result)
 
 
@@ -283,7 +283,7 @@ class TestTheEndOfARun:
         with SqliteJournal(tmp_path / "j.db") as journal:
             engine = Engine(linear_spec("a"), handlers={"a": noop}, journal=journal)
             run = journal.load(engine.start(claim=True))
-            transition, after = advance_plain(run, NEXT, "done", RunOutcome.SUCCEEDED, 0.5, AT)
+            transition, after = advance_plain(run, NEXT, "done", RunLifecycle.SUCCEEDED, 0.5, AT)
             if not same_time:
                 after = attrs.evolve(after, updated_at=AT + dt.timedelta(seconds=1))
             insert, rows = journal._writer._statements(after, transition, (), (), None)
@@ -293,7 +293,7 @@ class TestTheEndOfARun:
             assert journal.commit_many([Commit(after, transition)]) == [None]
             stored = journal.load(run.run_id)
             assert (stored.status, stored.lease_owner, stored.lease_expires_at) == (
-                RunOutcome.SUCCEEDED,
+                RunLifecycle.SUCCEEDED,
                 None,
                 None,
             )
@@ -305,7 +305,7 @@ class TestTheEndOfARun:
             engine = Engine(linear_spec("a"), handlers={"a": noop}, journal=journal)
             run = journal.load(engine.start(claim=True))
             journal._writer._written.clear()  # written by another journal, say: every column
-            transition, after = advance_plain(run, NEXT, "done", RunOutcome.SUCCEEDED, 0.5, AT)
+            transition, after = advance_plain(run, NEXT, "done", RunLifecycle.SUCCEEDED, 0.5, AT)
             _, rows = journal._writer._statements(after, transition, (), (), None)
             assert rows is not None
             assert "context = ?" in rows[0][0]

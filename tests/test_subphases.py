@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import pytest
 
-from fsm_runner import RetryPolicy, RunOutcome, RunRecord, SqliteJournal
+from fsm_runner import RetryPolicy, RunLifecycle, RunRecord, SqliteJournal
 from fsm_runner.presets.subphases import (
     SUBPHASE_NAMES,
     SUBPHASES,
@@ -223,7 +223,7 @@ def test_server_killed_in_a_sub_phase_reenters_that_sub_phase(tmp_path, target):
         transitions = list(h.engine.journal.transitions(run_id))
         history = list(h.supervisor.history)
 
-    assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
+    assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED)
     # Completed sub-phases ran exactly once; the failed one ran again; each is done once.
     assert log_counts(h.log_path, "done") == dict.fromkeys(SUBPHASE_NAMES, 1)
     assert log_counts(h.log_path, "start") == {n: 1 + (n == target) for n in SUBPHASE_NAMES}
@@ -256,7 +256,7 @@ def test_server_that_never_comes_back_fails_the_run_after_the_budget(tmp_path):
         history = list(h.supervisor.history)
     run, transitions = journaled(tmp_path / "journal.db", run_id)
 
-    assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+    assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
     assert run.error is not None
     assert transitions[-1].result is not None
     assert run.error["message"].startswith("restart budget spent: 2 restarts; last: ")
@@ -285,7 +285,7 @@ def test_no_failure_takes_the_same_transitions_as_a_plain_run(tmp_path):
             paths.append(triples(h.engine.journal.transitions(run.run_id)))
             assert (run.state, run.status, h.supervisor.restarts) == (
                 "done",
-                RunOutcome.SUCCEEDED,
+                RunLifecycle.SUCCEEDED,
                 0,
             )
             assert log_counts(h.log_path, "done") == dict.fromkeys(SUBPHASE_NAMES, 1)
@@ -296,7 +296,7 @@ def test_no_failure_takes_the_same_transitions_as_a_plain_run(tmp_path):
 def test_a_sub_phase_the_server_fails_fails_the_run(tmp_path):
     with harness(tmp_path) as h:
         run = h.run(h.start({"fail": {"codeql": "analysis broke"}}))
-        assert (run.state, run.status) == ("failed", RunOutcome.FAILED)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
         assert run.error is not None
         assert "analysis broke" in run.error["message"]
         assert triples(h.engine.journal.transitions(run.run_id))[-1] == (
@@ -324,7 +324,7 @@ def test_runner_killed_in_1b_resumes_at_1b_in_a_new_process(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     run_id = stdout.split()[0]
     killed, before = journaled(journal, run_id)
-    assert (killed.state, killed.seq, killed.status) == ("1b", 1, RunOutcome.ACTIVE)
+    assert (killed.state, killed.seq, killed.status) == ("1b", 1, RunLifecycle.ACTIVE)
 
     resumed = spawn(*common, "resume", run_id)
     stdout, stderr = reap(resumed)
@@ -332,7 +332,7 @@ def test_runner_killed_in_1b_resumes_at_1b_in_a_new_process(tmp_path):
     assert stdout.split() == [run_id, "done", "succeeded"]
 
     run, transitions = journaled(journal, run_id)
-    assert (run.state, run.status) == ("done", RunOutcome.SUCCEEDED)
+    assert (run.state, run.status) == ("done", RunLifecycle.SUCCEEDED)
     assert transitions[: len(before)] == before
     assert transitions[len(before)].from_state == "1b"
     assert triples(transitions) == [
@@ -365,7 +365,7 @@ def test_signal_in_1b_journals_interrupted_and_resume_finishes_from_1b(tmp_path,
     assert gone(server_pid)  # the harness stopped its server on the way out
     run_id = stdout.split()[0]
     run, transitions = journaled(journal, run_id)
-    assert (run.state, run.status, run.attempt) == ("1b", RunOutcome.ACTIVE, 2)
+    assert (run.state, run.status, run.attempt) == ("1b", RunLifecycle.ACTIVE, 2)
     assert triples(transitions)[-1] == ("1b", "INTERRUPTED", "1b")
 
     resumed = spawn(*common, "resume", run_id)

@@ -85,7 +85,7 @@ from fsm_runner import (
     JournalError,
     MachineSpec,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     RunTerminalError,
     SqliteJournal,
     State,
@@ -403,7 +403,7 @@ class AsyncWorker:
         try:
             while True:
                 done = flag.exists()  # before the runs are listed: none is started after it
-                active = self.journal.runs(machine=SPEC.name, status=RunOutcome.ACTIVE)
+                active = self.journal.runs(machine=SPEC.name, status=RunLifecycle.ACTIVE)
                 if done and not active:
                     break
                 own: list[str] = []
@@ -987,7 +987,7 @@ def check_executions(
             checked.taken_over.append(run_id)
         path = [(t.from_state, t.event, t.to_state) for t in transitions]
         want = expected_path(run_input)
-        want_status = RunOutcome.SUCCEEDED if want[-1][2] == "published" else RunOutcome.FAILED
+        want_status = RunLifecycle.SUCCEEDED if want[-1][2] == "published" else RunLifecycle.FAILED
         if (run.state, run.status) != (want[-1][2], want_status):
             problems.append(
                 f"run {run_id}: ended {run.state}/{run.status}, expected {want[-1][2]}/{want_status}"

@@ -15,7 +15,7 @@ import attrs
 
 from fsm_runner.diagrams.graph import HISTORY, Composite, Edge, Graph, Node
 from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, RunOutcome, State, Transition
+from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, RunLifecycle, State, Transition
 
 _HISTORY_LABEL = "H*"
 
@@ -123,13 +123,13 @@ def _taken(spec: MachineSpec, keyed: _Keyed, record: TransitionRecord) -> int | 
 
 #: Run statuses drawn as a failure: failed, and parked by recovery (``dead_letter``, by value:
 #: the status is newer than some journals).
-_FAILED_STATUSES = frozenset({RunOutcome.FAILED.value, "dead_letter"})
+_FAILED_STATUSES = frozenset({RunLifecycle.FAILED.value, "dead_letter"})
 
 
 def _failed_state(
     spec: MachineSpec,
     current: str | None,
-    status: RunOutcome | None,
+    status: RunLifecycle | None,
     timeline: Sequence[TransitionRecord],
 ) -> str | None:
     """Where a failed run failed: the state the transition into its current state left."""

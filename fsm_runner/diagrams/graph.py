@@ -11,7 +11,7 @@ from typing import Literal
 
 import attrs
 
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 #: Name of the top-level history node (a RETURN whose target lies in no single composite).
 #: A composite's own is ``"$history:<composite>"``; ``$`` never starts a state name.
@@ -50,7 +50,7 @@ class Node:
     label: str = attrs.field(default=attrs.Factory(lambda self: self.name, takes_self=True))
     kind: NodeKind = "state"
     terminal: bool = False
-    outcome: RunOutcome | None = None
+    outcome: RunLifecycle | None = None
     parent: str | None = None
     description: str = ""
     visited: bool = False

@@ -82,7 +82,7 @@ from fsm_runner.rules.reducer import (
     take,
     writes_iterations,
 )
-from fsm_runner.spec import RETURN, MachineSpec, RunOutcome
+from fsm_runner.spec import RETURN, MachineSpec, RunLifecycle
 
 __all__ = [
     "PLAIN_RETURNS",
@@ -197,7 +197,7 @@ class StepCore:
         #: The states a plain step (:func:`~fsm_runner.rules.reducer.advance_plain`) may
         #: enter, each with the run's status there: neither a state that starts an iteration
         #: nor one with a RETURN exit. One lookup a step instead of reading both off the state.
-        self.plain_outcomes: dict[str, RunOutcome] = {
+        self.plain_outcomes: dict[str, RunLifecycle] = {
             name: state.final_outcome
             for name, state in self.states.items()
             if not state.starts_iteration and name not in spec.returning_states

@@ -27,7 +27,7 @@ from fsm_runner.records import (
     TransitionRecord,
     structure,
 )
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = ["SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
 
@@ -311,7 +311,7 @@ class SqlCore:
         self,
         *,
         machine: str | None = None,
-        status: RunOutcome | str | None = None,
+        status: RunLifecycle | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
@@ -339,7 +339,7 @@ class SqlCore:
             params += now_params
         for column, value in (
             ("machine", machine),
-            ("status", RunOutcome(status).value if status is not None else None),
+            ("status", RunLifecycle(status).value if status is not None else None),
             ("parent_run_id", parent_run_id),
             ("state", state),
         ):

@@ -39,7 +39,7 @@ from fsm_runner.records import (
     format_utc,
     utc_now,
 )
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = ["PUT_EFFECT", "SqliteWriter", "prune"]
 
@@ -102,7 +102,7 @@ _dumps = _rows.dumps
 #: The run row's lease holder, set to NULL when the run ends (its token stays).
 _NO_HOLDER = ("lease_owner", "lease_expires_at")
 #: A run's status while it has not ended.
-_ACTIVE = RunOutcome.ACTIVE
+_ACTIVE = RunLifecycle.ACTIVE
 
 
 def _update_run_row(columns: Sequence[str], bound: int) -> str:

@@ -32,7 +32,7 @@ from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
 )
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = [
     "Commit",
@@ -121,7 +121,7 @@ def renewals(
         result[run_id] = Renewal(
             renewed=holder == owner and stored_token == token,
             abort_reason=reason,
-            ended=status != RunOutcome.ACTIVE.value,
+            ended=status != RunLifecycle.ACTIVE.value,
         )
     return result
 
@@ -265,7 +265,7 @@ class Journal(Protocol):
         self,
         *,
         machine: str | None = None,
-        status: RunOutcome | str | None = None,
+        status: RunLifecycle | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,

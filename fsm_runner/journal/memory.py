@@ -43,7 +43,7 @@ from fsm_runner.records import (
     unstructure,
     utc_now,
 )
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = ["MemoryJournal"]
 
@@ -329,7 +329,7 @@ class MemoryJournal:
         self,
         *,
         machine: str | None = None,
-        status: RunOutcome | str | None = None,
+        status: RunLifecycle | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
@@ -359,7 +359,7 @@ class MemoryJournal:
             ordered = ordered[ids.index(before) + 1 :] if before in ids else []
         wanted = {
             "machine": machine,
-            "status": RunOutcome(status) if status is not None else None,
+            "status": RunLifecycle(status) if status is not None else None,
             "parent_run_id": parent_run_id,
             "state": state,
         }

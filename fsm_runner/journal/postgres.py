@@ -82,7 +82,7 @@ from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
 )
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = [
     "DEFAULT_RETRY_FOR",
@@ -560,7 +560,7 @@ class PostgresJournal:
         self,
         *,
         machine: str | None = None,
-        status: RunOutcome | str | None = None,
+        status: RunLifecycle | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,

@@ -38,7 +38,7 @@ from fsm_runner.records import (
     format_utc,
     utc_now,
 )
-from fsm_runner.spec import RunOutcome
+from fsm_runner.spec import RunLifecycle
 
 __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "SqliteJournal"]
 
@@ -464,7 +464,7 @@ class SqliteJournal:
         self,
         *,
         machine: str | None = None,
-        status: RunOutcome | str | None = None,
+        status: RunLifecycle | str | None = None,
         parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,

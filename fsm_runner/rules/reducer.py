@@ -33,7 +33,7 @@ from fsm_runner.records import (
     positional_builder,
 )
 from fsm_runner.rules.classify import StepKind, abort_stops, leaf
-from fsm_runner.spec import RETURN, MachineSpec, RunOutcome, State
+from fsm_runner.spec import RETURN, MachineSpec, RunLifecycle, State
 
 __all__ = [
     "ACTIVE",
@@ -61,7 +61,7 @@ _new_run = positional_builder(RunRecord)
 _new_transition = positional_builder(TransitionRecord)
 #: Read once: an enum member looked up on its class costs ~70 ns (Python 3.11), once a step
 #: (the drivers and the commit planner read it from here too).
-ACTIVE = RunOutcome.ACTIVE
+ACTIVE = RunLifecycle.ACTIVE
 
 
 def begin(spec: MachineSpec, run: RunRecord, transition: TransitionRecord) -> RunRecord:
@@ -238,13 +238,13 @@ def _visit(
     return 1, seq, None, 0, 0
 
 
-def _status(entered: State | None, kind: StepKind) -> RunOutcome:
+def _status(entered: State | None, kind: StepKind) -> RunLifecycle:
     """The run's status after the step: a stop or a park ends it where it stands."""
     if kind == "stop":
-        return RunOutcome.ABORTED
+        return RunLifecycle.ABORTED
     if kind == "park":
-        return RunOutcome.DEAD_LETTER
-    return RunOutcome.ACTIVE if entered is None else entered.final_outcome
+        return RunLifecycle.DEAD_LETTER
+    return RunLifecycle.ACTIVE if entered is None else entered.final_outcome
 
 
 def _from_result(
@@ -339,7 +339,7 @@ def advance_plain(  # noqa: PLR0917 - positional on purpose: the hot path
     run: RunRecord,
     event: str,
     dest: str,
-    status: RunOutcome,
+    status: RunLifecycle,
     duration_ms: float,
     at: dt.datetime,
 ) -> tuple[TransitionRecord, RunRecord]:

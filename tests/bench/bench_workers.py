@@ -53,7 +53,7 @@ from fsm_runner import (  # noqa: E402 - after the sys.path set-up above
     MachineSpec,
     PhaseContext,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     SqliteJournal,
     State,
     Transition,
@@ -274,7 +274,7 @@ def _drain(
     finally:
         journal.close()
     transitions = count_transitions(location, postgres)
-    succeeded = sum(1 for run in finished if run.status is RunOutcome.SUCCEEDED)
+    succeeded = sum(1 for run in finished if run.status is RunLifecycle.SUCCEEDED)
     claimed_once = sum(1 for run in finished if (run.lease_token, run.recoveries) == (1, 0))
     return {
         "workers": workers,

@@ -48,7 +48,7 @@ from fsm_runner import (
     PhaseStatus,
     RetryPolicy,
     RunEvent,
-    RunOutcome,
+    RunLifecycle,
     RunRecord,
     State,
     Transition,
@@ -429,7 +429,7 @@ def _drive(options: _Options, pick: Callable[[Harness], str], must_exist: bool) 
     finally:
         journal.close()
     click.echo(f"{run.state} {run.status.value}")
-    if run.status is not RunOutcome.SUCCEEDED:
+    if run.status is not RunLifecycle.SUCCEEDED:
         reason = (run.error or {}).get("message") or run.status.value
         click.echo(f"Error: run {run.run_id} {run.status.value}: {reason}", err=True)
         sys.exit(EXIT_FAILURE)
