@@ -51,12 +51,11 @@ PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
 
 
 class RunLifecycle(str, enum.Enum):
-    """Where a run is in its life: the status a :class:`~fsm_runner.records.RunRecord` carries.
+    """Where a run is in its life: the status a ``RunRecord`` carries.
 
-    ``active`` until it ends; then how it ended, which is the outcome of the terminal state it
-    reached (``succeeded``, ``failed``, ``aborted``: what ``State(outcome=...)`` may say), or
-    ``dead_letter`` when recovery parked it. (It was called ``RunOutcome``, a name that said
-    less than it holds: ``active`` and ``dead_letter`` are no state's outcome.)
+    ``active`` until it ends; then the outcome of its terminal state (``succeeded``, ``failed``,
+    ``aborted``: what ``State(outcome=...)`` may say), or ``dead_letter`` when recovery parked
+    it. (It was ``RunOutcome``, but ``active`` and ``dead_letter`` are no state's outcome.)
     """
 
     ACTIVE = "active"
