@@ -1,4 +1,4 @@
-"""The eight invariants of DESIGN.md, one test class each; every one fails if its invariant breaks."""
+"""The eight invariants of docs/design.md, one test class each; every one fails if its invariant breaks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests: random valid specs, random scripts, random crash points (DESIGN.md invariants).
+"""Property tests: random valid specs, random scripts, random crash points (the invariants of docs/design.md).
 
 1. :class:`TestRandomRuns` plays a random script (events, statuses, overrun timeouts, handler
    failures, Ctrl-C, refused events, junk results, external events, aborts, rewinds) on a

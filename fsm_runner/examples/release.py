@@ -1,4 +1,4 @@
-"""A four-phase release job, journaled in ``./fsm-runner.db``: the README's first command.
+"""A four-phase release job, journaled in ``./fsm-runner.db``: the README's tour runs it.
 
 ``fetching → building → testing → publishing → published``. Each phase does real work in the
 run's own directory of the workspace (``WORKSPACE/RUN_ID``): it fetches the sources (journaled
