@@ -426,3 +426,22 @@ def iteration_loop_spec() -> MachineSpec:
             Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
         ],
     )  # fmt: skip
+
+
+class Counting:
+    """A journal wrapper counting the calls made to it (by the engine), by name."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        value = getattr(self.inner, name)
+        if callable(value):
+
+            def counted(*args, **kwargs):
+                self.calls.append(name)
+                return value(*args, **kwargs)
+
+            return counted
+        return value

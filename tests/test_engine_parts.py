@@ -15,7 +15,7 @@ from fsm_runner import Engine, MemoryJournal, RunLifecycle
 from fsm_runner.engine.async_driver import AsyncDriver
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.exceptions import PayloadError
-from tests.helpers import NEXT, linear_spec
+from tests.helpers import NEXT, Counting, linear_spec
 
 SPEC = linear_spec("a", "b", name="parts")
 
@@ -26,25 +26,6 @@ def noop(_ctx):
 
 async def anoop(_ctx):
     return NEXT
-
-
-class Counting:
-    """A journal wrapper counting the calls made to it, by name."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        value = getattr(self.inner, name)
-        if callable(value):
-
-            def counted(*args, **kwargs):
-                self.calls.append(name)
-                return value(*args, **kwargs)
-
-            return counted
-        return value
 
 
 class TestSettingsApplyAtOnce:

@@ -35,7 +35,7 @@ from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.exceptions import LeaseHeldError, PayloadError, RunExistsError
 from fsm_runner.journal.base import Renewal
 from fsm_runner.replay import verify
-from tests.helpers import NEXT, linear_spec
+from tests.helpers import NEXT, Counting, linear_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,25 +48,6 @@ def noop(_ctx):
 
 async def anoop(_ctx):
     return NEXT
-
-
-class Counting:
-    """A journal wrapper counting the calls the engine makes to it, by name."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls: list[str] = []
-
-    def __getattr__(self, name):
-        value = getattr(self.inner, name)
-        if callable(value):
-
-            def counted(*args, **kwargs):
-                self.calls.append(name)
-                return value(*args, **kwargs)
-
-            return counted
-        return value
 
 
 def engine_for(journal, **options) -> Engine:
