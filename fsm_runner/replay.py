@@ -31,6 +31,7 @@ taken from the run given.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -38,6 +39,9 @@ from typing import Any
 
 import attrs
 
+from fsm_runner._check_pool import Found as _Found
+from fsm_runner._check_pool import Problem as _Problem
+from fsm_runner._check_pool import check_ranges
 from fsm_runner._convert import format_utc
 from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
@@ -60,11 +64,14 @@ from fsm_runner.rules.reducer import advance, begin
 from fsm_runner.spec import MachineSpec, RunLifecycle, State
 
 __all__ = [
+    "CHECK_CHUNK",
+    "CheckReport",
     "Replay",
     "ReplayStep",
     "SpecSource",
     "StepKind",
     "check_journal",
+    "check_runs",
     "journal_specs",
     "read_run",
     "replay",
@@ -286,42 +293,172 @@ def replay_run(journal: Journal, run_id: str, *, to_seq: int | None = None) -> R
     )
 
 
-def check_journal(journal: Journal) -> list[str]:
+#: Runs one bulk read takes (and one task of a parallel check): enough that the reads are
+#: long range scans in key order, few enough that a task's rows stay small in memory.
+CHECK_CHUNK = 2000
+
+
+@attrs.frozen
+class CheckReport:
+    """What :func:`check_runs` found.
+
+    Attributes:
+        problems: one readable line per problem (see :func:`check_journal`).
+        runs: how many runs were checked.
+    """
+
+    problems: tuple[str, ...]
+    runs: int
+
+
+def check_journal(
+    journal: Journal,
+    *,
+    run_ids: Sequence[str] | None = None,
+    since: dt.datetime | None = None,
+    jobs: int = 1,
+    chunk: int = CHECK_CHUNK,
+) -> list[str]:
     """Replay every run of a journal; one line per run that does not replay (invariants 1, 2, 8).
 
-    Runs are read one at a time (their transitions, then the row), so a big journal is never
-    held in memory beyond its run ids and one run's timeline; a run advanced by a live writer
-    meanwhile is read consistently. A run whose row or spec cannot be read is one problem
-    too. Where the journal can check its medium (``integrity_problems()``), those problems
-    come first.
+    Runs are read a chunk at a time (their transitions, then the rows), so a big journal is
+    never held in memory beyond its run keys and one chunk per process; a run advanced by a
+    live writer meanwhile is read consistently. A run whose row or spec cannot be read is one
+    problem too. Where the journal can check its medium (``integrity_problems()``), those
+    problems come first.
 
     Args:
         journal: the journal to check.
+        run_ids: check only these runs (full ids).
+        since: check only the runs updated (their last transition) at or after this time.
+        jobs: processes to check in (see :func:`check_runs`).
+        chunk: runs a range (see :func:`check_runs`).
 
     Returns:
         One readable line per problem (``run ID at seq N: replay expected ..., the journal
         has ...``); empty when every run replays exactly. Runs that cannot be read for the
         same reason (a damaged spec they share, a damaged schema) are one line together.
     """
-    problems: list[str | tuple[str, str]] = []
+    report = check_runs(journal, run_ids=run_ids, since=since, jobs=jobs, chunk=chunk)
+    return list(report.problems)
+
+
+def check_runs(
+    journal: Journal,
+    *,
+    run_ids: Sequence[str] | None = None,
+    since: dt.datetime | None = None,
+    jobs: int = 1,
+    chunk: int = CHECK_CHUNK,
+    progress: Callable[[int, int], None] | None = None,
+) -> CheckReport:
+    """Check a journal (see :func:`check_journal`), in ``jobs`` processes; say how many runs.
+
+    A SQL journal's runs are cut into ranges of :data:`CHECK_CHUNK` runs in the order of the
+    transitions' key (``run_key`` on SQLite, ``run_id`` on PostgreSQL), so each range is two
+    reads in index order. With ``jobs`` > 1 the ranges are checked in a pool of processes
+    (started with ``spawn``: no journal crosses a fork), each opening the journal again
+    (``journal.opener()``) with a larger page cache; the runs' problems are then sorted by
+    run id, the order the check of one run after another gives, so the lines are the same
+    whatever ``jobs``. A memory journal, ``run_ids`` and a journal that cannot be read in
+    ranges (a damaged ``runs`` view) are checked one run at a time, in this process.
+
+    Args:
+        journal: the journal to check.
+        run_ids: check only these runs (full ids).
+        since: check only the runs updated (their last transition) at or after this time.
+        jobs: processes to check in; 1 (or a journal with one range) checks in this one.
+        chunk: runs a range (one bulk read, one task of the pool).
+        progress: called with (runs checked since the last call, runs to check) as ranges end.
+
+    Returns:
+        The problems and the number of runs checked.
+
+    Raises:
+        ValueError: ``chunk`` is less than 1.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, not {chunk}")
+    problems: list[_Problem] = []
     integrity = getattr(journal, "integrity_problems", None)
     if callable(integrity):
         problems.extend(_one_line(str(problem)) for problem in integrity())
-    specs: dict[str, MachineSpec | str] = {}
+    found: _Found | None = None
+    if run_ids is None and callable(getattr(journal, "read_runs", None)):
+        found, count = check_ranges(
+            journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress
+        )
+    if found is None:
+        ids = journal.run_ids("", limit=sys.maxsize) if run_ids is None else sorted(set(run_ids))
+        found, count = _check_each(journal, ids, since=since, chunk=chunk, progress=progress)
+    found.sort(key=lambda pair: pair[0])  # the order of the runs' ids, as run_ids lists them
     unreadable: dict[tuple[str, str], list[str]] = {}  # (what, why) -> the runs, in order
-    for run_id in journal.run_ids("", limit=sys.maxsize):
-        problem = _check_run(journal, run_id, specs)
+    for run_id, problem in found:
         if isinstance(problem, tuple):
             if problem not in unreadable:
                 unreadable[problem] = []
                 problems.append(problem)
             unreadable[problem].append(run_id)
-        elif problem is not None:
+        else:
             problems.append(_one_line(problem))
-    return [
+    lines = tuple(
         problem if isinstance(problem, str) else _runs_line(unreadable[problem], *problem)
         for problem in problems
-    ]
+    )
+    return CheckReport(problems=lines, runs=count)
+
+
+def _check_each(
+    journal: Journal,
+    run_ids: Sequence[str],
+    *,
+    since: dt.datetime | None,
+    chunk: int,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[_Found, int]:
+    """Check the runs one at a time, as the serial check always did."""
+    specs: dict[str, MachineSpec | str] = {}
+    found: _Found = []
+    count = 0
+    for done, run_id in enumerate(run_ids, 1):
+        if since is not None and not _updated_since(journal, run_id, since):
+            continue
+        count += 1
+        problem = _check_run(journal, run_id, specs)
+        if problem is not None:
+            found.append((run_id, problem))
+        if progress is not None and (done % chunk == 0 or done == len(run_ids)):
+            progress(chunk if done % chunk == 0 else done % chunk, len(run_ids))
+    return found, count
+
+
+def _updated_since(journal: Journal, run_id: str, since: dt.datetime) -> bool:
+    try:
+        return journal.load(run_id).updated_at >= since
+    except RunNotFoundError:
+        return False
+    except FsmRunnerError:
+        return True  # an unreadable run: its check says why
+
+
+def _check_range(
+    journal: Any,
+    first: Any,
+    last: Any,
+    since: dt.datetime | None,
+    specs: dict[str, MachineSpec | str],
+) -> tuple[_Found, int] | None:
+    """The problems of the runs in one key range, and how many; ``None`` if it cannot be read."""
+    try:
+        reads = journal.read_runs(first, last, since=since)
+    except FsmRunnerError:
+        return None
+    found: _Found = []
+    for run_id, read in reads:
+        problem = _check_read(journal, run_id, read, specs)
+        if problem is not None:
+            found.append((run_id, problem))
+    return found, len(reads)
 
 
 def _runs_line(run_ids: Sequence[str], what: str, why: str) -> str:
@@ -340,14 +477,29 @@ def _one_line(text: str) -> str:
 
 def _check_run(
     journal: Journal, run_id: str, specs: dict[str, MachineSpec | str]
-) -> str | tuple[str, str] | None:
+) -> _Problem | None:
     """The run's problem: a line, or (what, why) when it cannot be read; ``None`` if none."""
     try:
-        timeline, run = read_run(journal, run_id, to_seq=None)
+        read: tuple[list[TransitionRecord], RunRecord] | FsmRunnerError = read_run(
+            journal, run_id, to_seq=None
+        )
     except RunNotFoundError:
         return None  # pruned since the ids were listed
     except FsmRunnerError as exc:  # an unreadable row: this run's problem, not the check's
-        return "cannot be read", str(exc)
+        read = exc
+    return _check_read(journal, run_id, read, specs)
+
+
+def _check_read(
+    journal: Journal,
+    run_id: str,
+    read: tuple[list[TransitionRecord], RunRecord] | FsmRunnerError,
+    specs: dict[str, MachineSpec | str],
+) -> _Problem | None:
+    """The problem of a run read (its transitions and row, or why they cannot be read)."""
+    if isinstance(read, FsmRunnerError):
+        return "cannot be read", str(read)
+    timeline, run = read
     spec = specs.get(run.spec_hash)
     if spec is None:
         try:

@@ -2,35 +2,123 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
+import math
 import re
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 
-from fsm_runner.cli.errors import EXIT_FAILURE, FiniteFloatRange, fail
+from fsm_runner.cli.errors import EXIT_FAILURE, EXIT_USAGE, FiniteFloatRange, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import json_dump, plural
 from fsm_runner.cli.report import artifact_summary
 
+#: A ``--since`` duration: a number and a unit (seconds, minutes, hours, days, weeks).
+_DURATION = re.compile(r"(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[smhdw])", re.IGNORECASE)
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+#: As far back as ``prune --older-than`` reaches: a thousand years.
+_MAX_DAYS = 365_000
+
+
+def parse_since(value: str) -> dt.datetime:
+    """The time ``--since`` names: an ISO date/time (UTC unless it says), ``7d``, or DAYS.
+
+    A bare number is days, as ``prune --older-than`` takes them; ``30m``, ``12h``, ``7d``,
+    ``2w`` are a duration back from now.
+
+    Raises:
+        ValueError: not one of those, NaN, infinite, or more than a thousand years back.
+    """
+    from fsm_runner.records import utc_now
+
+    text = value.strip()
+    match = _DURATION.fullmatch(text)
+    try:
+        days = float(text) if match is None else None
+    except ValueError:
+        days = None
+    if match is not None or days is not None:
+        if match is not None:
+            days = float(match["n"]) * _UNIT_SECONDS[match["unit"].lower()] / 86400
+        assert days is not None
+        if not math.isfinite(days) or not 0 <= days <= _MAX_DAYS:
+            raise ValueError(f"{value!r} is not a time back from now of 0 to {_MAX_DAYS} days")
+        return utc_now() - dt.timedelta(days=days)
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is neither an ISO date/time (2026-11-20, 2026-11-20T08:00Z) nor a"
+            " duration (30m, 12h, 7d, 2w, or DAYS)"
+        ) from None
+    return (
+        when.replace(tzinfo=dt.timezone.utc)
+        if when.tzinfo is None
+        else when.astimezone(dt.timezone.utc)
+    )
+
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the problems as JSON.")
+@click.option(
+    "--run",
+    "run_ids",
+    multiple=True,
+    metavar="RUN",
+    help="Check only this run (an id or a unique prefix); repeatable.",
+)
+@click.option(
+    "--since",
+    metavar="WHEN",
+    help="Check only the runs updated (their last transition) since WHEN: an ISO date/time"
+    " (UTC unless it says) or a duration back from now (30m, 12h, 7d, 2w; a bare number is days).",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1, max=1024),
+    default=None,
+    metavar="N",
+    help="Processes to replay the runs in (default: the CPU count; 1: in this one).",
+)
 @click.pass_obj
-def check(state: CliState, as_json: bool) -> None:
-    """Check the journal's integrity, and replay every run through its spec.
+def check(
+    state: CliState, as_json: bool, run_ids: tuple[str, ...], since: str | None, jobs: int | None
+) -> None:
+    """Check the journal's integrity, and replay every run through its stored spec.
 
-    SQLite's own integrity check and dangling rows, then for every run: seqs gapless from 0
-    (invariant 2), the run row equal to its last transition (1) and to what replaying its
-    transitions gives (8). Exits 1 with a list of problems, one per line.
+    SQLite's own integrity check, the schema and dangling rows, then for every run (or those
+    --run and --since select): seqs gapless from 0 (invariant 2), the run row equal to its
+    last transition (1) and to what replaying its transitions gives (8). The runs are
+    replayed in --jobs processes, a range of runs each. Exits 1 with a list of problems, one
+    per line; a progress bar on stderr when it is a terminal.
     """
-    from fsm_runner.replay import check_journal
+    import os
 
+    from fsm_runner.replay import check_runs
+
+    when = None
+    if since is not None:
+        try:
+            when = parse_since(since)
+        except ValueError as exc:
+            fail(f"--since: {exc}", EXIT_USAGE)
     journal = state.journal()
-    problems = check_journal(journal)
-    count = len(journal.run_ids("", limit=sys.maxsize))
+    selected = [resolve_run_id(journal, run_id) for run_id in run_ids] if run_ids else None
+    with _progress_bar() as progress:
+        report = check_runs(
+            journal,
+            run_ids=selected,
+            since=when,
+            jobs=jobs if jobs is not None else os.cpu_count() or 1,
+            progress=progress,
+        )
+    problems, count = list(report.problems), report.runs
     if as_json:
         json_dump({"journal": journal.location, "runs": count, "problems": problems})
     elif problems:
@@ -41,6 +129,28 @@ def check(state: CliState, as_json: bool) -> None:
         click.echo(f"journal {journal.location}: {count} runs checked, no problems")
     if problems:
         sys.exit(EXIT_FAILURE)
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Callable[[int, int], None] | None]:
+    """A progress callback drawing click's bar on stderr, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    bars: list[Any] = []
+
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(
+                click.progressbar(length=total, label="checking runs", file=sys.stderr).__enter__()
+            )
+        bars[0].update(done)
+
+    try:
+        yield progress
+    finally:
+        if bars:
+            bars[0].__exit__(None, None, None)
 
 
 @click.command()

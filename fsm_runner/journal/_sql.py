@@ -17,7 +17,13 @@ from typing import Any, Protocol, TypeVar
 
 import attrs
 
-from fsm_runner.exceptions import JournalError, LeaseLostError, RunConflictError, RunNotFoundError
+from fsm_runner.exceptions import (
+    FsmRunnerError,
+    JournalError,
+    LeaseLostError,
+    RunConflictError,
+    RunNotFoundError,
+)
 from fsm_runner.journal import _rows
 from fsm_runner.records import (
     ArtifactRecord,
@@ -29,12 +35,15 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RunLifecycle
 
-__all__ = ["SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
+__all__ = ["RunRead", "SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
 
 T = TypeVar("T")
 
 #: Run ids in one ``IN (...)`` list (under SQLite's oldest default limit of 999 variables).
 _IDS_A_STATEMENT = 500
+#: One run as a bulk read gives it: its id, then its transitions and row, or why they
+#: cannot be read.
+RunRead = tuple[str, "tuple[list[TransitionRecord], RunRecord] | FsmRunnerError"]
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
 _ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
@@ -233,6 +242,73 @@ class SqlCore:
             data["result"] = self._loads(data["result"])
             records.append(self._structure(data, TransitionRecord))
         return records
+
+    # -- bulk reads (check) --------------------------------------------------------------------
+
+    def check_keys(self, key: str, *, since: dt.datetime | None) -> list[Any]:
+        """Every run's ``key`` (the transitions' key of a run), in order (see the journals').
+
+        With ``since``, of the runs updated at or after it: the ``runs`` view's (or table's)
+        ``updated_at``, which no index serves; without, the run rows' key index alone.
+        """
+        m, params = self.dialect.mark, list[Any]()
+        query = f"SELECT {key} FROM {self.dialect.run_table}"
+        if since is not None:
+            query, params = f"SELECT {key} FROM runs WHERE updated_at >= {m}", [self._stamp(since)]
+        _, rows = self._select(f"{query} ORDER BY {key}", params, damaged=since is None)
+        return [row[0] for row in rows]
+
+    def read_runs(
+        self,
+        key: str,
+        transition_select: str,
+        first: Any,
+        last: Any,
+        *,
+        since: dt.datetime | None,
+        more: Callable[[str, int, int], list[TransitionRecord]],
+    ) -> list[RunRead]:
+        """The runs whose ``key`` is in ``[first, last]`` (updated since ``since``), in order.
+
+        Two range reads in the primary keys' order, the transitions then the rows (as
+        :func:`fsm_runner.replay.read_run` reads one run); each run as reading it alone gives
+        it: a row that moved on meanwhile gets the transitions it is ahead by from
+        ``more(run_id, from, to)``, its transitions are decoded before its row (an unreadable
+        one is the same error), and a run pruned meanwhile is left out.
+        """
+        m = self.dialect.mark
+        where, params = f"{key} BETWEEN {m} AND {m}", [first, last]
+        transition_names, transition_rows = self._select(
+            f"SELECT {transition_select} FROM transitions WHERE {where} ORDER BY {key}, seq",
+            params,
+        )
+        if since is not None:
+            where += f" AND updated_at >= {m}"
+            params.append(self._stamp(since))
+        run_names, run_rows = self._select(
+            f"SELECT {self.dialect.run_select} FROM runs WHERE {where} ORDER BY {key}", params
+        )
+        at = list(transition_names).index(key)
+        grouped: dict[Any, list[Sequence[Any]]] = {}
+        for row in transition_rows:
+            grouped.setdefault(row[at], []).append(row)
+        reads: list[RunRead] = []
+        for row in run_rows:
+            data = dict(zip(run_names, row, strict=True))
+            run_id = str(data["run_id"])
+            try:
+                timeline = self.transition_records(transition_names, grouped.get(data[key], ()))
+                run = self.decode_run(data)
+                last = timeline[-1].seq if timeline else -1
+                if run.seq > last:
+                    timeline += more(run_id, last + 1, run.seq)
+            except RunNotFoundError:
+                continue  # pruned since the rows were read
+            except FsmRunnerError as exc:
+                reads.append((run_id, exc))
+                continue
+            reads.append((run_id, (timeline, run)))
+        return reads
 
     # -- reads ---------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ the claims, reads and operations that are PostgreSQL's own.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ from fsm_runner.journal._postgres_writes import (
     PostgresWriter,
     utc,
 )
-from fsm_runner.journal._sql import SqlCore, SqlDialect, bind_hot_path
+from fsm_runner.journal._sql import RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal.base import (
     Commit,
     Durability,
@@ -165,6 +166,7 @@ class PostgresJournal:
         if durability not in ("process", "power"):
             raise ValueError(f"durability must be 'process' or 'power', not {durability!r}")
         self.durability: Durability = durability
+        self._url = url  # for opener(): another process's own connection
         self._connection = connection = PostgresConnection(url, schema=schema, retry_for=retry_for)
         self.schema: str = connection.schema
         try:
@@ -527,6 +529,28 @@ class PostgresJournal:
             ).fetchall()
 
         return self._core.transition_records(TRANSITION_COLUMNS, self._connection.call(work))
+
+    # -- bulk reads (check) --------------------------------------------------------------------
+
+    def check_keys(self, *, since: dt.datetime | None = None) -> list[str]:
+        """Every run's id (the transitions' key) in order; with ``since``, runs updated since."""
+        return [str(key) for key in self._core.check_keys("run_id", since=since)]
+
+    def read_runs(
+        self, first: str, last: str, *, since: dt.datetime | None = None
+    ) -> list[RunRead]:
+        """The runs with ``first <= run_id <= last``, each read whole (``SqlCore.read_runs``)."""
+
+        def more(run_id: str, start: int, end: int) -> list[TransitionRecord]:
+            return self.transitions(run_id, from_seq=start, to_seq=end)
+
+        columns = ", ".join(TRANSITION_COLUMNS)
+        return self._core.read_runs("run_id", columns, first, last, since=since, more=more)
+
+    def opener(self) -> Callable[[], PostgresJournal]:
+        """Opens this journal again, only to read it (picklable: for another process)."""
+        url, schema = self._url, self.schema
+        return functools.partial(PostgresJournal, url, schema=schema, create=False)
 
     # -- what both SQL journals share (SqlCore's) ----------------------------------------------
 

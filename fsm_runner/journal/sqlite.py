@@ -16,6 +16,7 @@ and operations that are SQLite's own; the file checks are functions in
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import sqlite3
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -24,7 +25,7 @@ from typing import Any
 
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _lease, _sqlite_check, _sqlite_writes
-from fsm_runner.journal._sql import _IDS_A_STATEMENT, SqlCore, SqlDialect, bind_hot_path
+from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
 from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
@@ -227,6 +228,32 @@ class SqliteJournal:
             names = [column[0] for column in cursor.description]
             rows = cursor.fetchall()
         return self._core.transition_records(names, rows)
+
+    # -- bulk reads (check) --------------------------------------------------------------------
+
+    def check_keys(self, *, since: dt.datetime | None = None) -> list[int]:
+        """Every run's ``run_key`` in order; with ``since``, of runs updated since then."""
+        return self._core.check_keys("run_key", since=since)
+
+    def read_runs(
+        self, first: int, last: int, *, since: dt.datetime | None = None
+    ) -> list[RunRead]:
+        """The runs with ``first <= run_key <= last``, each read whole (``SqlCore.read_runs``)."""
+
+        def more(run_id: str, start: int, end: int) -> list[TransitionRecord]:
+            return self.transitions(run_id, from_seq=start, to_seq=end)
+
+        return self._core.read_runs("run_key", "*", first, last, since=since, more=more)
+
+    def scan_cache(self, kib: int) -> None:
+        """Give this journal's connection a page cache of ``kib`` KiB (for a long scan)."""
+        with self._connections.read(damaged=True) as conn:
+            conn.execute(f"PRAGMA cache_size = -{int(kib)}")
+
+    def opener(self) -> Callable[[], SqliteJournal]:
+        """Opens this journal again, only to read it (picklable: for another process)."""
+        path, durability = self.path, self.durability
+        return functools.partial(SqliteJournal, path, durability=durability, create=False)
 
     # -- leases --------------------------------------------------------------------------------
 

@@ -1,0 +1,263 @@
+"""``check`` that scales: the parallel check finds what the serial one finds, parts of a journal.
+
+The journals here hold runs of two specs, damaged four ways (a gap in seqs, a run row that its
+replay does not give, a transition the spec does not allow, a spec whose JSON no longer matches
+its hash); each check is compared with the serial check, line for line.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sqlite3
+import subprocess
+import sys
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+from fsm_runner import Engine, MemoryJournal, SqliteJournal
+from fsm_runner.cli import cli
+from fsm_runner.cli.maintenance import parse_since
+from fsm_runner.replay import check_journal, check_runs
+from tests.conftest import POSTGRES_URL
+from tests.helpers import handlers_for, linear_spec
+
+PHASES_A, PHASES_B = ("a", "b", "c"), ("x", "y")
+SPEC_A = linear_spec(*PHASES_A, name="checked")
+SPEC_B = linear_spec(*PHASES_B, name="other")
+
+
+def make_runs(journal, *, a: int = 14, b: int = 3) -> tuple[list[str], list[str]]:
+    """``a`` ended runs of SPEC_A (seqs 0..3) and ``b`` of SPEC_B (seqs 0..2)."""
+    made = []
+    for spec, phases, count in ((SPEC_A, PHASES_A, a), (SPEC_B, PHASES_B, b)):
+        engine = Engine(spec, handlers=handlers_for(*phases), journal=journal)
+        ids = [engine.start() for _ in range(count)]
+        for run_id in ids:
+            engine.run(run_id)
+        made.append(ids)
+    return made[0], made[1]
+
+
+def damage(journal, *statements) -> None:
+    """Run SQL on the journal's own medium, behind its back (its triggers left out of it)."""
+    if isinstance(journal, SqliteJournal):
+        conn = sqlite3.connect(journal.path)
+        try:
+            for sql, params in statements:
+                conn.execute(sql.replace("%s", "?").replace("RUNS", "run_rows"), params)
+            conn.commit()
+        finally:
+            conn.close()
+        return
+    import psycopg
+
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{journal.schema}"')
+        for sql, params in statements:
+            conn.execute(sql.replace("RUNS", "runs"), params)
+
+
+def damage_memory(journal: MemoryJournal, gap: str, row: str, event: str, spec_hash: str) -> None:
+    """The same four kinds of damage, in a memory journal's own dicts."""
+    journal._transitions[gap] = [t for t in journal._transitions[gap] if t.seq != 2]
+    journal._runs[row] = attrs.evolve(journal._runs[row], attempt=5)
+    journal._transitions[event] = [
+        attrs.evolve(t, event="BOGUS") if t.seq == 2 else t for t in journal._transitions[event]
+    ]
+    journal._specs[spec_hash] = journal._specs[spec_hash].replace('"y"', '"yy"')
+
+
+def damaged_journal(journal) -> dict[str, str]:
+    """Runs of two specs, four of them damaged; which run got which damage."""
+    runs_a, runs_b = make_runs(journal)
+    chosen = {"gap": runs_a[3], "row": runs_a[7], "event": runs_a[11]}
+    spec_hash = journal.load(runs_b[0]).spec_hash
+    if isinstance(journal, MemoryJournal):
+        damage_memory(journal, chosen["gap"], chosen["row"], chosen["event"], spec_hash)
+    else:
+        damage(
+            journal,
+            ("DELETE FROM transitions WHERE run_id = %s AND seq = 2", (chosen["gap"],)),
+            ("UPDATE RUNS SET attempt = 5 WHERE run_id = %s", (chosen["row"],)),
+            (
+                "UPDATE transitions SET event = 'BOGUS' WHERE run_id = %s AND seq = 2",
+                (chosen["event"],),
+            ),
+            ("UPDATE specs SET json = replace(json, '\"y\"', '\"yy\"')", ()),
+        )
+    return chosen
+
+
+class TestParallelIsSerial:
+    """Every journal: the parallel check's lines are the serial check's, in the same order."""
+
+    def test_the_same_problems(self, journal):
+        chosen = damaged_journal(journal)
+        serial = check_journal(journal, jobs=1)
+        for jobs, chunk in ((1, 4), (2, 4), (2, 1), (3, 5), (2, 1000)):
+            assert check_journal(journal, jobs=jobs, chunk=chunk) == serial, (jobs, chunk)
+        run_lines = [line for line in serial if line.startswith("run")]
+        assert len(run_lines) == 4, serial
+        for damaged in chosen.values():
+            assert sum(damaged in line for line in run_lines) == 1, (damaged, serial)
+        assert "runs " in run_lines[-1] or "cannot be read" in "".join(run_lines)
+        assert "does not match its hash" in "".join(run_lines)
+        report = check_runs(journal, jobs=2, chunk=3)
+        assert report.runs == 17
+
+    def test_a_clean_journal(self, journal):
+        make_runs(journal, a=9, b=2)
+        assert check_journal(journal, jobs=2, chunk=2) == []
+
+    def test_progress_counts_every_run(self, journal):
+        make_runs(journal, a=9, b=2)
+        calls = []
+        check_runs(journal, jobs=2, chunk=4, progress=lambda done, total: calls.append(total))
+        assert calls
+        assert set(calls) == {11}
+        done = []
+        check_runs(journal, jobs=2, chunk=4, progress=lambda n, _total: done.append(n))
+        assert sum(done) == 11
+
+    def test_a_damaged_view_falls_back_to_the_serial_check(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            make_runs(journal, a=6, b=0)
+        conn = sqlite3.connect(path)
+        conn.execute("DROP VIEW runs")
+        conn.execute("CREATE VIEW runs AS SELECT * FROM run_rows WHERE 0")
+        conn.commit()
+        conn.close()
+        with SqliteJournal(path) as journal:
+            serial = check_journal(journal, jobs=1, chunk=10**6)
+            assert check_journal(journal, jobs=2, chunk=2) == serial
+            assert serial
+
+
+class TestPartOfAJournal:
+    """``run_ids`` and ``since`` select the runs checked."""
+
+    def test_run_ids(self, journal):
+        chosen = damaged_journal(journal)
+        only = check_journal(journal, run_ids=[chosen["row"], chosen["event"]], jobs=2)
+        everything = check_journal(journal)
+        # the medium's own problems (PostgreSQL names seq gaps journal-wide) come first, always
+        medium = [line for line in everything if not line.startswith("run")]
+        assert only == medium + [
+            line for line in everything if chosen["row"] in line or chosen["event"] in line
+        ]
+        assert len(only) == len(medium) + 2
+        assert check_runs(journal, run_ids=[chosen["gap"]]).runs == 1
+
+    def test_since(self, journal):
+        old, _ = make_runs(journal, a=4, b=0)
+        cut = max(journal.load(run_id).updated_at for run_id in old) + dt.timedelta(microseconds=1)
+        new, _ = make_runs(journal, a=3, b=0)
+        for jobs, chunk in ((1, 2), (2, 2), (1, 100)):
+            assert check_runs(journal, since=cut, jobs=jobs, chunk=chunk).runs == 3
+            assert check_runs(journal, jobs=jobs, chunk=chunk).runs == 7
+        damage_run = new[1]
+        if isinstance(journal, MemoryJournal):
+            journal._runs[damage_run] = attrs.evolve(journal._runs[damage_run], attempt=5)
+            journal._runs[old[0]] = attrs.evolve(journal._runs[old[0]], attempt=5)
+        else:
+            damage(
+                journal,
+                ("UPDATE RUNS SET attempt = 5 WHERE run_id IN (%s, %s)", (damage_run, old[0])),
+            )
+        recent = check_journal(journal, since=cut, jobs=2, chunk=2)
+        assert len(recent) == 1
+        assert damage_run in recent[0]
+        assert len(check_journal(journal, jobs=2, chunk=2)) == 2
+
+
+class TestSince:
+    """``--since``: an ISO date/time or a duration, as ``prune --older-than`` takes its days."""
+
+    @pytest.mark.parametrize(
+        ("text", "back"),
+        [("7d", dt.timedelta(days=7)), ("12h", dt.timedelta(hours=12)),
+         ("30m", dt.timedelta(minutes=30)), ("2w", dt.timedelta(weeks=2)),
+         ("1.5", dt.timedelta(days=1.5)), ("90s", dt.timedelta(seconds=90))],
+    )  # fmt: skip
+    def test_durations(self, text, back):
+        now = dt.datetime.now(dt.timezone.utc)
+        assert abs(parse_since(text) - (now - back)) < dt.timedelta(minutes=1)
+
+    def test_iso(self):
+        utc = dt.timezone.utc
+        assert parse_since("2026-11-20") == dt.datetime(2026, 11, 20, tzinfo=utc)
+        assert parse_since("2026-11-20T08:30:00+01:00") == dt.datetime(
+            2026, 11, 20, 7, 30, tzinfo=utc
+        )
+
+    @pytest.mark.parametrize(
+        "text", ["nan", "inf", "-inf", "-3", "garbage", "7x", "", "1e400", "400000", "NaNd"]
+    )
+    def test_refused_in_one_line(self, tmp_path, text):
+        path = tmp_path / "journal.db"
+        SqliteJournal(path).close()
+        result = CliRunner().invoke(cli, ["--journal", str(path), "check", "--since", text])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1, result.output
+        assert lines[0].startswith("Error: --since: ")
+        assert "Traceback" not in result.output
+
+
+class TestCommand:
+    """``fsm-runner check`` with ``--jobs``, ``--run``, ``--since``."""
+
+    def test_options(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            chosen = damaged_journal(journal)
+        runner = CliRunner()
+        base = ["--journal", str(path), "check"]
+        serial = runner.invoke(cli, [*base, "--jobs", "1"])
+        parallel = runner.invoke(cli, [*base, "--jobs", "2"])
+        assert serial.exit_code == parallel.exit_code == 1
+        assert serial.output == parallel.output
+        assert "4 problems in 17 runs" in serial.output
+        one = runner.invoke(cli, [*base, "--run", chosen["gap"][:10], "--run", chosen["row"]])
+        assert one.exit_code == 1
+        assert "2 problems in 2 runs" in one.output
+        future = runner.invoke(cli, [*base, "--since", "2999-01-01"])
+        assert (future.exit_code, future.output.split(":")[-1].strip()) == (
+            0,
+            "0 runs checked, no problems",
+        )
+        recent = runner.invoke(cli, [*base, "--since", "1d", "--json"])
+        assert recent.exit_code == 1
+        assert '"runs": 17' in recent.output
+        missing = runner.invoke(cli, [*base, "--run", "ffffffffff"])
+        assert missing.exit_code == 3
+
+    def test_a_real_process_with_two_jobs(self, tmp_path):
+        """A real ``fsm-runner check --jobs 2``: the pool's processes are spawned for real."""
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            make_runs(journal, a=2, b=1)
+            # enough runs for several ranges of the CLI's own chunk, made by the journal's writer
+            engine = Engine(SPEC_A, handlers=handlers_for("a", "b", "c"), journal=journal)
+            many = [engine.start() for _ in range(4500)]
+            bad = many[2222]
+            engine.run(bad)
+        damage(journal, ("UPDATE RUNS SET attempt = 5 WHERE run_id = %s", (bad,)))
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_runner", "--journal", str(path), "check", "--jobs", "2"],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+            timeout=600,
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr == ""  # no progress bar: stderr is not a terminal
+        lines = done.stdout.splitlines()
+        assert lines[0].endswith(": 1 problems in 4503 runs")
+        assert lines[1].startswith(f"  run {bad} at seq 3: replay expected attempt 1")
