@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from fsm_runner import Engine, MemoryJournal, SqliteJournal
 from fsm_runner.cli import cli
 from fsm_runner.cli.maintenance import parse_since
+from fsm_runner.exceptions import FsmRunnerError
 from fsm_runner.replay import check_journal, check_runs
 from tests.conftest import POSTGRES_URL
 from tests.helpers import handlers_for, linear_spec
@@ -135,6 +136,49 @@ class TestParallelIsSerial:
             serial = check_journal(journal, jobs=1, chunk=10**6)
             assert check_journal(journal, jobs=2, chunk=2) == serial
             assert serial
+
+
+class TestBulkReads:
+    """A SQL journal's ``read_runs`` gives each run as reading it alone gives it."""
+
+    @pytest.fixture(params=["sqlite", "postgres"])
+    def sql_journal(self, request, tmp_path):
+        if request.param == "postgres":
+            yield request.getfixturevalue("postgres_journal")
+            return
+        with SqliteJournal(tmp_path / "journal.db") as journal:
+            yield journal
+
+    def test_the_same_records_and_errors(self, sql_journal):
+        journal = sql_journal
+        runs_a, runs_b = make_runs(journal, a=6, b=2)
+        damage(
+            journal,
+            ("UPDATE transitions SET result = '{bad' WHERE run_id = %s AND seq = 1", (runs_a[1],)),
+            ("UPDATE transitions SET result = '[1]' WHERE run_id = %s AND seq = 1", (runs_a[2],)),
+            ("UPDATE transitions SET iteration = NULL WHERE run_id = %s", (runs_a[3],)),
+            ("UPDATE RUNS SET status = 'bogus' WHERE run_id = %s", (runs_b[0],)),
+        )
+        keys = journal.check_keys()
+        reads = dict(journal.read_runs(keys[0], keys[-1]))
+        assert sorted(reads) == sorted(runs_a + runs_b)
+        errors = 0
+        for run_id, read in reads.items():
+            alone = read_alone(journal, run_id)
+            if isinstance(alone, FsmRunnerError):
+                errors += 1
+                assert (type(read), str(read)) == (type(alone), str(alone))
+            else:
+                assert read == alone, run_id
+        assert errors >= 2  # the unreadable JSON and the unknown status, at least
+
+
+def read_alone(journal, run_id):
+    """A run's transitions and row read one at a time, or the error reading them raises."""
+    try:
+        return journal.transitions(run_id), journal.load(run_id)
+    except FsmRunnerError as exc:
+        return exc
 
 
 class TestPartOfAJournal:
