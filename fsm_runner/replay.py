@@ -321,9 +321,10 @@ def check_journal(
 ) -> list[str]:
     """Replay every run of a journal; one line per run that does not replay (invariants 1, 2, 8).
 
-    Runs are read a chunk at a time (their transitions, then the rows), so a big journal is
-    never held in memory beyond its run keys and one chunk per process; a run advanced by a
-    live writer meanwhile is read consistently. A run whose row or spec cannot be read is one
+    A SQL journal's runs are read a range at a time (their transitions, then the rows), a
+    memory journal's one at a time, so a big journal is never held in memory beyond its run
+    keys and one range per process; a run advanced by a live writer meanwhile is read
+    consistently. A run whose row or spec cannot be read is one
     problem too. Where the journal can check its medium (``integrity_problems()``), those
     problems come first.
 
@@ -362,6 +363,8 @@ def check_runs(
     run id, the order the check of one run after another gives, so the lines are the same
     whatever ``jobs``. A memory journal, ``run_ids`` and a journal that cannot be read in
     ranges (a damaged ``runs`` view) are checked one run at a time, in this process.
+    A script that checks with ``jobs`` > 1 needs the ``if __name__ == "__main__":`` guard
+    of every ``spawn`` pool (the processes import its main module).
 
     Args:
         journal: the journal to check.
