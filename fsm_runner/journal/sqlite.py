@@ -51,6 +51,25 @@ def _stale_bound() -> tuple[str, list[Any]]:
     return "?", [format_utc(utc_now())]
 
 
+#: Runs one ``claim_next`` search returns, tried in order until one is still claimable.
+_CLAIM_CANDIDATES = 8
+#: Searches one ``claim_next`` makes when every run found was claimed by others meanwhile.
+_CLAIM_SEARCHES = 3
+
+
+def _claimable(states: int, spec_hash: str | None) -> str:
+    """The ``runs`` view's condition of a run ``claim_next`` may take.
+
+    Parameters: the machine, ``states`` states, the spec hash (if ``spec_hash``), then "now"
+    (a lease that expired before it is free).
+    """
+    return (
+        f"status = 'active' AND machine = ? AND state IN ({', '.join('?' * states)})"
+        + (" AND spec_hash = ?" if spec_hash is not None else "")
+        + " AND (lease_owner IS NULL OR lease_expires_at < ?)"
+    )
+
+
 _DIALECT = SqlDialect(
     mark="?",
     run_table="run_rows",
@@ -362,31 +381,69 @@ class SqliteJournal:
         states: Collection[str],
         spec_hash: str | None = None,
     ) -> RunRecord | None:
-        """Claim the oldest runnable run (one transaction), or ``None``."""
+        """Claim the oldest runnable run, or ``None``; an idle poll takes no write lock.
+
+        The search is a read (WAL: it neither takes nor waits for the write lock), so a worker
+        polling a journal with nothing to claim never delays a writer. A run it found is then
+        claimed by one conditional UPDATE in a short write transaction, which asks the search's
+        question again of that one run, as of then (:meth:`_claim_found`): another worker may
+        have claimed it, its head moved, or its lease been renewed since. Such a run is skipped
+        for the next one found; after :data:`_CLAIM_SEARCHES` searches whose every run was
+        taken meanwhile, ``None`` (the caller polls again, as when nothing was runnable).
+        """
         if not states:
             return None
-        now = utc_now()
-        marks = ", ".join("?" * len(states))
-        sql = (
-            "SELECT run_id, lease_owner FROM runs WHERE status = 'active' AND machine = ?"
-            f" AND state IN ({marks}) AND (lease_owner IS NULL OR lease_expires_at < ?)"
+        # Refused as before on a journal closed or whose writes are refused (a damaged fence),
+        # though an idle poll writes nothing: a worker there fails at once, not when work comes.
+        self._connections.check_writable()
+        where = _claimable(len(states), spec_hash)
+        search = f"SELECT run_key FROM runs WHERE {where} ORDER BY created_at, run_key LIMIT ?"
+        claim = (
+            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+            " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
+            f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
         )
-        params: list[Any] = [machine, *states, format_utc(now)]
+        wanted: list[Any] = [machine, *states]
         if spec_hash is not None:
-            sql += " AND spec_hash = ?"
-            params.append(spec_hash)
-        sql += " ORDER BY created_at, run_key LIMIT 1"
-        with self._connections.write() as conn:
-            found = conn.execute(sql, params).fetchone()
-            if found is None:
+            wanted.append(spec_hash)
+        for _ in range(_CLAIM_SEARCHES):
+            with self._connections.read() as conn:
+                found = conn.execute(
+                    search, [*wanted, format_utc(utc_now()), _CLAIM_CANDIDATES]
+                ).fetchall()
+            if not found:
                 return None
-            expires = now + dt.timedelta(seconds=ttl)
-            conn.execute(
-                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-                " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
-                (owner, format_utc(expires), int(found[1] is not None), found[0]),
-            )
-            return self._load(conn, found[0])
+            claimed = self._claim_found([key for (key,) in found], owner, ttl, claim, wanted)
+            if claimed is not None:
+                self._writer.remember(claimed)
+                return claimed
+        return None
+
+    def _claim_found(
+        self, keys: Sequence[int], owner: str, ttl: float, claim: str, wanted: Sequence[Any]
+    ) -> RunRecord | None:
+        """Claim the first of the runs ``keys`` that is still claimable, in ONE transaction.
+
+        ``claim`` is the conditional UPDATE: it writes only while the run still answers the
+        search (active, of the machine, in one of the states by its head now, of the spec if
+        one was asked for, its lease free or expired as of ``now``), so a run claimed, moved
+        or renewed since the search changes no row and the next one is tried. It runs under
+        the write lock: no other writer can come between its check and its write, and the
+        lease token rises by one exactly once per claim. ``recoveries`` counts a takeover by
+        the lease found at that moment.
+        """
+        with self._connections.write() as conn:
+            # "now" once the lock is held: a lease that expired while this waited is free.
+            now = utc_now()
+            expires = format_utc(now + dt.timedelta(seconds=ttl))
+            for key in keys:
+                changed = conn.execute(
+                    claim, [owner, expires, key, key, *wanted, format_utc(now)]
+                ).rowcount
+                if changed:
+                    cursor = conn.execute("SELECT * FROM runs WHERE run_key = ?", (key,))
+                    return self._run_from_row(cursor.description, cursor.fetchone())
+        return None
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
