@@ -70,6 +70,22 @@ def _claimable(states: int, spec_hash: str | None) -> str:
     )
 
 
+def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
+    """``claim_next``'s search (a read) and its conditional claim (one run, under the lock).
+
+    The claim asks the search's question again of that one run (:func:`_claimable`); its
+    parameters: owner, expiry, the run key twice, then the search's.
+    """
+    where = _claimable(states, spec_hash)
+    search = f"SELECT run_key FROM runs WHERE {where} ORDER BY created_at, run_key LIMIT ?"
+    claim = (
+        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+        " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
+        f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
+    )
+    return search, claim
+
+
 _DIALECT = SqlDialect(
     mark="?",
     run_table="run_rows",
@@ -396,13 +412,7 @@ class SqliteJournal:
         # Refused as before on a journal closed or whose writes are refused (a damaged fence),
         # though an idle poll writes nothing: a worker there fails at once, not when work comes.
         self._connections.check_writable()
-        where = _claimable(len(states), spec_hash)
-        search = f"SELECT run_key FROM runs WHERE {where} ORDER BY created_at, run_key LIMIT ?"
-        claim = (
-            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-            " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
-            f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
-        )
+        search, claim = _claim_statements(len(states), spec_hash)
         wanted: list[Any] = [machine, *states]
         if spec_hash is not None:
             wanted.append(spec_hash)
@@ -424,12 +434,10 @@ class SqliteJournal:
     ) -> RunRecord | None:
         """Claim the first of the runs ``keys`` that is still claimable, in ONE transaction.
 
-        ``claim`` is the conditional UPDATE: it writes only while the run still answers the
-        search (active, of the machine, in one of the states by its head now, of the spec if
-        one was asked for, its lease free or expired as of ``now``), so a run claimed, moved
-        or renewed since the search changes no row and the next one is tried. It runs under
-        the write lock: no other writer can come between its check and its write, and the
-        lease token rises by one exactly once per claim. ``recoveries`` counts a takeover by
+        ``claim`` (:func:`_claim_statements`) writes only while the run still answers the
+        search, as of now: a run claimed, moved or renewed since changes no row and the next
+        one is tried. Under the write lock no other writer comes between its check and its
+        write, so the lease token rises once per claim; ``recoveries`` counts a takeover by
         the lease found at that moment.
         """
         with self._connections.write() as conn:
