@@ -78,9 +78,7 @@ def _in_process(  # noqa: PLR0917 - one private call shape
     total: int,
     progress: Progress | None,
 ) -> Iterator[tuple[Found, int] | None]:
-    scan_cache = getattr(journal, "scan_cache", None)
-    if callable(scan_cache):
-        scan_cache(CHECK_CACHE_KIB)
+    _cache_for_scan(journal)
     specs: dict[str, Any] = {}
     for first, last in ranges:
         result = check_range(journal, first, last, since, specs)
@@ -123,10 +121,15 @@ _specs: dict[str, Any] = {}  # and the specs it read, by hash
 
 def _open_journal(opener: Callable[[], Any]) -> None:
     journal = opener()
+    _cache_for_scan(journal)
+    _journal.append(journal)
+
+
+def _cache_for_scan(journal: Any) -> None:
+    """Give ``journal`` the check's page cache, where it has one to set (SQLite)."""
     scan_cache = getattr(journal, "scan_cache", None)
     if callable(scan_cache):
         scan_cache(CHECK_CACHE_KIB)
-    _journal.append(journal)
 
 
 def _check_in_worker(

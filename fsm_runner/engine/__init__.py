@@ -12,8 +12,9 @@ plan, write) is what the two drivers hold, ``sync_driver.py`` (``step``, ``run``
 with one fast path; ``held.py`` (:class:`~.held.HeldRuns`: the phases running here, the aborts
 to carry out, their lock); ``leases.py`` (:class:`~.leases.LeaseKeeper`: claims, renews,
 releases); ``worker.py`` (:class:`~.worker.Worker`: ``work``, ``recover``, aborts of runs
-held); ``operations.py`` aborts and forks runs without an engine; ``interruption.py`` names an
-interruption. The pure step logic is :mod:`fsm_runner.rules`.
+held); ``operations.py`` aborts and forks runs without an engine; ``deadlines.py`` applies a
+state's deadline to an async handler; ``interruption.py`` names an interruption. The pure step
+logic is :mod:`fsm_runner.rules`.
 """
 
 from __future__ import annotations

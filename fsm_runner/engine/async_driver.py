@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 from fsm_runner import _fork
 from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.core import PLAIN_RETURNS, Planned, StepCore, new_commit
+from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.leases import LeaseKeeper, unleased
 from fsm_runner.events import USER_ABORTED
-from fsm_runner.exceptions import PhaseTimeoutError, RunConflictError
+from fsm_runner.exceptions import RunConflictError
 from fsm_runner.journal.base import Commit, Journal
 from fsm_runner.phases import PhaseContext
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 else:  # imported on first use: a sync run never needs it (see _lazy)
     asyncio = LazyModule("asyncio", globals())
 
-__all__ = ["AsyncDriver", "GroupCommitter", "with_deadline"]
+__all__ = ["AsyncDriver", "GroupCommitter"]
 
 
 class AsyncDriver:
@@ -270,39 +271,6 @@ class AsyncDriver:
         ):
             committer = self.committer = GroupCommitter(self.core.journal, loop)
         return committer
-
-
-class _HandlerTimeoutError(Exception):
-    """Carries a ``TimeoutError`` the handler raised itself past ``asyncio.wait_for``."""
-
-    def __init__(self, error: TimeoutError) -> None:
-        self.error = error
-
-
-async def _own_timeouts(awaitable: Awaitable[Any]) -> Any:
-    try:
-        return await awaitable
-    except TimeoutError as exc:
-        raise _HandlerTimeoutError(exc) from exc
-
-
-async def with_deadline(awaitable: Awaitable[Any], step: PhaseStep) -> Any:
-    """Await a handler's ``awaitable``, cancelled at ``step``'s deadline (if its state has one).
-
-    Used by both drivers (the sync one for async handlers in sync runs).
-
-    Raises:
-        PhaseTimeoutError: the deadline passed first.
-    """
-    remaining = step.ctx.remaining
-    if remaining is None:
-        return await awaitable
-    try:
-        return await asyncio.wait_for(_own_timeouts(awaitable), timeout=max(remaining, 0.0))
-    except _HandlerTimeoutError as own:
-        raise own.error from None  # the handler's own TimeoutError, not the deadline's
-    except asyncio.TimeoutError:
-        raise PhaseTimeoutError(state=step.state.name, timeout=step.state.timeout) from None
 
 
 class GroupCommitter:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_runner import _fork
 from fsm_runner._lazy import LazyModule
-from fsm_runner.engine.async_driver import with_deadline
 from fsm_runner.engine.core import PLAIN_RETURNS, StepCore
+from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.leases import LeaseKeeper, unleased
 from fsm_runner.events import REWOUND, USER_ABORTED, event_name
 from fsm_runner.exceptions import InvalidTransitionError, RunConflictError
