@@ -239,8 +239,113 @@ BEGIN
 END"""
 
 
+# The two tables, indexes and fence as schema version 8 wrote them (before version 9's claims
+# and prune by index, transitions WITHOUT ROWID and run keys without AUTOINCREMENT).
+RUN_ROWS_V8 = """CREATE TABLE run_rows_v8 (
+   run_key INTEGER PRIMARY KEY AUTOINCREMENT,
+   run_id TEXT NOT NULL UNIQUE,
+   machine TEXT NOT NULL,
+   spec_hash TEXT NOT NULL REFERENCES specs(spec_hash),
+   state TEXT NOT NULL,
+   status TEXT NOT NULL,
+   seq INTEGER NOT NULL,
+   iteration INTEGER DEFAULT 0,
+   attempt INTEGER DEFAULT 1,
+   input TEXT,
+   context TEXT,
+   error TEXT,
+   created_at TEXT NOT NULL,
+   updated_at TEXT,
+   parent_run_id TEXT,
+   forked_from TEXT,
+   abort_reason TEXT,
+   lease_owner TEXT,
+   lease_expires_at TEXT,
+   lease_token INTEGER DEFAULT 0,
+   return_to TEXT,
+   return_attempt INTEGER NOT NULL DEFAULT 0,
+   visit_seq INTEGER NOT NULL DEFAULT 0,
+   return_visit INTEGER NOT NULL DEFAULT 0,
+   recoveries INTEGER NOT NULL DEFAULT 0
+, abort_token INTEGER)"""
+TRANSITIONS_V8 = """CREATE TABLE transitions_v8 (
+   run_id TEXT REFERENCES run_rows(run_id),
+   seq INTEGER NOT NULL,
+   from_state TEXT,
+   event TEXT NOT NULL,
+   to_state TEXT NOT NULL,
+   iteration INTEGER,
+   attempt INTEGER,
+   at TEXT NOT NULL,
+   duration_ms REAL,
+   result TEXT,
+   lease_token INTEGER NOT NULL DEFAULT 0,
+   run_key INTEGER NOT NULL,
+   PRIMARY KEY (run_key, seq)
+)"""
+INDEXES_V8 = (
+    'CREATE INDEX "idx_runs_machine_created_at" ON "run_rows" ("machine", "created_at")',
+    'CREATE INDEX "idx_runs_status_created_at" ON "run_rows" ("status", "created_at")',
+    'CREATE INDEX "idx_runs_created_at" ON "run_rows" ("created_at")',
+    'CREATE INDEX "idx_runs_parent_run_id" ON "run_rows" ("parent_run_id")',
+    'CREATE INDEX "idx_runs_status_lease_expires_at" ON "run_rows" ("status", "lease_expires_at")',
+    'CREATE INDEX "idx_runs_status_machine_created_at"'
+    ' ON "run_rows" ("status", "machine", "created_at")',
+)
+TRIGGER_V8 = """CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
+BEGIN
+    SELECT RAISE(ABORT, 'fsm_runner: a transition needs the run_key of its run (SELECT run_key FROM run_rows WHERE run_id = ...)')
+     WHERE NEW.run_key IS NULL;
+    SELECT RAISE(ABORT, 'fsm_runner: the run is not at the seq before this transition')
+     WHERE NOT EXISTS (SELECT 1 FROM run_rows
+                        WHERE run_key = NEW.run_key AND run_id = NEW.run_id
+                          AND lease_token = NEW.lease_token
+                          AND (abort_token IS NULL OR abort_token < NEW.lease_token
+                               OR NEW.event = 'USER_ABORTED'))
+        OR NOT EXISTS (SELECT 1 FROM transitions
+                        WHERE run_key = NEW.run_key AND seq = NEW.seq - 1);
+END"""
+RUN_COLUMNS_V8 = "run_key, " + RUN_COLUMNS_V6 + ", abort_token"
+
+
+def undo_v9(conn) -> None:
+    """Turn a journal's schema back from version 9 to 8: the tables and indexes rebuilt."""
+    from fsm_runner.journal._schema import _VIEW_V9  # version 7's view, unchanged since
+
+    conn.execute("DROP VIEW runs")
+    conn.execute("DROP TRIGGER transitions_fence")
+    conn.execute("DROP TRIGGER run_rows_released")
+    conn.execute(RUN_ROWS_V8)
+    conn.execute(
+        f"INSERT INTO run_rows_v8 ({RUN_COLUMNS_V8}) SELECT {RUN_COLUMNS_V8} FROM run_rows"
+        " ORDER BY run_key"
+    )
+    conn.execute(TRANSITIONS_V8)
+    columns = TRANSITION_COLUMNS_V6 + ", run_key"
+    conn.execute(
+        f"INSERT INTO transitions_v8 ({columns}) SELECT {columns} FROM transitions"
+        " ORDER BY run_key, seq"
+    )
+    conn.execute("DROP TABLE transitions")
+    conn.execute("DROP TABLE run_rows")
+    conn.execute("ALTER TABLE run_rows_v8 RENAME TO run_rows")
+    conn.execute("ALTER TABLE transitions_v8 RENAME TO transitions")
+    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'run_rows_v8'")
+    conn.execute(
+        "INSERT INTO sqlite_sequence (name, seq) SELECT 'run_rows', coalesce(max(run_key), 0)"
+        " FROM run_rows WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'run_rows')"
+    )
+    for sql in INDEXES_V8:
+        conn.execute(sql)
+    conn.execute(TRIGGER_V8)
+    conn.execute(_VIEW_V9)
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0009_claims_prune_pages'")
+    conn.execute("UPDATE meta SET value = '8' WHERE key = 'schema_version'")
+
+
 def undo_v8(conn) -> None:
-    """Turn a journal's schema back from version 8 to 7: a fence that ignores abort requests."""
+    """Turn a journal's schema back from version 9 to 7: a fence that ignores abort requests."""
+    undo_v9(conn)
     conn.execute("DROP TRIGGER transitions_fence")
     conn.execute("ALTER TABLE run_rows DROP COLUMN abort_token")
     conn.execute(TRIGGER_V7)
@@ -249,7 +354,7 @@ def undo_v8(conn) -> None:
 
 
 def undo_v7(conn) -> None:
-    """Turn a journal's schema back from version 8 to 6 (no integer run keys): tables rebuilt."""
+    """Turn a journal's schema back from version 9 to 6 (no integer run keys): tables rebuilt."""
     undo_v8(conn)
     conn.execute("DROP VIEW runs")
     conn.execute("DROP TRIGGER transitions_fence")
@@ -283,7 +388,7 @@ def undo_v7(conn) -> None:
 
 
 def undo_v6(conn) -> None:
-    """Turn a journal's schema back from version 8 to 5 (run heads kept in the run rows)."""
+    """Turn a journal's schema back from version 9 to 5 (run heads kept in the run rows)."""
     undo_v7(conn)
     heads = conn.execute(
         "SELECT run_id, state, seq, iteration, updated_at, visit_seq FROM runs"
@@ -302,7 +407,7 @@ def undo_v6(conn) -> None:
 
 
 def undo_v5(conn) -> None:
-    """Turn a journal's schema back from version 8 to version 4 (no lease tokens, recoveries)."""
+    """Turn a journal's schema back from version 9 to version 4 (no lease tokens, recoveries)."""
     undo_v6(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
@@ -315,7 +420,7 @@ def undo_v5(conn) -> None:
 
 
 def undo_v4(conn) -> None:
-    """Turn a journal's schema back from version 8 to version 3 (no effects, no visits)."""
+    """Turn a journal's schema back from version 9 to version 3 (no effects, no visits)."""
     undo_v5(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     for column in ("visit_seq", "return_visit"):

@@ -19,6 +19,7 @@ import pytest
 
 from fsm_runner import Engine, SqliteJournal
 from fsm_runner.exceptions import JournalError
+from fsm_runner.journal import _sqlite_claims
 from tests.helpers import NEXT, linear_spec
 
 SPEC = linear_spec("a", "b", name="claimed")
@@ -154,9 +155,18 @@ class Interleaved(SqliteJournal):
 
     meanwhile = staticmethod(lambda: None)
 
-    def _claim_found(self, *args, **kwargs):
-        self.meanwhile()
-        return super()._claim_found(*args, **kwargs)
+    def claim_next(self, *args, **kwargs):
+        original = _sqlite_claims._claim_found
+
+        def claim_found(*found_args, **found_kwargs):
+            self.meanwhile()
+            return original(*found_args, **found_kwargs)
+
+        _sqlite_claims._claim_found = claim_found
+        try:
+            return super().claim_next(*args, **kwargs)
+        finally:
+            _sqlite_claims._claim_found = original
 
 
 class TestMovedMeanwhile:

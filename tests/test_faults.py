@@ -960,21 +960,21 @@ def extra_trigger(tmp_path: Path) -> Scene:
 def index_dropped(tmp_path: Path) -> Scene:
     scene = journal_with_runs(tmp_path)
     with _schema_edit(scene.path) as conn:
-        conn.execute("DROP INDEX idx_runs_status_machine_created_at")
+        conn.execute("DROP INDEX idx_run_rows_ready")
     return scene
 
 
 @pytest.mark.parametrize(
     ("prepare", "expected", "writable"),
     [
-        (fence_damaged, ["schema: trigger transitions_fence differs from schema version 8"], False),
+        (fence_damaged, ["schema: trigger transitions_fence differs from schema version 9"], False),
         (fence_dropped, ["schema: trigger transitions_fence is missing"], False),
-        (extra_trigger, ["schema: trigger forget is not part of schema version 8"], False),
-        (index_dropped, ["schema: index idx_runs_status_machine_created_at is missing"], True),
+        (extra_trigger, ["schema: trigger forget is not part of schema version 9"], False),
+        (index_dropped, ["schema: index idx_run_rows_ready is missing"], True),
         (
             view_not_utf8,
             [
-                "schema: view runs differs from schema version 8",
+                "schema: view runs differs from schema version 9",
                 f"runs {DONE_RUN}, {RUN}: cannot be read: journal ",
             ],
             False,

@@ -485,9 +485,8 @@ class TestRuns:
 
     @pytest.fixture
     def populated(self, journal):
-        # created out of order: the listing follows created_at, not insertion
-        start(journal, "r2", machine="beta", created=2, parent="r1")
         start(journal, "r1", machine="alpha", created=1)
+        start(journal, "r2", machine="beta", created=2, parent="r1")
         r3 = start(journal, "r3", machine="alpha", created=3, parent="r1")
         advance(journal, r3, "failed", event="SYSTEM_ERROR", status=RunLifecycle.FAILED)
         start(journal, "r4", machine="alpha", created=4)
@@ -499,6 +498,15 @@ class TestRuns:
 
     def test_newest_first(self, populated):
         assert self.ids(populated.runs()) == ["r4", "r3", "r2", "r1"]
+
+    def test_runs_stored_with_an_older_created_at(self, journal):
+        # SQLite lists in the order runs were stored (its listing indexes are in key order);
+        # the others by created_at. The same for every run the engine stores.
+        start(journal, "late", created=2)
+        start(journal, "early", created=1)
+        expected = ["early", "late"] if isinstance(journal, SqliteJournal) else ["late", "early"]
+        assert self.ids(journal.runs()) == expected
+        assert self.ids(journal.runs(before=expected[0])) == expected[1:]
 
     @pytest.mark.parametrize(
         ("filters", "expected"),
@@ -675,17 +683,28 @@ class TestSqliteFile:
             run_id = engine.start()
             engine.run(run_id, max_steps=1)  # the claim's row is known from here on
             before = journal._connections.conn.total_changes
+            with journal._connections.read() as conn:
+                conn.execute("CREATE TEMP TABLE moved (seq)")
+                conn.execute(
+                    "CREATE TEMP TRIGGER seen AFTER UPDATE OF seq ON main.run_rows"
+                    " BEGIN INSERT INTO moved VALUES (NEW.seq); END"
+                )
             run = engine.run(run_id, max_steps=10)
-            claim_and_release = 2
+            # the claim, the release, its run_rows_released trigger (the row becomes the head)
+            # and this test's own trigger
+            claim_and_release = 4
             assert journal._connections.conn.total_changes - before == 10 + claim_and_release
             assert journal.load(run_id) == run
             assert (run.state, run.seq, run.visit_seq) == ("d", 11, 11)
+            with journal._connections.read() as conn:
+                # the stored row was never rewritten by a step: once, by the release
+                assert conn.execute("SELECT seq FROM moved").fetchall() == [(11,)]
 
         with raw(path) as conn:
             stored = conn.execute("SELECT seq, state FROM run_rows").fetchone()
             head = conn.execute("SELECT seq, state, updated_at FROM runs").fetchone()
             last = conn.execute("SELECT seq, to_state, at FROM transitions ORDER BY seq DESC")
-            assert stored == (0, "a")  # the stored row was never rewritten by a step
+            assert stored == (11, "d")  # released: the row is the head again
             assert head == last.fetchone()
         assert assert_consistent(path, run_id) == list(range(12))
 
@@ -726,7 +745,7 @@ class TestSqliteFile:
             ]  # fmt: skip
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "8"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "9"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             engine = Engine(loop_spec(), handlers=handlers, journal=journal)
             assert engine.run(run_ids[2], max_steps=3).seq == 13
@@ -762,7 +781,7 @@ class TestSqliteFile:
             assert "run_key" not in {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "8"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "9"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             assert {run_id: journal.transitions(run_id) for run_id in run_ids} == histories
             assert [run.run_id for run in journal.runs()] == listed
@@ -797,33 +816,37 @@ class TestSqliteFile:
             conn.execute("UPDATE run_rows SET abort_reason = 'operator asked'")
 
         with SqliteJournal(path) as journal:  # migrated: the request now fences the holder
-            assert journal.meta()["schema_version"] == "8"
+            assert journal.meta()["schema_version"] == "9"
             with pytest.raises(RunConflictError) as info:
                 advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
             assert info.value.abort_reason == "operator asked"
             assert journal.load("r1").state == "verifying"
 
-    def test_run_keys_are_never_reused(self, tmp_path):
+    def test_a_new_run_key_is_above_every_stored_one(self, tmp_path):
+        # No AUTOINCREMENT since version 9: a key comes back only past the highest stored, so
+        # listing (in key order) stays newest first; a key is compared with its run id.
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:
             engine = Engine(
                 linear_spec("one"), handlers={"one": lambda _ctx: NEXT}, journal=journal
             )
-            first, last = engine.start(), engine.start()
+            first, middle, last = engine.start(), engine.start(), engine.start()
             engine.run(first)
             engine.run(last)
             report = journal.prune(ended_before=minutes(60 * 24 * 365 * 100))
             assert set(report.run_ids) == {first, last}
             again = engine.start()
             assert [t.seq for t in journal.transitions(again)] == [0]
+            assert [run.run_id for run in journal.runs()] == [again, middle]
         with raw(path) as conn:
-            (key,) = conn.execute("SELECT run_key FROM run_rows").fetchone()
-        assert key == 3  # not 2 (the last pruned run's) nor 1
+            keys = conn.execute("SELECT run_key FROM run_rows ORDER BY run_key").fetchall()
+        assert keys == [(2,), (3,)]  # the middle run's, then the new one's, past it
 
     def test_a_key_this_journal_knew_for_a_pruned_run_is_never_used(self, tmp_path):
         path = tmp_path / "j.db"
         with SqliteJournal(path) as first, SqliteJournal(path) as second:
             advance(first, start(first), "done", status=RunLifecycle.SUCCEEDED)
+            start(first, "r2")  # stays: the new r1 gets a key past r2's
             assert second.prune(ended_before=minutes(60)).run_ids == ("r1",)
             again = start(second, created=120)  # the same run id: a new run, a new run_key
             after, transition = next_step(again, "verifying")
@@ -849,7 +872,7 @@ class TestSqliteFile:
         with SqliteJournal(path) as journal:
             assert journal.integrity_problems() == [
                 "1 row(s) of table transitions have a run_key that is not their run's"
-                " (first rowid 2)"
+                " (first: run r1, seq 1)"
             ]
 
     def test_reopen_keeps_everything(self, tmp_path):
@@ -1055,12 +1078,12 @@ class TestSqliteSchemaObjects:
         [
             (
                 "ALTER TABLE artifacts RENAME COLUMN sha256 TO sha1",
-                "schema: table artifacts differs from schema version 8 (columns sha1, sha256)",
+                "schema: table artifacts differs from schema version 9 (columns sha1, sha256)",
             ),
             ("DROP INDEX idx_artifacts_run_id_name", "schema: index idx_artifacts_run_id_name is"),
             (
                 "CREATE UNIQUE INDEX one_per_state ON transitions (to_state)",
-                "schema: index one_per_state is not part of schema version 8",
+                "schema: index one_per_state is not part of schema version 9",
             ),
         ],
     )
@@ -1121,7 +1144,7 @@ class TestSqliteSchemaObjects:
             assert isinstance(refused, JournalError)
             assert "trigger transitions_fence" in str(refused)
             assert journal.schema_problems() == [
-                "schema: trigger transitions_fence differs from schema version 8"
+                "schema: trigger transitions_fence differs from schema version 9"
                 " (damaged or edited by hand)"
             ]
         assert path.read_bytes() == before

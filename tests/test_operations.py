@@ -226,7 +226,7 @@ class TestPrune:
             engine = Engine(SPEC, handlers=Recorder().handlers(), journal=journal)
             for _ in range(200):
                 engine.run(engine.start({"padding": "x" * 500}))
-            report = journal.prune(ended_before=utc_now() + dt.timedelta(seconds=1))
+            report = journal.prune(ended_before=utc_now() + dt.timedelta(seconds=1), vacuum=True)
             assert len(report.run_ids) == 200
             assert report.bytes_before is not None
             assert report.bytes_after is not None
@@ -235,6 +235,31 @@ class TestPrune:
         for table in ("runs", "transitions", "iterations", "artifacts", "effects", "specs"):
             assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,), table
         conn.close()
+
+    def test_sqlite_without_vacuum_deletes_in_batches_and_keeps_the_file(
+        self, tmp_path, monkeypatch
+    ):
+        from fsm_runner.journal import _sqlite_prune
+
+        monkeypatch.setattr(_sqlite_prune, "BATCH", 7)
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            engine = Engine(SPEC, handlers=Recorder().handlers(), journal=journal)
+            for _ in range(30):
+                engine.run(engine.start())
+            kept = engine.start()  # active: stays, and so does the spec it uses
+            transactions = []
+            journal._connections.conn.set_trace_callback(
+                lambda sql: transactions.append(sql) if sql.startswith("BEGIN") else None
+            )
+            report = journal.prune(ended_before=utc_now() + dt.timedelta(seconds=1))
+            journal._connections.conn.set_trace_callback(None)
+            assert len(report.run_ids) == 30
+            assert report.bytes_after is None  # not vacuumed: the space is reused
+            assert len(transactions) == 5  # 7 + 7 + 7 + 7 + 2 runs, each batch its own
+            assert [run.run_id for run in journal.runs()] == [kept]
+            assert journal.spec_json(SPEC.spec_hash)
+            assert engine.run(kept).ended
 
 
 class TestFilters:

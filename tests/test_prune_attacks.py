@@ -293,7 +293,7 @@ def killable_prune(path: str, side_path: str, stage: str, markers: Any) -> None:
     conn.set_progress_handler(progress, 1)
     cutoff = utc_now()
     side.write(cutoff=format_utc(cutoff))
-    report = journal.prune(ended_before=cutoff)
+    report = journal.prune(ended_before=cutoff, vacuum=True)
     side.write(pruned=list(report.run_ids), cutoff=format_utc(cutoff))
     markers.send("returned")
     time.sleep(TIMEOUT)

@@ -66,7 +66,7 @@ def _reference_run_params(run, columns, stamp):
 class TestCreateRuns:
     """SQLite's ``create_runs``: keys given in the transaction, rows by ``executemany``."""
 
-    def test_keys_follow_on_as_autoincrement_gives_them(self, tmp_path):
+    def test_keys_follow_on_as_sqlite_gives_them(self, tmp_path):
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:
             engine = _engine(journal)
@@ -74,13 +74,13 @@ class TestCreateRuns:
             batch = engine.start_many([1, 2, 3])
             keys = _keys(path)
             assert [keys[r] for r in [first, *batch]] == [1, 2, 3, 4]
-            with sqlite3.connect(path) as conn:  # the last run gone: its key is not given again
+            with sqlite3.connect(path) as conn:  # the last run gone: keys go on past the highest
                 conn.execute("DELETE FROM transitions WHERE run_id = ?", (batch[-1],))
                 conn.execute("DELETE FROM run_rows WHERE run_id = ?", (batch[-1],))
             later = engine.start_many([5, 6])
             after = engine.start()
             keys = _keys(path)
-            assert [keys[r] for r in [*later, after]] == [5, 6, 7]
+            assert [keys[r] for r in [*later, after]] == [4, 5, 6]
             engine.close()
 
     def test_the_runs_and_their_first_transitions_read_back_as_written(self, tmp_path):

@@ -164,19 +164,32 @@ def _progress_bar() -> Iterator[Callable[[int, int], None] | None]:
     help="Prune runs that ended (were last updated) more than this many days ago.",
 )
 @click.option("--dry-run", is_flag=True, help="Only list what would be pruned.")
+@click.option(
+    "--vacuum",
+    is_flag=True,
+    help="SQLite: then shrink the file (VACUUM; every writer waits for it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_obj
-def prune(state: CliState, days: float, dry_run: bool, as_json: bool) -> None:
-    """Delete old ended runs with all they own, then reclaim space.
+def prune(state: CliState, days: float, dry_run: bool, vacuum: bool, as_json: bool) -> None:
+    """Delete old ended runs with all they own, in short batches.
 
     Runs that have not ended, and ended runs with a child run still active, are never touched.
+    The space freed is reused by the journal; --vacuum gives it back to the file system.
     """
     import datetime as dt
 
+    from fsm_runner.journal import SqliteJournal
     from fsm_runner.records import utc_now
 
     journal = state.journal()
-    report = journal.prune(ended_before=utc_now() - dt.timedelta(days=days), dry_run=dry_run)
+    ended_before = utc_now() - dt.timedelta(days=days)
+    if isinstance(journal, SqliteJournal):
+        report = journal.prune(ended_before=ended_before, dry_run=dry_run, vacuum=vacuum)
+    elif vacuum:
+        fail("--vacuum is for a SQLite journal (PostgreSQL's VACUUM is its own)", EXIT_USAGE)
+    else:
+        report = journal.prune(ended_before=ended_before, dry_run=dry_run)
     if as_json:
         json_dump(
             {

@@ -484,6 +484,174 @@ def m0008_abort_fence(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '8' WHERE key = 'schema_version'")
 
 
+_RUN_ROWS_V9 = """
+CREATE TABLE run_rows_v9 (
+   run_key INTEGER PRIMARY KEY,
+   run_id TEXT NOT NULL UNIQUE,
+   machine TEXT NOT NULL,
+   spec_hash TEXT NOT NULL REFERENCES specs(spec_hash),
+   state TEXT NOT NULL,
+   status TEXT NOT NULL,
+   seq INTEGER NOT NULL,
+   iteration INTEGER DEFAULT 0,
+   attempt INTEGER DEFAULT 1,
+   input TEXT,
+   context TEXT,
+   error TEXT,
+   created_at TEXT NOT NULL,
+   updated_at TEXT,
+   parent_run_id TEXT,
+   forked_from TEXT,
+   abort_reason TEXT,
+   lease_owner TEXT,
+   lease_expires_at TEXT,
+   lease_token INTEGER DEFAULT 0,
+   return_to TEXT,
+   return_attempt INTEGER NOT NULL DEFAULT 0,
+   visit_seq INTEGER NOT NULL DEFAULT 0,
+   return_visit INTEGER NOT NULL DEFAULT 0,
+   recoveries INTEGER NOT NULL DEFAULT 0,
+   abort_token INTEGER
+)
+"""
+_TRANSITIONS_V9 = """
+CREATE TABLE transitions_v9 (
+   run_key INTEGER NOT NULL,
+   seq INTEGER NOT NULL,
+   run_id TEXT REFERENCES run_rows(run_id),
+   from_state TEXT,
+   event TEXT NOT NULL,
+   to_state TEXT NOT NULL,
+   iteration INTEGER,
+   attempt INTEGER,
+   at TEXT NOT NULL,
+   duration_ms REAL,
+   result TEXT,
+   lease_token INTEGER NOT NULL DEFAULT 0,
+   PRIMARY KEY (run_key, seq)
+) WITHOUT ROWID
+"""
+_INDEXES_V9 = (
+    # Listing: newest first by key, all runs, by machine, by status (an index's entries are
+    # ordered by the rowid after their columns, so none names run_key).
+    "CREATE INDEX idx_run_rows_machine ON run_rows (machine)",
+    "CREATE INDEX idx_run_rows_status ON run_rows (status)",
+    "CREATE INDEX idx_run_rows_parent ON run_rows (parent_run_id) WHERE parent_run_id IS NOT NULL",
+    # Claims: the unleased active runs by their stored state (the head: see the fence and the
+    # release trigger), the leased ones by expiry.
+    "CREATE INDEX idx_run_rows_ready ON run_rows (machine, state)"
+    " WHERE status = 'active' AND lease_owner IS NULL",
+    "CREATE INDEX idx_run_rows_leased ON run_rows (machine, lease_expires_at)"
+    " WHERE status = 'active' AND lease_owner IS NOT NULL",
+    # Prune (and check --since): an ended run's row holds its last update.
+    "CREATE INDEX idx_run_rows_ended ON run_rows (updated_at) WHERE status != 'active'",
+)
+#: The fence of version 8, and then, when nobody holds the run, the run's row moved to the
+#: transition (it stays the head an unleased run is claimed by; a held run's is left alone).
+_FENCE_V9 = f"""
+CREATE TRIGGER transitions_fence BEFORE INSERT ON transitions WHEN NEW.seq > 0
+BEGIN
+    SELECT RAISE(ABORT, '{NO_RUN_KEY}') WHERE NEW.run_key IS NULL;
+    SELECT RAISE(ABORT, '{STALE_SEQ}')
+     WHERE NOT EXISTS (SELECT 1 FROM run_rows
+                        WHERE run_key = NEW.run_key AND run_id = NEW.run_id
+                          AND lease_token = NEW.lease_token
+                          AND (abort_token IS NULL OR abort_token < NEW.lease_token
+                               OR NEW.event = '{USER_ABORTED}'))
+        OR NOT EXISTS (SELECT 1 FROM transitions
+                        WHERE run_key = NEW.run_key AND seq = NEW.seq - 1);
+    UPDATE run_rows SET state = NEW.to_state, seq = NEW.seq, iteration = NEW.iteration,
+                        updated_at = NEW.at, visit_seq = NEW.seq
+     WHERE run_key = NEW.run_key AND lease_owner IS NULL;
+END
+"""
+#: A run let go of while active: its row becomes its head, as the claims of unleased runs read
+#: it (a run that ends is written whole by its last commit).
+_RELEASED_V9 = """
+CREATE TRIGGER run_rows_released AFTER UPDATE OF lease_owner ON run_rows
+ WHEN NEW.lease_owner IS NULL AND OLD.lease_owner IS NOT NULL AND NEW.status = 'active'
+BEGIN
+    UPDATE run_rows SET (state, seq, iteration, updated_at, visit_seq) =
+           (SELECT t.to_state, t.seq, t.iteration, t.at, t.seq FROM transitions AS t
+             WHERE t.run_key = NEW.run_key ORDER BY t.seq DESC LIMIT 1)
+     WHERE run_key = NEW.run_key
+       AND seq < (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = NEW.run_key);
+END
+"""
+_VIEW_V9 = """
+CREATE VIEW runs AS
+SELECT r.run_id, r.machine, r.spec_hash,
+       CASE WHEN t.seq > r.seq THEN t.to_state ELSE r.state END AS state,
+       r.status,
+       CASE WHEN t.seq > r.seq THEN t.seq ELSE r.seq END AS seq,
+       CASE WHEN t.seq > r.seq THEN t.iteration ELSE r.iteration END AS iteration,
+       r.attempt, r.input, r.context, r.error, r.created_at,
+       CASE WHEN t.seq > r.seq THEN t.at ELSE r.updated_at END AS updated_at,
+       r.parent_run_id, r.forked_from, r.abort_reason, r.lease_owner,
+       r.lease_expires_at, r.lease_token, r.return_to, r.return_attempt,
+       CASE WHEN t.seq > r.seq THEN t.seq ELSE r.visit_seq END AS visit_seq,
+       r.return_visit, r.recoveries, r.run_key
+  FROM run_rows AS r
+  LEFT JOIN transitions AS t
+    ON t.run_key = r.run_key
+   AND t.seq = (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = r.run_key)
+"""
+_RUN_ROW_COLUMNS_V8 = _RUN_ROW_COLUMNS_V6 + ", abort_token"
+
+
+@_migrations()
+def m0009_claims_prune_pages(db: sqlite_utils.Database) -> None:
+    """Version 9: claims and prune from index ranges, and fewer pages written a run.
+
+    * An unleased active run's stored row is its head: the fence trigger moves it with each
+      transition written while nobody holds the run, and ``run_rows_released`` with each
+      release. So the runs a claim may take are one range of ``idx_run_rows_ready`` per state
+      (the leased ones whose lease expired, one of ``idx_run_rows_leased``), with no per-run
+      ``max(seq)`` under a scan of every active run.
+    * An ended run's row is written when it ends, its ``updated_at`` with it: prune reads one
+      range of ``idx_run_rows_ended``.
+    * Pages: ``transitions`` is ``WITHOUT ROWID`` on ``(run_key, seq)``, one b-tree instead of
+      a table and its key's index (the key's columns first: SQLite 3.40's ``integrity_check``
+      misreads the NOT NULL columns of a WITHOUT ROWID table whose key columns come later).
+      ``run_rows`` loses ``AUTOINCREMENT`` and its ``sqlite_sequence`` page a start: a new
+      key is still above every stored one (listing stays newest first), and a key is only
+      ever compared along with its run id. Its six indexes become the six above: listing in
+      key order (the order runs were stored in) instead of by ``created_at``; the parent's,
+      the claims' and prune's partial.
+    """
+    db.execute("DROP VIEW IF EXISTS runs")
+    db.execute("DROP TRIGGER IF EXISTS transitions_fence")
+    db.execute(_RUN_ROWS_V9)
+    db.execute(
+        f"INSERT INTO run_rows_v9 (run_key, {_RUN_ROW_COLUMNS_V8})"
+        f" SELECT run_key, {_RUN_ROW_COLUMNS_V8} FROM run_rows ORDER BY run_key"
+    )
+    db.execute(_TRANSITIONS_V9)
+    columns = f"{_TRANSITION_COLUMNS_V6}, run_key"
+    db.execute(
+        f"INSERT INTO transitions_v9 ({columns}) SELECT {columns} FROM transitions"
+        " ORDER BY run_key, seq"
+    )
+    db.execute("DROP TABLE transitions")
+    db.execute("DROP TABLE run_rows")
+    db.execute("ALTER TABLE run_rows_v9 RENAME TO run_rows")
+    db.execute("ALTER TABLE transitions_v9 RENAME TO transitions")
+    db.execute("DELETE FROM sqlite_sequence WHERE name IN ('run_rows', 'run_rows_v9')")
+    # Every run's row brought to its head: what the runs view derived is now stored.
+    db.execute(
+        "UPDATE run_rows SET (state, seq, iteration, updated_at, visit_seq) ="
+        " (SELECT t.to_state, t.seq, t.iteration, t.at, t.seq FROM transitions AS t"
+        "   WHERE t.run_key = run_rows.run_key ORDER BY t.seq DESC LIMIT 1)"
+        " WHERE seq < (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = run_rows.run_key)"
+    )
+    for sql in _INDEXES_V9:
+        db.execute(sql)
+    db.execute(_FENCE_V9)
+    db.execute(_RELEASED_V9)
+    db.execute(_VIEW_V9)
+    db.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
@@ -493,4 +661,5 @@ _MIGRATION_VERSIONS = {
     "m0006_derived_heads": 6,
     "m0007_run_keys": 7,
     "m0008_abort_fence": 8,
+    "m0009_claims_prune_pages": 9,
 }

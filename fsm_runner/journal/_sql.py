@@ -87,6 +87,10 @@ class SqlDialect:
     stamp: Callable[[dt.datetime], Any]
     #: The SQL (and its parameters) of "now" that an expired lease is older than.
     stale_bound: Callable[[], tuple[str, list[Any]]]
+    #: Listing's order (newest first): ``created_at`` then :attr:`row_order`, or (``False``)
+    #: :attr:`row_order` alone, the order runs were stored in (SQLite: the run key, which its
+    #: listing indexes are ordered by).
+    list_by_created: bool = True
 
 
 class SqlConnections(Protocol):
@@ -405,6 +409,10 @@ class SqlCore:
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
+        Newest first: by ``created_at`` (PostgreSQL, memory) or in the order the runs were
+        stored (SQLite, whose listing indexes are in key order; the same but for runs stored
+        with an older ``created_at``, as a copy of another journal's).
+
         ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
         lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
         listed after that run (a keyset page: the index is read from there, whatever page).
@@ -432,16 +440,19 @@ class SqlCore:
         if run_id_prefix:
             where.append(f"run_id >= {m} AND run_id < {m}")
             params += [run_id_prefix, run_id_prefix + "\U0010ffff"]
+        order = [self.dialect.row_order]
+        if self.dialect.list_by_created:
+            order.insert(0, "created_at")
         if before is not None:
-            order = f"created_at, {self.dialect.row_order}"
+            key = ", ".join(order)
             where.append(
-                f"({order}) < (SELECT {order} FROM {self.dialect.run_table} WHERE run_id = {m})"
+                f"({key}) < (SELECT {key} FROM {self.dialect.run_table} WHERE run_id = {m})"
             )
             params.append(before)
         query = f"SELECT {self.dialect.run_select} FROM runs"
         if where:
             query += " WHERE " + " AND ".join(where)
-        query += f" ORDER BY created_at DESC, {self.dialect.row_order} DESC"
+        query += " ORDER BY " + ", ".join(f"{column} DESC" for column in order)
         if limit is not None:
             query += f" LIMIT {m}"
             params.append(int(limit))

@@ -42,13 +42,14 @@ __all__ = [
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
 #: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
 #: current schema version has them. Checked at every open; a test keeps it equal to a new
 #: journal's (a change of them is a new migration and a new schema version).
 CODE: dict[tuple[str, str], tuple[str, str]] = {
-    ("trigger", "transitions_fence"): ("transitions", "8fda0ea5177c86748a4c3748361f9e62"),
+    ("trigger", "run_rows_released"): ("run_rows", "5eca3f6602dc9e51441241142bad196d"),
+    ("trigger", "transitions_fence"): ("transitions", "31420b6d62b3704795000447335204c8"),
     ("view", "runs"): ("runs", "cc0c951c1f3d4f7ac3e42ba6c83e85fe"),
 }
 #: The journal's tables and its view: a trigger on one of them takes part in its writes.
@@ -367,19 +368,22 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     dangling = conn.execute(
         'SELECT "table", count(*), min(rowid) FROM pragma_foreign_key_check GROUP BY "table"'
     ).fetchall()
-    miskeyed, first_miskeyed = conn.execute(
-        "SELECT count(*), min(t.rowid) FROM transitions AS t"
+    miskeyed = conn.execute(
+        "SELECT t.run_id, t.seq FROM transitions AS t"
         " JOIN run_rows AS r ON r.run_id = t.run_id WHERE t.run_key IS NOT r.run_key"
-    ).fetchone()
+        " ORDER BY t.run_key, t.seq"
+    ).fetchall()
     problems += schema
     problems += [
-        f"{count} row(s) of table {table} refer to missing rows (first rowid {first})"
+        f"{count} row(s) of table {table} refer to missing rows"
+        + (f" (first rowid {first})" if first is not None else "")  # transitions: no rowid
         for table, count, first in dangling
     ]
     if miskeyed:
+        run_id, seq = miskeyed[0]
         problems.append(
-            f"{miskeyed} row(s) of table transitions have a run_key that is not their run's"
-            f" (first rowid {first_miskeyed})"
+            f"{len(miskeyed)} row(s) of table transitions have a run_key that is not their"
+            f" run's (first: run {run_id}, seq {seq})"
         )
     return problems
 

@@ -13,7 +13,6 @@ the run's next seq and under its current lease token. Every call or indirection 
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import itertools
 import operator
@@ -30,7 +29,7 @@ from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.journal._sqlite_errors import STALE_SEQ, describe, errors, refused_if_exists
-from fsm_runner.journal.base import Commit, NewRun, PruneReport, new_runs
+from fsm_runner.journal.base import Commit, NewRun, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
     IterationRecord,
@@ -41,7 +40,7 @@ from fsm_runner.records import (
 )
 from fsm_runner.spec import RunLifecycle
 
-__all__ = ["PUT_EFFECT", "SqliteWriter", "prune"]
+__all__ = ["PUT_EFFECT", "SqliteWriter"]
 
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 #: The dialect's INSERT (or replace) of an effect (see :class:`~._sql.SqlDialect`).
@@ -718,59 +717,3 @@ class SqliteWriter:
                 )
         self.remember(run)
         self.remember_key(run.run_id, key)
-
-
-def prune(
-    connections: SqliteConnections,
-    forget: Callable[[Sequence[str]], None],
-    *,
-    ended_before: dt.datetime,
-    dry_run: bool = False,
-) -> PruneReport:
-    """Delete ended runs last updated before ``ended_before``, then ``VACUUM``.
-
-    ``forget`` is told the ids of the runs deleted, once they are (:meth:`SqliteWriter.forget`).
-    """
-    # "+c.status": a child is looked up by its parent's id (idx_runs_parent_run_id); by
-    # status, SQLite would scan every active run for each ended one, with the write lock
-    # held (25 s for 680 ended among 20,000 active runs, while every worker waited).
-    select = (
-        "SELECT run_id, run_key FROM runs AS r WHERE status != 'active' AND updated_at < ?"
-        " AND NOT EXISTS (SELECT 1 FROM run_rows AS c WHERE c.parent_run_id = r.run_id"
-        " AND +c.status = 'active') ORDER BY updated_at, run_key"
-    )
-    cutoff = (format_utc(ended_before),)
-    before = connections.size()
-    if dry_run:
-        with connections.read() as conn:
-            ids = tuple(str(row[0]) for row in conn.execute(select, cutoff))
-            count = conn.execute(
-                "SELECT count(*) FROM transitions"
-                f" WHERE run_key IN (SELECT run_key FROM ({select}))",
-                cutoff,
-            ).fetchone()[0]
-        return PruneReport(ids, int(count), dry_run=True, bytes_before=before)
-    with connections.write() as conn:
-        conn.execute("DROP TABLE IF EXISTS temp.pruned")
-        conn.execute(f"CREATE TEMP TABLE pruned AS {select}", cutoff)
-        ids = tuple(str(row[0]) for row in conn.execute("SELECT run_id FROM temp.pruned"))
-        count = conn.execute(
-            "DELETE FROM transitions WHERE run_key IN (SELECT run_key FROM temp.pruned)"
-        ).rowcount
-        for table in ("iterations", "artifacts", "effects", "run_rows"):
-            conn.execute(f"DELETE FROM {table} WHERE run_id IN (SELECT run_id FROM temp.pruned)")
-        conn.execute(
-            "DELETE FROM specs WHERE spec_hash NOT IN (SELECT DISTINCT spec_hash FROM run_rows)"
-        )
-        conn.execute("DROP TABLE temp.pruned")
-    forget(ids)
-    if ids:
-        with connections.read() as conn:
-            # The thread's checkpoint would take the lock that TRUNCATE needs (SQLite does
-            # not wait for it): stopped here, started again by the next write.
-            connections.stop_checkpoints()
-            conn.execute("VACUUM")
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    return PruneReport(
-        ids, count, dry_run=False, bytes_before=before, bytes_after=connections.size()
-    )

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
-from fsm_runner.journal import _lease, _sqlite_check, _sqlite_writes
+from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
@@ -51,41 +51,6 @@ def _stale_bound() -> tuple[str, list[Any]]:
     return "?", [format_utc(utc_now())]
 
 
-#: Runs one ``claim_next`` search returns, tried in order until one is still claimable.
-_CLAIM_CANDIDATES = 8
-#: Searches one ``claim_next`` makes when every run found was claimed by others meanwhile.
-_CLAIM_SEARCHES = 3
-
-
-def _claimable(states: int, spec_hash: str | None) -> str:
-    """The ``runs`` view's condition of a run ``claim_next`` may take.
-
-    Parameters: the machine, ``states`` states, the spec hash (if ``spec_hash``), then "now"
-    (a lease that expired before it is free).
-    """
-    return (
-        f"status = 'active' AND machine = ? AND state IN ({', '.join('?' * states)})"
-        + (" AND spec_hash = ?" if spec_hash is not None else "")
-        + " AND (lease_owner IS NULL OR lease_expires_at < ?)"
-    )
-
-
-def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
-    """``claim_next``'s search (a read) and its conditional claim (one run, under the lock).
-
-    The claim asks the search's question again of that one run (:func:`_claimable`); its
-    parameters: owner, expiry, the run key twice, then the search's.
-    """
-    where = _claimable(states, spec_hash)
-    search = f"SELECT run_key FROM runs WHERE {where} ORDER BY created_at, run_key LIMIT ?"
-    claim = (
-        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-        " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
-        f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
-    )
-    return search, claim
-
-
 _DIALECT = SqlDialect(
     mark="?",
     run_table="run_rows",
@@ -95,6 +60,7 @@ _DIALECT = SqlDialect(
     put_effect=PUT_EFFECT,
     stamp=format_utc,
     stale_bound=_stale_bound,
+    list_by_created=False,
 )
 
 
@@ -205,10 +171,20 @@ class SqliteJournal:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
         self._writer.fork_run(run, source_run_id=source_run_id, at_seq=at_seq)
 
-    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
-        """Delete ended runs last updated before ``ended_before``, then ``VACUUM``."""
-        return _sqlite_writes.prune(
-            self._connections, self._writer.forget, ended_before=ended_before, dry_run=dry_run
+    def prune(
+        self, *, ended_before: dt.datetime, dry_run: bool = False, vacuum: bool = False
+    ) -> PruneReport:
+        """Delete ended runs last updated before ``ended_before``, in short batches.
+
+        See :mod:`fsm_runner.journal._sqlite_prune`. ``vacuum``: then give the space back to
+        the file system (``VACUUM``: every writer waits for it).
+        """
+        return _sqlite_prune.prune(
+            self._connections,
+            self._writer.forget,
+            ended_before=ended_before,
+            dry_run=dry_run,
+            vacuum=vacuum,
         )
 
     def request_abort(self, run_id: str, reason: str) -> RunRecord:
@@ -399,59 +375,26 @@ class SqliteJournal:
     ) -> RunRecord | None:
         """Claim the oldest runnable run, or ``None``; an idle poll takes no write lock.
 
-        The search is a read (WAL: it neither takes nor waits for the write lock), so a worker
-        polling a journal with nothing to claim never delays a writer. A run it found is then
-        claimed by one conditional UPDATE in a short write transaction, which asks the search's
-        question again of that one run, as of then (:meth:`_claim_found`): another worker may
-        have claimed it, its head moved, or its lease been renewed since. Such a run is skipped
-        for the next one found; after :data:`_CLAIM_SEARCHES` searches whose every run was
-        taken meanwhile, ``None`` (the caller polls again, as when nothing was runnable).
+        See :func:`fsm_runner.journal._sqlite_claims.claim_next`: a search of index ranges,
+        outside the write lock, then one conditional UPDATE in a short write transaction.
         """
         if not states:
             return None
         # Refused as before on a journal closed or whose writes are refused (a damaged fence),
         # though an idle poll writes nothing: a worker there fails at once, not when work comes.
         self._connections.check_writable()
-        search, claim = _claim_statements(len(states), spec_hash)
-        wanted: list[Any] = [machine, *states]
-        if spec_hash is not None:
-            wanted.append(spec_hash)
-        for _ in range(_CLAIM_SEARCHES):
-            with self._connections.read() as conn:
-                found = conn.execute(
-                    search, [*wanted, format_utc(utc_now()), _CLAIM_CANDIDATES]
-                ).fetchall()
-            if not found:
-                return None
-            claimed = self._claim_found([key for (key,) in found], owner, ttl, claim, wanted)
-            if claimed is not None:
-                self._writer.remember(claimed)
-                return claimed
-        return None
-
-    def _claim_found(
-        self, keys: Sequence[int], owner: str, ttl: float, claim: str, wanted: Sequence[Any]
-    ) -> RunRecord | None:
-        """Claim the first of the runs ``keys`` that is still claimable, in ONE transaction.
-
-        ``claim`` (:func:`_claim_statements`) writes only while the run still answers the
-        search, as of now: a run claimed, moved or renewed since changes no row and the next
-        one is tried. Under the write lock no other writer comes between its check and its
-        write, so the lease token rises once per claim; ``recoveries`` counts a takeover by
-        the lease found at that moment.
-        """
-        with self._connections.write() as conn:
-            # "now" once the lock is held: a lease that expired while this waited is free.
-            now = utc_now()
-            expires = format_utc(now + dt.timedelta(seconds=ttl))
-            for key in keys:
-                changed = conn.execute(
-                    claim, [owner, expires, key, key, *wanted, format_utc(now)]
-                ).rowcount
-                if changed:
-                    cursor = conn.execute("SELECT * FROM runs WHERE run_key = ?", (key,))
-                    return self._run_from_row(cursor.description, cursor.fetchone())
-        return None
+        claimed = _sqlite_claims.claim_next(
+            self._connections,
+            self._run_from_row,
+            owner,
+            ttl=ttl,
+            machine=machine,
+            states=states,
+            spec_hash=spec_hash,
+        )
+        if claimed is not None:
+            self._writer.remember(claimed)
+        return claimed
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""

@@ -1,0 +1,151 @@
+"""SQLite's ``claim_next``: a search of index ranges outside the write lock, then a claim.
+
+The search is a read (WAL: it neither takes nor waits for the write lock), so a worker polling
+a journal with nothing to claim never delays a writer, and (schema version 9) it reads only
+index ranges, so it costs the same among a hundred runs as among a million: an unleased active
+run's stored row is its head, so the runs a claim may take are one range of
+``idx_run_rows_ready`` per state, and the leases that expired one range of
+``idx_run_rows_leased``. A run found is then claimed by one conditional UPDATE in a short write
+transaction, which asks the search's question again of that one run, as of then
+(:func:`_claim_found`): another worker may have claimed it, its head moved, or its lease been
+renewed since. Such a run is skipped for the next one found; after :data:`_CLAIM_SEARCHES`
+searches whose every run was taken meanwhile, ``None`` (the caller polls again, as when nothing
+was runnable).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from fsm_runner.journal._sqlite_connections import SqliteConnections
+from fsm_runner.records import RunRecord, format_utc, utc_now
+
+__all__ = ["claim_next"]
+
+#: A row of the ``runs`` view as a record: the cursor's description, the row.
+RowReader = Callable[[Any, Sequence[Any]], RunRecord]
+
+#: Runs one ``claim_next`` search returns, tried in order until one is still claimable.
+_CLAIM_CANDIDATES = 8
+#: Searches one ``claim_next`` makes when every run found was claimed by others meanwhile.
+_CLAIM_SEARCHES = 3
+
+
+def _claimable(states: int, spec_hash: str | None) -> str:
+    """The ``runs`` view's condition of a run ``claim_next`` may take.
+
+    Parameters: the machine, ``states`` states, the spec hash (if ``spec_hash``), then "now"
+    (a lease that expired before it is free).
+    """
+    return (
+        f"status = 'active' AND machine = ? AND state IN ({', '.join('?' * states)})"
+        + (" AND spec_hash = ?" if spec_hash is not None else "")
+        + " AND (lease_owner IS NULL OR lease_expires_at < ?)"
+    )
+
+
+def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
+    """``claim_next``'s search (a read) and its conditional claim (one run, under the lock).
+
+    The search reads index ranges only (schema version 9): for each state, the oldest unleased
+    active runs stored in it (``idx_run_rows_ready``: an unleased run's row is its head), and
+    the leased runs whose lease expired (``idx_run_rows_leased``, their head read through the
+    view: a holder that died may have moved it). Its parameters: per state the machine, the
+    state (and the spec hash); then the machine, now, the states (and the spec hash); the
+    number of runs wanted last, once per part and once in all (:func:`_search_params`).
+
+    The claim asks the search's question again of that one run (:func:`_claimable`); its
+    parameters: owner, expiry, the run key twice, then the search's.
+    """
+    spec = " AND spec_hash = ?" if spec_hash is not None else ""
+    ready = (
+        "SELECT run_key FROM (SELECT run_key FROM run_rows WHERE machine = ? AND state = ?"
+        f" AND status = 'active' AND lease_owner IS NULL{spec} ORDER BY run_key LIMIT ?)"
+    )
+    expired = (
+        "SELECT run_key FROM (SELECT run_key FROM runs WHERE machine = ? AND status = 'active'"
+        f" AND lease_owner IS NOT NULL AND lease_expires_at < ?"
+        f" AND state IN ({', '.join('?' * states)}){spec} ORDER BY lease_expires_at LIMIT ?)"
+    )
+    search = " UNION ALL ".join([ready] * states + [expired]) + " ORDER BY run_key LIMIT ?"
+    where = _claimable(states, spec_hash)
+    claim = (
+        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+        " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
+        f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
+    )
+    return search, claim
+
+
+def _search_params(
+    machine: str, states: Sequence[str], spec_hash: str | None, now: str
+) -> list[Any]:
+    """The parameters of :func:`_claim_statements`' search."""
+    spec = [] if spec_hash is None else [spec_hash]
+    params: list[Any] = []
+    for state in states:
+        params += [machine, state, *spec, _CLAIM_CANDIDATES]
+    return [*params, machine, now, *states, *spec, _CLAIM_CANDIDATES, _CLAIM_CANDIDATES]
+
+
+def claim_next(
+    connections: SqliteConnections,
+    read_row: RowReader,
+    owner: str,
+    *,
+    ttl: float,
+    machine: str,
+    states: Collection[str],
+    spec_hash: str | None,
+) -> RunRecord | None:
+    """Claim the oldest runnable run of ``machine`` in ``states`` for ``owner``, or ``None``."""
+    ordered = sorted(set(states))
+    search, claim = _claim_statements(len(ordered), spec_hash)
+    wanted: list[Any] = [machine, *ordered]
+    if spec_hash is not None:
+        wanted.append(spec_hash)
+    for _ in range(_CLAIM_SEARCHES):
+        with connections.read() as conn:
+            params = _search_params(machine, ordered, spec_hash, format_utc(utc_now()))
+            found = conn.execute(search, params).fetchall()
+        if not found:
+            return None
+        keys = [key for (key,) in found]
+        claimed = _claim_found(
+            connections, read_row, keys, owner=owner, ttl=ttl, claim=claim, wanted=wanted
+        )
+        if claimed is not None:
+            return claimed
+    return None
+
+
+def _claim_found(
+    connections: SqliteConnections,
+    read_row: RowReader,
+    keys: Sequence[int],
+    *,
+    owner: str,
+    ttl: float,
+    claim: str,
+    wanted: Sequence[Any],
+) -> RunRecord | None:
+    """Claim the first of the runs ``keys`` that is still claimable, in ONE transaction.
+
+    ``claim`` (:func:`_claim_statements`) writes only while the run still answers the search,
+    as of now: a run claimed, moved or renewed since changes no row and the next one is tried.
+    Under the write lock no other writer comes between its check and its write, so the lease
+    token rises once per claim; ``recoveries`` counts a takeover by the lease found at that
+    moment.
+    """
+    with connections.write() as conn:
+        # "now" once the lock is held: a lease that expired while this waited is free.
+        now = utc_now()
+        expires = format_utc(now + dt.timedelta(seconds=ttl))
+        for key in keys:
+            changed = conn.execute(claim, [owner, expires, key, key, *wanted, format_utc(now)])
+            if changed.rowcount:
+                cursor = conn.execute("SELECT * FROM runs WHERE run_key = ?", (key,))
+                return read_row(cursor.description, cursor.fetchone())
+    return None
