@@ -91,6 +91,10 @@ class SqlDialect:
     #: :attr:`row_order` alone, the order runs were stored in (SQLite: the run key, which its
     #: listing indexes are ordered by).
     list_by_created: bool = True
+    #: The keys of the active runs, as a subquery, when listing them by status is better served
+    #: by it than by ``status = 'active'`` (SQLite: the two partial indexes of its claims; its
+    #: index by status holds the ended runs only).
+    active_keys: str | None = None
 
 
 class SqlConnections(Protocol):
@@ -428,9 +432,16 @@ class SqlCore:
                 f"status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < {now}"
             )
             params += now_params
+        status = RunLifecycle(status).value if status is not None else None
+        if status is not None and self.dialect.active_keys is not None:
+            if status == RunLifecycle.ACTIVE.value:
+                where.append(f"{self.dialect.row_order} IN ({self.dialect.active_keys})")
+                status = None
+            else:  # the index of the ended runs by status is partial: say this is one
+                where.append("status != 'active'")
         for column, value in (
             ("machine", machine),
-            ("status", RunLifecycle(status).value if status is not None else None),
+            ("status", status),
             ("parent_run_id", parent_run_id),
             ("state", state),
         ):

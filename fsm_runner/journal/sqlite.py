@@ -61,6 +61,11 @@ _DIALECT = SqlDialect(
     stamp=format_utc,
     stale_bound=_stale_bound,
     list_by_created=False,
+    active_keys=(
+        "SELECT run_key FROM run_rows WHERE status = 'active' AND lease_owner IS NULL"
+        " UNION ALL SELECT run_key FROM run_rows WHERE status = 'active'"
+        " AND lease_owner IS NOT NULL"
+    ),
 )
 
 
