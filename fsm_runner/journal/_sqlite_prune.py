@@ -82,7 +82,7 @@ def prune(
         if len(found) < BATCH:
             break
     _forget_specs(connections, hashes)
-    if vacuum and ids:
+    if vacuum:
         with connections.read() as conn:
             # The thread's checkpoint would take the lock that TRUNCATE needs (SQLite does
             # not wait for it): stopped here, started again by the next write.
