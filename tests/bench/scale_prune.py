@@ -188,10 +188,14 @@ def cutoff_for(path: Path, runs: int) -> dt.datetime:
         return journal.load(report.run_ids[runs]).updated_at
 
 
-def blocking(path: Path, journal_runs: int) -> tuple[str, bool]:
-    """A prune of up to 100,000 runs of ``path`` beside a writer process; its target."""
-    wanted = min(BLOCK_RUNS, journal_runs)
-    cutoff = cutoff_for(path, wanted)
+def prune_beside_writer(
+    path: Path, cutoff: dt.datetime
+) -> tuple[Any, dict[str, Any], tuple[float, float], list[tuple[float, float]]]:
+    """A prune of ``path``'s runs before ``cutoff`` while a writer process starts runs.
+
+    Returns the prune's report, its options, when it began and ended (``time.monotonic``, the
+    same clock in every process) and the writer's starts: (began, seconds) each.
+    """
     spawn = multiprocessing.get_context("spawn")
     ready, stop = spawn.Event(), spawn.Event()
     receiver, sender = spawn.Pipe(duplex=False)
@@ -211,15 +215,24 @@ def blocking(path: Path, journal_runs: int) -> tuple[str, bool]:
         stop.set()
         times: list[tuple[float, float]] = receiver.recv() if receiver.poll(120) else []
         writer.join(60)
+    return report, options, (began, ended), times
+
+
+def blocking(path: Path, journal_runs: int) -> tuple[str, bool]:
+    """A prune of up to 100,000 runs of ``path`` beside a writer process; its target."""
+    wanted = min(BLOCK_RUNS, journal_runs)
+    report, options, (began, ended), times = prune_beside_writer(path, cutoff_for(path, wanted))
     assert len(report.run_ids) == wanted, (len(report.run_ids), wanted)
     before = [s for b, s in times if b + s < began]
-    during = [s for b, s in times if b < ended and b + s > began]
+    overlapping = [(b, s) for b, s in times if b < ended and b + s > began]
+    during = [s for _, s in overlapping]
     how = "without VACUUM" if options else "as it is (ending with VACUUM)"
     note = "" if wanted == BLOCK_RUNS else f" (all the journal's runs: it holds < {BLOCK_RUNS:,})"
+    after = "" if report.bytes_after is None else f" -> {report.bytes_after / 1e6:,.0f}"
     print(
         f"\nblocking: a prune of {wanted:,} runs{note} of the big journal, {how}:"
         f" {ended - began:.2f} s, {report.transitions:,} transitions,"
-        f" {(report.bytes_before or 0) / 1e6:,.0f} -> {(report.bytes_after or 0) / 1e6:,.0f} MB"
+        f" {(report.bytes_before or 0) / 1e6:,.0f}{after} MB"
     )
     print(f"  a writer process's starts, ms: {'count':>6} {'median':>8} {'p99':>8} {'worst':>9}")
     for name, got in (("before the prune", before), ("during the prune", during)):
@@ -228,6 +241,12 @@ def blocking(path: Path, journal_runs: int) -> tuple[str, bool]:
                 f"    {name:<26} {len(got):>6} {statistics.median(got) * 1e3:>8.2f}"
                 f" {_q(got, 0.99) * 1e3:>8.2f} {max(got) * 1e3:>9.2f}"
             )
+    if overlapping:
+        at, _ = max(overlapping, key=lambda start: start[1])
+        print(
+            f"  the worst start began {at - began:+.2f} s into the prune; the writer waited"
+            f" {sum(during):.2f} s of the prune's {ended - began:.2f} s"
+        )
     worst = max(during, default=0.0) * 1e3
     return (
         f"prune of {wanted:,} runs: a writer never waits > {BLOCK_TARGET_MS:.0f} ms"
