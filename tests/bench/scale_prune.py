@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import inspect
 import multiprocessing
 import os
@@ -83,9 +84,10 @@ def cli_run(argv: list[str], **options: Any) -> subprocess.CompletedProcess[str]
     )
 
 
-def cli_flags() -> list[str]:
+@functools.cache
+def cli_flags() -> tuple[str, ...]:
     """``--no-vacuum`` where the CLI's prune has it."""
-    return ["--no-vacuum"] if "--no-vacuum" in cli_run(["prune", "--help"]).stdout else []
+    return ("--no-vacuum",) if "--no-vacuum" in cli_run(["prune", "--help"]).stdout else ()
 
 
 def _seconds(action: Callable[[], object]) -> float:
