@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
-from fsm_runner.records import format_utc, utc_now
+from fsm_runner.records import utc_now
 from tests.helpers import NEXT
 
 __all__ = ["CHECK_SPEC", "PHASES", "build_check_journal", "handlers", "run_id_of"]
@@ -27,6 +27,11 @@ CHECK_SPEC = MachineSpec(
 )
 #: runs cloned by one INSERT ... SELECT (one transaction each: the WAL stays bounded)
 _BATCH = 50_000
+#: run ``i``'s time (``back`` seconds earlier) as ``format_utc`` writes it, to the millisecond
+_TIME_OF = (
+    "strftime('%Y-%m-%dT%H:%M:%f', :oldest + (run_key - :template) * :step - {back},"
+    " 'unixepoch') || '000+00:00'"
+)
 
 
 def handlers() -> dict[str, object]:
@@ -38,10 +43,10 @@ def build_check_journal(path: Path, runs: int, *, spread: dt.timedelta | None = 
     """``runs`` ended runs of CHECK_SPEC: one by the engine, the others cloned from it by SQL.
 
     Clone ``i`` (``1 <= i < runs``) has run key ``template + i`` and run id
-    :func:`run_id_of` ``(i)``. With ``spread``, run ``i`` (the template is run 0) was created and
-    last updated at ``now - spread + i * spread / runs``: oldest key first, all within
-    ``spread`` of now, each at its own time (a cutoff selects the oldest runs, as many as
-    wanted). Without it every run keeps the template's times.
+    :func:`run_id_of` ``(i)``. With ``spread``, run ``i`` (the template is run 0) was last
+    updated at ``now - spread + i * spread / runs`` (to the millisecond) and created a second
+    before: oldest key first, all within ``spread`` of now, each at its own time (a cutoff
+    selects the oldest runs, as many as wanted). Without it every run keeps the template's.
     """
     with SqliteJournal(path) as journal:
         engine = Engine(CHECK_SPEC, handlers=handlers(), journal=journal)
@@ -49,10 +54,8 @@ def build_check_journal(path: Path, runs: int, *, spread: dt.timedelta | None = 
         engine.close()
     conn = sqlite3.connect(path, isolation_level=None)
     conn.create_function("run_id_of", 1, run_id_of, deterministic=True)
-    oldest, step = utc_now() - (spread or dt.timedelta()), (spread or dt.timedelta()) / runs
-    conn.create_function(
-        "time_of", 2, lambda i, back: format_utc(oldest + i * step - dt.timedelta(seconds=back))
-    )
+    oldest = (utc_now() - (spread or dt.timedelta())).timestamp()
+    step = (spread or dt.timedelta()).total_seconds() / runs
     (template,) = conn.execute("SELECT run_key FROM run_rows").fetchone()
     columns = [row[1] for row in conn.execute("PRAGMA table_info(run_rows)")]
     copied = [c for c in columns if c not in ("run_key", "run_id")]
@@ -79,9 +82,10 @@ def build_check_journal(path: Path, runs: int, *, spread: dt.timedelta | None = 
             )
         if spread:  # after the transitions: a trigger may have copied their times to the row
             conn.execute(
-                "UPDATE run_rows SET created_at = time_of(run_key - ?, 1),"
-                " updated_at = time_of(run_key - ?, 0) WHERE run_key BETWEEN ? AND ?",
-                (template, template, template + start, template + end),
+                f"UPDATE run_rows SET created_at = {_TIME_OF.format(back=1)},"
+                f" updated_at = {_TIME_OF.format(back=0)} WHERE run_key BETWEEN :first AND :last",
+                {"oldest": oldest, "step": step, "template": template}
+                | {"first": template + start, "last": template + end},
             )
         conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
