@@ -14,15 +14,15 @@ journal, **blocking**: a prune of its 100,000 oldest runs (all of them if it hol
 another process starts runs one at a time (``engine.start()``, a single-row write, 1 ms apart,
 busy timeout 600 s), each start's latency recorded: the worst and p99 of the starts that
 overlapped the prune (target: worst <= 100 ms), against the starts before it. Where the prune
-takes a ``vacuum`` keyword (and the CLI a ``--no-vacuum`` flag), it is measured without
-``VACUUM``; otherwise as it is (today's prune ends with ``VACUUM``, every writer waits for it).
+takes a ``vacuum`` keyword it is measured with ``vacuum=False``; otherwise as it is (a prune
+that ends with ``VACUUM``, as before schema version 9: every writer waits for it). A dry run
+never vacuums, so the CLI's is run as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import inspect
 import multiprocessing
 import os
@@ -66,7 +66,7 @@ def add_prune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def prune_options(journal: SqliteJournal) -> dict[str, Any]:
-    """``vacuum=False`` where ``prune`` takes it, else nothing (today's prune vacuums)."""
+    """``vacuum=False`` where ``prune`` takes it, else nothing (a prune that vacuums)."""
     return {"vacuum": False} if "vacuum" in inspect.signature(journal.prune).parameters else {}
 
 
@@ -84,12 +84,6 @@ def cli_run(argv: list[str], **options: Any) -> subprocess.CompletedProcess[str]
     )
 
 
-@functools.cache
-def cli_flags() -> tuple[str, ...]:
-    """``--no-vacuum`` where the CLI's prune has it."""
-    return ("--no-vacuum",) if "--no-vacuum" in cli_run(["prune", "--help"]).stdout else ()
-
-
 def _seconds(action: Callable[[], object]) -> float:
     began = time.perf_counter()
     action()
@@ -101,7 +95,6 @@ def measure_round(
 ) -> dict[tuple[str, str], list[float]]:
     """One round: each figure's samples (seconds) on each journal, ``order`` first to last."""
     cutoff = utc_now() - dt.timedelta(days=NONE_DAYS)
-    flags = cli_flags()
     times: dict[tuple[str, str], list[float]] = {}
     for label in order:
         journal, path = journals[label], paths[label]
@@ -112,7 +105,7 @@ def measure_round(
 
         def command(path: Path = path) -> None:
             argv = ["--journal", str(path), "prune", "--older-than", str(NONE_DAYS)]
-            cli_run([*argv, "--dry-run", *flags])
+            cli_run([*argv, "--dry-run"])
 
         def nothing(journal: SqliteJournal = journal, options: dict[str, Any] = options) -> None:
             assert journal.prune(ended_before=cutoff, **options).run_ids == ()
