@@ -2,15 +2,21 @@
 
 Run from the repository root::
 
-    python tests/bench/bench_scale.py [--only check] [--only claim] [--runs N] [--rounds R]
+    python tests/bench/bench_scale.py [--only check|claim|prune|ops ...] [--runs N] [--rounds R]
     python tests/bench/bench_scale.py --only check [--runs 20000] [--jobs N] [--baseline-every K]
     python tests/bench/bench_scale.py --only check --runs 1000000 --baseline-every 20
     python tests/bench/bench_scale.py --only claim [--runs 10000] [--rounds 3] [--samples 20]
+    python tests/bench/bench_scale.py --only prune [--runs 50000] [--small-runs 10000]
+    python tests/bench/bench_scale.py --only ops --runs 1000000 [--ops-samples 50] [--cli-samples 3]
 
 Each section builds its journals in a temporary directory, measures its baseline in the same run
 and prints its figures, the ratio and PASS/FAIL per target. ``--runs`` and ``--rounds`` default
-per section (check: 20,000 runs, 1 round; claim: 10,000 runs, 3 rounds); the exit status is 1
-if a target is missed.
+per section (check: 20,000 runs, 1 round; claim: 10,000 runs, 3 rounds; prune and ops: 50,000
+runs against ``--small-runs`` 10,000, 3 rounds); the exit status is 1 if a target is missed.
+All four run by default (small sizes: CI's, under two minutes); ``--runs 1000000`` is the
+issue's measurement. ``prune`` and ``ops`` are described in their modules,
+``tests/bench/scale_prune.py`` and ``tests/bench/scale_ops.py``; every section's journals of
+ended runs are built by ``tests/bench/scale_journals.py``.
 
 ``check`` (issue 28, point 4): builds a journal of ``--runs`` ended runs of 5 transitions each
 (one run made by the engine, then cloned in bulk by SQL in the journal's own schema, through its
@@ -47,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import os
 import platform
 import resource
@@ -70,61 +75,15 @@ from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition  # 
 from fsm_runner.exceptions import JournalError  # noqa: E402
 from fsm_runner.records import format_utc, utc_now  # noqa: E402
 from fsm_runner.replay import check_runs  # noqa: E402
+from tests.bench.scale_journals import build_check_journal  # noqa: E402
+from tests.bench.scale_ops import add_ops_arguments, run_ops  # noqa: E402
+from tests.bench.scale_prune import add_prune_arguments, run_prune  # noqa: E402
 from tests.helpers import NEXT, linear_spec  # noqa: E402
 
 # -- check: the whole journal replayed --------------------------------------------------------
 
-PHASES = "abcd"
-#: four phases: seqs 0..4, five transitions a run
-CHECK_SPEC = MachineSpec(
-    "scaled",
-    [State(p, handler="noop") for p in PHASES] + [State("done", terminal=True)],
-    [Transition(p, NEXT, q) for p, q in zip(PHASES, [*PHASES[1:], "done"], strict=True)],
-)
 MILLION = 1_000_000
 CHECK_TARGET_S = 60.0
-#: runs cloned by one INSERT ... SELECT (one transaction each: the WAL stays bounded)
-_BATCH = 50_000
-
-
-def build_check_journal(path: Path, runs: int) -> None:
-    """``runs`` ended runs of CHECK_SPEC: one by the engine, the others cloned from it by SQL."""
-    with SqliteJournal(path) as journal:
-        engine = Engine(CHECK_SPEC, handlers={"noop": lambda _ctx: NEXT}, journal=journal)
-        engine.run(engine.start({"n": 0}))
-        engine.close()
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.create_function("run_id_of", 1, _run_id_of, deterministic=True)
-    (template,) = conn.execute("SELECT run_key FROM run_rows").fetchone()
-    columns = [row[1] for row in conn.execute("PRAGMA table_info(run_rows)")]
-    copied = [c for c in columns if c not in ("run_key", "run_id")]
-    tcolumns = [row[1] for row in conn.execute("PRAGMA table_info(transitions)")]
-    tcopied = [c for c in tcolumns if c not in ("run_key", "run_id")]
-    for start in range(1, runs, _BATCH):
-        end = min(start + _BATCH, runs) - 1
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(
-            f"WITH RECURSIVE n(i) AS (SELECT ? UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
-            f" INSERT INTO run_rows (run_key, run_id, {', '.join(copied)})"
-            f" SELECT ? + i, run_id_of(i), {', '.join('t.' + c for c in copied)}"
-            f" FROM n, run_rows AS t WHERE t.run_key = ?",
-            (start, end, template, template),
-        )
-        conn.execute(
-            f"INSERT INTO transitions (run_key, run_id, {', '.join(tcopied)})"
-            f" SELECT r.run_key, r.run_id, {', '.join('t.' + c for c in tcopied)}"
-            f" FROM run_rows AS r, transitions AS t"
-            f" WHERE r.run_key BETWEEN ? AND ? AND t.run_key = ? ORDER BY r.run_key, t.seq",
-            (template + start, template + end, template),
-        )
-        conn.execute("COMMIT")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-
-
-def _run_id_of(n: int) -> str:
-    """A run id as random in key order as uuid4's, but the same in every build."""
-    return hashlib.md5(f"run {n}".encode(), usedforsecurity=False).hexdigest()
 
 
 def _timed(path: Path, check: Callable[[SqliteJournal], Any]) -> tuple[float, float, Any]:
@@ -223,6 +182,8 @@ CLAIM_SPEC = MachineSpec(
 OTHER_SPEC = linear_spec("a", name="started")
 CLAIM_STATES = ["a"]
 CLAIM_FLAT = 2.0
+#: how long the starts of one measurement may take in all (the whole bench stays under ~2 min)
+STARVED_S = 6.0
 #: claim_next's search before issue 28, run inside BEGIN IMMEDIATE by the ``old`` pollers.
 OLD_SEARCH = (
     "SELECT run_id, lease_owner FROM runs WHERE status = 'active' AND machine = ?"
@@ -303,7 +264,8 @@ def claim_starts(path: Path, samples: int, *, busy_timeout: float) -> tuple[list
     refused = 0
     with SqliteJournal(path, busy_timeout=busy_timeout) as journal:
         engine = Engine(OTHER_SPEC, handlers={"a": lambda _ctx: NEXT}, journal=journal)
-        deadline = time.monotonic() + 20  # beside old pollers a start may starve for seconds
+        # beside old pollers a start may starve for seconds: given up after STARVED_S in all
+        deadline = time.monotonic() + STARVED_S
         for _ in range(samples):
             if time.monotonic() > deadline:
                 refused += 1
@@ -383,7 +345,9 @@ def run_claim(args: argparse.Namespace, workdir: Path) -> list[tuple[str, bool]]
                 big, mode, lambda: claim_starts(big, args.starts, busy_timeout=5)
             )
             latencies[mode] += times  # type: ignore[arg-type]
-            late_note = f"   given up (5 s busy timeout, 20 s in all): {late}" if late else ""
+            late_note = (
+                f"   given up (5 s busy timeout, {STARVED_S:.0f} s in all): {late}" if late else ""
+            )
             (_, refused), _ = with_pollers(
                 big, mode, lambda: claim_starts(big, args.starts, busy_timeout=0)
             )
@@ -421,23 +385,36 @@ def _q(values: list[float], q: float) -> float:
 
 
 def _ms(times: list[float]) -> str:
+    if not times:  # every start gave up (beside pollers searching under BEGIN IMMEDIATE)
+        return f"{'-':>6} / {'-':>6} / {'-':>7}"
     return f"{_q(times, 0.5) * 1e3:6.2f} / {_q(times, 0.99) * 1e3:6.2f} / {max(times) * 1e3:7.2f}"
 
 
-def run_claim_section(args: argparse.Namespace) -> bool:
-    """The claim section, in a temporary directory of its own; prints its verdicts."""
-    with tempfile.TemporaryDirectory() as workdir:
-        targets = run_claim(args, Path(workdir))
-    print()
-    for description, met in targets:
-        print(f"{'PASS' if met else 'FAIL'}: {description}")
-    return all(met for _, met in targets)
+Targets = Callable[[argparse.Namespace, Path], list[tuple[str, bool]]]
+
+
+def in_workdir(run: Targets) -> Callable[[argparse.Namespace], bool]:
+    """A section run in a temporary directory of its own that prints its verdicts."""
+
+    def section(args: argparse.Namespace) -> bool:
+        began = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench_scale_") as workdir:
+            targets = run(args, Path(workdir))
+        print(f"\n({time.perf_counter() - began:.0f} s)")
+        for description, met in targets:
+            print(f"{'PASS' if met else 'FAIL'}: {description}")
+        print()
+        return all(met for _, met in targets)
+
+    return section
 
 
 #: The sections, by ``--only`` name, with their default ``--runs`` and ``--rounds``.
 SECTIONS: dict[str, tuple[Callable[[argparse.Namespace], bool], int, int]] = {
     "check": (run_check, 20_000, 1),
-    "claim": (run_claim_section, 10_000, 3),
+    "claim": (in_workdir(run_claim), 10_000, 3),
+    "ops": (in_workdir(run_ops), 50_000, 3),
+    "prune": (in_workdir(run_prune), 50_000, 3),
 }
 
 
@@ -450,6 +427,8 @@ def main() -> int:
     group = parser.add_argument_group("claim")
     group.add_argument("--samples", type=int, default=20, help="idle polls a round (big)")
     group.add_argument("--starts", type=int, default=200, help="starts a round and setting")
+    add_prune_arguments(parser)
+    add_ops_arguments(parser)
     parser.add_argument("--poll", help=argparse.SUPPRESS)  # a claim poller process
     parser.add_argument("--mode", default="new", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -459,7 +438,7 @@ def main() -> int:
     print(f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version},", end=" ")
     print(f"{os.cpu_count()} CPUs")
     passed = []
-    for name in args.only or sorted(SECTIONS):
+    for name in args.only or SECTIONS:
         section, runs, rounds = SECTIONS[name]
         given = copy.copy(args)
         given.runs = args.runs or runs

@@ -1,0 +1,97 @@
+"""The journals of ``bench_scale.py``: many ended runs of a four-phase machine, built fast.
+
+One run is made by the engine, the others are cloned from it by SQL in the journal's own schema
+(its columns read with ``PRAGMA table_info``; no index, trigger or schema version named), so the
+same build works on every schema version the journal may have.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import sqlite3
+from pathlib import Path
+
+from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
+from fsm_runner.records import utc_now
+from tests.helpers import NEXT
+
+__all__ = ["CHECK_SPEC", "PHASES", "build_check_journal", "handlers", "run_id_of"]
+
+PHASES = "abcd"
+#: four phases: seqs 0..4, five transitions a run
+CHECK_SPEC = MachineSpec(
+    "scaled",
+    [State(p, handler="noop") for p in PHASES] + [State("done", terminal=True)],
+    [Transition(p, NEXT, q) for p, q in zip(PHASES, [*PHASES[1:], "done"], strict=True)],
+)
+#: runs cloned by one INSERT ... SELECT (one transaction each: the WAL stays bounded)
+_BATCH = 50_000
+#: run ``i``'s time (``back`` seconds earlier) as ``format_utc`` writes it, to the millisecond
+_TIME_OF = (
+    "strftime('%Y-%m-%dT%H:%M:%f', :oldest + (run_key - :template) * :step - {back},"
+    " 'unixepoch') || '000+00:00'"
+)
+
+
+def handlers() -> dict[str, object]:
+    """CHECK_SPEC's one handler: every phase moves on at once."""
+    return {"noop": lambda _ctx: NEXT}
+
+
+def build_check_journal(path: Path, runs: int, *, spread: dt.timedelta | None = None) -> None:
+    """``runs`` ended runs of CHECK_SPEC: one by the engine, the others cloned from it by SQL.
+
+    Clone ``i`` (``1 <= i < runs``) has run key ``template + i`` and run id
+    :func:`run_id_of` ``(i)``. With ``spread``, run ``i`` (the template is run 0) was last
+    updated at ``now - spread + i * spread / runs`` (to the millisecond) and created a second
+    before: oldest key first, all within ``spread`` of now, each at its own time (a cutoff
+    selects the oldest runs, as many as wanted). Without it every run keeps the template's.
+    """
+    with SqliteJournal(path) as journal:
+        engine = Engine(CHECK_SPEC, handlers=handlers(), journal=journal)
+        engine.run(engine.start({"n": 0}))
+        engine.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.create_function("run_id_of", 1, run_id_of, deterministic=True)
+    oldest = (utc_now() - (spread or dt.timedelta())).timestamp()
+    step = (spread or dt.timedelta()).total_seconds() / runs
+    (template,) = conn.execute("SELECT run_key FROM run_rows").fetchone()
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(run_rows)")]
+    copied = [c for c in columns if c not in ("run_key", "run_id")]
+    tcolumns = [row[1] for row in conn.execute("PRAGMA table_info(transitions)")]
+    tcopied = [c for c in tcolumns if c not in ("run_key", "run_id")]
+    for start in range(0 if spread else 1, runs, _BATCH):
+        end = min(start + _BATCH, runs) - 1
+        first = max(start, 1)
+        conn.execute("BEGIN IMMEDIATE")
+        if first <= end:
+            conn.execute(
+                f"WITH RECURSIVE n(i) AS (SELECT ? UNION ALL SELECT i + 1 FROM n WHERE i < ?)"
+                f" INSERT INTO run_rows (run_key, run_id, {', '.join(copied)})"
+                f" SELECT ? + i, run_id_of(i), {', '.join('t.' + c for c in copied)}"
+                f" FROM n, run_rows AS t WHERE t.run_key = ?",
+                (first, end, template, template),
+            )
+            conn.execute(
+                f"INSERT INTO transitions (run_key, run_id, {', '.join(tcopied)})"
+                f" SELECT r.run_key, r.run_id, {', '.join('t.' + c for c in tcopied)}"
+                f" FROM run_rows AS r, transitions AS t"
+                f" WHERE r.run_key BETWEEN ? AND ? AND t.run_key = ? ORDER BY r.run_key, t.seq",
+                (template + first, template + end, template),
+            )
+        if spread:  # after the transitions: a trigger may have copied their times to the row
+            conn.execute(
+                f"UPDATE run_rows SET created_at = {_TIME_OF.format(back=1)},"
+                f" updated_at = {_TIME_OF.format(back=0)} WHERE run_key BETWEEN :first AND :last",
+                {"oldest": oldest, "step": step, "template": template}
+                | {"first": template + start, "last": template + end},
+            )
+        conn.execute("COMMIT")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+
+
+def run_id_of(n: int) -> str:
+    """A run id as random in key order as uuid4's, but the same in every build."""
+    return hashlib.md5(f"run {n}".encode(), usedforsecurity=False).hexdigest()
