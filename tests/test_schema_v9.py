@@ -186,6 +186,21 @@ class TestClaims:
         assert not [s for s in steps if s.startswith("SCAN") and "subquery" not in s], steps
 
 
+    def test_a_row_moved_off_its_head_by_hand_is_reported(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            run = step(journal, journal.load(engine_for(journal).start()), "wait", NEXT)
+            assert journal.integrity_problems() == []
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("UPDATE run_rows SET state = 'a', seq = 0")  # as version 8 left it
+        conn.close()
+        with SqliteJournal(path) as journal:
+            assert journal.integrity_problems() == [
+                "1 unleased active run(s) whose row is not their last transition's, so claims"
+                f" misjudge them (first: run {run.run_id}, row in 'a', head in 'wait')"
+            ]
+
+
 class TestPrune:
     def test_the_selection_is_one_range_of_the_ended_runs_index(self):
         with SqliteJournal(":memory:") as journal:

@@ -385,6 +385,21 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
             f"{len(miskeyed)} row(s) of table transitions have a run_key that is not their"
             f" run's (first: run {run_id}, seq {seq})"
         )
+    # An unleased active run's row is its head (schema 9): claims read the stored state.
+    # Read from the tables alone (the view may be the damaged object).
+    behind = conn.execute(
+        "SELECT r.run_id, r.state, t.to_state FROM run_rows AS r JOIN transitions AS t"
+        " ON t.run_key = r.run_key AND t.seq > r.seq"
+        " AND t.seq = (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = r.run_key)"
+        " WHERE r.status = 'active' AND r.lease_owner IS NULL ORDER BY r.run_key"
+    ).fetchall()
+    if behind:
+        run_id, stored, head = behind[0]
+        problems.append(
+            f"{len(behind)} unleased active run(s) whose row is not their last transition's,"
+            f" so claims misjudge them (first: run {run_id}, row in {stored!r}, head in"
+            f" {head!r})"
+        )
     return problems
 
 
