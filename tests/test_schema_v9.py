@@ -185,7 +185,6 @@ class TestClaims:
         )
         assert not [s for s in steps if s.startswith("SCAN") and "subquery" not in s], steps
 
-
     def test_a_row_moved_off_its_head_by_hand_is_reported(self, tmp_path):
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:
