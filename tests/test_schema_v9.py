@@ -177,13 +177,32 @@ class TestClaims:
         with SqliteJournal(":memory:") as journal:
             steps = plan(journal._connections.conn, search, params)
         assert (
-            steps.count("SEARCH run_rows USING INDEX idx_run_rows_ready (machine=? AND state=?)")
-            == states
+            steps.count("SEARCH r USING INDEX idx_run_rows_ready (machine=? AND state=?)") == states
         )
         assert (
             "SEARCH r USING INDEX idx_run_rows_leased (machine=? AND lease_expires_at<?)" in steps
         )
         assert not [s for s in steps if s.startswith("SCAN") and "subquery" not in s], steps
+
+    def test_a_row_left_behind_its_head_by_hand_is_skipped_not_claimed_by_its_row(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            engine = engine_for(journal)
+            behind, ready = engine.start(), engine.start()
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute(  # "behind" moved to wait by a hand-written transition: its row says "a"
+            "INSERT INTO transitions (run_id, run_key, seq, from_state, event, to_state, at)"
+            " SELECT run_id, run_key, 1, 'a', ?, 'wait', ? FROM run_rows WHERE run_id = ?",
+            (NEXT, format_utc(utc_now()), behind),
+        )
+        conn.close()
+        with SqliteJournal(path) as journal:
+            assert stored(journal, behind) == (("a", 0), ("wait", 1))
+            assert claim(journal).run_id == ready
+            assert claim(journal) is None
+            assert "run(s) whose row is not their last transition's" in "".join(
+                journal.integrity_problems()
+            )
 
     def test_a_row_moved_off_its_head_by_hand_is_reported(self, tmp_path):
         path = tmp_path / "j.db"

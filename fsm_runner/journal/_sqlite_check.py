@@ -49,7 +49,7 @@ SCHEMA_VERSION = 9
 #: journal's (a change of them is a new migration and a new schema version).
 CODE: dict[tuple[str, str], tuple[str, str]] = {
     ("trigger", "run_rows_released"): ("run_rows", "5eca3f6602dc9e51441241142bad196d"),
-    ("trigger", "transitions_fence"): ("transitions", "31420b6d62b3704795000447335204c8"),
+    ("trigger", "transitions_fence"): ("transitions", "8fda0ea5177c86748a4c3748361f9e62"),
     ("view", "runs"): ("runs", "cc0c951c1f3d4f7ac3e42ba6c83e85fe"),
 }
 #: The journal's tables and its view: a trigger on one of them takes part in its writes.

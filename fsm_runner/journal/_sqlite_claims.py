@@ -50,7 +50,9 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     """``claim_next``'s search (a read) and its conditional claim (one run, under the lock).
 
     The search reads index ranges only (schema version 9): for each state, the oldest unleased
-    active runs stored in it (``idx_run_rows_ready``: an unleased run's row is its head), and
+    active runs stored in it (``idx_run_rows_ready``: an unleased run's row is its head; one
+    whose row a hand edit left behind its last transition is skipped, and ``check`` names it),
+    and
     the leased runs whose lease expired (``idx_run_rows_leased``, their head read through the
     view: a holder that died may have moved it). Its parameters: per state the machine, the
     state (and the spec hash); then the machine, now, the states (and the spec hash); the
@@ -61,8 +63,11 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     """
     spec = " AND spec_hash = ?" if spec_hash is not None else ""
     ready = (
-        "SELECT run_key FROM (SELECT run_key FROM run_rows WHERE machine = ? AND state = ?"
-        f" AND status = 'active' AND lease_owner IS NULL{spec} ORDER BY run_key LIMIT ?)"
+        "SELECT run_key FROM (SELECT run_key FROM run_rows AS r WHERE machine = ? AND state = ?"
+        f" AND status = 'active' AND lease_owner IS NULL{spec}"
+        " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
+        "                  WHERE t.run_key = r.run_key AND t.seq > r.seq)"
+        " ORDER BY run_key LIMIT ?)"
     )
     expired = (
         "SELECT run_key FROM (SELECT run_key FROM runs WHERE machine = ? AND status = 'active'"

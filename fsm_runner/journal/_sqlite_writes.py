@@ -479,7 +479,12 @@ class SqliteWriter:
             and transition.event != USER_ABORTED
         ):
             if run.status is known.status:
-                extra = None  # the hot path
+                # the hot path; a run nobody holds has its row written too (what claims read)
+                extra = (
+                    None
+                    if run.lease_owner is not None
+                    else self._extra_update(run, transition, insert[7], insert[11])
+                )
             elif run.status is not _ACTIVE and run.return_attempt == known.return_attempt:
                 # ... but for the run's end: what _extra_update writes then, built at once
                 at = insert[7] if run.updated_at is transition.at else format_utc(run.updated_at)

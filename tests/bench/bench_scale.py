@@ -213,6 +213,13 @@ def claim_fill(path: Path, runs: int) -> None:
         " WHERE run_key % 2 = 1",
         (NEXT, at),
     )
+    if "idx_run_rows_ready" in {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}:
+        # schema 9: a commit of a run nobody holds writes its row too (as the journal would)
+        conn.execute(
+            "UPDATE run_rows SET state = 'b', seq = 1, updated_at = ?, visit_seq = 1"
+            " WHERE run_key % 2 = 1",
+            (at,),
+        )
     conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
