@@ -37,7 +37,7 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
 _FORMAT: Final = "fsm_runner journal"
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _M0001_INITIAL = """
 CREATE TABLE meta (key text PRIMARY KEY, value text);
@@ -185,6 +185,32 @@ UPDATE runs SET abort_token = lease_token WHERE abort_reason IS NOT NULL AND sta
 UPDATE meta SET value = '6' WHERE key = 'schema_version';
 """
 
+# What a claim and a prune search, kept in the run row only where it matters, so that both are
+# one index range (issue 28). Both are generated columns: PostgreSQL computes them on every write
+# of the row, whichever statement makes it (claims, releases, commits, operations, and SQL the
+# journal shares with SQLite), so no write can leave them stale. A plain step of a leased run
+# changes neither (``ready_state`` stays NULL while leased, ``ended_at`` while active), and no
+# index holds a column a plain step changes (state, seq, iteration, updated_at, visit_seq), so a
+# step's UPDATE stays a HOT update that writes no index. ``ready_state``: the state of an active
+# run nobody holds (claimable if a handler runs it). ``ended_at``: when an ended run was last
+# updated (what prune's cutoff compares). ``runs_spec_hash`` serves the foreign key when prune
+# deletes a spec no run uses any more (without it each such delete read every run).
+_M0007_CLAIM_PRUNE_INDEXES = """
+ALTER TABLE runs
+    ADD COLUMN ready_state text GENERATED ALWAYS AS
+        (CASE WHEN status = 'active' AND lease_owner IS NULL THEN state END) STORED,
+    ADD COLUMN ended_at timestamptz GENERATED ALWAYS AS
+        (CASE WHEN status <> 'active' THEN updated_at END) STORED;
+CREATE INDEX runs_ready ON runs (machine, ready_state, created_at, rowid)
+    WHERE ready_state IS NOT NULL;
+CREATE INDEX runs_leased ON runs (machine, lease_expires_at)
+    WHERE status = 'active' AND lease_owner IS NOT NULL;
+CREATE INDEX runs_ended ON runs (ended_at, rowid) WHERE ended_at IS NOT NULL;
+CREATE INDEX runs_spec_hash ON runs (spec_hash);
+DROP INDEX runs_status_lease_expires_at;
+UPDATE meta SET value = '7' WHERE key = 'schema_version';
+"""
+
 #: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "m0001_initial", _M0001_INITIAL),
@@ -193,6 +219,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (4, "m0004_effects", _M0004_EFFECTS),
     (5, "m0005_leases", _M0005_LEASES),
     (6, "m0006_abort_fence", _M0006_ABORT_FENCE),
+    (7, "m0007_claim_prune_indexes", _M0007_CLAIM_PRUNE_INDEXES),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -51,6 +51,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._postgres_claims import claim_next_query
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -366,32 +367,26 @@ class PostgresJournal:
 
         One statement: the oldest runnable run not locked by another worker's claim is chosen
         with ``FOR UPDATE SKIP LOCKED`` and its lease taken, so concurrent workers each get a
-        different run and never wait for each other.
+        different run and never wait for each other. Its search is index ranges only
+        (:func:`~fsm_runner.journal._postgres_claims.claim_next_query`): a waiting or ended run
+        is never read.
         """
         if not states:
             return None
-        spec_filter = " AND spec_hash = %s" if spec_hash is not None else ""
-        statement = (
-            "WITH chosen AS (SELECT run_id, lease_owner FROM runs WHERE status = 'active'"
-            " AND machine = %s AND state = ANY(%s)"
-            " AND (lease_owner IS NULL OR lease_expires_at < %s)"
-            f"{spec_filter} ORDER BY created_at, rowid LIMIT 1 FOR UPDATE SKIP LOCKED)"
-            " UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
-            " lease_token = runs.lease_token + 1,"
-            " recoveries = runs.recoveries + (chosen.lease_owner IS NOT NULL)::int"
-            " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "
-            + ", ".join(f"runs.{column}" for column in _rows.RUN_COLUMNS)
-        )
         tried: list[dt.datetime] = []
 
         def work(conn: Connection) -> RunRecord | None:
             now = _server_now(conn)
             expires = now + dt.timedelta(seconds=ttl)
             tried.append(expires)
-            params: list[Any] = [machine, list(states), now]
-            if spec_hash is not None:
-                params.append(spec_hash)
-            params += [owner, expires]
+            statement, params = claim_next_query(
+                machine=machine,
+                states=states,
+                spec_hash=spec_hash,
+                now=now,
+                owner=owner,
+                expires=expires,
+            )
             row = conn.execute(statement, params).fetchone()
             return None if row is None else self._run_from_row(row)
 
