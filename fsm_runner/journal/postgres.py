@@ -63,6 +63,7 @@ from fsm_runner.journal._postgres_connection import (
 from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, integrity_problems, open_schema
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.journal._postgres_writes import (
+    PRUNE_BATCH,
     TRANSITION_COLUMNS,
     PostgresWriter,
     utc,
@@ -467,13 +468,15 @@ class PostgresJournal:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
         self._writer.fork_run(run, source_run_id=source_run_id, at_seq=at_seq)
 
-    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+    def prune(
+        self, *, ended_before: dt.datetime, dry_run: bool = False, batch_size: int = PRUNE_BATCH
+    ) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM`` the tables.
 
-        The space is made reusable by the journal (PostgreSQL's plain ``VACUUM``), not given
-        back to the operating system, so the report carries no sizes.
+        ``batch_size`` runs a transaction, found on an index: see
+        :meth:`PostgresWriter.prune <fsm_runner.journal._postgres_writes.PostgresWriter.prune>`.
         """
-        return self._writer.prune(ended_before=ended_before, dry_run=dry_run)
+        return self._writer.prune(ended_before=ended_before, dry_run=dry_run, batch_size=batch_size)
 
     def integrity_problems(self) -> list[str]:
         """Runs whose row is not their last transition's, and runs with gaps in their seqs.
