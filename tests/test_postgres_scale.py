@@ -222,6 +222,43 @@ class TestIndexServed:
         assert report.run_ids == ()
 
 
+#: The indexes of ``runs`` at schema version 7.
+ALL_INDEXES = {
+    "runs_pkey",
+    "runs_rowid_key",
+    "runs_machine_created_at",
+    "runs_status_created_at",
+    "runs_created_at",
+    "runs_parent_run_id",
+    "runs_status_machine_created_at",
+    "runs_ready",
+    "runs_leased",
+    "runs_ended",
+    "runs_spec_hash",
+}
+
+
+def runs_indexes(admin, schema: str) -> list[str]:
+    rows = admin.execute(
+        "SELECT indexname FROM pg_indexes WHERE schemaname = %s AND tablename = 'runs'", (schema,)
+    )
+    return [row[0] for row in rows]
+
+
+def runs_options(admin, schema: str) -> list[str] | None:
+    row = admin.execute(
+        "SELECT c.reloptions FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %s AND c.relname = 'runs'",
+        (schema,),
+    ).fetchone()
+    return row[0]
+
+
+def test_a_new_journal_has_the_indexes_and_fillfactor_of_version_7(postgres_journal, admin):
+    assert set(runs_indexes(admin, postgres_journal.schema)) == ALL_INDEXES
+    assert runs_options(admin, postgres_journal.schema) == ["fillfactor=90"]
+
+
 @pytest.mark.parametrize("version", range(1, SCHEMA_VERSION))
 def test_every_older_journal_is_migrated(postgres_server, postgres_schema, admin, version):
     # A journal as an fsm_runner of that version left it: runs of each kind a claim and a
@@ -268,6 +305,8 @@ def test_every_older_journal_is_migrated(postgres_server, postgres_schema, admin
             )
     with PostgresJournal(postgres_server.url, schema=postgres_schema) as journal:
         assert journal.meta()["schema_version"] == str(SCHEMA_VERSION)
+        assert set(runs_indexes(admin, postgres_schema)) == ALL_INDEXES
+        assert runs_options(admin, postgres_schema) == ["fillfactor=90"]
         assert heads(admin, postgres_schema) == {
             "ready": ("building", None),
             "waiting": ("waiting", None),

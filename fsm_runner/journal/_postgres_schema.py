@@ -8,7 +8,9 @@ The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): sc
 holds the same tables and columns in both, so a record written by one reads back the same from
 the other. Migrations are frozen once released: a change of schema is a new migration, never an
 edit of an old one. Each migration runs inside the transaction that opens the journal, under an
-advisory lock, so two processes opening a new schema at once create it once.
+advisory lock, so two processes opening a new schema at once create it once. What only
+PostgreSQL's claims and prunes search (migration 7's generated columns ``ready_state`` and
+``ended_at``, and the partial indexes over them) is never read into a record.
 
 Types: ``bigint`` for seqs, tokens and counts; ``timestamptz`` for times (microseconds, like the
 ISO text the SQLite journal stores); ``text`` for JSON payloads, holding exactly the JSON the
@@ -194,8 +196,12 @@ UPDATE meta SET value = '6' WHERE key = 'schema_version';
 # step's UPDATE stays a HOT update that writes no index. ``ready_state``: the state of an active
 # run nobody holds (claimable if a handler runs it). ``ended_at``: when an ended run was last
 # updated (what prune's cutoff compares). ``runs_spec_hash`` serves the foreign key when prune
-# deletes a spec no run uses any more (without it each such delete read every run).
+# deletes a spec no run uses any more (without it each such delete read every run). The
+# fillfactor leaves room in each page of runs for the next version of its rows: a HOT update
+# needs it on the row's own page (2,000 runs claimed then stepped three times, beside a long
+# transaction that keeps pages from being pruned: 0 of 6,000 step updates HOT at 100, 744 at 90).
 _M0007_CLAIM_PRUNE_INDEXES = """
+ALTER TABLE runs SET (fillfactor = 90);
 ALTER TABLE runs
     ADD COLUMN ready_state text GENERATED ALWAYS AS
         (CASE WHEN status = 'active' AND lease_owner IS NULL THEN state END) STORED,
