@@ -455,17 +455,30 @@ class TestPrune:
         with pytest.raises(ValueError, match="batch_size"):
             postgres_journal.prune(ended_before=T0, batch_size=0)
 
-    def test_a_writer_goes_on_during_a_big_prune(self, postgres_server, postgres_journal, admin):
+    def test_a_writer_goes_on_during_a_big_prune(
+        self, postgres_server, postgres_journal, admin, monkeypatch
+    ):
         # 5,000 ended runs pruned 500 a batch, while another connection starts runs under the
         # same spec (whose row the prune may try to delete) and commits steps: every write
-        # succeeds, and some complete while the prune is under way.
+        # succeeds. Each batch after the first waits for a write to complete first, so some
+        # writes surely complete while the prune is under way (no timing is assumed).
         fill(admin, postgres_journal.schema, ended=5_000, waiting=0, leased=0)
-        started = threading.Event()
+        wrote = threading.Event()
         done = threading.Event()
+        batches = []
         reports = []
+        one_batch = postgres_journal._writer._prune_batch
+
+        def batch_after_a_write(*args, **kwargs):
+            if batches:
+                assert wrote.wait(timeout=60)
+                wrote.clear()
+            batches.append(one_batch(*args, **kwargs))
+            return batches[-1]
+
+        monkeypatch.setattr(postgres_journal._writer, "_prune_batch", batch_after_a_write)
 
         def prune() -> None:
-            started.set()
             try:
                 reports.append(
                     postgres_journal.prune(ended_before=T0 + dt.timedelta(1), batch_size=500)
@@ -478,17 +491,18 @@ class TestPrune:
         with PostgresJournal(postgres_server.url, schema=postgres_journal.schema) as writer:
             run = start(writer, "writer")
             thread.start()
-            started.wait()
             n = 0
-            while not done.is_set() or n < 5:
+            while not done.is_set():
                 writer.commit(*next_step(run, HANDLED[n % 2]))
                 run = writer.load("writer")
                 start(writer, f"new{n}", created=n)
                 during += not done.is_set()
                 n += 1
+                wrote.set()
             thread.join()
         assert len(reports[0].run_ids) == 5_000
-        assert during >= 1
+        assert len(batches) == 11  # ten of 500, then the empty one that ends it
+        assert during >= 10
         kept = {run.run_id for run in postgres_journal.runs()}
         assert kept == {"writer", *(f"new{k}" for k in range(n))}
         assert postgres_journal.integrity_problems() == []
