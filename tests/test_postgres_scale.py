@@ -360,6 +360,44 @@ class TestClaims:
         assert (taken.run_id, taken.lease_owner) == ("held", "w2")
         assert (taken.lease_token, taken.recoveries) == (first.lease_token + 1, 1)
 
+    def test_an_expired_lease_and_a_free_run_are_taken_oldest_first(self, postgres_journal, admin):
+        start(postgres_journal, "old", created=0)
+        start(postgres_journal, "waits", state="waiting", created=1)
+        start(postgres_journal, "young", state="verifying", created=2)
+        for run_id in ("old", "waits"):
+            postgres_journal.claim(run_id, "w0", ttl=60)
+        table_rows(
+            admin,
+            postgres_journal.schema,
+            "UPDATE runs SET lease_expires_at = clock_timestamp() - interval '1 minute'"
+            " RETURNING run_id",
+        )
+        taken = [claim(postgres_journal, "w1") for _ in range(3)]
+        assert [getattr(run, "run_id", None) for run in taken] == ["old", "young", None]
+        assert [getattr(run, "recoveries", None) for run in taken[:2]] == [1, 0]
+        assert postgres_journal.load("waits").lease_owner == "w0"  # expired, but waiting
+
+    def test_the_spec_filter_applies_to_both_halves(self, postgres_journal, admin):
+        start(postgres_journal, "free")
+        start(postgres_journal, "held", created=1)
+        postgres_journal.claim("held", "w0", ttl=60)
+        table_rows(
+            admin,
+            postgres_journal.schema,
+            "UPDATE runs SET lease_expires_at = clock_timestamp() - interval '1 minute'"
+            " WHERE run_id = 'held' RETURNING run_id",
+        )
+        other = "0" * 64
+        for spec_hash, found in ((other, None), (SPEC.spec_hash, "free")):
+            run = postgres_journal.claim_next(
+                "w1", ttl=60, machine=SPEC.name, states=HANDLED, spec_hash=spec_hash
+            )
+            assert getattr(run, "run_id", None) == found
+        again = postgres_journal.claim_next(
+            "w1", ttl=60, machine=SPEC.name, states=HANDLED, spec_hash=SPEC.spec_hash
+        )
+        assert getattr(again, "run_id", None) == "held"
+
     def test_a_released_run_is_claimable_again(self, postgres_journal, admin):
         start(postgres_journal, "r")
         run = claim(postgres_journal)
