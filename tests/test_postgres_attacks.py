@@ -6,7 +6,7 @@ with ``start_many(claim=True)`` and group commits), and at chosen points — rig
 has committed on the server, before its answer reaches the journal (a wrapper around the
 journal's real connection ends the backend there and lets the journal read the real error of a
 dead connection), so every resolver (``commit``, ``commit_many``, ``create_runs``, ``claim``,
-``renew_many``, ``release_many``) has to find out whether its write is stored. After each session
+``renew_many``, ``release_many``, a prune's batch) has to find out whether its write is stored. After each session
 the journal must be as sound as one that never lost its connection. A server that refuses new
 connections (the journal's own role limited to 0 connections) must end in one
 :class:`JournalError` after ``retry_for`` with nothing half-written.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime as dt
 import random
 import threading
 import uuid
@@ -33,7 +34,7 @@ from fsm_runner.journal.base import Commit, Renewal
 from fsm_runner.journal.postgres import PostgresJournal
 from fsm_runner.replay import check_journal
 from tests.helpers import NEXT, linear_spec
-from tests.test_postgres_journal import next_step
+from tests.test_postgres_journal import T0, next_step, start
 
 SPEC = linear_spec("a", "b", "c", "d", name="attacked")
 #: Kills each random-kill test lands at least.
@@ -365,6 +366,22 @@ class TestKilledAfterTheCommit:
             assert journal.load(run.run_id) == run
             assert [t.seq for t in journal.transitions(run.run_id)] == list(range(4))
         assert journal.integrity_problems() == []
+
+    def test_a_batched_prune(self, postgres_journal, killer):
+        """Each batch's COMMIT answer lost: the report holds every run pruned, once."""
+        journal = postgres_journal
+        ids = [f"run-{n:02d}" for n in range(20)]
+        for n, run_id in enumerate(ids):
+            run = start(journal, run_id, created=n)
+            journal.commit(*next_step(run, "verifying"))
+            journal.commit(*next_step(journal.load(run_id), "done", status=RunLifecycle.SUCCEEDED))
+        trap = Trap(journal, killer, seed=5)
+        trap.countdown = 1
+        report = journal.prune(ended_before=T0 + dt.timedelta(days=1), batch_size=3)
+        trap.armed = False
+        assert trap.sprung >= 3  # after one batch in one to three
+        assert (report.run_ids, report.transitions) == (tuple(ids), 3 * len(ids))
+        assert journal.runs() == []
 
 
 class TestKilledInsideAPipeline:

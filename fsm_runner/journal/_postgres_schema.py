@@ -8,7 +8,9 @@ The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): sc
 holds the same tables and columns in both, so a record written by one reads back the same from
 the other. Migrations are frozen once released: a change of schema is a new migration, never an
 edit of an old one. Each migration runs inside the transaction that opens the journal, under an
-advisory lock, so two processes opening a new schema at once create it once.
+advisory lock, so two processes opening a new schema at once create it once. What only
+PostgreSQL's claims and prunes search (migration 7's generated columns ``ready_state`` and
+``ended_at``, and the partial indexes over them) is never read into a record.
 
 Types: ``bigint`` for seqs, tokens and counts; ``timestamptz`` for times (microseconds, like the
 ISO text the SQLite journal stores); ``text`` for JSON payloads, holding exactly the JSON the
@@ -37,7 +39,7 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
 _FORMAT: Final = "fsm_runner journal"
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _M0001_INITIAL = """
 CREATE TABLE meta (key text PRIMARY KEY, value text);
@@ -185,6 +187,36 @@ UPDATE runs SET abort_token = lease_token WHERE abort_reason IS NOT NULL AND sta
 UPDATE meta SET value = '6' WHERE key = 'schema_version';
 """
 
+# What a claim and a prune search, kept in the run row only where it matters, so that both are
+# one index range (issue 28). Both are generated columns: PostgreSQL computes them on every write
+# of the row, whichever statement makes it (claims, releases, commits, operations, and SQL the
+# journal shares with SQLite), so no write can leave them stale. A plain step of a leased run
+# changes neither (``ready_state`` stays NULL while leased, ``ended_at`` while active), and no
+# index holds a column a plain step changes (state, seq, iteration, updated_at, visit_seq), so a
+# step's UPDATE stays a HOT update that writes no index. ``ready_state``: the state of an active
+# run nobody holds (claimable if a handler runs it). ``ended_at``: when an ended run was last
+# updated (what prune's cutoff compares). ``runs_spec_hash`` serves the foreign key when prune
+# deletes a spec no run uses any more (without it each such delete read every run). The
+# fillfactor leaves room in each page of runs for the next version of its rows: a HOT update
+# needs it on the row's own page (2,000 runs claimed then stepped three times, beside a long
+# transaction that keeps pages from being pruned: 0 of 6,000 step updates HOT at 100, 744 at 90).
+_M0007_CLAIM_PRUNE_INDEXES = """
+ALTER TABLE runs SET (fillfactor = 90);
+ALTER TABLE runs
+    ADD COLUMN ready_state text GENERATED ALWAYS AS
+        (CASE WHEN status = 'active' AND lease_owner IS NULL THEN state END) STORED,
+    ADD COLUMN ended_at timestamptz GENERATED ALWAYS AS
+        (CASE WHEN status <> 'active' THEN updated_at END) STORED;
+CREATE INDEX runs_ready ON runs (machine, ready_state, created_at, rowid)
+    WHERE ready_state IS NOT NULL;
+CREATE INDEX runs_leased ON runs (machine, lease_expires_at)
+    WHERE status = 'active' AND lease_owner IS NOT NULL;
+CREATE INDEX runs_ended ON runs (ended_at, rowid) WHERE ended_at IS NOT NULL;
+CREATE INDEX runs_spec_hash ON runs (spec_hash);
+DROP INDEX runs_status_lease_expires_at;
+UPDATE meta SET value = '7' WHERE key = 'schema_version';
+"""
+
 #: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "m0001_initial", _M0001_INITIAL),
@@ -193,6 +225,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (4, "m0004_effects", _M0004_EFFECTS),
     (5, "m0005_leases", _M0005_LEASES),
     (6, "m0006_abort_fence", _M0006_ABORT_FENCE),
+    (7, "m0007_claim_prune_indexes", _M0007_CLAIM_PRUNE_INDEXES),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

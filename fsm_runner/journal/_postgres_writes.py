@@ -37,7 +37,7 @@ from fsm_runner.records import (
     utc_now,
 )
 
-__all__ = ["INSERT_RUN", "TRANSITION_COLUMNS", "PostgresWriter", "utc"]
+__all__ = ["INSERT_RUN", "PRUNE_BATCH", "TRANSITION_COLUMNS", "PostgresWriter", "utc"]
 
 _RUN_COLUMNS = _rows.RUN_COLUMNS
 _RUN_SELECT = ", ".join(_RUN_COLUMNS)
@@ -106,6 +106,18 @@ class _RefusedError(Exception):
 
 #: The tables a prune deletes from, children first (the foreign keys are enforced).
 _TABLES = ("transitions", "iterations", "artifacts", "effects", "runs")
+#: How many runs a prune deletes a transaction (each batch's row locks end with it).
+PRUNE_BATCH = 1000
+#: The next batch of prunable runs after a keyset ``(ended_at, rowid)``: ended before the
+#: cutoff, with no active child, in the order of the ``runs_ended`` index (one range of it).
+_PRUNABLE = (
+    "SELECT run_id, ended_at, rowid, spec_hash FROM runs AS r WHERE ended_at < %s"
+    " AND (ended_at, rowid) > (%s, %s) AND NOT EXISTS (SELECT 1 FROM runs AS c"
+    " WHERE c.parent_run_id = r.run_id AND c.status = 'active')"
+    " ORDER BY ended_at, rowid LIMIT %s"
+)
+#: Before every run's ``ended_at``: where the first batch starts.
+_BEFORE_ALL = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
 _dumps = _rows.dumps
 _UTC = dt.timezone.utc
 
@@ -421,50 +433,88 @@ class PostgresWriter:
 
         self._connection.call(work, resolve=resolve)
 
-    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+    def prune(
+        self, *, ended_before: dt.datetime, dry_run: bool = False, batch_size: int = PRUNE_BATCH
+    ) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM`` the tables.
 
-        The space is made reusable by the journal (PostgreSQL's plain ``VACUUM``), not given
-        back to the operating system, so the report carries no sizes.
+        The runs are found on the ``runs_ended`` index, oldest first, and deleted
+        ``batch_size`` runs a transaction, each batch committed before the next is read: a
+        writer never waits for a prune longer than one batch, and the work (dry run too) grows
+        with the runs pruned, not with the journal. The space is made reusable by the journal
+        (PostgreSQL's plain ``VACUUM``, which does not block writers), not given back to the
+        operating system, so the report carries no sizes.
         """
-        select = (
-            "SELECT run_id FROM runs AS r WHERE status != 'active' AND updated_at < %s"
-            " AND NOT EXISTS (SELECT 1 FROM runs AS c WHERE c.parent_run_id = r.run_id"
-            " AND c.status = 'active')"
-        )
-        cutoff = (utc(ended_before),)
-
-        def work(conn: Connection) -> PruneReport:
-            with conn.transaction():
-                ids = tuple(
-                    str(row[0])
-                    for row in conn.execute(
-                        f"{select} ORDER BY updated_at NULLS FIRST, rowid"
-                        + ("" if dry_run else " FOR UPDATE"),
-                        cutoff,
-                    )
-                )
-                if dry_run or not ids:
-                    found = conn.execute(
-                        "SELECT count(*) FROM transitions WHERE run_id = ANY(%s)", (list(ids),)
-                    ).fetchone()
-                    return PruneReport(ids, int(found[0] if found else 0), dry_run=dry_run)
-                count = 0
-                for table in _TABLES:
-                    deleted = conn.execute(
-                        f"DELETE FROM {table} WHERE run_id = ANY(%s)", (list(ids),)
-                    ).rowcount
-                    if table == "transitions":
-                        count = deleted
-                conn.execute(
-                    "DELETE FROM specs WHERE NOT EXISTS"
-                    " (SELECT 1 FROM runs WHERE runs.spec_hash = specs.spec_hash)"
-                )
-                return PruneReport(ids, count, dry_run=False)
-
-        report = self._connection.call(work)
-        if report.run_ids and not dry_run:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
+        cutoff = utc(ended_before)
+        run_ids: list[str] = []
+        transitions = 0
+        after: tuple[Any, ...] = (_BEFORE_ALL, 0)  # the keyset: the last run read
+        while True:
+            rows, count = self._prune_batch(cutoff, after, batch_size, dry_run=dry_run)
+            run_ids += (str(row[0]) for row in rows)
+            transitions += count
+            if len(rows) < batch_size:
+                break
+            after = (rows[-1][1], rows[-1][2])
+        if run_ids and not dry_run:
             self._connection.call(
                 lambda conn: conn.execute("VACUUM " + ", ".join((*_TABLES, "specs")))
             )
-        return report
+        return PruneReport(tuple(run_ids), transitions, dry_run=dry_run)
+
+    def _prune_batch(
+        self, cutoff: dt.datetime | None, after: tuple[Any, ...], limit: int, *, dry_run: bool
+    ) -> tuple[list[tuple[Any, ...]], int]:
+        """One batch of a prune, in its own transaction: its rows and transition count."""
+        query = _PRUNABLE + ("" if dry_run else " FOR UPDATE OF r")
+        written: list[tuple[list[tuple[Any, ...]], int]] = []  # the try that reached COMMIT
+
+        def work(conn: Connection) -> tuple[list[tuple[Any, ...]], int]:
+            with conn.transaction():
+                rows = [tuple(row) for row in conn.execute(query, (cutoff, *after, limit))]
+                ids = [row[0] for row in rows]
+                if dry_run or not ids:
+                    found = conn.execute(
+                        "SELECT count(*) FROM transitions WHERE run_id = ANY(%s)", (ids,)
+                    ).fetchone()
+                    return rows, int(found[0] if found else 0)
+                count = 0
+                for table in _TABLES:
+                    deleted = conn.execute(
+                        f"DELETE FROM {table} WHERE run_id = ANY(%s)", (ids,)
+                    ).rowcount
+                    if table == "transitions":
+                        count = deleted
+                _drop_unused_specs(conn, sorted({row[3] for row in rows}))
+                written[:] = [(rows, count)]
+            return rows, count
+
+        def resolve(conn: Connection) -> tuple[list[tuple[Any, ...]], int] | Unresolved:
+            if not written:
+                return UNRESOLVED
+            rows, count = written[0]
+            left = conn.execute(
+                "SELECT 1 FROM runs WHERE run_id = ANY(%s) LIMIT 1", ([row[0] for row in rows],)
+            ).fetchone()
+            return (rows, count) if left is None else UNRESOLVED  # gone: that batch committed
+
+        return self._connection.call(work, resolve=resolve)
+
+
+def _drop_unused_specs(conn: Connection, spec_hashes: list[str]) -> None:
+    """Delete those of the pruned runs' specs that no run uses any more (``runs_spec_hash``).
+
+    A run started meanwhile under one of them keeps it: the foreign key refuses the delete,
+    and the savepoint lets the prune go on without it.
+    """
+    try:
+        with conn.transaction():
+            conn.execute(
+                "DELETE FROM specs WHERE spec_hash = ANY(%s) AND NOT EXISTS"
+                " (SELECT 1 FROM runs WHERE runs.spec_hash = specs.spec_hash)",
+                (spec_hashes,),
+            )
+    except pg_errors.ForeignKeyViolation:
+        pass

@@ -51,6 +51,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._postgres_claims import claim_next_query
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -62,6 +63,7 @@ from fsm_runner.journal._postgres_connection import (
 from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, integrity_problems, open_schema
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.journal._postgres_writes import (
+    PRUNE_BATCH,
     TRANSITION_COLUMNS,
     PostgresWriter,
     utc,
@@ -366,32 +368,26 @@ class PostgresJournal:
 
         One statement: the oldest runnable run not locked by another worker's claim is chosen
         with ``FOR UPDATE SKIP LOCKED`` and its lease taken, so concurrent workers each get a
-        different run and never wait for each other.
+        different run and never wait for each other. Its search is index ranges only
+        (:func:`~fsm_runner.journal._postgres_claims.claim_next_query`): a waiting or ended run
+        is never read.
         """
         if not states:
             return None
-        spec_filter = " AND spec_hash = %s" if spec_hash is not None else ""
-        statement = (
-            "WITH chosen AS (SELECT run_id, lease_owner FROM runs WHERE status = 'active'"
-            " AND machine = %s AND state = ANY(%s)"
-            " AND (lease_owner IS NULL OR lease_expires_at < %s)"
-            f"{spec_filter} ORDER BY created_at, rowid LIMIT 1 FOR UPDATE SKIP LOCKED)"
-            " UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
-            " lease_token = runs.lease_token + 1,"
-            " recoveries = runs.recoveries + (chosen.lease_owner IS NOT NULL)::int"
-            " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "
-            + ", ".join(f"runs.{column}" for column in _rows.RUN_COLUMNS)
-        )
         tried: list[dt.datetime] = []
 
         def work(conn: Connection) -> RunRecord | None:
             now = _server_now(conn)
             expires = now + dt.timedelta(seconds=ttl)
             tried.append(expires)
-            params: list[Any] = [machine, list(states), now]
-            if spec_hash is not None:
-                params.append(spec_hash)
-            params += [owner, expires]
+            statement, params = claim_next_query(
+                machine=machine,
+                states=states,
+                spec_hash=spec_hash,
+                now=now,
+                owner=owner,
+                expires=expires,
+            )
             row = conn.execute(statement, params).fetchone()
             return None if row is None else self._run_from_row(row)
 
@@ -472,13 +468,15 @@ class PostgresJournal:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
         self._writer.fork_run(run, source_run_id=source_run_id, at_seq=at_seq)
 
-    def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
+    def prune(
+        self, *, ended_before: dt.datetime, dry_run: bool = False, batch_size: int = PRUNE_BATCH
+    ) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, then ``VACUUM`` the tables.
 
-        The space is made reusable by the journal (PostgreSQL's plain ``VACUUM``), not given
-        back to the operating system, so the report carries no sizes.
+        ``batch_size`` runs a transaction, found on an index: see
+        :meth:`PostgresWriter.prune <fsm_runner.journal._postgres_writes.PostgresWriter.prune>`.
         """
-        return self._writer.prune(ended_before=ended_before, dry_run=dry_run)
+        return self._writer.prune(ended_before=ended_before, dry_run=dry_run, batch_size=batch_size)
 
     def integrity_problems(self) -> list[str]:
         """Runs whose row is not their last transition's, and runs with gaps in their seqs.

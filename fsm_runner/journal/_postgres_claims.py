@@ -1,0 +1,73 @@
+"""The PostgreSQL journal's ``claim_next``: its search, index-served at any number of runs.
+
+A run is runnable when it is active, in one of the states a handler runs, and either nobody
+holds it or its lease expired. Both halves are one index range each (migration 7, see
+:mod:`fsm_runner.journal._postgres_schema`), so an idle claim costs the same over a thousand
+runs or a million:
+
+* **unleased runs**: ``runs_ready`` holds only active runs nobody holds, keyed by
+  ``(machine, ready_state, created_at, rowid)``; each state's oldest is the first entry of its
+  own range (one ``LATERAL`` probe a state, so a backlog is never sorted);
+* **expired leases**: ``runs_leased`` holds only active leased runs, keyed by
+  ``(machine, lease_expires_at)``; the expired ones are the range below now. They are read
+  whole (a materialized CTE: usually none, a few after a worker died) and sorted, so that no
+  plan can instead walk every run in ``created_at`` order looking for an expired one (what a
+  generic plan chose for ``ORDER BY created_at LIMIT 1`` with the expiry as a mere filter).
+
+Each probe takes its run with ``FOR UPDATE SKIP LOCKED``, so concurrent workers step past each
+other's picks instead of waiting; the oldest of the (at most one a state, plus one) candidates
+is claimed, and the other candidates' row locks end with the statement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from fsm_runner.journal import _rows
+
+__all__ = ["claim_next_query"]
+
+_CANDIDATE = "SELECT run_id, lease_owner, created_at, rowid FROM runs WHERE machine = %s"
+_LOCK = " ORDER BY created_at, rowid LIMIT 1 FOR UPDATE SKIP LOCKED"
+
+
+def claim_next_query(
+    *,
+    machine: str,
+    states: Collection[str],
+    spec_hash: str | None,
+    now: Any,
+    owner: str,
+    expires: Any,
+) -> tuple[str, list[Any]]:
+    """The one statement that claims the oldest runnable run, and its parameters.
+
+    ``now``: the server's time, a parameter rather than ``clock_timestamp()`` so that the
+    expired-lease range is an index condition; ``expires``: the new lease's expiry.
+    """
+    spec = " AND spec_hash = %s" if spec_hash is not None else ""
+    spec_params = [spec_hash] if spec_hash is not None else []
+    statement = (
+        "WITH expired AS MATERIALIZED ("
+        " SELECT run_id, created_at, rowid FROM runs WHERE machine = %s AND status = 'active'"
+        f" AND lease_owner IS NOT NULL AND lease_expires_at < %s AND state = ANY(%s){spec}),"
+        " candidates AS ("
+        " SELECT c.* FROM unnest(%s::text[]) AS s(state) CROSS JOIN LATERAL"
+        f" ({_CANDIDATE} AND ready_state = s.state{spec}{_LOCK}) AS c"
+        " UNION ALL SELECT * FROM"
+        " (SELECT r.run_id, r.lease_owner, r.created_at, r.rowid FROM expired AS x"
+        " JOIN runs AS r ON r.run_id = x.run_id WHERE r.status = 'active'"
+        " AND r.lease_owner IS NOT NULL AND r.lease_expires_at < %s"
+        " ORDER BY x.created_at, x.rowid LIMIT 1 FOR UPDATE OF r SKIP LOCKED) AS e),"
+        " chosen AS (SELECT run_id, lease_owner FROM candidates"
+        " ORDER BY created_at, rowid LIMIT 1)"
+        " UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
+        " lease_token = runs.lease_token + 1,"
+        " recoveries = runs.recoveries + (chosen.lease_owner IS NOT NULL)::int"
+        " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "
+        + ", ".join(f"runs.{column}" for column in _rows.RUN_COLUMNS)
+    )
+    wanted = sorted(set(states))
+    params: list[Any] = [machine, now, wanted, *spec_params, wanted, machine, *spec_params, now]
+    return statement, [*params, owner, expires]
