@@ -367,7 +367,5 @@ class TestMigration:
             assert claim(journal).run_id == waits
             assert claim(journal) is None
             with journal._connections.read() as conn:
-                (sql,) = conn.execute(
-                    "SELECT sql FROM sqlite_master WHERE name = 'transitions'"
-                ).fetchone()
-            assert "WITHOUT ROWID" in sql
+                sql = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'run_rows'")
+                assert "AUTOINCREMENT" not in sql.fetchone()[0]
