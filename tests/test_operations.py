@@ -242,6 +242,7 @@ class TestPrune:
         from fsm_runner.journal import _sqlite_prune
 
         monkeypatch.setattr(_sqlite_prune, "BATCH", 7)
+        monkeypatch.setattr(_sqlite_prune, "_SIZES", (7, 7))  # no resizing to the time taken
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:
             engine = Engine(SPEC, handlers=Recorder().handlers(), journal=journal)

@@ -3,11 +3,11 @@
 Schema version 9 keeps an ended run's last update in its row, indexed among the ended runs
 (``idx_run_rows_ended``), so what a prune deletes is one range of that index: a dry run, or a
 prune that finds nothing, costs the same in a journal of a thousand runs as of a million. The
-delete goes in batches of :data:`BATCH` runs, each its own short write transaction followed by
-a pause as long as it, so a writer waits for one batch at most, never for the whole prune. The
-space freed is reused by the journal's next writes; :func:`prune` gives it back to the file
-system only when asked (``vacuum``), as ``VACUUM`` rewrites the whole file holding the write
-lock.
+delete goes in batches (of :data:`BATCH` runs first, then sized to hold the write lock about
+15 ms), each its own short write transaction followed by a pause as long as it, so a writer
+waits for one batch at most, never for the whole prune. The space freed is reused by the
+journal's next writes; :func:`prune` gives it back to the file system only when asked
+(``vacuum``), as ``VACUUM`` rewrites the whole file holding the write lock.
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ from fsm_runner.records import format_utc
 
 __all__ = ["BATCH", "prune"]
 
-#: Runs deleted in one write transaction (a writer waits for one such batch at most).
+#: Runs deleted in the first write transaction; the next batches are sized so that each holds
+#: the write lock about :data:`_HOLD` seconds (a big journal's deletes read colder pages), from
+#: :data:`_SIZES` runs. A writer waits for one such batch at most.
 BATCH = 200
+_HOLD = 0.015
+_SIZES = (10, 2000)
 #: After each batch the prune waits as long as the batch held the write lock, within these
 #: bounds (seconds): a writer that found the lock taken sleeps in SQLite's busy handler (1, 2,
 #: 5, 10 ms... between tries), and without the pause the next batch would take the lock again
@@ -71,10 +75,11 @@ def prune(
     ids: list[str] = []
     count = 0
     hashes: set[str] = set()
+    size = BATCH
     while True:
         began = time.monotonic()
         with connections.write() as conn:
-            found = conn.execute(f"{_SELECT} LIMIT ?", (cutoff, BATCH)).fetchall()
+            found = conn.execute(f"{_SELECT} LIMIT ?", (cutoff, size)).fetchall()
             keys = [(row[1],) for row in found]
             run_ids = [(row[0],) for row in found]
             cursor = conn.cursor()
@@ -87,9 +92,11 @@ def prune(
         forget(batch)
         ids += batch
         hashes.update(str(row[2]) for row in found)
-        if len(found) < BATCH:
+        if len(found) < size:
             break
-        time.sleep(min(max(time.monotonic() - began, _PAUSE[0]), _PAUSE[1]))
+        held = time.monotonic() - began
+        size = min(max(int(size * _HOLD / max(held, 1e-4)), _SIZES[0]), _SIZES[1], size * 2)
+        time.sleep(min(max(held, _PAUSE[0]), _PAUSE[1]))
     _forget_specs(connections, hashes)
     if vacuum:
         with connections.read() as conn:
