@@ -258,6 +258,47 @@ class TestPrune:
             assert updated_at == format_utc(journal.transitions(run_id)[-1].at)
 
 
+class TestCheckSince:
+    def test_the_runs_updated_since_are_read_from_the_ended_and_the_claims_indexes(self):
+        with SqliteJournal(":memory:") as journal:
+            seen: list[str] = []
+            conn = journal._connections.conn
+            conn.set_trace_callback(seen.append)
+            journal._core.check_keys("run_key", since=utc_now())
+            conn.set_trace_callback(None)
+            (query,) = [sql for sql in seen if "updated_at" in sql]
+            steps = plan(conn, query, ())
+        assert "SEARCH run_rows USING INDEX idx_run_rows_ended (updated_at>?)" in steps, steps
+        assert [s for s in steps if s.startswith("SCAN run_rows")] == [
+            "SCAN run_rows USING INDEX idx_run_rows_ready",
+            "SCAN run_rows USING INDEX idx_run_rows_leased",
+        ], steps
+
+    def test_ended_and_active_runs_updated_since_are_checked(self, tmp_path):
+        with SqliteJournal(tmp_path / "j.db") as journal:
+            engine = engine_for(journal)
+            old = engine.start()
+            engine.run(old)
+            engine.send(old, APPROVED)
+            engine.run(old)  # ended before the cutoff
+            cutoff = utc_now()
+            waiting, ended = engine.start(), engine.start()
+            engine.run(waiting)
+            engine.run(ended)
+            engine.send(ended, APPROVED)
+            engine.run(ended)
+            keys = journal._core.check_keys("run_key", since=cutoff)
+            with journal._connections.read() as conn:
+                wanted = [
+                    key
+                    for (key,) in conn.execute(
+                        "SELECT run_key FROM run_rows WHERE run_id IN (?, ?) ORDER BY run_key",
+                        (waiting, ended),
+                    )
+                ]
+        assert keys == wanted
+
+
 class TestListing:
     @pytest.mark.parametrize(
         "filters",

@@ -260,12 +260,23 @@ class SqlCore:
         """Every run's ``key`` (the transitions' key of a run), in order (see the journals').
 
         With ``since``, of the runs updated at or after it: the ``runs`` view's (or table's)
-        ``updated_at``, which no index serves; without, the run rows' key index alone.
+        ``updated_at``; on SQLite the ended runs' from the index of their last updates and the
+        active runs' from the claims' indexes, so the runs read are those checked and the active
+        ones. Without, the run rows' key index alone.
         """
         m, params = self.dialect.mark, list[Any]()
         query = f"SELECT {key} FROM {self.dialect.run_table}"
         if since is not None:
             query, params = f"SELECT {key} FROM runs WHERE updated_at >= {m}", [self._stamp(since)]
+            active = self.dialect.active_keys
+            if active is not None:
+                query = (
+                    f"SELECT {key} FROM (SELECT {key} FROM {self.dialect.run_table}"
+                    f" WHERE status != 'active' AND updated_at >= {m}"
+                    f" UNION SELECT {key} FROM runs WHERE {key} IN ({active})"
+                    f" AND updated_at >= {m})"
+                )
+                params *= 2
         _, rows = self._select(f"{query} ORDER BY {key}", params, damaged=since is None)
         return [row[0] for row in rows]
 
