@@ -11,11 +11,12 @@ knows nothing of replay; the caller sorts the runs' problems, which come back pe
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["CHECK_CACHE_KIB", "CheckRange", "Found", "Problem", "check_ranges"]
+__all__ = ["CHECK_CACHE_KIB", "CheckRange", "Found", "Problem", "check_ranges", "medium_checks"]
 
 #: The page cache of each connection a check reads with (KiB): with the journal's usual 16 MiB
 #: a check of a million runs read 46 GB from a 1.17 GB file (issue 28).
@@ -136,3 +137,36 @@ def _check_in_worker(
     check_range: CheckRange, first: Any, last: Any, since: dt.datetime | None
 ) -> tuple[Found, int] | None:
     return check_range(_journal[0], first, last, since, _specs)
+
+
+def medium_checks(journal: Any, *, beside_pool: bool) -> Callable[[], list[str]]:
+    """The journal's checks of its medium (``integrity_problems()``): a call that gives them.
+
+    ``beside_pool`` (a pool of processes is about to check the ranges): they run at once, on a
+    thread of this process, through the journal opened again for them (``journal.opener()``),
+    so SQLite's integrity check — 13-18 s of a 1,000,000-run journal — uses the core the pool
+    leaves free while this process waits (a check that fails meanwhile leaves the thread to
+    finish and close its journal). Otherwise they run now, before the ranges. A journal
+    without such checks gives none.
+    """
+    integrity = getattr(journal, "integrity_problems", None)
+    if not callable(integrity):
+        return list
+    opener = getattr(journal, "opener", None)  # the method giving a journal's opener
+    if not beside_pool or not callable(opener) or journal.location == ":memory:":
+        found = [str(problem) for problem in integrity()]  # first, as a check in one process
+        return lambda: found
+
+    opens = opener()  # here, in the caller's thread: the journal is not shared with the thread
+
+    def checked() -> list[str]:
+        again = opens()
+        try:
+            return [str(problem) for problem in again.integrity_problems()]
+        finally:
+            again.close()
+
+    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsm-runner-check")
+    checking = thread.submit(checked)
+    thread.shutdown(wait=False)  # the thread ends with the checks
+    return checking.result

@@ -41,7 +41,7 @@ import attrs
 
 from fsm_runner._check_pool import Found as _Found
 from fsm_runner._check_pool import Problem as _Problem
-from fsm_runner._check_pool import check_ranges
+from fsm_runner._check_pool import check_ranges, medium_checks
 from fsm_runner._convert import format_utc
 from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
@@ -382,15 +382,14 @@ def check_runs(
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, not {chunk}")
-    problems: list[_Problem] = []
-    integrity = getattr(journal, "integrity_problems", None)
-    if callable(integrity):
-        problems.extend(_one_line(str(problem)) for problem in integrity())
+    ranges = run_ids is None and callable(getattr(journal, "read_runs", None))
+    medium = medium_checks(journal, beside_pool=ranges and jobs > 1)  # beside the pool
     found: _Found | None = None
-    if run_ids is None and callable(getattr(journal, "read_runs", None)):
+    if ranges:
         found, count = check_ranges(
             journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress
         )
+    problems: list[_Problem] = [_one_line(problem) for problem in medium()]
     if found is None:
         ids = journal.run_ids("", limit=sys.maxsize) if run_ids is None else sorted(set(run_ids))
         found, count = _check_each(journal, ids, since=since, chunk=chunk, progress=progress)

@@ -123,6 +123,32 @@ class TestParallelIsSerial:
         check_runs(journal, jobs=2, chunk=4, progress=lambda n, _total: done.append(n))
         assert sum(done) == 11
 
+    def test_the_medium_is_checked_beside_the_pool_through_a_journal_of_its_own(
+        self, tmp_path, monkeypatch
+    ):
+        import threading
+
+        path = tmp_path / "journal.db"
+        calls = []
+        original = SqliteJournal.integrity_problems
+
+        def integrity_problems(self):
+            calls.append((self, threading.current_thread() is threading.main_thread()))
+            return original(self)
+
+        with SqliteJournal(path) as journal:
+            make_runs(journal, a=6, b=0)
+            monkeypatch.setattr(SqliteJournal, "integrity_problems", integrity_problems)
+            assert check_journal(journal, jobs=2, chunk=2) == []
+            ((checked, in_main),) = calls
+            assert checked is not journal
+            assert checked.path == journal.path
+            assert not in_main  # on a thread, while the pool's processes check the ranges
+            assert checked._connections.closed
+            calls.clear()
+            assert check_journal(journal, jobs=1) == []
+            assert calls == [(journal, True)]  # one process: first, as before
+
     def test_a_damaged_view_falls_back_to_the_serial_check(self, tmp_path):
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal:
