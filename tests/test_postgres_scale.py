@@ -169,17 +169,25 @@ def reads_of_runs(nodes: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
 MODES = ["force_custom_plan", "force_generic_plan"]
 
 
+@pytest.fixture(scope="module")
+def big(postgres_server):
+    """One journal of 20,000 runs for :class:`TestIndexServed` (its tests only read and plan)."""
+    from fsm_runner.journal.postgres import PostgresJournal
+
+    schema = postgres_server.take()
+    journal = PostgresJournal(postgres_server.url, schema=schema)
+    fill(postgres_server.admin, schema, ended=19_000, waiting=500, leased=500)
+    yield journal
+    journal.close()
+    postgres_server.give_back(schema)
+
+
 class TestIndexServed:
     """On 20,000 ANALYZEd runs the planner itself picks the indexes: no Seq Scan of runs.
 
     Checked for the plan made for the values given and for the generic plan (any values),
     which PostgreSQL may use once psycopg prepares a statement it runs often.
     """
-
-    @pytest.fixture
-    def big(self, postgres_journal, admin):
-        fill(admin, postgres_journal.schema, ended=19_000, waiting=500, leased=500)
-        return postgres_journal
 
     @pytest.mark.parametrize("mode", MODES)
     def test_the_claim_search_reads_two_partial_indexes(self, big, admin, mode):
