@@ -42,8 +42,11 @@ def check_ranges(
     jobs: int,
     chunk: int,
     progress: Progress | None,
+    on_pool: Callable[[], object] | None = None,
 ) -> tuple[Found | None, int]:
     """Check every run of ``journal`` (updated since ``since``) range by range.
+
+    ``on_pool`` is called just before a pool of processes starts (if one does).
 
     Returns:
         The runs' problems (in range order) and how many runs were checked; ``None`` when
@@ -58,6 +61,8 @@ def check_ranges(
         return None, 0
     ranges = [(keys[i], keys[min(i + chunk, len(keys)) - 1]) for i in range(0, len(keys), chunk)]
     if jobs > 1 and len(ranges) > 1 and journal.location != ":memory:":
+        if on_pool is not None:
+            on_pool()
         results = _in_pool(journal.opener(), check_range, ranges, since, jobs, len(keys), progress)
     else:
         results = list(_in_process(journal, check_range, ranges, since, len(keys), progress))
@@ -142,11 +147,11 @@ def _check_in_worker(
 def medium_checks(journal: Any, *, beside_pool: bool) -> Callable[[], list[str]]:
     """The journal's checks of its medium (``integrity_problems()``): a call that gives them.
 
-    ``beside_pool`` (a pool of processes is about to check the ranges): they run at once, on a
+    ``beside_pool`` (a pool of processes is starting to check the ranges): they run at once, on a
     thread of this process, through the journal opened again for them (``journal.opener()``),
     so SQLite's integrity check — 13-18 s of a 1,000,000-run journal — uses the core the pool
     leaves free while this process waits (a check that fails meanwhile leaves the thread to
-    finish and close its journal). Otherwise they run now, before the ranges. A journal
+    finish and close its journal). Otherwise they run now. A journal
     without such checks gives none.
     """
     integrity = getattr(journal, "integrity_problems", None)

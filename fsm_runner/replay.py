@@ -382,13 +382,14 @@ def check_runs(
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, not {chunk}")
-    ranges = run_ids is None and callable(getattr(journal, "read_runs", None))
-    medium = medium_checks(journal, beside_pool=ranges and jobs > 1)  # beside the pool
+    beside: list[Callable[[], list[str]]] = []  # the medium's checks, beside a pool if one runs
     found: _Found | None = None
-    if ranges:
+    if run_ids is None and callable(getattr(journal, "read_runs", None)):
         found, count = check_ranges(
-            journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress
-        )
+            journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress,
+            on_pool=lambda: beside.append(medium_checks(journal, beside_pool=True)),
+        )  # fmt: skip
+    medium = beside[0] if beside else medium_checks(journal, beside_pool=False)
     problems: list[_Problem] = [_one_line(problem) for problem in medium()]
     if found is None:
         ids = journal.run_ids("", limit=sys.maxsize) if run_ids is None else sorted(set(run_ids))
