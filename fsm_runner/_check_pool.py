@@ -11,7 +11,6 @@ knows nothing of replay; the caller sorts the runs' problems, which come back pe
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime as dt
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -170,6 +169,8 @@ def medium_checks(journal: Any, *, beside_pool: bool) -> Callable[[], list[str]]
             return [str(problem) for problem in again.integrity_problems()]
         finally:
             again.close()
+
+    import concurrent.futures  # noqa: PLC0415 - only a parallel check needs them
 
     thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsm-runner-check")
     checking = thread.submit(checked)

@@ -239,8 +239,8 @@ BEGIN
 END"""
 
 
-# The two tables, indexes and fence as schema version 8 wrote them (before version 9's claims
-# and prune by index, transitions WITHOUT ROWID and run keys without AUTOINCREMENT).
+# The run rows, indexes and fence as schema version 8 wrote them (before version 9's claims and
+# prune by index, and run keys without AUTOINCREMENT; version 9 left transitions as they were).
 RUN_ROWS_V8 = """CREATE TABLE run_rows_v8 (
    run_key INTEGER PRIMARY KEY AUTOINCREMENT,
    run_id TEXT NOT NULL UNIQUE,
@@ -268,21 +268,6 @@ RUN_ROWS_V8 = """CREATE TABLE run_rows_v8 (
    return_visit INTEGER NOT NULL DEFAULT 0,
    recoveries INTEGER NOT NULL DEFAULT 0
 , abort_token INTEGER)"""
-TRANSITIONS_V8 = """CREATE TABLE transitions_v8 (
-   run_id TEXT REFERENCES run_rows(run_id),
-   seq INTEGER NOT NULL,
-   from_state TEXT,
-   event TEXT NOT NULL,
-   to_state TEXT NOT NULL,
-   iteration INTEGER,
-   attempt INTEGER,
-   at TEXT NOT NULL,
-   duration_ms REAL,
-   result TEXT,
-   lease_token INTEGER NOT NULL DEFAULT 0,
-   run_key INTEGER NOT NULL,
-   PRIMARY KEY (run_key, seq)
-)"""
 INDEXES_V8 = (
     'CREATE INDEX "idx_runs_machine_created_at" ON "run_rows" ("machine", "created_at")',
     'CREATE INDEX "idx_runs_status_created_at" ON "run_rows" ("status", "created_at")',
@@ -309,7 +294,7 @@ RUN_COLUMNS_V8 = "run_key, " + RUN_COLUMNS_V6 + ", abort_token"
 
 
 def undo_v9(conn) -> None:
-    """Turn a journal's schema back from version 9 to 8: the tables and indexes rebuilt."""
+    """Turn a journal's schema back from version 9 to 8: run_rows and its indexes rebuilt."""
     from fsm_runner.journal._schema import _VIEW_V9  # version 7's view, unchanged since
 
     conn.execute("DROP VIEW runs")
@@ -320,16 +305,8 @@ def undo_v9(conn) -> None:
         f"INSERT INTO run_rows_v8 ({RUN_COLUMNS_V8}) SELECT {RUN_COLUMNS_V8} FROM run_rows"
         " ORDER BY run_key"
     )
-    conn.execute(TRANSITIONS_V8)
-    columns = TRANSITION_COLUMNS_V6 + ", run_key"
-    conn.execute(
-        f"INSERT INTO transitions_v8 ({columns}) SELECT {columns} FROM transitions"
-        " ORDER BY run_key, seq"
-    )
-    conn.execute("DROP TABLE transitions")
     conn.execute("DROP TABLE run_rows")
     conn.execute("ALTER TABLE run_rows_v8 RENAME TO run_rows")
-    conn.execute("ALTER TABLE transitions_v8 RENAME TO transitions")
     conn.execute("DELETE FROM sqlite_sequence WHERE name = 'run_rows_v8'")
     conn.execute(
         "INSERT INTO sqlite_sequence (name, seq) SELECT 'run_rows', coalesce(max(run_key), 0)"
