@@ -61,6 +61,8 @@ if typing.TYPE_CHECKING:
     from fsm_runner.records import ErrorType as ErrorType
     from fsm_runner.records import IterationRecord as IterationRecord
     from fsm_runner.records import RunRecord as RunRecord
+    from fsm_runner.records import SignalRecord as SignalRecord
+    from fsm_runner.records import SignalStatus as SignalStatus
     from fsm_runner.records import TransitionRecord as TransitionRecord
     from fsm_runner.records import structure as structure
     from fsm_runner.records import unstructure as unstructure
@@ -71,6 +73,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.spec import RunLifecycle as RunLifecycle
     from fsm_runner.spec import State as State
     from fsm_runner.spec import Transition as Transition
+    from fsm_runner.spec import Wait as Wait
 
 __version__ = "0.1.0"
 
@@ -126,6 +129,8 @@ _EXPORTS: dict[str, str] = {
     "RunRecord": "fsm_runner.records",
     "RunTerminalError": "fsm_runner.exceptions",
     "SchemaVersionError": "fsm_runner.exceptions",
+    "SignalRecord": "fsm_runner.records",
+    "SignalStatus": "fsm_runner.records",
     "SpecError": "fsm_runner.exceptions",
     "SpecMismatchError": "fsm_runner.exceptions",
     "SqliteJournal": "fsm_runner.journal",
@@ -133,6 +138,7 @@ _EXPORTS: dict[str, str] = {
     "SupervisorError": "fsm_runner.exceptions",
     "Transition": "fsm_runner.spec",
     "TransitionRecord": "fsm_runner.records",
+    "Wait": "fsm_runner.spec",
     "interrupt_on_sigterm": "fsm_runner.engine",
     "open_journal": "fsm_runner.journal",
     "structure": "fsm_runner.records",

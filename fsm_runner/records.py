@@ -24,6 +24,8 @@ __all__ = [
     "ErrorType",
     "IterationRecord",
     "RunRecord",
+    "SignalRecord",
+    "SignalStatus",
     "TransitionRecord",
     "converter",
     "format_utc",
@@ -323,6 +325,50 @@ class EffectRecord:
     idempotent: bool = False
     started_at: dt.datetime | None = None
     completed_at: dt.datetime | None = None
+
+
+class SignalStatus(str, enum.Enum):
+    """Where a signal sent to a run stands."""
+
+    #: Journaled, not consumed yet: the run consumes it when it waits in a state accepting it.
+    PENDING = "pending"
+    #: A transition of the run consumed it (``SignalRecord.consumed_seq``).
+    CONSUMED = "consumed"
+    #: The run ended before it waited in a state accepting it. (Stored as pending: a journal
+    #: reports a pending signal of an ended run as expired.)
+    EXPIRED = "expired"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@attrs.frozen
+class SignalRecord:
+    """A signal sent to a run (``Engine.signal``): its mailbox entry, kept after consumption.
+
+    Attributes:
+        run_id: the run.
+        number: its place in the journal's arrival order (increasing, unique per journal);
+            a run consumes its signals in this order.
+        name: the signal's name: the event the waiting state's exit takes.
+        payload: the JSON it carries; the consuming transition's output.
+        signal_id: the sender's idempotency key, unique per run; a signal repeated with it
+            is not journaled again.
+        received_at: when it was journaled.
+        status: ``pending``, ``consumed``, or ``expired`` (the run ended first).
+        consumed_seq: the seq of the transition that consumed it.
+        consumed_at: when that transition was committed.
+    """
+
+    run_id: str
+    number: int
+    name: str
+    payload: Any = None
+    signal_id: str | None = None
+    received_at: dt.datetime = attrs.field(factory=utc_now)
+    status: SignalStatus = attrs.field(default=SignalStatus.PENDING, converter=SignalStatus)
+    consumed_seq: int | None = None
+    consumed_at: dt.datetime | None = None
 
 
 _DEFAULTED: dict[type, frozenset[str]] = {}

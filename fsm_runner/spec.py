@@ -24,6 +24,7 @@ import cattrs.gen
 from fsm_runner._convert import by_value, converter
 from fsm_runner.events import (
     INTERRUPTED,
+    OFF_SPEC_EVENTS,
     RESERVED_EVENTS,
     STATUS_EVENTS,
     PhaseStatus,
@@ -40,6 +41,7 @@ __all__ = [
     "RunLifecycle",
     "State",
     "Transition",
+    "Wait",
 ]
 
 #: A transition source that stands for every non-terminal state.
@@ -48,6 +50,8 @@ WILDCARD = "*"
 #: a recovery state returns the run to the sub-phase that failed, never to one already done.
 RETURN = "$return"
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
+#: Events the engine journals itself: a waiting state's exit on one of them is not a signal.
+_NOT_SIGNALS = OFF_SPEC_EVENTS | {RunEvent.SYSTEM_ERROR.value}
 
 
 class RunLifecycle(str, enum.Enum):
@@ -160,6 +164,33 @@ def _optional_outcome(value: RunLifecycle | str | None) -> RunLifecycle | None:
         return cast(RunLifecycle, value)  # validate() names it
 
 
+def _optional_schema(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    return None if value is None else cast(Mapping[str, Any], value)
+
+
+@attrs.frozen
+class Wait:
+    """How a state without a handler waits: for a signal, at most until a deadline.
+
+    A run in a waiting state holds no lease and no process. It continues when a signal that
+    the state accepts arrives (one of its exits' events; :meth:`fsm_runner.Engine.signal`),
+    or, with ``timeout``, when the deadline comes: the engine then journals ``on_timeout``.
+
+    Args:
+        timeout: seconds from entering the state to its deadline; ``None`` waits for ever.
+        on_timeout: the event journaled at the deadline (the state needs an exit for it).
+        prompt: what the wait asks of whoever answers (shown by ``fsm-runner runs --waiting``
+            and the inspector).
+        schema: what an answer's payload should look like (a JSON schema, shown with the
+            prompt).
+    """
+
+    timeout: float | None = attrs.field(default=None, converter=_optional_float)
+    on_timeout: str = attrs.field(default=RunEvent.TIMEOUT.value, converter=_event_field)
+    prompt: str = ""
+    schema: Mapping[str, Any] | None = attrs.field(default=None, converter=_optional_schema)
+
+
 @attrs.frozen
 class State:
     """One state of a machine.
@@ -184,6 +215,8 @@ class State:
             ``topic_publish`` or host-defined kinds) the phase may perform through
             ``ctx.effect``; ``None`` allows every kind.
         max_mutations: how many ``mutate`` effects one visit may perform; ``None`` for no limit.
+        wait: for a state without a handler, how it waits (its deadline, what it asks); a
+            non-terminal state without a handler waits for a signal even without one.
     """
 
     name: str
@@ -198,6 +231,7 @@ class State:
     advance_on: str = attrs.field(default=PHASE_COMPLETED, converter=_event_field)
     allows: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_kinds)
     max_mutations: int | None = None
+    wait: Wait | None = None
 
     @property
     def composite(self) -> bool:
@@ -471,6 +505,48 @@ class MachineSpec:
         """The events that have at least one transition out of ``state``."""
         return tuple(event for source, event in self.edges if source == state)
 
+    @functools.cached_property
+    def waiting_states(self) -> frozenset[str]:
+        """The states a run waits in: non-terminal states without a handler (see :class:`Wait`)."""
+        return frozenset(
+            state.name
+            for state in self.leaves
+            if not state.terminal and not state.handler and isinstance(state.name, str)
+        )
+
+    @functools.cached_property
+    def _accepted(self) -> dict[str, frozenset[str]]:
+        accepted: dict[str, set[str]] = {name: set() for name in self.waiting_states}
+        for source, event in self.edges:
+            if source in accepted and event not in _NOT_SIGNALS:
+                accepted[source].add(event)
+        for name, events in accepted.items():
+            wait = self._by_name[name].wait
+            if isinstance(wait, Wait):
+                events.discard(wait.on_timeout)  # the deadline's event, not a signal
+        return {name: frozenset(events) for name, events in accepted.items()}
+
+    def accepts(self, state: str) -> frozenset[str]:
+        """The signals a run waiting in ``state`` accepts: its exits' events.
+
+        Not the events the engine journals itself (``SYSTEM_ERROR``, ``USER_ABORTED``...), nor
+        the state's ``on_timeout``; empty for a state that does not wait.
+        """
+        return self._accepted.get(state, frozenset())
+
+    @functools.cached_property
+    def signal_names(self) -> frozenset[str]:
+        """Every signal some waiting state accepts: a signal of another name is refused."""
+        return frozenset(itertools.chain.from_iterable(self._accepted.values()))
+
+    def wait_of(self, state: str) -> Wait | None:
+        """How ``state`` waits: its :class:`Wait`, a bare one when it waits without one, or
+        ``None`` for a state that does not wait."""
+        if state not in self.waiting_states:
+            return None
+        wait = self._by_name[state].wait
+        return wait if isinstance(wait, Wait) else Wait()
+
     @property
     def handler_names(self) -> frozenset[str]:
         """Every handler name the states refer to."""
@@ -587,6 +663,8 @@ class MachineSpec:
                 yield f"state {state.name!r} has a timeout <= 0"
             if isinstance(state.retry, RetryPolicy):
                 yield from (f"state {state.name!r}: {p}" for p in state.retry.problems())
+            if state.wait is not None:
+                yield from self._wait_problems(state)
             if (
                 handlers is not None
                 and isinstance(state.handler, str)
@@ -601,6 +679,44 @@ class MachineSpec:
         for key in self.status_events:
             if key not in PhaseStatus.__members__:
                 yield f"status_events names {key!r}, which is not a PhaseStatus"
+
+    def _wait_problems(self, state: State) -> Iterator[str]:
+        wait = state.wait
+        where = f"state {state.name!r}"
+        if not isinstance(wait, Wait):
+            yield f"{where}: wait must be a Wait, not {type(wait).__name__}"
+            return
+        if state.handler or state.terminal or state.composite:
+            yield f"{where} waits, so it cannot have a handler or children, or be terminal"
+            return
+        timeout: Any = wait.timeout
+        if timeout is not None and not (isinstance(timeout, float) and math.isfinite(timeout)):
+            yield f"{where}: wait timeout must be a finite number, not {timeout!r}"
+        elif timeout is not None and timeout <= 0:
+            yield f"{where} has a wait timeout <= 0"
+        elif timeout is not None and (state.name, wait.on_timeout) not in self.edges:
+            yield (
+                f"{where} waits at most {timeout:g} s but has no exit for its"
+                f" on_timeout event {wait.on_timeout!r}"
+            )
+        if not isinstance(wait.on_timeout, str) or not wait.on_timeout:
+            yield f"{where}: wait on_timeout must be an event name, not {wait.on_timeout!r}"
+        if not isinstance(wait.prompt, str):
+            yield f"{where}: wait prompt must be text, not {type(wait.prompt).__name__}"
+        else:
+            yield from _text_problems(f"{where}: wait prompt", wait.prompt)
+        if wait.schema is not None:
+            try:
+                json.dumps(wait.schema, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                yield f"{where}: wait schema must be JSON ({exc})"
+            if not isinstance(wait.schema, Mapping):
+                yield f"{where}: wait schema must be a JSON object"
+        if not self.accepts(state.name) and wait.timeout is None:
+            yield (
+                f"{where} waits for ever, but no signal can move it (no exit but the engine's"
+                " own events)"
+            )
 
     def _transition_problems(  # noqa: PLR0912 - one flat list of independent checks
         self, guards: Collection[str] | Mapping[str, object] | None

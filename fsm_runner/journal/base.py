@@ -30,6 +30,7 @@ from fsm_runner.records import (
     EffectRecord,
     IterationRecord,
     RunRecord,
+    SignalRecord,
     TransitionRecord,
 )
 from fsm_runner.spec import RunLifecycle
@@ -357,10 +358,12 @@ class Journal(Protocol):
     ) -> RunRecord | None:
         """Claim the oldest runnable run (first started), or return ``None`` when there is none.
 
-        Runnable: active, of ``machine`` (and ``spec_hash`` if given), in one of ``states``
-        (those with a handler), and with no live lease. Choosing and claiming are one
-        transaction, so two workers never claim the same run; taking over an expired lease
-        counts as a recovery, as in :meth:`claim`.
+        Runnable: active, of ``machine`` (and ``spec_hash`` if given), with no live lease, and
+        either in one of ``states`` (those with a handler) or due: its wake time (see
+        :meth:`park`, :meth:`put_signal`) has come, whatever its state. Choosing and claiming
+        are one transaction, so two workers never claim the same run; taking over an expired
+        lease counts as a recovery, as in :meth:`claim`. A claim leaves the wake time as it
+        is; a run that ends has none.
         """
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
@@ -389,6 +392,77 @@ class Journal(Protocol):
         reason (``None``: none requested, or no such run) read in it. The built-in journals
         do; ``Engine.close`` uses it for the runs it started holding and never drove, else
         releases and loads them run by run.
+        """
+
+    def park(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        wake_at: dt.datetime | None,
+        accepts: Collection[str],
+    ) -> bool:
+        """Give up the lease as :meth:`release` does, and set when the run is due, at once.
+
+        In the same transaction: the run's wake time becomes now if a pending signal of the
+        run is named in ``accepts`` (the signals its waiting state accepts: one sent while the
+        run was held is not left behind), else ``wake_at`` (``None``: not before a signal
+        comes). :meth:`claim_next` offers the run once its wake time has come.
+
+        Returns:
+            ``False`` when ``owner`` no longer held the lease with ``token`` (nothing changed).
+        """
+
+    def wake_time(self, run_id: str) -> dt.datetime | None:
+        """Return the run's wake time (when :meth:`claim_next` offers it), if it has one.
+
+        Raises:
+            RunNotFoundError: no such run.
+        """
+
+    def next_wake(self, *, machine: str) -> dt.datetime | None:
+        """Return the earliest wake time of the machine's active runs nobody holds, if any.
+
+        One read of an index: what a worker sleeps until when nothing is runnable.
+        """
+
+    def put_signal(self, signal: SignalRecord) -> SignalRecord:
+        """Journal a signal for its run, in one transaction; return it as stored.
+
+        The journal numbers it (``signal.number`` is ignored: arrival order) and stores it
+        pending with its payload (JSON, checked as other payloads are). The run is due at once
+        (its wake time becomes now), so a worker looks at its mailbox even if the run was
+        held when the signal came. If the run already has a signal with ``signal.signal_id``
+        (not ``None``), nothing is written and that first signal is returned as it stands,
+        whether the run has ended since or not.
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has ended (and no signal with that id was stored);
+                nothing was written.
+            JournalError: the medium failed, or the payload cannot be stored; nothing was
+                written.
+        """
+
+    def signals(self, run_id: str, *, pending: bool = False) -> Sequence[SignalRecord]:
+        """Return the run's signals in arrival order (with ``pending``, the pending ones only).
+
+        A pending signal of a run that has ended is returned ``expired`` (and not with
+        ``pending``). An unknown run has none.
+        """
+
+    def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
+        """:meth:`commit` the transition and mark signal ``number`` consumed by it, at once.
+
+        The signal's ``consumed_seq`` and ``consumed_at`` become the transition's ``seq``
+        and ``at``.
+
+        Raises:
+            RunConflictError: as :meth:`commit` raises it, or the signal is not a pending
+                signal of this run (consumed already: a signal is consumed once); nothing was
+                written.
+            (and whatever :meth:`commit` raises, nothing written.)
         """
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:

@@ -39,6 +39,8 @@ from fsm_runner.records import (
     EffectRecord,
     IterationRecord,
     RunRecord,
+    SignalRecord,
+    SignalStatus,
     TransitionRecord,
     unstructure,
     utc_now,
@@ -112,6 +114,10 @@ class MemoryJournal:
         # run id -> the lease token the run had when its abort was requested (the SQLite
         # journal's run_rows.abort_token): commits under it may only carry the abort out
         self._abort_tokens: dict[str, int] = {}
+        # run id -> when claim_next offers the run whatever its state (see Journal.park)
+        self._wakes: dict[str, dt.datetime] = {}
+        self._signals: dict[str, list[SignalRecord]] = {}
+        self._signal_number = 0
         self._closed = False
 
     def _before_fork(self) -> Callable[[], None] | None:
@@ -198,6 +204,8 @@ class MemoryJournal:
                 raise _lease.commit_refusal(found, run.run_id, expected, token, path=":memory:")
             if aborting:
                 self._abort_tokens.pop(run.run_id, None)
+            if run.ended:
+                self._wakes.pop(run.run_id, None)
             # Only the columns a commit owns change, as in the SQLite UPDATE.
             if spec_json is not None:
                 self._specs.setdefault(run.spec_hash, spec_json)
@@ -467,7 +475,7 @@ class MemoryJournal:
                 for run in self._runs.values()
                 if not run.ended
                 and run.machine == machine
-                and run.state in states
+                and (run.state in states or self._due(run.run_id, now))
                 and (spec_hash is None or run.spec_hash == spec_hash)
                 and _lease.unheld(run, now)
             ]
@@ -475,6 +483,119 @@ class MemoryJournal:
                 return None
             chosen = min(runnable, key=lambda run: run.created_at)
             return self.claim(chosen.run_id, owner, ttl=ttl)
+
+    def _due(self, run_id: str, now: dt.datetime) -> bool:
+        wake = self._wakes.get(run_id)
+        return wake is not None and wake <= now
+
+    def park(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        wake_at: dt.datetime | None,
+        accepts: Collection[str],
+    ) -> bool:
+        """Give up the lease and set when the run is due (now, if an accepted signal waits)."""
+        with self._lock:
+            if not self.release(run_id, owner, token):
+                return False
+            if any(s.name in accepts for s in self._pending(run_id)):
+                wake_at = utc_now()
+            if wake_at is None:
+                self._wakes.pop(run_id, None)
+            else:
+                self._wakes[run_id] = wake_at
+        return True
+
+    def wake_time(self, run_id: str) -> dt.datetime | None:
+        """The run's wake time, if it has one."""
+        with self._lock:
+            self.load(run_id)
+            return self._wakes.get(run_id)
+
+    def next_wake(self, *, machine: str) -> dt.datetime | None:
+        """The earliest wake time of the machine's active runs nobody holds, if any."""
+        now = utc_now()
+        with self._lock:
+            self._check_open()
+            wakes = [
+                wake
+                for run_id, wake in self._wakes.items()
+                if (run := self._runs[run_id]).machine == machine
+                and not run.ended
+                and _lease.unheld(run, now)
+            ]
+        return min(wakes, default=None)
+
+    def put_signal(self, signal: SignalRecord) -> SignalRecord:
+        """Journal a signal pending for its run (see ``Journal.put_signal``)."""
+        _check_json(signal.payload)
+        with self._lock:
+            run = self.load(signal.run_id)
+            if signal.signal_id is not None:
+                for stored in self._signals.get(signal.run_id, ()):
+                    if stored.signal_id == signal.signal_id:
+                        return self._reported(stored, run)
+            if run.ended:
+                raise RunTerminalError(
+                    run_id=run.run_id, state=run.state, status=run.status.value
+                )
+            self._signal_number += 1
+            stored = attrs.evolve(
+                signal,
+                number=self._signal_number,
+                received_at=utc_now(),
+                status=SignalStatus.PENDING,
+                consumed_seq=None,
+                consumed_at=None,
+            )
+            self._signals.setdefault(run.run_id, []).append(stored)
+            self._wakes[run.run_id] = stored.received_at
+            return stored
+
+    @staticmethod
+    def _reported(signal: SignalRecord, run: RunRecord) -> SignalRecord:
+        if signal.status is SignalStatus.PENDING and run.ended:
+            return attrs.evolve(signal, status=SignalStatus.EXPIRED)
+        return signal
+
+    def _pending(self, run_id: str) -> list[SignalRecord]:
+        return [s for s in self._signals.get(run_id, ()) if s.status is SignalStatus.PENDING]
+
+    def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
+        """The run's signals in arrival order (pending ones only, with ``pending``)."""
+        with self._lock:
+            self._check_open()
+            run = self._runs.get(run_id)
+            if run is None:
+                return []
+            if pending:
+                return [] if run.ended else self._pending(run_id)
+            return [self._reported(s, run) for s in self._signals.get(run_id, ())]
+
+    def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
+        """Commit the transition and mark signal ``number`` consumed by it, at once."""
+        with self._lock:
+            self._check_open()
+            signals = self._signals.get(run.run_id, [])
+            index = next(
+                (i for i, s in enumerate(signals) if s.number == number),
+                None,
+            )
+            if index is None or signals[index].status is not SignalStatus.PENDING:
+                # consumed by another writer already (which advanced the run)
+                raise RunConflictError(
+                    run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
+                )
+            self.commit(run, transition)
+            signals[index] = attrs.evolve(
+                signals[index],
+                status=SignalStatus.CONSUMED,
+                consumed_seq=transition.seq,
+                consumed_at=transition.at,
+            )
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
@@ -581,6 +702,8 @@ class MemoryJournal:
                         self._artifacts,
                         self._effects,
                         self._abort_tokens,
+                        self._wakes,
+                        self._signals,
                     ):
                         table.pop(run_id, None)
                 used = {run.spec_hash for run in self._runs.values()}
