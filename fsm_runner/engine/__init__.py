@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar, overload
 
+from fsm_runner.engine import waits
 from fsm_runner.engine.async_driver import AsyncDriver
 from fsm_runner.engine.core import Listener, StepCore, random_ids
 from fsm_runner.engine.held import HeldRuns
@@ -36,7 +37,7 @@ from fsm_runner.engine.worker import Worker
 from fsm_runner.journal import Journal
 from fsm_runner.machine import Guard
 from fsm_runner.phases import PhaseHandler
-from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.records import RunRecord, SignalRecord, TransitionRecord
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
@@ -497,6 +498,48 @@ class Engine:
             PayloadError: the output is not JSON the journal stores; nothing changed.
         """
         return self._sync.send(run_id, event, output=output)
+
+    def signal(
+        self, run_id: str, name: Any, payload: Any = None, *, signal_id: str | None = None
+    ) -> SignalRecord:
+        """Send a signal to a run: journaled in its mailbox, consumed when it waits for it.
+
+        The signal is journaled durably even when the run is not (yet) waiting for it; the
+        run consumes it when it waits in a state that accepts it (one of that state's exits'
+        events), in arrival order, each exactly once: the transition it causes carries the
+        payload as its output. If the run waits for it now and nobody holds it, it is
+        consumed here at once; otherwise by whoever holds the run when it waits (a worker's
+        ``work()`` wakes a run with a signal to consume). A repeated ``signal_id`` (an
+        idempotent sender, a webhook retried) writes nothing and returns the first signal.
+
+        Returns:
+            The signal as it stands: ``consumed`` (``consumed_seq``) or ``pending``.
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has ended (and no signal with ``signal_id`` was sent).
+            InvalidTransitionError: no waiting state of the run's spec accepts a signal of
+                that name; nothing was written.
+            PayloadError: the payload is not JSON the journal stores; nothing was written.
+        """
+        core = self._core
+        core.check_json(run_id, "signal payload", payload)
+        return waits.signal_run(
+            core.journal,
+            run_id,
+            name,
+            payload,
+            signal_id=signal_id,
+            spec=core.spec,
+            guards=core.guards,
+            owner=f"{self._leases.worker_id}:signal",
+        )
+
+    async def asignal(
+        self, run_id: str, name: Any, payload: Any = None, *, signal_id: str | None = None
+    ) -> SignalRecord:
+        """Async :meth:`signal` (the journal's writes are short: done on the event loop)."""
+        return self.signal(run_id, name, payload, signal_id=signal_id)
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.
