@@ -313,3 +313,28 @@ class TestDeadlines:
             assert [t.event for t in journal.transitions(run_id)].count("TIMEOUT") == 0
         finally:
             engine.close()
+
+
+class TestStartingToWait:
+    SPEC = MachineSpec(
+        "starts-waiting",
+        [State("asked", wait=Wait(timeout=0.2)), State("z", terminal=True)],
+        [Transition("asked", "OK", "z"), Transition("asked", "TIMEOUT", "z")],
+    )
+
+    @pytest.mark.parametrize("claim", [False, True])
+    def test_a_run_that_starts_waiting_gets_its_deadline(self, journal, claim):
+        engine = Engine(self.SPEC, handlers={}, journal=journal)
+        try:
+            first = engine.start(claim=claim)
+            (second,) = engine.start_many([None], claim=claim)
+            for run_id in (first, second):
+                assert journal.wake_time(run_id) is not None
+                assert journal.load(run_id).lease_owner is None
+            stop = threading.Event()
+            threading.Timer(3, stop.set).start()
+            assert engine.work(stop=stop, max_runs=2, idle_wait=5) == 2
+            for run_id in (first, second):
+                assert [t.event for t in journal.transitions(run_id)] == ["STARTED", "TIMEOUT"]
+        finally:
+            engine.close()
