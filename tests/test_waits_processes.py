@@ -426,7 +426,7 @@ def test_a_thirty_day_wait_times_out_exactly_once_with_three_workers(store, tmp_
         assert abs(wake - (entered.at + dt.timedelta(days=30))) < dt.timedelta(seconds=1)
         time.sleep(2 * 0.2)  # a few idle polls of every worker: it is not due
         assert parked(store, run_id)
-        assert store.journal.load(run_id).seq == 2
+        assert store.journal.load(run_id).seq == 1
         store.age(run_id, dt.timedelta(days=30, seconds=1))
         workers.wait_for(lambda: ended(store, run_id), "the run to time out")
         assert len(workers.live()) == WORKERS
@@ -472,7 +472,7 @@ def test_a_parked_run_survives_every_worker_killed_and_continues_on_a_signal(sto
         while time.monotonic() < until:
             look()
             time.sleep(0.02)
-        assert set(seen) == {("awaiting", 2, None, token)}, seen  # nobody held it, ever
+        assert set(seen) == {("awaiting", 1, None, token)}, seen  # nobody held it, ever
         assert store.journal.signals(run_id) == []
         if cli_has_signal():
             send_signal_cli(store, run_id, "APPROVE", {"by": "ops"}, signal_id="ops-1")
@@ -517,7 +517,7 @@ def test_signals_sent_before_the_run_waits_are_consumed_once_in_order(store, tmp
         assert reject.number < approve.number
         assert again == reject
         run = store.journal.load(run_id)
-        assert (run.state, run.seq, run.lease_owner is not None) == ("preparing", 1, True)
+        assert (run.state, run.seq, run.lease_owner is not None) == ("preparing", 0, True)
         (tmp_path / "open").touch()
         workers.wait_for(lambda: ended(store, run_id), "the run to end")
         if cli_has_signal():
