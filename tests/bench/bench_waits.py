@@ -272,13 +272,16 @@ class PostgresBackend(Backend):
             self.admin.execute(sql.SQL("VACUUM ANALYZE {}").format(ident(schema, table)))
 
     def close(self) -> None:
+        """Drop the schemas made (on a new connection if the server dropped this one)."""
+        import psycopg
         from psycopg import sql
 
-        for schema in self.schemas:
-            self.admin.execute(
-                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-            )
         self.admin.close()
+        with psycopg.connect(self.url, autocommit=True, connect_timeout=10) as admin:
+            for schema in self.schemas:
+                admin.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
 
 
 def build(backend: Backend, label: str, parked: int) -> str:
