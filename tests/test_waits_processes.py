@@ -190,6 +190,7 @@ class Workers:
             self.env["FSM_WAITS_HOLD"] = hold
         self.procs: list[subprocess.Popen[bytes]] = []
         self.outputs: dict[int, Path] = {}
+        self.stop_codes: dict[int, int] = {}  # what each exits with on SIGTERM
 
     def __enter__(self) -> Workers:
         return self
@@ -200,14 +201,24 @@ class Workers:
                 proc.kill()
             proc.wait()
 
-    def spawn(self, count: int = WORKERS) -> list[subprocess.Popen[bytes]]:
-        """Start ``count`` workers and wait until each is up (its engine built, about to work)."""
+    def spawn(self, count: int = WORKERS, *, cli: bool = False) -> list[subprocess.Popen[bytes]]:
+        """Start ``count`` workers and wait until each is up (its engine built, about to work).
+
+        With ``cli``, ``fsm-runner worker --app tests.waits_app:make_engine`` processes; else
+        ``python -m tests.waits_app work`` (``Engine.work``, the journal able to hold).
+        """
+        if cli:
+            idle = self.env["FSM_WAITS_IDLE"]
+            argv = [*fsm_runner_command(), "--journal", self.store.location, "worker"]
+            argv += ["--app", "tests.waits_app:make_engine", "--idle-wait", idle]
+        else:
+            argv = [sys.executable, "-m", "tests.waits_app", "work", self.store.location]
         started = []
         for _ in range(count):
             output = self.tmp_path / f"worker-{len(self.procs)}.out"
             with output.open("wb") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "tests.waits_app", "work", self.store.location],
+                    argv,
                     cwd=ROOT,
                     env=self.env,
                     stdin=subprocess.DEVNULL,
@@ -216,6 +227,7 @@ class Workers:
                 )
             self.procs.append(proc)
             self.outputs[proc.pid] = output
+            self.stop_codes[proc.pid] = 1 if cli else 0  # the CLI: "stopped" (exit 1)
             started.append(proc)
         pids = {proc.pid for proc in started}
         self.wait_for(
@@ -238,7 +250,7 @@ class Workers:
     def live(self) -> list[subprocess.Popen[bytes]]:
         """The workers not exited (yet)."""
         for proc in self.procs:
-            if proc.poll() is not None and proc.returncode not in (0, -signal.SIGKILL):
+            if proc.poll() is not None and proc.returncode != -signal.SIGKILL:
                 raise AssertionError(
                     f"worker {proc.pid} exited {proc.returncode}:\n{self.output()}"
                 )
@@ -251,12 +263,12 @@ class Workers:
         assert proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
 
     def stop(self) -> None:
-        """SIGTERM the live workers (a clean stop) and wait for them to exit 0."""
+        """SIGTERM the live workers (a clean stop) and wait for each to exit as it should."""
         live = self.live()
         for proc in live:
             proc.send_signal(signal.SIGTERM)
         for proc in live:
-            assert proc.wait(timeout=TIMEOUT) == 0, self.output()
+            assert proc.wait(timeout=TIMEOUT) == self.stop_codes[proc.pid], self.output()
 
     def output(self) -> str:
         """Every worker's output, for failure messages."""
@@ -276,6 +288,12 @@ class Workers:
             for words in self.logged()
             if words[0] == phase and words[1] == run_id
         ]
+
+
+def fsm_runner_command() -> list[str]:
+    """The installed ``fsm-runner`` console script, or the CLI module through this Python."""
+    beside = Path(sys.executable).with_name("fsm-runner")
+    return [str(beside)] if beside.exists() else [sys.executable, "-m", "fsm_runner.cli"]
 
 
 def start_runs(store: Store, timeout: float | None, count: int = 1) -> list[str]:
@@ -330,7 +348,7 @@ def send_signal_cli(
     store: Store, run_id: str, name: str, payload: Any = None, *, signal_id: str | None = None
 ) -> None:
     """Send a signal with ``fsm-runner signal`` in a process of its own (as an operator would)."""
-    argv = [sys.executable, "-m", "fsm_runner.cli", "--journal", store.location, "signal"]
+    argv = [*fsm_runner_command(), "--journal", store.location, "signal"]
     argv += [run_id, name]
     if payload is not None:
         argv += ["--data", json.dumps(payload)]
@@ -345,9 +363,11 @@ def send_signal_cli(
 # -- a wait's timeout ---------------------------------------------------------------------------------
 
 
-def test_a_two_second_wait_times_out_exactly_once_with_three_workers_racing(store, tmp_path):
+@pytest.mark.parametrize("via", ["engine", "cli"])
+def test_a_two_second_wait_times_out_exactly_once_with_three_workers_racing(store, tmp_path, via):
+    """Three workers (``Engine.work``, or ``fsm-runner worker``) race for three runs' deadlines."""
     with Workers(tmp_path, store, timeout=2.0) as workers:
-        workers.spawn()
+        workers.spawn(cli=via == "cli")
         run_ids = start_runs(store, 2.0, count=3)
         for run_id in run_ids:
             workers.wait_for(lambda run_id=run_id: ended(store, run_id), "the runs to time out")
@@ -445,7 +465,8 @@ def test_a_thirty_day_wait_times_out_exactly_once_with_three_workers(store, tmp_
 
 
 def test_a_parked_run_survives_every_worker_killed_and_continues_on_a_signal(store, tmp_path):
-    """Park a run; SIGKILL all three workers; start three more; the lease stays free all along.
+    """Park a run; SIGKILL all three workers; start three more (``fsm-runner worker``, this
+    time); the lease stays free all along.
 
     The signal then comes (``fsm-runner signal`` in a process of its own when the CLI has the
     command, else ``Engine.signal`` from the test process) and a new worker runs the next phase.
@@ -466,7 +487,7 @@ def test_a_parked_run_survives_every_worker_killed_and_continues_on_a_signal(sto
             workers.kill(pid)
             look()
         assert workers.live() == []
-        second = {proc.pid for proc in workers.spawn()}
+        second = {proc.pid for proc in workers.spawn(cli=True)}
         look()
         until = time.monotonic() + 2 * LEASE_TTL  # the new workers poll, many times
         while time.monotonic() < until:

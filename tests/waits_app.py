@@ -12,7 +12,9 @@ executions of each phase of each run, by process and lease token.
 
 A worker is ``python -m tests.waits_app work JOURNAL`` (a SQLite file, or a PostgreSQL URL with
 ``?schema=``): it logs ``up PID``, then ``Engine.work(idle_wait=FSM_WAITS_IDLE)`` until SIGTERM.
-``FSM_WAITS_LEASE_TTL`` and ``FSM_WAITS_HEARTBEAT`` set its lease (seconds).
+``FSM_WAITS_LEASE_TTL`` and ``FSM_WAITS_HEARTBEAT`` set its lease (seconds). The CLI's worker
+runs it too: ``fsm-runner --journal JOURNAL worker --app tests.waits_app:make_engine`` (without
+the ``waking`` hold below, which needs the journal this module opens).
 
 ``FSM_WAITS_HOLD`` makes the FIRST of all the workers (whichever creates the marker file
 ``FSM_WAITS_DIR/held``, ``O_EXCL``) stop for the test, which then SIGKILLs it or lets it go:
@@ -169,13 +171,15 @@ def open_worker_journal(location: str) -> Any:
 
 
 def make_engine(journal: Any) -> Engine:
-    """The app's engine on ``journal``, leased as the environment says."""
+    """The app's engine on ``journal``, leased as the environment says; logs ``up PID``."""
     options: dict[str, Any] = {}
     if "FSM_WAITS_LEASE_TTL" in os.environ:
         options["lease_ttl"] = float(os.environ["FSM_WAITS_LEASE_TTL"])
     if "FSM_WAITS_HEARTBEAT" in os.environ:
         options["heartbeat_interval"] = float(os.environ["FSM_WAITS_HEARTBEAT"])
-    return Engine(spec(timeout_from_env()), handlers=HANDLERS, journal=journal, **options)
+    engine = Engine(spec(timeout_from_env()), handlers=HANDLERS, journal=journal, **options)
+    log("up", os.getpid())
+    return engine
 
 
 def work(location: str) -> int:
@@ -184,7 +188,6 @@ def work(location: str) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     journal = open_worker_journal(location)
     engine = make_engine(journal)
-    log("up", os.getpid())
     try:
         engine.work(stop=stop, idle_wait=float(os.environ.get("FSM_WAITS_IDLE", "0.2")))
     finally:
