@@ -354,8 +354,10 @@ def send_signal_cli(
         argv += ["--data", json.dumps(payload)]
     if signal_id is not None:
         argv += ["--id", signal_id]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        argv, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, check=False
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
 
