@@ -16,7 +16,8 @@ answers; each journal in a schema of its own, dropped afterwards) — two journa
   wake times (the wait's deadline) from a day to 30 days ahead. One run is parked by the engine
   (started, its first phase run, parked on let-go); the others are cloned from it by SQL in the
   journal's own tables (its columns read from the schema, as ``scale_journals.py`` does), each
-  with a wake time of its own: the rows the journal stores for a parked run.
+  created at a time of its own over the last 30 days and with a wake time of its own: the rows
+  the journal stores for a parked run.
 
 Measured in rounds, the two journals' samples interleaved one by one (empty, parked, parked,
 empty, ...: neither always first), each figure the median of its round; the ratio parked/empty is the median of the rounds' ratios (target <= 1.10 for each):
@@ -168,21 +169,24 @@ class SqliteBackend(Backend):
         (key,) = conn.execute(
             "SELECT run_key FROM run_rows WHERE run_id = ?", (template,)
         ).fetchone()
-        skip = ("run_key", "run_id", "wake_at")
+        skip = ("run_key", "run_id", "wake_at", "created_at")
         columns = [r[1] for r in conn.execute("PRAGMA table_info(run_rows)") if r[1] not in skip]
         tcolumns = [
             r[1] for r in conn.execute("PRAGMA table_info(transitions)") if r[1] not in skip
         ]
         now = utc_now().timestamp()
-        # wake times from a day ahead to 30 days ahead, as format_utc writes them
-        wake = "strftime('%Y-%m-%dT%H:%M:%f', :now + 86400 + i * :step, 'unixepoch') || '000+00:00'"
+        # created over the last 30 days, oldest first; wake times from a day ahead to 30 days
+        # ahead; as format_utc writes them
+        when = "strftime('%Y-%m-%dT%H:%M:%f', :now {}, 'unixepoch') || '000+00:00'"
+        created, wake = when.format("- 30 * 86400 + i * :step"), when.format("+ 86400 + i * :step")
         for first in range(1, count + 1, BATCH):
             last = min(first + BATCH, count + 1) - 1
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 "WITH RECURSIVE n(i) AS (SELECT :first UNION ALL SELECT i + 1 FROM n WHERE i < :last)"
-                f" INSERT INTO run_rows (run_key, run_id, wake_at, {', '.join(columns)})"
-                f" SELECT :key + i, run_id_of(i), {wake}, {', '.join('t.' + c for c in columns)}"
+                f" INSERT INTO run_rows (run_key, run_id, created_at, wake_at, {', '.join(columns)})"
+                f" SELECT :key + i, run_id_of(i), {created}, {wake},"
+                f" {', '.join('t.' + c for c in columns)}"
                 " FROM n, run_rows AS t WHERE t.run_key = :key",
                 {"first": first, "last": last, "key": key, "now": now, "step": 29 * 86400 / count},
             )
@@ -230,7 +234,7 @@ class PostgresBackend(Backend):
                 " ORDER BY ordinal_position",
                 (schema, table),
             ).fetchall()
-            return [name for (name,) in rows if name not in ("run_id", "wake_at")]
+            return [name for (name,) in rows if name not in ("run_id", "wake_at", "created_at")]
 
         runs, transitions = copied("runs"), copied("transitions")
         ident = sql.Identifier
@@ -246,14 +250,15 @@ class PostgresBackend(Backend):
             with self.admin.transaction():
                 self.admin.execute(
                     sql.SQL(
-                        "INSERT INTO {} (run_id, wake_at, {}) SELECT md5('run ' || i),"
+                        "INSERT INTO {} (run_id, created_at, wake_at, {}) SELECT md5('run ' || i),"
+                        " clock_timestamp() - interval '30 days' + i * %s * interval '1 second',"
                         " clock_timestamp() + interval '1 day' + i * %s * interval '1 second', {}"
                         " FROM generate_series(%s::bigint, %s::bigint) AS i, {} AS t"
                         " WHERE t.run_id = %s ORDER BY i"
                     ).format(
                         ident(schema, "runs"), names(runs), names(runs, "t."), ident(schema, "runs")
                     ),
-                    (step, first, last, template),
+                    (step, step, first, last, template),
                 )
                 self.admin.execute(
                     sql.SQL(
