@@ -23,6 +23,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ import pytest
 
 from fsm_runner import Engine, SignalStatus, SqliteJournal
 from fsm_runner.records import format_utc
-from tests.waits_app import HANDLERS, spec
+from tests.waits_app import HANDLERS, MACHINE, spec
 
 ROOT = Path(__file__).parents[1]
 TIMEOUT = 60.0  # seconds any one wait may take before the test gives up (never reached when green)
@@ -568,3 +569,42 @@ def test_signals_sent_before_the_run_waits_are_consumed_once_in_order(store, tmp
     assert len(preparing) == 2  # once a visit
     assert preparing[0] == (int(held[2]), int(held[3]))
     assert len(workers.executions(run_id, "applying")) == 1
+
+
+# -- what a killed waker leaves behind, in one process, on every journal ---------------------------
+
+
+def test_a_due_run_whose_waker_died_before_its_timeout_is_taken_over_by_work(
+    journal, tmp_path, monkeypatch
+):
+    """The state ``kill -9`` of the worker waking a run leaves (the ``waking`` test above), made
+    in one process on every journal: a worker claimed the run once its deadline passed
+    (``claim_next``), then died before journaling the ``TIMEOUT`` — its lease expires. Another
+    worker's ``Engine.work`` must take the run over and time it out, once.
+    """
+    monkeypatch.setenv("FSM_WAITS_LOG", str(tmp_path / "handlers.log"))
+    engine = Engine(spec(0.3), handlers=HANDLERS, journal=journal)
+    try:
+        run_id = engine.start()
+        assert engine.run(run_id).state == "awaiting"
+        wait_for(lambda: journal.wake_time(run_id) <= dt.datetime.now(dt.UTC), "its deadline")
+        time.sleep(0.05)
+        handled = ["preparing", "applying", "expiring"]
+        claimed = wait_for(
+            lambda: journal.claim_next("dead-waker", ttl=0.5, machine=MACHINE, states=handled),
+            "the waker's claim of the due run",
+        )
+        assert claimed.run_id == run_id  # ... and the waker dies here, holding it
+        wait_for(lambda: journal.load(run_id).lease_expires_at < dt.datetime.now(dt.UTC), "expiry")
+        time.sleep(0.05)
+        stop = threading.Event()
+        threading.Timer(10, stop.set).start()  # a bound: it returns at once once it took the run
+        taken = engine.work(stop=stop, max_runs=1, idle_wait=0.1)
+        stop.set()
+        assert taken == 1, (journal.load(run_id), journal.wake_time(run_id))
+        run = journal.load(run_id)
+        assert (run.state, run.recoveries) == ("expired", 1)
+        events = [t.event for t in journal.transitions(run_id)]
+        assert events == ["STARTED", "PREPARED", "TIMEOUT", "EXPIRED"]
+    finally:
+        engine.close()
