@@ -42,7 +42,7 @@ __all__ = [
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
 #: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
 #: current schema version has them. Checked at every open; a test keeps it equal to a new
@@ -55,7 +55,7 @@ CODE: dict[tuple[str, str], tuple[str, str]] = {
 #: The journal's tables and its view: a trigger on one of them takes part in its writes.
 TABLES = frozenset(
     {"_sqlite_migrations", "artifacts", "effects", "iterations", "meta", "run_rows", "runs",
-     "specs", "transitions"}
+     "signals", "specs", "transitions"}
 )  # fmt: skip
 #: A column's type affinity (SQLite's rules, section 3.1 of its datatype page), by substring.
 _AFFINITIES = (("INT", "INTEGER"), ("CHAR", "TEXT"), ("CLOB", "TEXT"), ("TEXT", "TEXT"),
