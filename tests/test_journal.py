@@ -1544,6 +1544,12 @@ class TestWaits:
         assert journal.claim_next("x", ttl=60, machine=SPEC.name, states=["verifying"]) is None
         assert journal.wake_time("past") is not None  # a claim leaves the wake time
 
+    def test_a_due_run_is_offered_to_a_worker_of_no_states(self, journal):
+        start(journal)
+        assert journal.claim_next("x", ttl=60, machine=SPEC.name, states=()) is None
+        journal.put_signal(signal())
+        assert journal.claim_next("x", ttl=60, machine=SPEC.name, states=()).run_id == "r1"
+
     def test_a_held_run_is_not_offered_though_it_is_due(self, journal):
         start(journal)
         held(journal)

@@ -169,7 +169,7 @@ class TestClaims:
                 costs.append(counted[0])
         assert costs[1] <= costs[0] * 1.2 + 50, costs
 
-    @pytest.mark.parametrize("states", [1, 3])
+    @pytest.mark.parametrize("states", [0, 1, 3])
     @pytest.mark.parametrize("spec_hash", [None, "h"])
     def test_the_search_reads_index_ranges_only(self, states, spec_hash):
         search, _claim = _claim_statements(states, spec_hash)

@@ -393,11 +393,11 @@ class SqliteJournal:
     ) -> RunRecord | None:
         """Claim the oldest runnable run, or ``None``; an idle poll takes no write lock.
 
-        See :func:`fsm_runner.journal._sqlite_claims.claim_next`: a search of index ranges,
+        Runnable: in one of ``states``, or due (its wake time has come: schema version 10),
+        so with no ``states`` a due run is still claimed. See
+        :func:`fsm_runner.journal._sqlite_claims.claim_next`: a search of index ranges,
         outside the write lock, then one conditional UPDATE in a short write transaction.
         """
-        if not states:
-            return None
         # Refused as before on a journal closed or whose writes are refused (a damaged fence),
         # though an idle poll writes nothing: a worker there fails at once, not when work comes.
         self._connections.check_writable()
