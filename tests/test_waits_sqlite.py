@@ -152,6 +152,20 @@ class TestSchema:
             f"1 row(s) of table signals refer to missing rows (first rowid {number})"
         ]
 
+    def test_a_hand_made_signal_under_another_run_s_key_is_reported(self, journal):
+        start(journal, "r1")
+        start(journal, "r2")
+        sent = journal.put_signal(SignalRecord("r1", 0, GO))
+        assert journal.integrity_problems() == []
+        with journal._connections.write() as conn:
+            conn.execute(
+                "UPDATE signals SET run_key = (SELECT run_key FROM run_rows WHERE run_id = 'r2')"
+            )
+        assert journal.integrity_problems() == [
+            "1 row(s) of table signals have a run_key that is not their run's"
+            f" (first: number {sent.number})"
+        ]
+
     def test_next_wake_is_one_seek(self, journal):
         steps = plan(journal, _NEXT_WAKE, ("m",))
         assert steps == ["SEARCH run_rows USING INDEX idx_run_rows_due (machine=? AND wake_at>?)"]
