@@ -21,8 +21,8 @@ import pytest
 from fsm_runner import RunEvent, RunLifecycle, SqliteJournal, TransitionRecord
 from fsm_runner._json import dumps_json
 from fsm_runner.exceptions import JournalError, RunConflictError
+from fsm_runner.journal._sqlite_waits import NEXT_WAKE
 from fsm_runner.journal.base import Commit
-from fsm_runner.journal.sqlite import _NEXT_WAKE
 from fsm_runner.records import RunRecord, SignalRecord, SignalStatus, format_utc, utc_now
 from tests.helpers import NEXT, linear_spec
 
@@ -167,7 +167,7 @@ class TestSchema:
         ]
 
     def test_next_wake_is_one_seek(self, journal):
-        steps = plan(journal, _NEXT_WAKE, ("m",))
+        steps = plan(journal, NEXT_WAKE, ("m",))
         assert steps == ["SEARCH run_rows USING INDEX idx_run_rows_due (machine=? AND wake_at>?)"]
 
 

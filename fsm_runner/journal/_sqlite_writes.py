@@ -361,45 +361,25 @@ class SqliteWriter:
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
         """:meth:`commit` and mark signal ``number`` consumed by it, in ONE transaction.
 
-        The commit's own statements (:meth:`_statements`), then the UPDATE of the signal, which
-        changes its row only while it is a pending signal of this run (found by the run key
-        the transition is inserted with: the fence admits it only with its run's). Refused as
-        :meth:`commit` refuses, or with ``RunConflictError`` when the signal is not pending:
-        rolled back, nothing written.
+        The commit's own statements (:meth:`_statements`), then :data:`_CONSUME_SIGNAL`, which
+        changes the signal only while it is pending and the run's (by the key the fence admits
+        the transition with). Refused as :meth:`commit` refuses, or ``RunConflictError`` when
+        the signal is not pending: rolled back, nothing written.
         """
         insert, rows = self._statements(run, transition, (), (), None)
-        try:
-            with self._connections.write() as conn:
-                self._consume_in(conn.cursor(), transition, insert, rows or (), number)
-        except BaseException:
-            self._written.pop(run.run_id, None)
-            raise
+        consume = (_CONSUME_SIGNAL, (transition.seq, insert[7], number, insert[11]))
+        self._written.pop(run.run_id, None)  # until it is stored
+        with self._connections.write() as conn:
+            cursor = conn.cursor()
+            try:
+                self._insert_with(cursor, insert, [*(rows or ()), consume])
+            except sqlite3.IntegrityError as exc:
+                seq, token = transition.seq - 1, transition.lease_token
+                raise self._refusal(exc, run.run_id, seq, token) from None
+            if not cursor.rowcount:  # consumed already (by a writer that moved the run on)
+                path = self._connections.path
+                raise RunConflictError(run_id=run.run_id, expected_seq=run.seq - 1, path=path)
         self.remember(run)
-
-    def _consume_in(
-        self,
-        cursor: sqlite3.Cursor,
-        transition: TransitionRecord,
-        insert: tuple[Any, ...],
-        rows: Sequence[tuple[str, tuple[Any, ...]]],
-        number: int,
-    ) -> None:
-        """:meth:`consume_signal`'s statements, inside its transaction (rolled back on error)."""
-        try:
-            self._insert_with(cursor, insert, rows)
-        except sqlite3.IntegrityError as exc:
-            raise self._refusal(
-                exc, transition.run_id, transition.seq - 1, transition.lease_token
-            ) from None
-        if not cursor.execute(
-            _CONSUME_SIGNAL, (transition.seq, insert[7], number, insert[11])
-        ).rowcount:
-            # consumed already (by a writer that advanced the run), or not this run's
-            raise RunConflictError(
-                run_id=transition.run_id,
-                expected_seq=transition.seq - 1,
-                path=self._connections.path,
-            )
 
     def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
         """Store several commits in one ``BEGIN IMMEDIATE`` transaction (see ``Journal``).

@@ -23,13 +23,12 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
-from fsm_runner.journal import _lease, _rows, _sqlite_check, _sqlite_claims, _sqlite_prune
+from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
+from fsm_runner.journal._sqlite_waits import Names, SqliteWaits, Wake
 from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
 from fsm_runner.journal.base import Commit, Durability, NewRun, PruneReport, Renewal, renewals
 from fsm_runner.records import (
@@ -38,10 +37,8 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     SignalRecord,
-    SignalStatus,
     TransitionRecord,
     format_utc,
-    parse_utc,
     utc_now,
 )
 from fsm_runner.spec import RunLifecycle
@@ -55,14 +52,6 @@ DEFAULT_PATH = "fsm-runner.db"
 def _stale_bound() -> tuple[str, list[Any]]:
     return "?", [format_utc(utc_now())]
 
-
-#: A run's signals as :func:`~._rows.decode_signal` reads them (a WHERE clause follows).
-_SELECT_SIGNALS = f"SELECT {', '.join(_rows.SIGNAL_COLUMNS)} FROM signals"
-#: The machine's earliest wake time: one seek at the start of its range of idx_run_rows_due.
-_NEXT_WAKE = (
-    "SELECT min(wake_at) FROM run_rows WHERE machine = ? AND status = 'active'"
-    " AND lease_owner IS NULL AND wake_at IS NOT NULL"
-)
 
 _DIALECT = SqlDialect(
     mark="?",
@@ -128,6 +117,7 @@ class SqliteJournal:
         )
         self._core = SqlCore(_DIALECT, self._connections)
         self._writer = SqliteWriter(self._connections, self._core)
+        self._waits = SqliteWaits(self._connections, self._core)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -391,15 +381,12 @@ class SqliteJournal:
         states: Collection[str],
         spec_hash: str | None = None,
     ) -> RunRecord | None:
-        """Claim the oldest runnable run, or ``None``; an idle poll takes no write lock.
+        """Claim the oldest runnable run (in ``states``, or due), or ``None``; no lock if idle.
 
-        Runnable: in one of ``states``, or due (its wake time has come: schema version 10),
-        so with no ``states`` a due run is still claimed. See
-        :func:`fsm_runner.journal._sqlite_claims.claim_next`: a search of index ranges,
-        outside the write lock, then one conditional UPDATE in a short write transaction.
+        See :func:`fsm_runner.journal._sqlite_claims.claim_next` (index ranges, then one UPDATE).
         """
-        # Refused as before on a journal closed or whose writes are refused (a damaged fence),
-        # though an idle poll writes nothing: a worker there fails at once, not when work comes.
+        # Refused on a journal closed or unwritable (a damaged fence) though an idle poll
+        # writes nothing, and (schema version 10) with no states a due run is still claimed.
         self._connections.check_writable()
         claimed = _sqlite_claims.claim_next(
             self._connections,
@@ -459,135 +446,30 @@ class SqliteJournal:
             ).rowcount
         return bool(released)
 
-    # -- waits (schema version 10) -------------------------------------------------------------
+    # -- waits (SqliteWaits', schema version 10) ---------------------------------------------
 
-    def park(
-        self,
-        run_id: str,
-        owner: str,
-        token: int,
-        *,
-        wake_at: dt.datetime | None,
-        accepts: Collection[str],
-    ) -> bool:
-        """Give up the lease as :meth:`release` does, and set the run's wake time, at once.
-
-        One UPDATE: the release (``run_rows_released`` brings the row to its head) and the
-        wake time, now if a pending signal of the run is named in ``accepts``, else
-        ``wake_at``. ``False`` (nothing changed) when ``owner`` no longer held the lease.
-        """
-        now = format_utc(utc_now())
-        wake = None if wake_at is None else format_utc(wake_at)
-        names = sorted(set(accepts))
-        if names:
-            marks = ", ".join("?" * len(names))
-            wake_sql = (
-                "CASE WHEN EXISTS (SELECT 1 FROM signals AS s"
-                " WHERE s.run_key = run_rows.run_key AND s.consumed_seq IS NULL"
-                f" AND s.name IN ({marks})) THEN ? ELSE ? END"
-            )
-            wake_params: list[Any] = [*names, now, wake]
-        else:
-            wake_sql, wake_params = "?", [wake]
-        with self._connections.write() as conn:
-            parked = conn.execute(
-                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL,"
-                f" wake_at = {wake_sql} WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
-                (*wake_params, run_id, owner, token),
-            ).rowcount
-        return bool(parked)
+    def park(self, run_id: str, owner: str, token: int, *, wake_at: Wake, accepts: Names) -> bool:
+        """Release the lease and set the run's wake time at once (:meth:`SqliteWaits.park`)."""
+        return self._waits.park(run_id, owner, token, wake_at=wake_at, accepts=accepts)
 
     def wake_time(self, run_id: str) -> dt.datetime | None:
         """Return the run's wake time, if it has one (``RunNotFoundError``: no such run)."""
-        with self._connections.read() as conn:
-            row = conn.execute("SELECT wake_at FROM run_rows WHERE run_id = ?", (run_id,))
-            found = row.fetchone()
-        if found is None:
-            raise RunNotFoundError(run_id)
-        return None if found[0] is None else parse_utc(found[0])
+        return self._waits.wake_time(run_id)
 
     def next_wake(self, *, machine: str) -> dt.datetime | None:
-        """Return the earliest wake time of the machine's active runs nobody holds, if any.
-
-        One seek in ``idx_run_rows_due``, which holds the unleased runs only: a run whose
-        lease expired is left out (:meth:`claim_next` takes it over as any expired lease).
-        """
-        with self._connections.read() as conn:
-            (found,) = conn.execute(_NEXT_WAKE, (machine,)).fetchone()
-        return None if found is None else parse_utc(found)
+        """The earliest wake time of the machine's unleased runs (:meth:`SqliteWaits.next_wake`)."""
+        return self._waits.next_wake(machine=machine)
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
-        """Journal a signal for its run in ONE transaction; return it as stored (``Journal``).
-
-        The run's row is read (its key, whether it ended), a signal with the same
-        ``signal_id`` looked for (returned as it stands), then the signal inserted (SQLite
-        numbers it: above every stored one) and the run's wake time set to its arrival.
-        """
-        received = utc_now()
-        params = _rows.signal_params(signal, format_utc(received))
-        with self._connections.write() as conn:
-            found = conn.execute(
-                "SELECT run_key, status, state FROM runs WHERE run_id = ?", (signal.run_id,)
-            ).fetchone()
-            if found is None:
-                raise RunNotFoundError(signal.run_id)
-            key, status, state = found
-            ended = status != RunLifecycle.ACTIVE.value
-            if signal.signal_id is not None:
-                stored = conn.execute(
-                    f"{_SELECT_SIGNALS} WHERE run_key = ? AND signal_id = ?",
-                    (key, signal.signal_id),
-                ).fetchone()
-                if stored is not None:
-                    return _rows.decode_signal(stored, self._core._loads, ended=ended)
-            if ended:
-                raise RunTerminalError(run_id=signal.run_id, state=state, status=status)
-            number = conn.execute(
-                "INSERT INTO signals (run_key, run_id, name, payload, signal_id, received_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (key, *params),
-            ).lastrowid
-            assert number is not None  # set by every INSERT
-            conn.execute("UPDATE run_rows SET wake_at = ? WHERE run_key = ?", (params[-1], key))
-        return attrs.evolve(
-            signal,
-            number=number,
-            received_at=parse_utc(params[-1]),
-            status=SignalStatus.PENDING,
-            consumed_seq=None,
-            consumed_at=None,
-        )
+        """Journal a signal for its run in ONE transaction (:meth:`SqliteWaits.put_signal`)."""
+        return self._waits.put_signal(signal)
 
     def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
-        """Return the run's signals in arrival order (pending ones only, with ``pending``).
-
-        A pending signal of a run that has ended is returned ``expired``; an unknown run has
-        none.
-        """
-        with self._connections.read() as conn:
-            found = conn.execute(
-                "SELECT run_key, status FROM run_rows WHERE run_id = ?", (run_id,)
-            ).fetchone()
-            if found is None:
-                return []
-            key, status = found
-            ended = status != RunLifecycle.ACTIVE.value
-            if pending and ended:
-                return []
-            rows = conn.execute(
-                f"{_SELECT_SIGNALS} WHERE run_key = ?"
-                + (" AND consumed_seq IS NULL" if pending else "")
-                + " ORDER BY number",
-                (key,),
-            ).fetchall()
-        loads = self._core._loads
-        return [_rows.decode_signal(row, loads, ended=ended) for row in rows]
+        """Return the run's signals in arrival order (pending ones only, with ``pending``)."""
+        return self._waits.signals(run_id, pending=pending)
 
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
-        """:meth:`commit` the transition and mark signal ``number`` consumed by it, at once.
-
-        See :meth:`SqliteWriter.consume_signal`.
-        """
+        """:meth:`commit` and mark the signal consumed (:meth:`SqliteWriter.consume_signal`)."""
         self._writer.consume_signal(run, transition, number)
 
     # -- checks --------------------------------------------------------------------------------
