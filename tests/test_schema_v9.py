@@ -299,6 +299,7 @@ class TestCheckSince:
         assert "SEARCH run_rows USING INDEX idx_run_rows_ended (updated_at>?)" in steps, steps
         assert [s for s in steps if s.startswith("SCAN run_rows")] == [
             "SCAN run_rows USING INDEX idx_run_rows_ready",
+            "SCAN run_rows USING INDEX idx_run_rows_due",
             "SCAN run_rows USING INDEX idx_run_rows_leased",
         ], steps
 
