@@ -164,10 +164,6 @@ def _optional_outcome(value: RunLifecycle | str | None) -> RunLifecycle | None:
         return cast(RunLifecycle, value)  # validate() names it
 
 
-def _optional_schema(value: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    return None if value is None else cast(Mapping[str, Any], value)
-
-
 @attrs.frozen
 class Wait:
     """How a state without a handler waits: for a signal, at most until a deadline.
@@ -188,7 +184,7 @@ class Wait:
     timeout: float | None = attrs.field(default=None, converter=_optional_float)
     on_timeout: str = attrs.field(default=RunEvent.TIMEOUT.value, converter=_event_field)
     prompt: str = ""
-    schema: Mapping[str, Any] | None = attrs.field(default=None, converter=_optional_schema)
+    schema: Mapping[str, Any] | None = None
 
 
 @attrs.frozen
@@ -540,8 +536,7 @@ class MachineSpec:
         return frozenset(itertools.chain.from_iterable(self._accepted.values()))
 
     def wait_of(self, state: str) -> Wait | None:
-        """How ``state`` waits: its :class:`Wait`, a bare one when it waits without one, or
-        ``None`` for a state that does not wait."""
+        """How ``state`` waits: its :class:`Wait` (a bare one if it has none), or ``None``."""
         if state not in self.waiting_states:
             return None
         wait = self._by_name[state].wait
@@ -699,19 +694,18 @@ class MachineSpec:
                 f"{where} waits at most {timeout:g} s but has no exit for its"
                 f" on_timeout event {wait.on_timeout!r}"
             )
-        if not isinstance(wait.on_timeout, str) or not wait.on_timeout:
-            yield f"{where}: wait on_timeout must be an event name, not {wait.on_timeout!r}"
-        if not isinstance(wait.prompt, str):
-            yield f"{where}: wait prompt must be text, not {type(wait.prompt).__name__}"
-        else:
-            yield from _text_problems(f"{where}: wait prompt", wait.prompt)
-        if wait.schema is not None:
+        on_timeout: Any = wait.on_timeout  # as given: the converter keeps what it cannot read
+        if not isinstance(on_timeout, str) or not on_timeout:
+            yield f"{where}: wait on_timeout must be an event name, not {on_timeout!r}"
+        yield from _text_problems(f"{where}: wait prompt", wait.prompt)
+        schema: Any = wait.schema
+        if schema is not None and not isinstance(schema, Mapping):
+            yield f"{where}: wait schema must be a JSON object, not {type(schema).__name__}"
+        elif schema is not None:
             try:
-                json.dumps(wait.schema, allow_nan=False)
+                json.dumps(schema, allow_nan=False)
             except (TypeError, ValueError) as exc:
                 yield f"{where}: wait schema must be JSON ({exc})"
-            if not isinstance(wait.schema, Mapping):
-                yield f"{where}: wait schema must be a JSON object"
         if not self.accepts(state.name) and wait.timeout is None:
             yield (
                 f"{where} waits for ever, but no signal can move it (no exit but the engine's"

@@ -20,11 +20,13 @@ logic is :mod:`fsm_runner.rules`.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
+from fsm_runner.engine import waits
 from fsm_runner.engine.async_driver import AsyncDriver
 from fsm_runner.engine.core import Listener, StepCore, random_ids
 from fsm_runner.engine.held import HeldRuns
@@ -36,7 +38,7 @@ from fsm_runner.engine.worker import Worker
 from fsm_runner.journal import Journal
 from fsm_runner.machine import Guard
 from fsm_runner.phases import PhaseHandler
-from fsm_runner.records import RunRecord, TransitionRecord
+from fsm_runner.records import RunRecord, SignalRecord, TransitionRecord
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
@@ -332,6 +334,8 @@ class Engine:
         core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
         self._leases.started([run])
         core.notify(first, run)
+        if self._starts_waiting:
+            self._park_started([run.run_id])
         return run.run_id
 
     def start_many(
@@ -377,7 +381,30 @@ class Engine:
         if core.listeners:
             for run, first, _ in batch:
                 core.notify(first, run)
-        return [run.run_id for run, _, _ in batch]
+        run_ids = [run.run_id for run, _, _ in batch]
+        if self._starts_waiting:
+            self._park_started(run_ids)
+        return run_ids
+
+    @functools.cached_property
+    def _starts_waiting(self) -> bool:
+        """Whether runs start in a state that waits with a deadline (see :meth:`_park_started`)."""
+        spec = self._core.spec
+        wait = spec.wait_of(spec.initial_leaf)
+        return wait is not None and wait.timeout is not None
+
+    def _park_started(self, run_ids: Sequence[str]) -> None:
+        """Give runs that start waiting with a deadline their wake time: claim and park each.
+
+        A new run is stored without one (the start's rows are the hot path of every run); a
+        claim and a release in a waiting state (:meth:`LeaseKeeper.let_go`) park it, which sets
+        its wake time to its deadline. A run started holding is let go of here.
+        """
+        leases = self._leases
+        for run_id in run_ids:
+            if not leases.holds(run_id):
+                leases.claim(run_id)
+            leases.let_go(run_id)
 
     def _lease(self, claim: bool) -> tuple[str, dt.timedelta] | None:
         """The lease a run is started holding: this engine's, or none."""
@@ -497,6 +524,48 @@ class Engine:
             PayloadError: the output is not JSON the journal stores; nothing changed.
         """
         return self._sync.send(run_id, event, output=output)
+
+    def signal(
+        self, run_id: str, name: Any, payload: Any = None, *, signal_id: str | None = None
+    ) -> SignalRecord:
+        """Send a signal to a run: journaled in its mailbox, consumed when it waits for it.
+
+        The signal is journaled durably even when the run is not (yet) waiting for it; the
+        run consumes it when it waits in a state that accepts it (one of that state's exits'
+        events), in arrival order, each exactly once: the transition it causes carries the
+        payload as its output. If the run waits for it now and nobody holds it, it is
+        consumed here at once; otherwise by whoever holds the run when it waits (a worker's
+        ``work()`` wakes a run with a signal to consume). A repeated ``signal_id`` (an
+        idempotent sender, a webhook retried) writes nothing and returns the first signal.
+
+        Returns:
+            The signal as it stands: ``consumed`` (``consumed_seq``) or ``pending``.
+
+        Raises:
+            RunNotFoundError: no such run.
+            RunTerminalError: the run has ended (and no signal with ``signal_id`` was sent).
+            InvalidTransitionError: no waiting state of the run's spec accepts a signal of
+                that name; nothing was written.
+            PayloadError: the payload is not JSON the journal stores; nothing was written.
+        """
+        core = self._core
+        core.check_json(run_id, "signal payload", payload)
+        return waits.signal_run(
+            core.journal,
+            run_id,
+            name,
+            payload,
+            signal_id=signal_id,
+            spec=core.spec,
+            guards=core.guards,
+            owner=f"{self._leases.worker_id}:signal",
+        )
+
+    async def asignal(
+        self, run_id: str, name: Any, payload: Any = None, *, signal_id: str | None = None
+    ) -> SignalRecord:
+        """Async :meth:`signal` (the journal's writes are short: done on the event loop)."""
+        return self.signal(run_id, name, payload, signal_id=signal_id)
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.

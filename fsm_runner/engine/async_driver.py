@@ -187,8 +187,8 @@ class AsyncDriver:
         if pending_abort is not None:
             return await self._awrite(core.plan_abort(run, pending_abort))
         step = core.prepare(run)
-        if step is None:
-            return None, run
+        if step is None:  # it waits: a signal it accepts, or its deadline, moves it
+            return core.wait_move(run)
         try:
             outcome = await self._call_async(step)
         except (KeyboardInterrupt, asyncio.CancelledError) as exc:

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from fsm_runner._json import dumps_json, error_info, storable_text
+from fsm_runner.engine import waits
 from fsm_runner.engine.held import HeldRuns
 from fsm_runner.engine.interruption import interruption_cause
 from fsm_runner.events import (
@@ -346,6 +347,21 @@ class StepCore:
         )
         self.held.active[run.run_id] = ctx
         return PhaseStep(run, state, ctx, started)
+
+    def wait_move(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
+        """A run held where it waits: consume a signal, or time out (``None``: it waits on).
+
+        See :mod:`fsm_runner.engine.waits`: the oldest pending signal the state accepts, else
+        the wait's ``on_timeout`` once its deadline has passed; committed with the signal it
+        consumes in one transaction, then the listeners are told.
+        """
+        if self.spec.wait_of(run.state) is None:
+            return None, run
+        move = waits.next_move(self.journal, self.spec, run, self.guards)
+        if move is None:
+            return None, run
+        waits.write_move(self.journal, move)
+        return self.committed(move[0], move[1])
 
     def close_phase(self, run_id: str) -> None:
         """The phase has returned: forget it, and refuse its effects from now on."""

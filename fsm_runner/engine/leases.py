@@ -25,6 +25,7 @@ import attrs
 from fsm_runner import _fork
 from fsm_runner._json import dumps_json
 from fsm_runner._lazy import LazyModule
+from fsm_runner.engine import waits
 from fsm_runner.engine.core import StepCore
 from fsm_runner.engine.held import HeldRuns
 from fsm_runner.exceptions import (
@@ -364,8 +365,15 @@ class LeaseKeeper:
             hold = self._held.pop(run_id, None)
         if hold is None or hold.token is None or ended:
             return
+        core = self._core
+        journal = core.journal
         try:
-            self._core.journal.release(run_id, self.worker_id, hold.token)
+            if core.spec.waiting_states:  # a run let go of where it waits is parked
+                run = journal.load(run_id)
+                if run.spec_hash == core.spec.spec_hash and core.spec.wait_of(run.state):
+                    waits.park(journal, core.spec, run, (self.worker_id, hold.token), core.guards)
+                    return
+            journal.release(run_id, self.worker_id, hold.token)
         except FsmRunnerError as exc:  # the lease will expire; nothing is lost
             _log.warning("run %s: could not release its lease: %s", run_id, exc)
 

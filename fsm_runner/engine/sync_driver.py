@@ -197,8 +197,8 @@ class SyncDriver:
         if fast is not None:
             return self._step_fast(run, fast)
         step = core.prepare(run)
-        if step is None:
-            return None, run
+        if step is None:  # it waits: a signal it accepts, or its deadline, moves it
+            return core.wait_move(run)
         try:
             outcome = self._call_sync(step)
         except KeyboardInterrupt as exc:

@@ -25,7 +25,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SpecMismatchError,
 )
-from fsm_runner.records import RunRecord
+from fsm_runner.records import RunRecord, utc_now
 
 __all__ = ["Worker"]
 
@@ -59,11 +59,24 @@ class Worker:
             if claimed is None:
                 if exit_when_idle:
                     break
-                stop.wait(idle_wait)
+                stop.wait(self._idle_for(idle_wait))
                 continue
             taken += 1
             self._work_on(claimed)
         return taken
+
+    def _idle_for(self, idle_wait: float) -> float:
+        """Seconds to wait for work: ``idle_wait``, or less when a parked run wakes sooner."""
+        if not self.core.spec.waiting_states:
+            return idle_wait
+        try:
+            wake = self.core.journal.next_wake(machine=self.core.spec.name)
+        except FsmRunnerError as exc:
+            _log.warning("could not read the next wake time: %s", exc)
+            return idle_wait
+        if wake is None:
+            return idle_wait
+        return max(0.0, min(idle_wait, (wake - utc_now()).total_seconds()))
 
     def _work_on(self, claimed: RunRecord) -> None:
         """Run (or park) one run :meth:`work` claimed, then let go of it or leave it to expire."""

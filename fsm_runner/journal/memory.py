@@ -539,9 +539,7 @@ class MemoryJournal:
                     if stored.signal_id == signal.signal_id:
                         return self._reported(stored, run)
             if run.ended:
-                raise RunTerminalError(
-                    run_id=run.run_id, state=run.state, status=run.status.value
-                )
+                raise RunTerminalError(run_id=run.run_id, state=run.state, status=run.status.value)
             self._signal_number += 1
             stored = attrs.evolve(
                 signal,
