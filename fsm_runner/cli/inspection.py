@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -28,11 +28,14 @@ from fsm_runner.cli.output import (
     run_standing,
     styled_status,
     table,
+    wrap_column,
 )
 
 if TYPE_CHECKING:
+    from fsm_runner.journal import Journal
     from fsm_runner.records import RunRecord
     from fsm_runner.replay import Replay
+    from fsm_runner.spec import MachineSpec
 
 
 @click.command()
@@ -54,6 +57,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Only runs with an effect caught in flight (its outcome unknown).",
 )
+@click.option(
+    "--waiting",
+    is_flag=True,
+    help="Only active runs waiting for a signal, with what each waits for, since when, its"
+    " deadline, its pending signals and its prompt.",
+)
 @click.option("--limit", type=Int64Range(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
@@ -65,13 +74,33 @@ def runs(
     parent: str | None,
     stale: bool,
     effect_in_flight: bool,
+    waiting: bool,
     limit: int,
     as_json: bool,
 ) -> None:
-    """List runs, newest first (child runs show their parent)."""
+    """List runs, newest first (child runs show their parent).
+
+    With --waiting, the active runs that stand in a waiting state of their machine (a state
+    without a handler: it waits for a signal, see `fsm-runner signal`), newest first: the
+    signals each waits for, since when (its last transition), its deadline (when the wait
+    times out; - for none), how many signals wait in its mailbox, and what the wait asks.
+    --machine and --state narrow it.
+    """
     from fsm_runner.records import unstructure
 
     journal = state.journal()
+    if waiting:
+        others = {
+            "--status": status not in (None, "active"),
+            "--parent": parent is not None,
+            "--stale": stale,
+            "--effect-in-flight": effect_in_flight,
+        }
+        clashing = [option for option, given in others.items() if given]
+        if clashing:
+            fail(f"--waiting cannot be combined with {', '.join(clashing)}", EXIT_USAGE)
+        _print_waiting(journal, machine, run_state, limit, as_json=as_json)
+        return
     if parent is not None:
         parent = resolve_run_id(journal, parent)
     found = journal.runs(
@@ -107,6 +136,148 @@ def runs(
         ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)", "PARENT"),
         styles=[run.status.value for run in found],
     )
+
+
+#: How many of the newest active runs name the machines ``runs --waiting`` looks at, when no
+#: --machine is given (the journal has no list of its machines).
+_MACHINES_SAMPLE = 1000
+
+
+class _Specs:
+    """The specs a journal keeps, read once per hash."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self._specs: dict[str, MachineSpec] = {}
+
+    def __call__(self, spec_hash: str) -> MachineSpec:
+        spec = self._specs.get(spec_hash)
+        if spec is None:
+            from fsm_runner.spec import MachineSpec
+
+            spec = MachineSpec.from_json(self._journal.spec_json(spec_hash))
+            self._specs[spec_hash] = spec
+        return spec
+
+    def waiting_states(self) -> set[str]:
+        """Every state some spec read so far waits in."""
+        return {name for spec in self._specs.values() for name in spec.waiting_states}
+
+    def has_state(self, state: str) -> bool:
+        """Whether some spec read so far has ``state``."""
+        return any(spec.has_state(state) for spec in self._specs.values())
+
+
+def _waiting_runs(
+    journal: Journal, specs: _Specs, machine: str | None, only_state: str | None, limit: int
+) -> list[RunRecord]:
+    """The active runs standing in a waiting state of their spec, newest first.
+
+    Index reads only: per machine, how many active runs each state holds
+    (``run_counts``), then the active runs of each state that is waiting in a spec of the
+    machine (``runs(machine=, status="active", state=)``, at most ``limit`` each). A state
+    that no spec read so far has is looked up through its newest run's spec first.
+    """
+    if machine is not None:
+        machines = [machine]
+    else:
+        sample = journal.runs(status="active", limit=_MACHINES_SAMPLE)
+        machines = sorted({run.machine for run in sample})
+    found: list[RunRecord] = []
+    for name in machines:
+        newest = journal.runs(machine=name, status="active", limit=1)
+        if not newest:
+            continue
+        specs(newest[0].spec_hash)
+        states = {s for (s, status), count in journal.run_counts(machine=name).items()
+                  if status == "active" and count}  # fmt: skip
+        if only_state is not None:
+            states &= {only_state}
+        for run_state in sorted(states):
+            if run_state not in specs.waiting_states():
+                if specs.has_state(run_state):
+                    continue
+                # A state of another version of the machine's spec: read that spec.
+                one = journal.runs(machine=name, status="active", state=run_state, limit=1)
+                if not one or run_state not in specs(one[0].spec_hash).waiting_states:
+                    continue
+            candidates = journal.runs(machine=name, status="active", state=run_state, limit=limit)
+            found += [run for run in candidates if run.state in specs(run.spec_hash).waiting_states]
+    found.sort(key=lambda run: (run.updated_at, run.run_id), reverse=True)
+    return found[:limit]
+
+
+class _Waiting:
+    """How one run waits: for which signals, since when, until when, what it asks.
+
+    A plain class: a ``NamedTuple`` would cost ``fsm-runner --help`` its creation.
+    """
+
+    def __init__(self, journal: Journal, spec: MachineSpec, run: RunRecord) -> None:
+        from fsm_runner.engine.waits import deadline
+
+        wait = spec.wait_of(run.state)
+        self.run = run
+        self.accepts = sorted(spec.accepts(run.state))
+        self.since = run.updated_at
+        self.deadline = deadline(journal, spec, run)
+        self.on_timeout = wait.on_timeout if wait is not None else None
+        self.pending = len(journal.signals(run.run_id, pending=True))
+        self.prompt = wait.prompt if wait is not None else ""
+
+    def as_json(self) -> dict[str, Any]:
+        """The run's row, and its ``wait``."""
+        from fsm_runner._convert import format_utc
+        from fsm_runner.records import unstructure
+
+        return {
+            **unstructure(self.run),
+            "wait": {
+                "state": self.run.state,
+                "accepts": self.accepts,
+                "since": format_utc(self.since),
+                "deadline": format_utc(self.deadline) if self.deadline is not None else None,
+                "on_timeout": self.on_timeout,
+                "pending_signals": self.pending,
+                "prompt": self.prompt,
+            },
+        }
+
+    def row(self) -> tuple[str, ...]:
+        """The run's row of the table."""
+        run = self.run
+        return (
+            run.run_id[:12],
+            run.machine,
+            run.state,
+            ",".join(self.accepts) or "-",
+            format_time(self.since),
+            format_time(self.deadline),
+            str(self.pending),
+            self.prompt or "-",
+        )
+
+
+def _print_waiting(
+    journal: Journal, machine: str | None, only_state: str | None, limit: int, *, as_json: bool
+) -> None:
+    """``runs --waiting``: the waiting runs, what each waits for, since when, until when."""
+    specs = _Specs(journal)
+    found = [
+        _Waiting(journal, specs(run.spec_hash), run)
+        for run in _waiting_runs(journal, specs, machine, only_state, limit)
+    ]
+    if as_json:
+        json_dump([waiting.as_json() for waiting in found])
+        return
+    if not found:
+        click.echo("no waiting runs")
+        return
+    table(
+        wrap_column([waiting.row() for waiting in found], 7, 50),
+        ("RUN", "MACHINE", "STATE", "WAITS FOR", "SINCE (UTC)", "DEADLINE (UTC)", "PENDING",
+         "PROMPT"),
+    )  # fmt: skip
 
 
 @click.command()

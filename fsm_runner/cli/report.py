@@ -1,7 +1,7 @@
 """``fsm-runner show``: a run's report, as text or JSON.
 
-The summary, the timeline, then each section the run has: sub-phases, effects, child runs,
-iterations and artifacts.
+The summary, the timeline, then each section the run has: signals, sub-phases, effects, child
+runs, iterations and artifacts.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         EffectRecord,
         IterationRecord,
         RunRecord,
+        SignalRecord,
         TransitionRecord,
     )
 
@@ -55,6 +56,7 @@ class _Shown:
         self.visits = subphase_visits(spec, self.timeline)
         self.children = list(reversed(journal.runs(parent_run_id=run.run_id)))
         self.effects = journal.effects(run.run_id)
+        self.signals = journal.signals(run.run_id)
 
 
 @click.command()
@@ -71,6 +73,7 @@ def show(state: CliState, run_id: str, as_json: bool) -> None:
     print_summary(shown.run)
     click.echo("")
     _print_timeline(shown.timeline)
+    _print_section(shown.signals, _print_signals)
     _print_section(shown.visits, _print_visits)
     _print_section(shown.effects, _print_effects)
     _print_section(shown.children, _print_children)
@@ -96,6 +99,7 @@ def _print_json(shown: _Shown) -> None:
             "artifacts": [artifact_summary(a) for a in shown.artifacts],
             "subphases": shown.visits,
             "effects": [unstructure(e) for e in shown.effects],
+            "signals": [unstructure(s) for s in shown.signals],
             "children": [
                 {"run_id": c.run_id, "machine": c.machine, "state": c.state,
                  "status": c.status.value}
@@ -161,6 +165,41 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
             )
         )
     table(wrap_column(rows, 6, 80), ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
+
+
+#: How much of a signal's payload the signals table shows.
+_PAYLOAD_CHARS = 40
+
+
+def _short(value: Any) -> str:
+    """A payload as one line of JSON, cut to :data:`_PAYLOAD_CHARS` characters."""
+    if value is None:
+        return "-"
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= _PAYLOAD_CHARS else text[: _PAYLOAD_CHARS - 1] + "…"
+
+
+def _print_signals(signals: Sequence[SignalRecord]) -> None:
+    table(
+        [
+            (
+                f"#{s.number}",
+                s.name,
+                s.status.value,
+                format_time_ms(s.received_at),
+                "-" if s.consumed_seq is None else f"seq {s.consumed_seq}",
+                s.signal_id or "-",
+                _short(s.payload),
+            )
+            for s in signals
+        ],
+        ("SIGNAL", "NAME", "STATUS", "RECEIVED (UTC)", "CONSUMED BY", "ID", "PAYLOAD"),
+        styles=[_SIGNAL_STYLES[s.status.value] for s in signals],
+    )
+
+
+#: The colour of a signal's row: a run status' of the same mood.
+_SIGNAL_STYLES = {"pending": "active", "consumed": "succeeded", "expired": "aborted"}
 
 
 def _print_visits(visits: Sequence[dict[str, Any]]) -> None:
