@@ -297,6 +297,7 @@ class TestRunsWaiting:
         assert awaiting["state"] == "awaiting"
         assert awaiting["status"] == "active"
         wait = awaiting["wait"]
+        assert wait["by"] == "state"
         assert wait["accepts"] == ["APPROVE", "HOLD", "REJECT"]
         assert wait["on_timeout"] == "TIMEOUT"
         assert wait["prompt"] == "apply the change?"
@@ -349,6 +350,58 @@ class TestRunsWaiting:
         found = {e["run_id"] for e in json.loads(invoke("runs", "--waiting", "--json").output)}
 
         assert {scene["holding"], newer} <= found
+
+    def test_runs_their_phase_parked(self, invoke, journal):
+        def review(ctx):
+            verdict = ctx.wait_for("verdict", timeout=3600)
+            return "ACCEPTED" if verdict["ok"] else "REVISED"
+
+        def nap(ctx):
+            ctx.sleep_until(dt.datetime(2100, 1, 1, tzinfo=dt.timezone.utc))
+            return "RESTED"
+
+        spec = MachineSpec(
+            "review",
+            [
+                State("reviewing", handler="review", signals=["verdict"]),
+                State("napping", handler="nap"),
+                State("done", terminal=True),
+            ],
+            [
+                Transition("reviewing", "ACCEPTED", "napping"),
+                Transition("reviewing", "REVISED", "reviewing"),
+                Transition("reviewing", "TIMEOUT", "done"),
+                Transition("napping", "RESTED", "done"),
+            ],
+        )
+        engine = Engine(spec, handlers={"review": review, "nap": nap}, journal=journal)
+        try:
+            asking, sleeping = engine.start(), engine.start()
+            engine.run(asking)
+            engine.run(sleeping)
+            engine.signal(sleeping, "verdict", {"ok": True})
+            engine.work(exit_when_idle=True)  # sleeping: verdict read, then napping parks it
+            busy = engine.start()  # its phase has not run
+        finally:
+            engine.close()
+        assert journal.load(sleeping).state == "napping"
+
+        result = invoke("runs", "--waiting", "--machine", "review")
+
+        assert result.exit_code == 0, result.output
+        rows = {line.split()[0]: line.split() for line in result.output.splitlines()[1:]}
+        assert set(rows) == {asking[:12], sleeping[:12]}
+        assert rows[asking[:12]][2:5] == ["reviewing", "(phase)", "verdict"]
+        assert rows[sleeping[:12]][2:6] == ["napping", "(phase)", "(a", "time)"]
+        assert "2100-01-01 00:00:00" in " ".join(rows[sleeping[:12]])
+        found = {
+            e["run_id"]: e["wait"] for e in json.loads(invoke("runs", "--waiting", "--json").output)
+        }
+        assert found[asking]["by"] == "phase"
+        assert found[asking]["accepts"] == ["verdict"]
+        assert found[sleeping]["accepts"] == []
+        assert found[sleeping]["deadline"].startswith("2100-01-01T00:00:00")
+        assert busy not in found
 
     def test_nothing_waits(self, invoke, journal, engine):
         engine.start()

@@ -80,11 +80,12 @@ def runs(
 ) -> None:
     """List runs, newest first (child runs show their parent).
 
-    With --waiting, the active runs that stand in a waiting state of their machine (a state
-    without a handler: it waits for a signal, see `fsm-runner signal`), newest first: the
-    signals each waits for, since when (its last transition), its deadline (when the wait
-    times out; - for none), how many signals wait in its mailbox, and what the wait asks.
-    --machine and --state narrow it.
+    With --waiting, the active runs that wait, newest first: those in a waiting state of
+    their machine (a state without a handler: it waits for a signal, see `fsm-runner
+    signal`) and those their phase parked (ctx.wait_for, ctx.sleep_until; their state shown
+    with "(phase)"): the signals each waits for, since when (its last transition), its
+    deadline (when the wait times out; - for none), how many signals wait in its mailbox,
+    and what the wait asks. --machine and --state narrow it.
     """
     from fsm_runner.records import unstructure
 
@@ -159,25 +160,20 @@ class _Specs:
             self._specs[spec_hash] = spec
         return spec
 
-    def waiting_states(self) -> set[str]:
-        """Every state some spec read so far waits in."""
-        return {name for spec in self._specs.values() for name in spec.waiting_states}
-
-    def has_state(self, state: str) -> bool:
-        """Whether some spec read so far has ``state``."""
-        return any(spec.has_state(state) for spec in self._specs.values())
-
 
 def _waiting_runs(
     journal: Journal, specs: _Specs, machine: str | None, only_state: str | None, limit: int
 ) -> list[RunRecord]:
-    """The active runs standing in a waiting state of their spec, newest first.
+    """The active runs that wait, newest first: in a waiting state, or parked by their phase.
 
-    Index reads only: per machine, how many active runs each state holds
-    (``run_counts``), then the active runs of each state that is waiting in a spec of the
-    machine (``runs(machine=, status="active", state=)``, at most ``limit`` each). A state
-    that no spec read so far has is looked up through its newest run's spec first.
+    Index reads only: per machine, the states its active runs stand in (``run_counts``),
+    then the newest ``limit`` active runs of each state (``runs(machine=, status="active",
+    state=)``), of which those that wait are kept. Every run of a waiting state waits; a
+    run its phase parked (``ctx.wait_for``, ``ctx.sleep_until``) is found among the newest
+    ``limit`` of its state.
     """
+    from fsm_runner.engine.waits import waits_now
+
     if machine is not None:
         machines = [machine]
     else:
@@ -185,24 +181,13 @@ def _waiting_runs(
         machines = sorted({run.machine for run in sample})
     found: list[RunRecord] = []
     for name in machines:
-        newest = journal.runs(machine=name, status="active", limit=1)
-        if not newest:
-            continue
-        specs(newest[0].spec_hash)
-        states = {s for (s, status), count in journal.run_counts(machine=name).items()
-                  if status == "active" and count}  # fmt: skip
-        if only_state is not None:
-            states &= {only_state}
-        for run_state in sorted(states):
-            if run_state not in specs.waiting_states():
-                if specs.has_state(run_state):
-                    continue
-                # A state of another version of the machine's spec: read that spec.
-                one = journal.runs(machine=name, status="active", state=run_state, limit=1)
-                if not one or run_state not in specs(one[0].spec_hash).waiting_states:
-                    continue
+        counts = journal.run_counts(machine=name)
+        states = sorted(
+            {s for (s, status), count in counts.items() if status == "active" and count}
+        )
+        for run_state in states if only_state is None else [s for s in states if s == only_state]:
             candidates = journal.runs(machine=name, status="active", state=run_state, limit=limit)
-            found += [run for run in candidates if run.state in specs(run.spec_hash).waiting_states]
+            found += [run for run in candidates if waits_now(specs(run.spec_hash), run)]
     found.sort(key=lambda run: (run.updated_at, run.run_id), reverse=True)
     return found[:limit]
 
@@ -214,16 +199,26 @@ class _Waiting:
     """
 
     def __init__(self, journal: Journal, spec: MachineSpec, run: RunRecord) -> None:
-        from fsm_runner.engine.waits import deadline
+        from fsm_runner.engine.waits import deadline, parked_phase
 
-        wait = spec.wait_of(run.state)
         self.run = run
-        self.accepts = sorted(spec.accepts(run.state))
         self.since = run.updated_at
-        self.deadline = deadline(journal, spec, run)
-        self.on_timeout = wait.on_timeout if wait is not None else None
         self.pending = len(journal.signals(run.run_id, pending=True))
-        self.prompt = wait.prompt if wait is not None else ""
+        parked = parked_phase(run)
+        wait = spec.wait_of(run.state)
+        if parked is not None:  # its phase waits (ctx.wait_for, ctx.sleep_until)
+            signal, until = parked
+            self.by = "phase"
+            self.accepts = [signal] if signal is not None else []
+            self.deadline = until
+            self.on_timeout: str | None = None
+            self.prompt = ""
+        else:
+            self.by = "state"
+            self.accepts = sorted(spec.accepts(run.state))
+            self.deadline = deadline(journal, spec, run)
+            self.on_timeout = wait.on_timeout if wait is not None else None
+            self.prompt = wait.prompt if wait is not None else ""
 
     def as_json(self) -> dict[str, Any]:
         """The run's row, and its ``wait``."""
@@ -234,6 +229,7 @@ class _Waiting:
             **unstructure(self.run),
             "wait": {
                 "state": self.run.state,
+                "by": self.by,
                 "accepts": self.accepts,
                 "since": format_utc(self.since),
                 "deadline": format_utc(self.deadline) if self.deadline is not None else None,
@@ -246,11 +242,12 @@ class _Waiting:
     def row(self) -> tuple[str, ...]:
         """The run's row of the table."""
         run = self.run
+        waits_for = ",".join(self.accepts) or ("-" if self.by == "state" else "(a time)")
         return (
             run.run_id[:12],
             run.machine,
-            run.state,
-            ",".join(self.accepts) or "-",
+            run.state if self.by == "state" else f"{run.state} (phase)",
+            waits_for,
             format_time(self.since),
             format_time(self.deadline),
             str(self.pending),
