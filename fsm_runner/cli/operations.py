@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -170,13 +171,20 @@ def _not_a_number(constant: str) -> NoReturn:
     raise ValueError(f"{constant} is not JSON")
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e999: JSON, but no number a journal stores
+        raise ValueError(f"{text} is too large")
+    return number
+
+
 def _json_option(option: str, text: str | None) -> Any:
     """The value of a JSON option (``None`` when it is not given), or a one-line usage error."""
     if text is None:
         return None
     try:
-        return json.loads(text, parse_constant=_not_a_number)
-    except ValueError as exc:  # json.JSONDecodeError too
+        return json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError too; [[[[...
         fail(f"{option}: not JSON: {exc}", EXIT_USAGE)
 
 
