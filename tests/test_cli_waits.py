@@ -204,7 +204,11 @@ class TestSignal:
         assert journal.signals(run_id) == []
         assert journal.load(run_id).state == "awaiting"
 
-    @pytest.mark.parametrize("data", ["{not json", "", "NaN", "[1,", "{'a': 1}"])
+    @pytest.mark.parametrize(
+        "data",
+        ["{not json", "", "NaN", "-Infinity", "[1,", "{'a': 1}", "1e999", "[" * 100_000],
+        ids=["brace", "empty", "nan", "infinity", "unclosed", "quotes", "huge", "deep"],
+    )
     def test_bad_json_is_a_usage_error_and_nothing_is_written(self, invoke, journal, engine, data):
         run_id = waiting(engine)
 
@@ -423,8 +427,8 @@ class TestRunsWaiting:
         assert "--waiting" in result.output
 
 
-class TestShowSignals:
-    """``fsm-runner show``: a section of the run's signals, when it has any."""
+class TestShow:
+    """``fsm-runner show``: what a waiting run waits for, and its signals."""
 
     def test_signals_section(self, invoke, journal, engine):
         run_id = waiting(engine)
@@ -473,6 +477,34 @@ class TestShowSignals:
         assert signal["consumed_seq"] == 2
         assert signal["signal_id"] == "a"
         assert signal["payload"] == [1]
+
+    def test_a_waiting_run_says_what_it_waits_for(self, invoke, journal, engine):
+        run_id = waiting(engine)
+        engine.signal(run_id, "HOLD")
+        assert invoke("signal", run_id, "APPROVE").exit_code == 0  # pending: holding
+
+        lines = invoke("show", run_id).output.splitlines()
+
+        assert "waits    for RELEASE; 1 signal pending" in lines
+        awaiting = waiting(engine)
+        run = journal.load(awaiting)
+        entered = journal.transitions(awaiting, from_seq=run.seq)[0].at
+        deadline = (entered + dt.timedelta(seconds=DAY)).strftime("%Y-%m-%d %H:%M:%S")
+        lines = invoke("show", awaiting).output.splitlines()
+        assert (
+            f"waits    for APPROVE, HOLD, REJECT until {deadline} UTC (then TIMEOUT): apply the"
+            " change?"
+        ) in lines
+        wait = json.loads(invoke("show", awaiting, "--json").output)["wait"]
+        assert wait["accepts"] == ["APPROVE", "HOLD", "REJECT"]
+        assert wait["prompt"] == "apply the change?"
+
+    def test_a_run_not_waiting_says_nothing_of_it(self, invoke, engine):
+        run_id = engine.start()
+        assert not any(
+            line.startswith("waits ") for line in invoke("show", run_id).output.splitlines()
+        )
+        assert json.loads(invoke("show", run_id, "--json").output)["wait"] is None
 
     def test_no_signals_no_section(self, invoke, engine):
         run_id = waiting(engine)

@@ -192,8 +192,10 @@ def _waiting_runs(
     return found[:limit]
 
 
-class _Waiting:
+class Waiting:
     """How one run waits: for which signals, since when, until when, what it asks.
+
+    What ``runs --waiting`` lists and ``show`` says of a waiting run.
 
     A plain class: a ``NamedTuple`` would cost ``fsm-runner --help`` its creation.
     """
@@ -220,24 +222,38 @@ class _Waiting:
             self.on_timeout = wait.on_timeout if wait is not None else None
             self.prompt = wait.prompt if wait is not None else ""
 
-    def as_json(self) -> dict[str, Any]:
-        """The run's row, and its ``wait``."""
+    def wait_json(self) -> dict[str, Any]:
+        """The wait, as JSON."""
         from fsm_runner._convert import format_utc
-        from fsm_runner.records import unstructure
 
         return {
-            **unstructure(self.run),
-            "wait": {
-                "state": self.run.state,
-                "by": self.by,
-                "accepts": self.accepts,
-                "since": format_utc(self.since),
-                "deadline": format_utc(self.deadline) if self.deadline is not None else None,
-                "on_timeout": self.on_timeout,
-                "pending_signals": self.pending,
-                "prompt": self.prompt,
-            },
+            "state": self.run.state,
+            "by": self.by,
+            "accepts": self.accepts,
+            "since": format_utc(self.since),
+            "deadline": format_utc(self.deadline) if self.deadline is not None else None,
+            "on_timeout": self.on_timeout,
+            "pending_signals": self.pending,
+            "prompt": self.prompt,
         }
+
+    def as_json(self) -> dict[str, Any]:
+        """The run's row, and its ``wait``."""
+        from fsm_runner.records import unstructure
+
+        return {**unstructure(self.run), "wait": self.wait_json()}
+
+    def summary(self) -> str:
+        """One line: what the run waits for, until when, what it asks."""
+        what = ", ".join(self.accepts) or ("a time" if self.by == "phase" else "nothing")
+        text = f"for {what}" if self.by == "state" else f"in its phase, for {what}"
+        if self.deadline is not None:
+            text += f" until {format_time(self.deadline)} UTC"
+            if self.on_timeout:
+                text += f" (then {self.on_timeout})"
+        if self.pending:
+            text += f"; {self.pending} signal{'s' if self.pending != 1 else ''} pending"
+        return f"{text}: {self.prompt}" if self.prompt else text
 
     def row(self) -> tuple[str, ...]:
         """The run's row of the table."""
@@ -261,7 +277,7 @@ def _print_waiting(
     """``runs --waiting``: the waiting runs, what each waits for, since when, until when."""
     specs = _Specs(journal)
     found = [
-        _Waiting(journal, specs(run.spec_hash), run)
+        Waiting(journal, specs(run.spec_hash), run)
         for run in _waiting_runs(journal, specs, machine, only_state, limit)
     ]
     if as_json:

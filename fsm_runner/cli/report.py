@@ -26,6 +26,7 @@ from fsm_runner.cli.output import (
 from fsm_runner.visits import subphase_visits
 
 if TYPE_CHECKING:
+    from fsm_runner.cli.inspection import Waiting
     from fsm_runner.journal import Journal
     from fsm_runner.records import (
         ArtifactRecord,
@@ -46,6 +47,8 @@ class _Shown:
     """
 
     def __init__(self, journal: Journal, run_id: str) -> None:
+        from fsm_runner.cli.inspection import Waiting
+        from fsm_runner.engine.waits import waits_now
         from fsm_runner.spec import MachineSpec
 
         self.run = run = journal.load(run_id)
@@ -57,6 +60,9 @@ class _Shown:
         self.children = list(reversed(journal.runs(parent_run_id=run.run_id)))
         self.effects = journal.effects(run.run_id)
         self.signals = journal.signals(run.run_id)
+        self.waiting: Waiting | None = None
+        if not run.ended and waits_now(spec, run):
+            self.waiting = Waiting(journal, spec, run)
 
 
 @click.command()
@@ -71,6 +77,8 @@ def show(state: CliState, run_id: str, as_json: bool) -> None:
         _print_json(shown)
         return
     print_summary(shown.run)
+    if shown.waiting is not None:
+        _print_pair("waits", shown.waiting.summary())
     click.echo("")
     _print_timeline(shown.timeline)
     _print_section(shown.signals, _print_signals)
@@ -100,6 +108,7 @@ def _print_json(shown: _Shown) -> None:
             "subphases": shown.visits,
             "effects": [unstructure(e) for e in shown.effects],
             "signals": [unstructure(s) for s in shown.signals],
+            "wait": shown.waiting.wait_json() if shown.waiting is not None else None,
             "children": [
                 {"run_id": c.run_id, "machine": c.machine, "state": c.state,
                  "status": c.status.value}
@@ -140,13 +149,16 @@ def print_summary(run: RunRecord) -> None:
         pairs.append(("abort", f"requested: {run.abort_reason}"))
     if run.error:
         pairs.append(("error", f"{run.error.get('type')}: {run.error.get('message')}"))
-    width = text_width() - 9
     for key, value in pairs:
-        # Long values (the input, the context) wrap between words under their value.
-        lines = wrap(value, width)
-        click.echo(f"{key:<9}{lines[0]}")
-        for line in lines[1:]:
-            click.echo(f"{'':<9}{line}")
+        _print_pair(key, value)
+
+
+def _print_pair(key: str, value: str) -> None:
+    """One ``key value`` line of the summary; a long value wraps between words under itself."""
+    lines = wrap(value, text_width() - 9)
+    click.echo(f"{key:<9}{lines[0]}")
+    for line in lines[1:]:
+        click.echo(f"{'':<9}{line}")
 
 
 def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
