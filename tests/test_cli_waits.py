@@ -59,6 +59,32 @@ GATE = MachineSpec(
 )
 
 
+#: An app whose waiting state's exit has a guard: `signal --app` asks it.
+GATED_APP = """
+from fsm_runner import Engine, MachineSpec, State, Transition
+
+
+def make_engine(journal=None):
+    spec = MachineSpec(
+        "gated",
+        [
+            State("proposing", handler="propose"),
+            State("awaiting"),
+            State("applying", handler="apply"),
+            State("applied", terminal=True),
+        ],
+        [
+            Transition("proposing", "PROPOSED", "awaiting"),
+            Transition("awaiting", "APPROVE", "applying", guards=["allowed"]),
+            Transition("awaiting", "REJECT", "proposing"),
+            Transition("applying", "APPLIED", "applied"),
+        ],
+    )
+    handlers = {"propose": lambda ctx: "PROPOSED", "apply": lambda ctx: "APPLIED"}
+    return Engine(spec, handlers=handlers, guards={"allowed": lambda run: True}, journal=journal)
+"""
+
+
 @pytest.fixture
 def journal(journal_path):
     """The journal the CLI works on, opened beside it (a real SQLite file)."""
@@ -136,6 +162,29 @@ class TestSignal:
             " which accepts it; a worker of its app consumes it)\n"
         )
         assert journal.load(run_id).state == "awaiting"
+
+    def test_app_for_guards(self, invoke, journal, tmp_path):
+        app = tmp_path / "gated.py"
+        app.write_text(GATED_APP)
+        namespace: dict = {}
+        exec(compile(GATED_APP, str(app), "exec"), namespace)  # the same engine, here
+        engine = namespace["make_engine"](journal)
+        try:
+            run_id = engine.start()
+            assert engine.run(run_id).state == "awaiting"
+        finally:
+            engine.close()
+
+        without = invoke("signal", run_id, "APPROVE")  # its guard can only be asked by the app
+        assert without.exit_code == 0, without.output
+        assert "pending (the run waits in state 'awaiting', which accepts it" in without.output
+
+        result = invoke("signal", run_id, "REJECT", "--app", f"{app}:make_engine")
+
+        assert result.exit_code == 0, result.output
+        # The oldest signal the state accepts goes first: APPROVE, which its guard lets through.
+        assert journal.load(run_id).state == "applying"
+        assert [s.status for s in journal.signals(run_id)] == ["consumed", "pending"]
 
     def test_a_repeated_id_sends_nothing_and_says_so(self, invoke, journal, engine):
         run_id = engine.start()
