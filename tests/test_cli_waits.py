@@ -433,7 +433,7 @@ class TestRunsWaiting:
             engine.run(asking)
             engine.run(sleeping)
             engine.signal(sleeping, "verdict", {"ok": True})
-            engine.work(exit_when_idle=True)  # sleeping: verdict read, then napping parks it
+            engine.run(sleeping)  # the verdict read, then napping parks it
             busy = engine.start()  # its phase has not run
         finally:
             engine.close()
