@@ -1,4 +1,4 @@
-"""The ``fsm-runner`` command line: list, inspect, replay, resume, abort, fork and draw runs.
+"""The ``fsm-runner`` command line: list, inspect, replay, resume, abort, signal, fork, draw runs.
 
 The CLI is thin: every command opens the journal, calls the library and prints. It is the only
 place where errors become exit codes: a user's mistake prints one line on stderr, never a
