@@ -218,7 +218,7 @@ def signal(
     signal_id: str | None,
     app: str | None,
 ) -> None:
-    """Send signal NAME (e.g. APPROVED) to a run waiting for an answer.
+    """Send signal NAME (APPROVED, say) to a run that waits for an answer.
 
     The signal is journaled in the run's mailbox even when the run is not waiting for it yet;
     the run consumes it when it waits in a state that accepts it (one of that state's exits'
