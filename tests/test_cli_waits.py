@@ -186,6 +186,40 @@ class TestSignal:
         assert journal.load(run_id).state == "applying"
         assert [s.status for s in journal.signals(run_id)] == ["consumed", "pending"]
 
+    def test_a_run_its_phase_parked_is_woken_by_a_worker(self, invoke, journal):
+        def review(ctx):
+            verdict = ctx.wait_for("verdict")
+            return "ACCEPTED" if verdict["ok"] else "REVISED"
+
+        spec = MachineSpec(
+            "review",
+            [
+                State("reviewing", handler="review", signals=["verdict"]),
+                State("done", terminal=True),
+            ],
+            [
+                Transition("reviewing", "ACCEPTED", "done"),
+                Transition("reviewing", "REVISED", "done"),
+            ],
+        )
+        engine = Engine(spec, handlers={"review": review}, journal=journal)
+        try:
+            run_id = engine.start()
+            assert engine.run(run_id).state == "reviewing"  # parked by its phase
+
+            result = invoke("signal", run_id, "verdict", "--data", '{"ok": true}')
+
+            assert result.exit_code == 0, result.output
+            assert result.output == (
+                f"signal #1 verdict for run {run_id}: pending (the run's phase waits for it in"
+                " state 'reviewing'; a worker of its app wakes the run, and the phase reads it)\n"
+            )
+            assert engine.run(run_id).state == "done"
+        finally:
+            engine.close()
+        (signal,) = journal.signals(run_id)
+        assert signal.status is SignalStatus.CONSUMED
+
     def test_a_repeated_id_sends_nothing_and_says_so(self, invoke, journal, engine):
         run_id = engine.start()
         first = invoke("signal", run_id, "APPROVE", "--id", "hook-1", "--data", "1")

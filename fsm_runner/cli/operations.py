@@ -264,8 +264,15 @@ def _signal_line(journal: Journal, sent: SignalRecord, *, repeated: bool) -> str
             f"{head}: expired (the run ended, {run.status.value} in state {run.state!r}, "
             "before it waited for it)"
         )
+    from fsm_runner.engine.waits import parked_phase
     from fsm_runner.spec import MachineSpec
 
+    parked = parked_phase(run)
+    if parked is not None and parked[0] == sent.name:
+        return (
+            f"{head}: pending (the run's phase waits for it in state {run.state!r}; a worker of"
+            " its app wakes the run, and the phase reads it)"
+        )
     if sent.name in MachineSpec.from_json(journal.spec_json(run.spec_hash)).accepts(run.state):
         # Held by a worker, or its exit has guards only the app can ask.
         return (
