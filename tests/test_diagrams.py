@@ -1565,6 +1565,7 @@ class TestRenderImage:
         titles = {el.text for el in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}title")}
         assert 'say "hi"' in titles
 
+
 # -- waiting states --------------------------------------------------------------------------
 
 
