@@ -6,6 +6,7 @@ Run from the repository root::
     python tests/bench/bench_waits.py --parked 100000             # the issue's measurement
     python tests/bench/bench_waits.py --postgres postgresql://root@127.0.0.1/test
     python tests/bench/bench_waits.py --no-postgres               # SQLite only
+    python tests/bench/bench_waits.py --no-sqlite                 # PostgreSQL only
 
 For each journal — a SQLite file, and PostgreSQL (``--postgres URL``; by default the tests'
 server, ``FSM_RUNNER_TEST_POSTGRES_URL`` or ``postgresql://root@127.0.0.1:5432/test``, if it
@@ -602,12 +603,14 @@ def main() -> int:
     parser.add_argument("--poll", type=float, default=0.5, help="the worker's idle_wait (s)")
     parser.add_argument("--postgres", metavar="URL", help="measure PostgreSQL there too")
     parser.add_argument("--no-postgres", action="store_true", help="SQLite only")
+    parser.add_argument("--no-sqlite", action="store_true", help="PostgreSQL only")
     args = parser.parse_args()
     print(f"python {platform.python_version()}, sqlite {sqlite3.sqlite_version},", end=" ")
     print(f"{os.cpu_count()} CPUs; {args.parked:,} parked runs, {args.rounds} rounds")
     targets: list[tuple[str, bool]] = []
-    with tempfile.TemporaryDirectory(prefix="bench_waits_") as workdir:
-        targets += bench(SqliteBackend(Path(workdir)), args)
+    if not args.no_sqlite:
+        with tempfile.TemporaryDirectory(prefix="bench_waits_") as workdir:
+            targets += bench(SqliteBackend(Path(workdir)), args)
     url = postgres_url(args)
     if url is not None:
         backend = PostgresBackend(url)
