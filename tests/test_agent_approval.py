@@ -1,0 +1,273 @@
+"""The agent loop's approval gate: a verified change waits for a person's APPROVE or REJECT.
+
+The machine alone, then whole runs with the fake services on a real SQLite file (and the memory
+journal, the reference), then ``fsm-runner demo --ask`` end to end on the command line with its
+real services: git, the scripted agent subprocess, pytest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fsm_runner import (
+    MemoryJournal,
+    RunLifecycle,
+    RunRecord,
+    RunTerminalError,
+    SignalStatus,
+    SqliteJournal,
+)
+from fsm_runner.engine.waits import signal_run
+from fsm_runner.machine import compile_spec
+from fsm_runner.presets.agent_loop import (
+    AGENT_LOOP,
+    APPROVAL_PROMPT,
+    APPROVAL_TIMEOUT,
+    AWAITING_APPROVAL,
+    agent_loop_engine,
+    agent_loop_spec,
+    guards,
+    rejection_feedback,
+)
+from fsm_runner.records import utc_now
+
+from .fake_services import (
+    FakeAgent,
+    FakeFeedback,
+    FakeSnapshotter,
+    FakeVerifier,
+    agent_result,
+    failing_report,
+    passing_report,
+)
+
+#: The gated machine with its default 24-hour wait.
+AGENT_LOOP_WITH_APPROVAL = agent_loop_spec(approval=True)
+INPUT = {"task": "make the tests pass", "workspace": "/work/ws"}
+COMMENT = "Name the helper add_numbers, not add."
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+def journal(request, tmp_path):
+    """A real SQLite file (and the memory journal, the reference implementation)."""
+    j = SqliteJournal(tmp_path / "journal.db") if request.param == "sqlite" else MemoryJournal()
+    yield j
+    j.close()
+
+
+def gated(journal, *, agent=None, verifier=None, timeout=APPROVAL_TIMEOUT):
+    return agent_loop_engine(
+        journal=journal,
+        agent=agent or FakeAgent(agent_result(1), agent_result(2), agent_result(3)),
+        snapshotter=FakeSnapshotter(),
+        verifier=verifier or FakeVerifier(passing_report()),
+        feedback=FakeFeedback(),
+        approval=True,
+        approval_timeout=timeout,
+    )
+
+
+def events(journal, run_id: str) -> list[str]:
+    return [t.event for t in journal.transitions(run_id)]
+
+
+def parked_at_the_gate(engine, run_input=INPUT) -> str:
+    run_id = engine.start(run_input)
+    run = engine.run(run_id)
+    assert (run.state, run.status) == (AWAITING_APPROVAL, RunLifecycle.ACTIVE)
+    assert engine.journal.load(run_id).lease_owner is None  # parked: no lease, no process
+    return run_id
+
+
+# -- the machine -------------------------------------------------------------------------------
+
+
+class TestMachine:
+    def test_the_plain_loop_is_unchanged(self):
+        # Journals hold runs under this hash: the gate must not change the plain machine.
+        assert AGENT_LOOP.spec_hash == (
+            "89eb4b91784edf09e5fa483c9598c9f361584afe8a9d312689d5cf4f330c1e85"
+        )
+        assert agent_loop_spec() is AGENT_LOOP
+        assert agent_loop_spec(approval=False) is AGENT_LOOP
+        assert AGENT_LOOP.waiting_states == frozenset()
+
+    def test_the_gated_loop_is_valid_and_named_apart(self):
+        AGENT_LOOP_WITH_APPROVAL.validate()
+        assert AGENT_LOOP_WITH_APPROVAL.name == "agent-loop-approval"
+        assert agent_loop_spec(approval=True) == AGENT_LOOP_WITH_APPROVAL
+        assert AGENT_LOOP_WITH_APPROVAL.waiting_states == {AWAITING_APPROVAL}
+        assert AGENT_LOOP_WITH_APPROVAL.accepts(AWAITING_APPROVAL) == {"APPROVE", "REJECT"}
+        assert AGENT_LOOP_WITH_APPROVAL.signal_names == {"APPROVE", "REJECT"}
+
+    def test_the_gate_waits_a_day_and_says_what_it_asks(self):
+        wait = AGENT_LOOP_WITH_APPROVAL.wait_of(AWAITING_APPROVAL)
+        assert wait.timeout == APPROVAL_TIMEOUT == 86_400
+        assert wait.prompt == APPROVAL_PROMPT == "Verification passed. Apply the change?"
+        assert wait.schema["properties"]["comment"]["type"] == "string"
+        shorter = agent_loop_spec(approval=True, approval_timeout=60)
+        assert shorter.wait_of(AWAITING_APPROVAL).timeout == 60
+        assert shorter.spec_hash != AGENT_LOOP_WITH_APPROVAL.spec_hash
+
+    @pytest.mark.parametrize(
+        ("state", "event", "dest"),
+        [
+            ("verifying", "VERIFY_PASSED", AWAITING_APPROVAL),
+            (AWAITING_APPROVAL, "APPROVE", "succeeded"),
+            (AWAITING_APPROVAL, "REJECT", "feedback"),
+            (AWAITING_APPROVAL, "TIMEOUT", "canceled"),  # its own exit, not the wildcard's
+            (AWAITING_APPROVAL, "USER_ABORTED", "canceled"),
+            ("building", "TIMEOUT", "failed"),  # every other state's timeout still fails
+        ],
+    )
+    def test_where_each_event_leads(self, state, event, dest):
+        machine = compile_spec(AGENT_LOOP_WITH_APPROVAL)
+        run = RunRecord(run_id="r", machine="m", spec_hash="h", state=state, iteration=1)
+        assert machine.resolve(state, event, run, guards) == dest
+
+    @pytest.mark.parametrize(
+        ("answer", "says"),
+        [
+            ({"comment": COMMENT}, f"rejected it: {COMMENT}"),
+            ({"comment": "  "}, "(without a comment)."),
+            (None, "(without a comment)."),
+            ("plain words", "rejected it: plain words"),
+        ],
+    )
+    def test_rejection_feedback(self, answer, says):
+        assert rejection_feedback(answer).endswith(says)
+
+
+# -- whole runs with fake services -------------------------------------------------------------
+
+
+class TestRuns:
+    def test_approve_ends_the_run_succeeded(self, journal):
+        engine = gated(journal)
+        run_id = parked_at_the_gate(engine)
+        assert journal.wake_time(run_id) is not None  # its deadline, a day away
+        signal = engine.signal(run_id, "APPROVE")
+        assert signal.status is SignalStatus.CONSUMED
+        run = journal.load(run_id)
+        assert (run.state, run.status, run.iteration) == ("succeeded", RunLifecycle.SUCCEEDED, 1)
+        assert events(journal, run_id)[-2:] == ["VERIFY_PASSED", "APPROVE"]
+        assert journal.wake_time(run_id) is None
+
+    def test_reject_builds_again_with_the_comment_then_approve(self, journal):
+        agent = FakeAgent(agent_result(1), agent_result(2))
+        engine = gated(journal, agent=agent)
+        run_id = parked_at_the_gate(engine)
+        assert agent.requests[0].feedback is None
+
+        rejected = engine.signal(run_id, "REJECT", {"comment": COMMENT})
+        assert rejected.status is SignalStatus.CONSUMED
+        assert journal.load(run_id).state == "feedback"  # a phase to run: resume or a worker
+
+        run = engine.run(run_id)
+        assert run.state == AWAITING_APPROVAL  # built, verified, back at the gate
+        assert len(agent.requests) == 2
+        assert COMMENT in agent.requests[1].feedback
+        assert agent.requests[1].session_id == "session-1"  # the agent continues its session
+
+        engine.signal(run_id, "APPROVE")
+        run = journal.load(run_id)
+        assert (run.state, run.status, run.iteration) == ("succeeded", RunLifecycle.SUCCEEDED, 2)
+        assert events(journal, run_id) == [
+            "STARTED", "RUN_ACCEPTED", "BUILD_SUCCEEDED", "SNAPSHOT_TAKEN", "VERIFY_PASSED",
+            "REJECT", "FEEDBACK_READY",
+            "BUILD_SUCCEEDED", "SNAPSHOT_TAKEN", "VERIFY_PASSED", "APPROVE",
+        ]  # fmt: skip
+        first, second = journal.iterations(run_id)
+        assert first.passed
+        assert COMMENT in first.feedback
+        assert not first.feedback_fallback
+        assert second.passed
+        assert second.feedback is None
+        assert [s.name for s in journal.signals(run_id)] == ["REJECT", "APPROVE"]
+        assert {s.status for s in journal.signals(run_id)} == {SignalStatus.CONSUMED}
+
+    def test_a_failed_verification_still_loops_before_the_gate(self, journal):
+        agent = FakeAgent(agent_result(1), agent_result(2))
+        feedback = FakeFeedback()
+        engine = agent_loop_engine(
+            journal=journal,
+            agent=agent,
+            snapshotter=FakeSnapshotter(),
+            verifier=FakeVerifier(failing_report("L1"), passing_report()),
+            feedback=feedback,
+            approval=True,
+        )
+        run_id = parked_at_the_gate(engine)
+        assert agent.requests[1].feedback == "fix #1"  # the generator's, not a reviewer's
+        assert journal.load(run_id).iteration == 2
+
+    def test_a_rejection_with_no_iteration_left_fails_the_run(self, journal):
+        engine = gated(journal)
+        run_id = parked_at_the_gate(engine, {**INPUT, "max_iterations": 1})
+        engine.signal(run_id, "REJECT", {"comment": COMMENT})
+        run = engine.run(run_id)
+        assert (run.state, run.status) == ("failed", RunLifecycle.FAILED)
+        assert run.error["message"] == "iteration limit spent"
+
+    def test_a_signal_sent_before_the_gate_waits_for_it(self, journal):
+        engine = gated(journal)
+        run_id = engine.start(INPUT)
+        early = engine.signal(run_id, "APPROVE")
+        assert early.status is SignalStatus.PENDING  # the run is still queued
+        run = engine.run(run_id)
+        assert (run.state, run.iteration) == ("succeeded", 1)
+
+    def test_no_answer_in_time_cancels_the_run_exactly_once(self, journal):
+        engine = gated(journal, timeout=0.05)
+        other = gated(journal, timeout=0.05)  # a second worker of the same app
+        run_id = parked_at_the_gate(engine)
+        deadline = journal.wake_time(run_id)
+        assert deadline is not None
+        while utc_now() <= deadline:
+            time.sleep(0.01)
+
+        counts: list[int] = []
+        workers = [
+            threading.Thread(target=lambda e=e: counts.append(e.work(exit_when_idle=True)))
+            for e in (engine, other)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+        run = journal.load(run_id)
+        assert (run.state, run.status) == ("canceled", RunLifecycle.ABORTED)
+        assert events(journal, run_id).count("TIMEOUT") == 1
+        assert events(journal, run_id)[-2:] == ["VERIFY_PASSED", "TIMEOUT"]
+        assert sum(counts) == 1
+        assert journal.wake_time(run_id) is None
+        with pytest.raises(RunTerminalError):
+            engine.signal(run_id, "APPROVE")
+        assert engine.work(exit_when_idle=True) == 0  # nothing left to do, nothing journaled
+        assert events(journal, run_id).count("TIMEOUT") == 1
+
+    def test_a_signal_from_outside_any_engine_moves_the_run(self, journal):
+        engine = gated(journal)
+        run_id = parked_at_the_gate(engine)
+        signal = signal_run(journal, run_id, "REJECT", {"comment": COMMENT})
+        assert signal.status is SignalStatus.CONSUMED
+        run = engine.resume(run_id)
+        assert run.state == AWAITING_APPROVAL
+        assert COMMENT in (journal.iterations(run_id)[0].feedback or "")
+
+    def test_the_plain_engine_does_not_take_gated_runs(self, journal):
+        gated_engine = gated(journal)
+        run_id = parked_at_the_gate(gated_engine)
+        signal_run(journal, run_id, "REJECT", {"comment": COMMENT})
+        plain = agent_loop_engine(
+            journal=journal,
+            agent=FakeAgent(),
+            snapshotter=FakeSnapshotter(),
+            verifier=FakeVerifier(),
+        )
+        assert plain.work(exit_when_idle=True) == 0
+        assert journal.load(run_id).state == "feedback"
