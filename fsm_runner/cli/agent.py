@@ -42,10 +42,7 @@ def _how_to_answer(state: CliState, run: RunRecord) -> None:
     click.echo(f"waiting for your answer: {wait.prompt if wait else 'approve the change?'}")
     click.echo(f"approve it with: {approve}")
     click.echo(f"reject it with:  {reject}")
-    click.echo(
-        f"  then build again with the comment as feedback: {resume}"
-        " (it comes back here for your approval)"
-    )
+    click.echo(f"  then the next build (your comment is its feedback): {resume}")
     click.echo(f"no answer in {timeout / 3600:g} h cancels the run.")
 
 

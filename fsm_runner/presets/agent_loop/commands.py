@@ -174,8 +174,12 @@ def _scripted_agent() -> int:
     request = json.loads(sys.stdin.read() or "{}")
     iteration = int(request.get("iteration") or os.environ.get("FSM_ITERATION") or 1)
     feedback = request.get("feedback") or ""
-    # First attempt: a plausible but wrong fix; once there is feedback, the right one.
+    # First attempt: a plausible but wrong fix; once there is feedback, the right one (and
+    # after a reviewer's rejection, the right one with the reviewer's words as its docstring).
     source = _FIXED if feedback else _WRONG
+    if "reviewer rejected it: " in feedback:
+        comment = feedback.split("reviewer rejected it: ", 1)[1].strip().splitlines()[0]
+        source = source.replace(":\n", f":\n    {json.dumps(comment)}\n", 1)
     Path("calc.py").write_text(source)
     prompt = f"{request.get('task', '')}\n{feedback}"
     tokens_in = len(prompt.split()) * 4 + 200
