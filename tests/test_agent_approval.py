@@ -7,10 +7,16 @@ real services: git, the scripted agent subprocess, pytest.
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from fsm_runner import (
     MemoryJournal,
@@ -20,6 +26,7 @@ from fsm_runner import (
     SignalStatus,
     SqliteJournal,
 )
+from fsm_runner.cli import cli
 from fsm_runner.engine.waits import signal_run
 from fsm_runner.machine import compile_spec
 from fsm_runner.presets.agent_loop import (
@@ -32,6 +39,7 @@ from fsm_runner.presets.agent_loop import (
     guards,
     rejection_feedback,
 )
+from fsm_runner.presets.agent_loop.commands import APPROVAL_APP
 from fsm_runner.records import utc_now
 
 from .fake_services import (
@@ -43,6 +51,7 @@ from .fake_services import (
     failing_report,
     passing_report,
 )
+from .test_agent_e2e import FIXED, agent_command, levels, make_repo
 
 #: The gated machine with its default 24-hour wait.
 AGENT_LOOP_WITH_APPROVAL = agent_loop_spec(approval=True)
@@ -271,3 +280,109 @@ class TestRuns:
         )
         assert plain.work(exit_when_idle=True) == 0
         assert journal.load(run_id).state == "feedback"
+
+
+# -- on the command line, with the real services -----------------------------------------------
+
+
+def printed(output: str, label: str) -> list[str]:
+    """The command a ``demo --ask`` line labelled ``label`` prints, as argv after ``fsm-runner``."""
+    (line,) = [line for line in output.splitlines() if line.strip().startswith(label)]
+    command = line.split(": ", 1)[1]
+    argv = shlex.split(command)
+    assert argv[0] == "fsm-runner"
+    return argv[1:]
+
+
+class TestCommandLine:
+    def test_demo_ask_then_reject_resume_and_approve_as_printed(self, tmp_path, monkeypatch):
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        monkeypatch.delenv("FSM_RUNNER_JOURNAL", raising=False)
+        runner = CliRunner()
+
+        asked = runner.invoke(cli, ["demo", "--ask"], catch_exceptions=False)
+        assert asked.exit_code == 0, asked.output
+        assert "--VERIFY_PASSED--> awaiting_approval" in asked.output
+        assert "is active in state 'awaiting_approval'" in asked.output
+        assert f"waiting for your answer: {APPROVAL_PROMPT}" in asked.output
+        assert "no answer in 24 h cancels the run." in asked.output
+        approve = printed(asked.output, "approve it with:")
+        reject = printed(asked.output, "reject it with:")
+        resume = printed(asked.output, "then the next build")
+        assert "--journal" not in [*approve, *reject, *resume]  # ./fsm-runner.db is implied
+        assert approve[0] == reject[0] == "signal"
+        assert reject[2:] == ["REJECT", "--data", '{"comment": "what to change"}']
+        with SqliteJournal(tmp_path / "fsm-runner.db") as journal:
+            (run,) = journal.runs()
+            assert (run.state, run.iteration, run.lease_owner) == (AWAITING_APPROVAL, 2, None)
+            assert run.input["app"] == APPROVAL_APP
+            assert journal.wake_time(run.run_id) is not None
+        workspace = Path(run.input["workspace"])
+
+        rejected = runner.invoke(cli, reject, catch_exceptions=False)
+        assert rejected.exit_code == 0, rejected.output
+        assert "consumed" in rejected.output
+        resumed = runner.invoke(cli, resume, catch_exceptions=False)
+        assert resumed.exit_code == 0, resumed.output
+        assert "feedback --FEEDBACK_READY--> building" in resumed.output
+        assert "is active in state 'awaiting_approval'" in resumed.output
+        assert '"what to change"' in (workspace / "calc.py").read_text()  # the agent heeded it
+
+        approved = runner.invoke(cli, approve, catch_exceptions=False)
+        assert approved.exit_code == 0, approved.output
+        with SqliteJournal(tmp_path / "fsm-runner.db") as journal:
+            run = journal.load(run.run_id)
+            assert (run.state, run.status, run.iteration) == (
+                "succeeded",
+                RunLifecycle.SUCCEEDED,
+                3,
+            )
+            third = journal.iterations(run.run_id)[1]
+            assert "what to change" in third.feedback
+            assert [s.name for s in journal.signals(run.run_id)] == ["REJECT", "APPROVE"]
+
+    def test_agent_loop_ask_names_its_journal_and_a_new_process_approves(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        command, log = agent_command(tmp_path, FIXED)
+        journal_path = tmp_path / "elsewhere.db"
+        args = ["--journal", str(journal_path), "agent-loop", "--workspace", str(repo), "--ask"]
+        args += ["--agent", command, "--task", "fix add", "--verify", f"L1={levels()['L1']}"]
+
+        asked = CliRunner().invoke(cli, args, catch_exceptions=False)
+
+        assert asked.exit_code == 0, asked.output
+        approve = printed(asked.output, "approve it with:")
+        assert approve[:2] == ["--journal", str(journal_path)]
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_runner", *approve],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "now in state 'succeeded'" in done.stdout
+        with SqliteJournal(journal_path) as journal:
+            (run,) = journal.runs()
+            assert (run.machine, run.state, run.iteration) == (
+                "agent-loop-approval",
+                "succeeded",
+                1,
+            )
+        assert len(log.read_text().splitlines()) == 1
+
+    def test_without_ask_the_loop_does_not_wait(self, tmp_path):
+        repo = make_repo(tmp_path / "repo")
+        command, _ = agent_command(tmp_path, FIXED)
+        args = ["--journal", str(tmp_path / "j.db"), "agent-loop", "--workspace", str(repo)]
+        args += ["--agent", command, "--task", "fix add", "--verify", f"L1={levels()['L1']}"]
+        result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert "(succeeded) in state 'succeeded'" in result.output
+        assert "approve it with" not in result.output
+
+
+@pytest.fixture(autouse=True)
+def _no_git_prompts(monkeypatch, lean_child_pytest):
+    monkeypatch.setenv("GIT_TERMINAL_PROMPT", "0")
