@@ -213,6 +213,18 @@ class TestRuns:
         assert agent.requests[1].feedback == "fix #1"  # the generator's, not a reviewer's
         assert journal.load(run_id).iteration == 2
 
+    def test_each_rejection_gives_its_own_comment_or_none(self, journal):
+        agent = FakeAgent(agent_result(1), agent_result(2), agent_result(3))
+        engine = gated(journal, agent=agent)
+        run_id = parked_at_the_gate(engine)
+        engine.signal(run_id, "REJECT", {"comment": COMMENT})
+        assert engine.run(run_id).state == AWAITING_APPROVAL
+        engine.signal(run_id, "REJECT")  # no payload: not the last rejection's comment again
+        assert engine.run(run_id).state == AWAITING_APPROVAL
+        assert COMMENT in agent.requests[1].feedback
+        assert agent.requests[2].feedback.endswith("(without a comment).")
+        assert journal.load(run_id).iteration == 3
+
     def test_a_rejection_with_no_iteration_left_fails_the_run(self, journal):
         engine = gated(journal)
         run_id = parked_at_the_gate(engine, {**INPUT, "max_iterations": 1})

@@ -666,18 +666,17 @@ def rejection_feedback(answer: Any) -> str:
 class FeedbackPhase:
     """``feedback``: turn the iteration's failure into feedback for the next build.
 
-    After a ``REJECT`` at the approval gate (:func:`agent_loop_spec`) the feedback is
-    the reviewer's comment: the payload of the signal that moved the run here, which is the
-    output journaled with that transition.
+    After a ``REJECT`` at the approval gate (:func:`agent_loop_spec`) the feedback is the
+    reviewer's comment: the payload of the signal that began this visit (``ctx.signal``).
     """
 
     def run(self, ctx: PhaseContext) -> PhaseResult:
         """Report FEEDBACK_READY; the next build gets this phase's output as its feedback."""
         build_failure = ctx.context.get("build_failure")
         fallback = False
-        if ctx.previous_state == AWAITING_APPROVAL:
-            answer = ctx.output_of(AWAITING_APPROVAL)  # the REJECT that began this visit
-            text = rejection_feedback(answer)
+        signal = ctx.signal  # the REJECT that began this visit, if one did
+        if signal is not None and signal.name == REJECT:
+            text = rejection_feedback(signal.payload)
             return PhaseResult(
                 FEEDBACK_READY,
                 output={"feedback": text, "fallback": False, "rejected": True},
