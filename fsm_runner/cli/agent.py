@@ -17,6 +17,7 @@ from fsm_runner.command_line import suggested_command
 
 if TYPE_CHECKING:
     from fsm_runner.records import RunRecord
+    from fsm_runner.spec import MachineSpec
 
 
 _ASK_HELP = (
@@ -26,12 +27,11 @@ _ASK_HELP = (
 )
 
 
-def _how_to_answer(state: CliState, run: RunRecord) -> None:
+def _how_to_answer(state: CliState, spec: MachineSpec, run: RunRecord) -> None:
     """Print what a run parked at the approval gate asks, and the commands that answer it."""
     from fsm_runner.presets.agent_loop import APPROVAL_TIMEOUT
-    from fsm_runner.spec import MachineSpec
 
-    wait = MachineSpec.from_json(state.journal().spec_json(run.spec_hash)).wait_of(run.state)
+    wait = spec.wait_of(run.state)
     short = run.run_id[:12]
     journal = state.journal_path
     comment = json.dumps({"comment": "what to change"})
@@ -79,7 +79,7 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any], *, ask: bool = F
     )
     click.echo(f"see it with: {show}   export it with: {export}")
     if not run.ended and run.state in engine.spec.waiting_states:
-        _how_to_answer(state, run)
+        _how_to_answer(state, engine.spec, run)
     exit_if_failed(run)
 
 
