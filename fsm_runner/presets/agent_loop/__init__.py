@@ -29,7 +29,10 @@ rejection with no iteration left fails the run. The gate's own ``TIMEOUT`` exit 
 run (it comes before the wildcard ``TIMEOUT`` that fails it). After ``REJECT`` the run stands
 in ``feedback``, a phase to run: a worker of the app, or ``fsm-runner resume RUN``, takes it
 on to the next build and back to the gate. :data:`AGENT_LOOP` itself is unchanged (its runs
-and spec hash stay as they were); the gated machine is named ``agent-loop-approval``.
+and spec hash stay as they were); the gated machine is named ``agent-loop-approval``, and only
+an engine built with ``approval=True`` (the same ``approval_timeout``) continues its runs — on
+the command line ``fsm_runner.presets.agent_loop.commands:make_approval_engine``, which the
+runs of ``--ask`` name as their app.
 
 The phase handlers are thin: each uses services injected through ``ctx.services``:
 
