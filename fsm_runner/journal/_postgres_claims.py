@@ -13,10 +13,15 @@ runs or a million:
   whole (a materialized CTE: usually none, a few after a worker died) and sorted, so that no
   plan can instead walk every run in ``created_at`` order looking for an expired one (what a
   generic plan chose for ``ORDER BY created_at LIMIT 1`` with the expiry as a mere filter).
+  An expired lease is taken over in a handled state, or in any state once its wake time came;
+* **due runs** (durable waits, migration 8): ``runs_due`` holds only active runs nobody holds
+  that have a wake time, keyed by ``(machine, wake_at)``; the runs due are the range up to
+  now, whatever their state, and the earliest due is its first entry (one seek).
 
 Each probe takes its run with ``FOR UPDATE SKIP LOCKED``, so concurrent workers step past each
 other's picks instead of waiting; the oldest of the (at most one a state, plus one) candidates
-is claimed, and the other candidates' row locks end with the statement.
+is claimed, and the other candidates' row locks end with the statement. (Among due runs the
+earliest due is the candidate, not the oldest: a range read in the index's order, never sorted.)
 """
 
 from __future__ import annotations
@@ -43,15 +48,17 @@ def claim_next_query(
 ) -> tuple[str, list[Any]]:
     """The one statement that claims the oldest runnable run, and its parameters.
 
-    ``now``: the server's time, a parameter rather than ``clock_timestamp()`` so that the
-    expired-lease range is an index condition; ``expires``: the new lease's expiry.
+    ``now``: the server's time, a parameter rather than ``clock_timestamp()`` (volatile) so
+    that the expired-lease and due ranges are index conditions; ``expires``: the new lease's
+    expiry.
     """
     spec = " AND spec_hash = %s" if spec_hash is not None else ""
     spec_params = [spec_hash] if spec_hash is not None else []
     statement = (
         "WITH expired AS MATERIALIZED ("
         " SELECT run_id, created_at, rowid FROM runs WHERE machine = %s AND status = 'active'"
-        f" AND lease_owner IS NOT NULL AND lease_expires_at < %s AND state = ANY(%s){spec}),"
+        " AND lease_owner IS NOT NULL AND lease_expires_at < %s"
+        f" AND (state = ANY(%s) OR wake_at <= %s){spec}),"
         " candidates AS ("
         " SELECT c.* FROM unnest(%s::text[]) AS s(state) CROSS JOIN LATERAL"
         f" ({_CANDIDATE} AND ready_state = s.state{spec}{_LOCK}) AS c"
@@ -59,7 +66,9 @@ def claim_next_query(
         " (SELECT r.run_id, r.lease_owner, r.created_at, r.rowid FROM expired AS x"
         " JOIN runs AS r ON r.run_id = x.run_id WHERE r.status = 'active'"
         " AND r.lease_owner IS NOT NULL AND r.lease_expires_at < %s"
-        " ORDER BY x.created_at, x.rowid LIMIT 1 FOR UPDATE OF r SKIP LOCKED) AS e),"
+        " ORDER BY x.created_at, x.rowid LIMIT 1 FOR UPDATE OF r SKIP LOCKED) AS e"
+        f" UNION ALL SELECT * FROM ({_CANDIDATE} AND status = 'active' AND lease_owner IS NULL"
+        f" AND wake_at <= %s{spec} ORDER BY wake_at LIMIT 1 FOR UPDATE SKIP LOCKED) AS d),"
         " chosen AS (SELECT run_id, lease_owner FROM candidates"
         " ORDER BY created_at, rowid LIMIT 1)"
         " UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
@@ -69,5 +78,6 @@ def claim_next_query(
         + ", ".join(f"runs.{column}" for column in _rows.RUN_COLUMNS)
     )
     wanted = sorted(set(states))
-    params: list[Any] = [machine, now, wanted, *spec_params, wanted, machine, *spec_params, now]
+    params: list[Any] = [machine, now, wanted, now, *spec_params, wanted, machine, *spec_params]
+    params += [now, machine, now, *spec_params]
     return statement, [*params, owner, expires]
