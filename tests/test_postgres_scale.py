@@ -6,7 +6,8 @@ enough (and ``ANALYZE``d) for the planner to choose by real statistics, that the
 and prune's selection never scan ``runs``; that the migration gets there from every older
 version; that claims still see every runnable run and only those; that a prune deletes in
 batches, each its own transaction, beside a writer that is never held up; and that a step of a
-leased run stays a HOT update (it writes no index of ``runs``).
+leased run stays a HOT update (it writes no index of ``runs``). Migration 8's ``runs_due``
+(durable waits) is checked alike: the claim's due range and ``next_wake`` read it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fsm_runner.journal._postgres_claims import claim_next_query
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal._postgres_writes import _BEFORE_ALL, _PRUNABLE
 from fsm_runner.journal.postgres import _NEXT_WAKE
+from fsm_runner.records import SignalRecord
 from tests.test_postgres_journal import SPEC, T0, next_step, table_rows
 
 HANDLED = ["building", "verifying"]  # the states with a handler: what a worker claims
@@ -343,6 +345,17 @@ def test_every_older_journal_is_migrated(postgres_server, postgres_schema, admin
         report = journal.prune(ended_before=cutoff)
         assert (report.run_ids, report.transitions) == (("ended",), 1)
         assert sorted(heads(admin, postgres_schema)) == ["leased", "ready", "waiting"]
+        # Version 8: no run has a wake time yet; a signal makes the waiting run due.
+        assert [journal.wake_time(run_id) for run_id in ("ready", "waiting", "leased")] == [
+            None
+        ] * 3
+        assert journal.next_wake(machine=SPEC.name) is None
+        sent = journal.put_signal(SignalRecord("waiting", 0, "APPROVED", {"ok": True}, "s1"))
+        assert journal.signals("waiting") == [sent]
+        assert journal.wake_time("waiting") == sent.received_at
+        due = claim(journal)
+        assert due is not None
+        assert due.run_id == "waiting"
 
 
 class TestClaims:
@@ -567,11 +580,19 @@ class TestPrune:
         assert postgres_journal.integrity_problems() == []
 
 
-def test_a_step_of_a_leased_run_is_a_hot_update(postgres_journal, admin):
-    """No index holds a column a plain step changes: the row is updated in place (HOT)."""
+@pytest.mark.parametrize("due", [False, True], ids=["no-wake-time", "wake-time"])
+def test_a_step_of_a_leased_run_is_a_hot_update(postgres_journal, admin, due):
+    """No index holds a column a plain step changes: the row is updated in place (HOT).
+
+    Also when the run has a wake time (a signal came while it was held): a step writes
+    ``wake_at`` as it is, so ``runs_due`` is not written either.
+    """
     start(postgres_journal, "hot")
     run = claim(postgres_journal)
     assert run is not None
+    if due:
+        postgres_journal.put_signal(SignalRecord("hot", 0, "APPROVED"))
+        assert postgres_journal.wake_time("hot") is not None
 
     def updates() -> tuple[int, int]:
         postgres_journal._connection.call(
@@ -597,3 +618,4 @@ def test_a_step_of_a_leased_run_is_a_hot_update(postgres_journal, admin):
     # tests) can keep the page from being pruned, and then one update moves the row to another
     # page. An index over a column a step changes would make every one of them non-HOT.
     assert done[1] - before[1] >= steps // 2
+    assert (postgres_journal.wake_time("hot") is not None) is due
