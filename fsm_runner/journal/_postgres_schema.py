@@ -4,11 +4,12 @@
 and creates or migrates it (for :class:`~fsm_runner.journal.postgres.PostgresJournal`, as it
 opens).
 
-The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): schema version N
-holds the same tables and columns in both, so a record written by one reads back the same from
-the other. Migrations are frozen once released: a change of schema is a new migration, never an
-edit of an old one. Each migration runs inside the transaction that opens the journal, under an
-advisory lock, so two processes opening a new schema at once create it once. What only
+Versions 1 to 5 are the SQLite journal's (:mod:`fsm_runner.journal._schema`); since then each
+medium numbers its own migrations (PostgreSQL's 6, the abort fence, is SQLite's 8). Both store
+the same records, so a record written by one reads back the same from the other. Migrations
+are frozen once released: a change of schema is a new migration, never an edit of an old one.
+Each migration runs inside the transaction that opens the journal, under an advisory lock, so
+two processes opening a new schema at once create it once. What only
 PostgreSQL's claims and prunes search (migration 7's generated columns ``ready_state`` and
 ``ended_at``, and the partial indexes over them) is never read into a record; nor is a run's
 wake time (migration 8's ``wake_at``), which only ``wake_time`` and ``next_wake`` read.

@@ -19,6 +19,11 @@ How it keeps the contract:
 * **Claims** lock the run row (``FOR UPDATE``); ``claim_next`` picks the longest-waiting runnable
   run with ``FOR UPDATE SKIP LOCKED``, so workers on many hosts never claim one run twice and never
   queue behind each other.
+* **Durable waits**: a run's wake time (``runs.wake_at``) and its signals (``signals``, numbered
+  in arrival order) are written under the run's row lock (``put_signal``, ``park``), so a signal
+  and a park racing each other always leave the run due when the signal is one its waiting
+  state accepts; ``claim_next`` also takes a run whose wake time has come, and ``next_wake``
+  is the first entry of an index (``runs_due``). A commit that ends the run clears its wake time.
 * **Lost connections** (the server restarted, the backend was terminated, the network dropped)
   are reconnected with backoff for up to ``retry_for`` seconds, then the operation is retried.
   When a write's outcome is unknown — the connection died while its COMMIT was on the wire — the
