@@ -418,6 +418,13 @@ class TestClaimsOfDueRuns:
         assert getattr(claim(postgres_journal), "run_id", None) == "r"
         assert claim(postgres_journal) is None
 
+    def test_a_due_run_is_claimed_by_a_worker_without_handled_states(self, postgres_journal):
+        start(postgres_journal, "ready")
+        parked(postgres_journal, "due", wake_at=SOON, created=1)
+        taken = postgres_journal.claim_next("w1", ttl=60, machine=SPEC.name, states=())
+        assert getattr(taken, "run_id", None) == "due"
+        assert postgres_journal.claim_next("w1", ttl=60, machine=SPEC.name, states=()) is None
+
     def test_the_spec_and_machine_filters_apply(self, postgres_journal):
         parked(postgres_journal, "due", wake_at=SOON)
         other = "0" * 64

@@ -345,9 +345,10 @@ class PostgresWriter:
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
         """Commit ``transition`` and mark signal ``number`` consumed by it, in ONE transaction.
 
-        The signal is marked first (only while it is a pending signal of the run: its row lock
-        makes a second consumer wait, then find it consumed), then the commit is the one
-        :meth:`commit` makes. Either refusal rolls both back: nothing is written.
+        The commit is the one :meth:`commit` makes (its UPDATE locks the run row: a second
+        consumer of the signal waits, then finds the run moved on); then the signal is marked,
+        only while it is a pending signal of the run. Either refusal rolls both back: nothing
+        is written. (The run row is locked before the signal's, as a prune locks them.)
 
         Raises:
             RunConflictError: the signal is not a pending signal of the run, or as
@@ -359,13 +360,13 @@ class PostgresWriter:
         def work(conn: Connection) -> None:
             try:
                 with conn.transaction():
+                    plan.apply_or_raise(conn)
                     if not conn.execute(_CONSUME_SIGNAL, mark).rowcount:
                         raise RunConflictError(
                             run_id=run.run_id,
                             expected_seq=transition.seq - 1,
                             path=self._connection.location,
                         )
-                    plan.apply_or_raise(conn)
             except _RefusedError:  # and rolled back: the signal is pending still
                 raise plan.refusal(conn) from None
 

@@ -393,11 +393,10 @@ class PostgresJournal:
         One statement: the oldest runnable run not locked by another worker's claim is chosen
         with ``FOR UPDATE SKIP LOCKED`` and its lease taken, so concurrent workers each get a
         different run and never wait for each other. Its search is index ranges only
-        (:func:`~fsm_runner.journal._postgres_claims.claim_next_query`): a waiting or ended run
-        is never read.
+        (:func:`~fsm_runner.journal._postgres_claims.claim_next_query`): a run that waits (and is
+        not due) or has ended is never read. A run whose wake time has come is runnable
+        whatever its state (even with no ``states``).
         """
-        if not states:
-            return None
         tried: list[dt.datetime] = []
 
         def work(conn: Connection) -> RunRecord | None:
