@@ -503,3 +503,56 @@ class TestPruneAndFork:
         assert len(postgres_journal.signals("source")) == 1
         again = postgres_journal.put_signal(signal("fork", signal_id="x"))  # its own ids
         assert again.run_id == "fork"
+
+
+class TestLostConnections:
+    """Each wait operation gets a lost connection back; one whose answer was lost is done once."""
+
+    def test_every_operation_after_a_lost_connection(
+        self, postgres_server, postgres_journal, admin
+    ):
+        def lose() -> None:
+            postgres_server.terminate(postgres_journal.backend_pid)
+
+        start(postgres_journal, "r", state="waiting")
+        held = postgres_journal.claim("r", "w0", ttl=60)
+        lose()
+        stored = postgres_journal.put_signal(signal("r", signal_id="once"))
+        lose()
+        assert postgres_journal.put_signal(signal("r", signal_id="once")) == stored
+        lose()
+        assert postgres_journal.park("r", "w0", held.lease_token, wake_at=None, accepts={APPROVED})
+        lose()
+        assert postgres_journal.wake_time("r") is not None
+        lose()
+        assert postgres_journal.next_wake(machine=SPEC.name) is not None
+        lose()
+        assert postgres_journal.signals("r", pending=True) == [stored]
+        taken = claim(postgres_journal, "w1")
+        after, transition = next_step(taken, "building")
+        lose()
+        postgres_journal.consume_signal(after, transition, stored.number)
+        assert [row[5] for row in signal_rows(admin, postgres_journal)] == [1]
+
+    def test_a_consumption_whose_answer_was_lost_is_not_done_twice(
+        self, postgres_server, postgres_journal
+    ):
+        run = start(postgres_journal, "r")
+        stored = postgres_journal.put_signal(signal("r"))
+        after, transition = next_step(run, "verifying")
+        with PostgresJournal(postgres_server.url, schema=postgres_journal.schema) as twin:
+            twin.consume_signal(after, transition, stored.number)  # the cut-off try's work
+        postgres_server.terminate(postgres_journal.backend_pid)
+        postgres_journal.consume_signal(after, transition, stored.number)  # ours: no error
+        assert [t.seq for t in postgres_journal.transitions("r")] == [0, 1]
+        with pytest.raises(RunConflictError):  # on a sound connection, a second is refused
+            postgres_journal.consume_signal(after, transition, stored.number)
+
+    def test_a_park_whose_answer_was_lost_is_not_refused(self, postgres_server, postgres_journal):
+        start(postgres_journal, "r", state="waiting")
+        held = postgres_journal.claim("r", "w0", ttl=60)
+        with PostgresJournal(postgres_server.url, schema=postgres_journal.schema) as twin:
+            assert twin.park("r", "w0", held.lease_token, wake_at=FAR_AHEAD, accepts=())
+        postgres_server.terminate(postgres_journal.backend_pid)
+        assert postgres_journal.park("r", "w0", held.lease_token, wake_at=FAR_AHEAD, accepts=())
+        assert postgres_journal.wake_time("r") == FAR_AHEAD
