@@ -1,7 +1,7 @@
 """The PostgreSQL journal's ``claim_next``: its search, index-served at any number of runs.
 
-A run is runnable when it is active, in one of the states a handler runs, and either nobody
-holds it or its lease expired. Both halves are one index range each (migration 7, see
+A run is runnable when it is active, either nobody holds it or its lease expired, and it is in
+one of the states a handler runs or its wake time has come. Each part is one index range (see
 :mod:`fsm_runner.journal._postgres_schema`), so an idle claim costs the same over a thousand
 runs or a million:
 
@@ -19,7 +19,7 @@ runs or a million:
   now, whatever their state, and the earliest due is its first entry (one seek).
 
 Each probe takes its run with ``FOR UPDATE SKIP LOCKED``, so concurrent workers step past each
-other's picks instead of waiting; the oldest of the (at most one a state, plus one) candidates
+other's picks instead of waiting; the oldest of the (at most one a state, plus two) candidates
 is claimed, and the other candidates' row locks end with the statement. (Among due runs the
 earliest due is the candidate, not the oldest: a range read in the index's order, never sorted.)
 """
