@@ -23,8 +23,8 @@ from psycopg import sql
 from fsm_runner import PostgresJournal, RunEvent, RunLifecycle, RunRecord, TransitionRecord
 from fsm_runner.journal._postgres_claims import claim_next_query
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
+from fsm_runner.journal._postgres_waits import NEXT_WAKE
 from fsm_runner.journal._postgres_writes import _BEFORE_ALL, _PRUNABLE
-from fsm_runner.journal.postgres import _NEXT_WAKE
 from fsm_runner.records import SignalRecord
 from tests.test_postgres_journal import SPEC, T0, next_step, table_rows
 
@@ -220,7 +220,7 @@ class TestIndexServed:
 
     @pytest.mark.parametrize("mode", MODES)
     def test_next_wake_reads_the_due_index_and_the_leased_one(self, big, admin, mode):
-        nodes = explain(admin, big.schema, _NEXT_WAKE, (SPEC.name, SPEC.name), mode)
+        nodes = explain(admin, big.schema, NEXT_WAKE, (SPEC.name, SPEC.name), mode)
         reads = reads_of_runs(nodes)
         assert {index for _, index in reads} == {"runs_due", "runs_leased"}, reads
         assert all(kind in ("Index Scan", "Index Only Scan") for kind, _ in reads), reads

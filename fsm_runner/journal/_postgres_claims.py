@@ -26,12 +26,20 @@ earliest due is the candidate, not the oldest: a range read in the index's order
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import datetime as dt
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from fsm_runner.journal import _rows
+from fsm_runner.journal._postgres_connection import (
+    UNRESOLVED,
+    Connection,
+    PostgresConnection,
+    Unresolved,
+)
+from fsm_runner.records import RunRecord
 
-__all__ = ["claim_next_query"]
+__all__ = ["claim_next", "claim_next_query"]
 
 _CANDIDATE = "SELECT run_id, lease_owner, created_at, rowid FROM runs WHERE machine = %s"
 _LOCK = " ORDER BY created_at, rowid LIMIT 1 FOR UPDATE SKIP LOCKED"
@@ -81,3 +89,49 @@ def claim_next_query(
     params: list[Any] = [machine, now, wanted, now, *spec_params, wanted, machine, *spec_params]
     params += [now, machine, now, *spec_params]
     return statement, [*params, owner, expires]
+
+
+def claim_next(
+    connection: PostgresConnection,
+    decode: Callable[[Sequence[Any]], RunRecord],
+    owner: str,
+    *,
+    ttl: float,
+    machine: str,
+    states: Collection[str],
+    spec_hash: str | None,
+) -> RunRecord | None:
+    """Claim the oldest runnable run (:func:`claim_next_query`), or ``None``; ``decode``: a row.
+
+    Its lease's expiry is set by the server's clock; after a lost connection the claim that
+    was cut off is found by the expiry it set.
+    """
+    tried: list[dt.datetime] = []
+    select = ", ".join(_rows.RUN_COLUMNS)
+
+    def work(conn: Connection) -> RunRecord | None:
+        found = conn.execute("SELECT clock_timestamp()").fetchone()
+        assert found is not None
+        now: dt.datetime = found[0]
+        expires = now + dt.timedelta(seconds=ttl)
+        tried.append(expires)
+        statement, params = claim_next_query(
+            machine=machine,
+            states=states,
+            spec_hash=spec_hash,
+            now=now,
+            owner=owner,
+            expires=expires,
+        )
+        row = conn.execute(statement, params).fetchone()
+        return None if row is None else decode(row)
+
+    def resolve(conn: Connection) -> RunRecord | Unresolved | None:
+        row = conn.execute(
+            f"SELECT {select} FROM runs WHERE lease_owner = %s"
+            " AND lease_expires_at = ANY(%s) AND machine = %s",
+            (owner, tried, machine),
+        ).fetchone()
+        return UNRESOLVED if row is None else decode(row)
+
+    return connection.call(work, resolve=resolve)

@@ -34,18 +34,19 @@ How it keeps the contract:
 Opening the journal connects once, without retrying: a wrong URL or password, or a server that
 is not there, is reported at once. Passwords never appear in messages or in :attr:`location`.
 
-:class:`PostgresJournal` holds three objects: its connection manager
+:class:`PostgresJournal` holds four objects: its connection manager
 (:class:`~fsm_runner.journal._postgres_connection.PostgresConnection`: the URL, reconnects,
-forks), the SQL it shares with SQLite (:class:`~fsm_runner.journal._sql.SqlCore`) and its
-fenced writes (:class:`~fsm_runner.journal._postgres_writes.PostgresWriter`). This module holds
-the claims, reads and operations that are PostgreSQL's own.
+forks), the SQL it shares with SQLite (:class:`~fsm_runner.journal._sql.SqlCore`), its
+fenced writes (:class:`~fsm_runner.journal._postgres_writes.PostgresWriter`) and its releases
+and durable waits (:class:`~fsm_runner.journal._postgres_waits.PostgresWaits`). This module
+holds the claims (``claim_next``'s in :mod:`~fsm_runner.journal._postgres_claims`), reads and
+operations that are PostgreSQL's own.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import functools
-import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -57,7 +58,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._postgres_claims import claim_next_query
+from fsm_runner.journal._postgres_claims import claim_next
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -68,6 +69,7 @@ from fsm_runner.journal._postgres_connection import (
 )
 from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, integrity_problems, open_schema
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
+from fsm_runner.journal._postgres_waits import PostgresWaits
 from fsm_runner.journal._postgres_writes import (
     PRUNE_BATCH,
     TRANSITION_COLUMNS,
@@ -90,7 +92,6 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     SignalRecord,
-    SignalStatus,
     TransitionRecord,
 )
 from fsm_runner.spec import RunLifecycle
@@ -115,22 +116,6 @@ _PUT_EFFECT = (
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in _rows.EFFECT_COLUMNS[3:])
     + ", rowid = DEFAULT"
 )
-#: A signal's columns, in the order :meth:`PostgresJournal._signal_from_row` reads them.
-_SIGNAL_COLUMNS = (
-    "number", "run_id", "name", "payload", "signal_id", "received_at", "consumed_seq",
-    "consumed_at",
-)  # fmt: skip
-_SIGNAL_SELECT = ", ".join(_SIGNAL_COLUMNS)
-#: The earliest wake time of a machine's active runs nobody holds: the first entry of its
-#: range of ``runs_due``, or of a run whose lease expired (``runs_leased``'s range below now;
-#: ``now()``, stable, can bound an index range where ``clock_timestamp()`` cannot).
-_NEXT_WAKE = (
-    "SELECT least((SELECT min(wake_at) FROM runs WHERE machine = %s AND status = 'active'"
-    " AND lease_owner IS NULL AND wake_at IS NOT NULL),"
-    " (SELECT min(wake_at) FROM runs WHERE machine = %s AND status = 'active'"
-    " AND lease_owner IS NOT NULL AND lease_expires_at < now()))"
-)
-_dumps = _rows.dumps
 _DIALECT = SqlDialect(
     mark="%s",
     run_table="runs",
@@ -212,6 +197,7 @@ class PostgresJournal:
             raise
         self._core = SqlCore(_DIALECT, connection)
         self._writer = PostgresWriter(connection, self._core)
+        self._waits = PostgresWaits(connection)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -397,32 +383,15 @@ class PostgresJournal:
         not due) or has ended is never read. A run whose wake time has come is runnable
         whatever its state (even with no ``states``).
         """
-        tried: list[dt.datetime] = []
-
-        def work(conn: Connection) -> RunRecord | None:
-            now = _server_now(conn)
-            expires = now + dt.timedelta(seconds=ttl)
-            tried.append(expires)
-            statement, params = claim_next_query(
-                machine=machine,
-                states=states,
-                spec_hash=spec_hash,
-                now=now,
-                owner=owner,
-                expires=expires,
-            )
-            row = conn.execute(statement, params).fetchone()
-            return None if row is None else self._run_from_row(row)
-
-        def resolve(conn: Connection) -> RunRecord | Unresolved | None:
-            row = conn.execute(
-                f"SELECT {_RUN_SELECT} FROM runs WHERE lease_owner = %s"
-                " AND lease_expires_at = ANY(%s) AND machine = %s",
-                (owner, tried, machine),
-            ).fetchone()
-            return UNRESOLVED if row is None else self._run_from_row(row)
-
-        return self._connection.call(work, resolve=resolve)
+        return claim_next(
+            self._connection,
+            self._run_from_row,
+            owner,
+            ttl=ttl,
+            machine=machine,
+            states=states,
+            spec_hash=spec_hash,
+        )
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
@@ -465,27 +434,9 @@ class PostgresJournal:
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
+        return self._waits.release(run_id, owner, token)
 
-        def work(conn: Connection) -> bool:
-            return bool(
-                conn.execute(
-                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
-                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
-                    (run_id, owner, token),
-                ).rowcount
-            )
-
-        def resolve(conn: Connection) -> bool | Unresolved:
-            row = conn.execute(
-                "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
-            ).fetchone()
-            if row is not None and row[0] is None and row[1] == token:
-                return True  # released by the try that was cut off, and nobody claimed since
-            return UNRESOLVED
-
-        return self._connection.call(work, resolve=resolve)
-
-    # -- durable waits -------------------------------------------------------------------------
+    # -- durable waits (PostgresWaits') ----------------------------------------------------------
 
     def park(
         self,
@@ -496,181 +447,28 @@ class PostgresJournal:
         wake_at: dt.datetime | None,
         accepts: Collection[str],
     ) -> bool:
-        """Give up the lease and set when the run is due, in one transaction (``Journal``).
-
-        The run row is locked first, in a statement of its own: a ``put_signal`` holding it
-        has committed by then, and (READ COMMITTED) the next statement's snapshot sees its
-        signal, so an accepted signal is never left pending behind a run due later or never.
-        The release and the wake time are then one ``UPDATE``: now (the server's clock) if a
-        pending signal is named in ``accepts``, else ``wake_at``.
-        """
-        names = sorted(set(accepts))
-
-        def work(conn: Connection) -> bool:
-            with conn.transaction():
-                if (
-                    conn.execute(
-                        "SELECT 1 FROM runs WHERE run_id = %s AND lease_owner = %s"
-                        " AND lease_token = %s FOR UPDATE",
-                        (run_id, owner, token),
-                    ).fetchone()
-                    is None
-                ):
-                    return False
-                conn.execute(
-                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL,"
-                    " wake_at = CASE WHEN EXISTS (SELECT 1 FROM signals WHERE run_id = %s"
-                    " AND consumed_seq IS NULL AND name = ANY(%s::text[]))"
-                    " THEN clock_timestamp() ELSE %s::timestamptz END"
-                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
-                    (run_id, names, utc(wake_at), run_id, owner, token),
-                )
-                return True
-
-        def resolve(conn: Connection) -> bool | Unresolved:
-            row = conn.execute(
-                "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
-            ).fetchone()
-            if row is not None and row[0] is None and row[1] == token:
-                return True  # parked by the try that was cut off, and nobody claimed since
-            return UNRESOLVED
-
-        return self._connection.call(work, resolve=resolve)
+        """Give up the lease and set when the run is due, at once (:meth:`PostgresWaits.park`)."""
+        return self._waits.park(run_id, owner, token, wake_at=wake_at, accepts=accepts)
 
     def wake_time(self, run_id: str) -> dt.datetime | None:
-        """Return the run's wake time, if it has one (``Journal``)."""
-
-        def work(conn: Connection) -> dt.datetime | None:
-            row = conn.execute("SELECT wake_at FROM runs WHERE run_id = %s", (run_id,)).fetchone()
-            if row is None:
-                raise RunNotFoundError(run_id)
-            wake: dt.datetime | None = row[0]
-            return wake
-
-        return self._connection.call(work)
+        """Return the run's wake time, if it has one."""
+        return self._waits.wake_time(run_id)
 
     def next_wake(self, *, machine: str) -> dt.datetime | None:
-        """The earliest wake time of the machine's active runs nobody holds (``Journal``).
-
-        The first entry of the machine's range of ``runs_due``, and (usually none) the wake
-        times of runs whose lease expired, read off ``runs_leased``'s range below now.
-        """
-
-        def work(conn: Connection) -> dt.datetime | None:
-            row = conn.execute(_NEXT_WAKE, (machine, machine)).fetchone()
-            wake: dt.datetime | None = None if row is None else row[0]
-            return wake
-
-        return self._connection.call(work)
+        """The earliest wake time of the machine's active runs nobody holds (one index read)."""
+        return self._waits.next_wake(machine=machine)
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
-        """Journal a signal pending for its run, in one transaction (``Journal``).
-
-        The run row is locked first (``FOR UPDATE``): a run's signals are numbered in the
-        order they are journaled, a ``park`` or claim of the run waits for the signal (and
-        sees it), and two signals with one ``signal_id`` are stored once. Then the signal is
-        inserted, received now by the server's clock, and the run is due at that time.
-        """
-        payload = _dumps(signal.payload)
-        tried: list[dt.datetime] = []  # the receipt time each try used: the resolver looks
-
-        def work(conn: Connection) -> SignalRecord:
-            with conn.transaction():
-                found = conn.execute(
-                    "SELECT state, status, clock_timestamp() FROM runs WHERE run_id = %s"
-                    " FOR UPDATE",
-                    (signal.run_id,),
-                ).fetchone()
-                if found is None:
-                    raise RunNotFoundError(signal.run_id)
-                state, status, now = found
-                ended = status != RunLifecycle.ACTIVE.value
-                if signal.signal_id is not None:
-                    row = conn.execute(
-                        f"SELECT {_SIGNAL_SELECT} FROM signals WHERE run_id = %s"
-                        " AND signal_id = %s",
-                        (signal.run_id, signal.signal_id),
-                    ).fetchone()
-                    if row is not None:
-                        return self._signal_from_row(row, ended=ended)
-                if ended:
-                    raise RunTerminalError(run_id=signal.run_id, state=state, status=status)
-                tried.append(now)
-                row = conn.execute(
-                    "INSERT INTO signals (run_id, name, payload, signal_id, received_at)"
-                    f" VALUES (%s, %s, %s, %s, %s) RETURNING {_SIGNAL_SELECT}",
-                    (signal.run_id, signal.name, payload, signal.signal_id, now),
-                ).fetchone()
-                conn.execute("UPDATE runs SET wake_at = %s WHERE run_id = %s", (now, signal.run_id))
-                return self._signal_from_row(row, ended=False)
-
-        def resolve(conn: Connection) -> SignalRecord | Unresolved:
-            row = conn.execute(
-                f"SELECT {_SIGNAL_SELECT} FROM signals WHERE run_id = %s AND name = %s"
-                " AND received_at = ANY(%s) ORDER BY number LIMIT 1",
-                (signal.run_id, signal.name, tried),
-            ).fetchone()
-            return UNRESOLVED if row is None else self._signal_from_row(row, ended=False)
-
-        return self._connection.call(work, resolve=resolve)
+        """Journal a signal pending for its run (:meth:`PostgresWaits.put_signal`)."""
+        return self._waits.put_signal(signal)
 
     def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
-        """The run's signals in arrival order (pending ones only, with ``pending``).
-
-        One read: the run's row (whether it ended) joined to its signals, on the
-        ``(run_id, number)`` index. An unknown run has none.
-        """
-        only = " AND s.consumed_seq IS NULL" if pending else ""
-
-        def work(conn: Connection) -> list[tuple[Any, ...]]:
-            return conn.execute(
-                f"SELECT r.status, {', '.join(f's.{c}' for c in _SIGNAL_COLUMNS)} FROM runs AS r"
-                f" LEFT JOIN signals AS s ON s.run_id = r.run_id{only} WHERE r.run_id = %s"
-                " ORDER BY s.number",
-                (run_id,),
-            ).fetchall()
-
-        records = []
-        for row in self._connection.call(work):
-            ended = row[0] != RunLifecycle.ACTIVE.value
-            if row[1] is None or (pending and ended):
-                continue  # no signals (the LEFT JOIN's one row), or expired ones
-            records.append(self._signal_from_row(row[1:], ended=ended))
-        return records
+        """The run's signals in arrival order (pending ones only, with ``pending``)."""
+        return self._waits.signals(run_id, pending=pending)
 
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
-        """Commit the transition and mark signal ``number`` consumed by it, in one transaction.
-
-        See :meth:`PostgresWriter.consume_signal
-        <fsm_runner.journal._postgres_writes.PostgresWriter.consume_signal>`.
-        """
+        """Commit the transition and mark signal ``number`` consumed by it, at once."""
         self._writer.consume_signal(run, transition, number)
-
-    def _signal_from_row(self, row: Sequence[Any] | None, *, ended: bool) -> SignalRecord:
-        assert row is not None
-        number, run_id, name, payload, signal_id, received_at, consumed_seq, consumed_at = row
-        if consumed_seq is not None:
-            status = SignalStatus.CONSUMED
-        else:
-            status = SignalStatus.EXPIRED if ended else SignalStatus.PENDING
-        try:
-            value = None if payload is None else json.loads(payload)
-        except ValueError as exc:  # a row we cannot read must not be misread
-            raise JournalError(
-                f"signal {number} of run {run_id!r} has an unreadable payload ({exc})",
-                path=self.location,
-            ) from exc
-        return SignalRecord(
-            run_id=run_id,
-            number=int(number),
-            name=name,
-            payload=value,
-            signal_id=signal_id,
-            received_at=received_at,
-            status=status,
-            consumed_seq=None if consumed_seq is None else int(consumed_seq),
-            consumed_at=consumed_at,
-        )
 
     # -- operations ----------------------------------------------------------------------------
 
