@@ -224,11 +224,20 @@ UPDATE meta SET value = '7' WHERE key = 'schema_version';
 # that ends the run. ``runs_due`` holds only the active runs nobody holds that have one, keyed
 # by ``(machine, wake_at)``: the runs due are one range of it, the next wake time its first
 # entry. A plain step changes none of its columns (``wake_at`` is never written by one), so a
-# step stays a HOT update. ``signals``: each run's mailbox, numbered in arrival order (a run's
+# step stays a HOT update. ``ready_state`` is made again to be NULL while the run has a wake
+# time (every claim clears it): a run its phase parked (``ctx.wait_for``, ``ctx.sleep_until``)
+# stands in a handler's state but is not runnable before its wake time. ``signals``: each
+# run's mailbox, numbered in arrival order (a run's
 # signals are numbered under its row lock); pending while ``consumed_seq`` is NULL (expired if
 # the run ended); at most one signal per ``(run, signal_id)``.
 _M0008_WAITS = """
 ALTER TABLE runs ADD COLUMN wake_at timestamptz;
+ALTER TABLE runs DROP COLUMN ready_state;
+ALTER TABLE runs ADD COLUMN ready_state text GENERATED ALWAYS AS
+    (CASE WHEN status = 'active' AND lease_owner IS NULL AND wake_at IS NULL THEN state END)
+    STORED;
+CREATE INDEX runs_ready ON runs (machine, ready_state, created_at, rowid)
+    WHERE ready_state IS NOT NULL;
 CREATE INDEX runs_due ON runs (machine, wake_at)
     WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL;
 CREATE TABLE signals (
