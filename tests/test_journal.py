@@ -1309,23 +1309,12 @@ def stored_state(journal: Journal, run_id: str = "r1") -> tuple[Any, ...]:
 
 
 class TestWaits:
-    """The journal's side of durable waits (``Journal.park`` ... ``consume_signal``).
+    """The journal's side of durable waits (``Journal.park`` ... ``consume_signal``), on all three.
 
-    Memory and SQLite; PostgreSQL's implementation is written on another branch (xfail here).
+    The ``journal`` fixture of this module's own (memory, SQLite, PostgreSQL).
     """
 
-    @pytest.fixture(
-        params=[
-            "memory",
-            "sqlite",
-            pytest.param(
-                "postgres",
-                marks=pytest.mark.xfail(
-                    strict=False, reason="the PostgreSQL journal's waits are another branch's"
-                ),
-            ),
-        ]
-    )
+    @pytest.fixture(params=["memory", "sqlite", "postgres"])
     def journal(self, request, tmp_path):
         if request.param == "postgres":
             j = request.getfixturevalue("postgres_journal")
