@@ -149,6 +149,9 @@ class Backend:
         """Clone the parked run ``template`` ``count`` times, wake times 1 to 30 days ahead."""
         raise NotImplementedError
 
+    def settle(self, location: str) -> None:
+        """Bring the built journal's statistics up to date (PostgreSQL)."""
+
     def close(self) -> None:
         """Remove what :meth:`new` made."""
 
@@ -275,8 +278,14 @@ class PostgresBackend(Backend):
                     ),
                     (first, last, template),
                 )
-        for table in ("runs", "transitions"):
-            self.admin.execute(sql.SQL("VACUUM ANALYZE {}").format(ident(schema, table)))
+
+    def settle(self, location: str) -> None:
+        """VACUUM ANALYZE the journal's tables (each journal alike, as autovacuum would)."""
+        from psycopg import sql
+
+        schema = urllib.parse.unquote(location.rsplit("schema=", 1)[1])
+        for table in ("runs", "transitions", "signals"):
+            self.admin.execute(sql.SQL("VACUUM ANALYZE {}").format(sql.Identifier(schema, table)))
 
     def close(self) -> None:
         """Drop the schemas made (on a new connection if the server dropped this one)."""
@@ -309,6 +318,7 @@ def build(backend: Backend, label: str, parked: int) -> str:
         journal.close()
     if parked > 1:
         backend.clone_parked(location, template, parked - 1)
+    backend.settle(location)
     return location
 
 
