@@ -45,6 +45,14 @@ function setupLive() {
       if (update.diagram) {
         document.getElementById("diagram").innerHTML = update.diagram;
       }
+      const signals = document.getElementById("signals");
+      if (signals && typeof update.signals === "string" && signals.innerHTML !== update.signals) {
+        signals.innerHTML = update.signals; // rendered (escaped) by the server, as rows are
+      }
+      const waiting = document.getElementById("waiting-panel");
+      if (waiting && typeof update.waiting === "string") {
+        waiting.innerHTML = update.waiting; // the run moved: what it waits for now, if anything
+      }
       seq = update.seq;
       run.dataset.seq = String(seq);
       document.getElementById("run-seq").textContent = String(seq);

@@ -1,0 +1,376 @@
+"""The run inspector and durable waits (issue 29): waiting runs listed, answered, and shown.
+
+Server-side: a real inspector on a free loopback port (a `fsm-runner ui` process over a SQLite
+file; the app on a thread of this process over a memory journal), requests with urllib: the
+waiting tab (what each run waits for, since when, its deadline, its pending signals; read per
+waiting state from the index), the run page's prompt and schema escaped, the answer forms and
+their guards (actions off: 403; no or a wrong CSRF token: 403; a payload that is not JSON: 400;
+an ended run or a refused name: the refusal page; nothing written in each case), a successful
+answer and what the page then says, the timeline's consumed signals and the live update.
+
+Acceptance, in Debian's chromium through Playwright: a run parked in a waiting state, a real
+worker (``Engine.work`` on a thread) waiting for work; a click on APPROVE in the inspector; the
+run continues, and the open page shows its new states live, without a reload.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import json
+import re
+from urllib.parse import urlencode
+
+import pytest
+
+from fsm_runner import Engine, MachineSpec, SignalStatus, SqliteJournal, State, Transition
+from fsm_runner.engine.waits import deadline, signal_run
+from fsm_runner.journal import MemoryJournal
+from fsm_runner.ui.app import create_app
+from tests.helpers import NEXT, linear_spec
+from tests.ui_helpers import AppServer, Server
+from tests.ui_journals import (
+    APPROVAL_HANDLERS,
+    APPROVAL_PROMPT,
+    APPROVAL_SCHEMA,
+    SCRIPT,
+    approval_spec,
+)
+
+NO_TRACEBACK = ("Traceback", 'File "', "Exception in ASGI")
+APPROVAL = approval_spec()
+#: A waiting state whose prompt and schema are hostile HTML.
+HOSTILE = approval_spec("approval-xss", prompt=f"approve {SCRIPT}?", schema={"title": SCRIPT})
+
+
+class Site:
+    """A journal (for the test to make runs in and read) and inspectors serving it."""
+
+    def __init__(self, backend: str, journal, location: str) -> None:
+        self.backend = backend
+        self.journal = journal
+        self.location = location
+        self.servers: list = []
+
+    def serve(self, *, actions: bool = False):
+        if self.backend == "memory":
+            app = create_app(self.location, allow_actions=actions, journal=self.journal)
+            server = AppServer(app)
+        else:
+            server = Server(self.location, *(["--allow-actions"] if actions else []))
+        self.servers.append(server)
+        return server
+
+    def engine(self, spec: MachineSpec = APPROVAL) -> Engine:
+        return Engine(spec, handlers=APPROVAL_HANDLERS, journal=self.journal)
+
+    def parked(self, spec: MachineSpec = APPROVAL, data=None) -> str:
+        """A run of ``spec`` waiting in ``awaiting``, nobody holding it."""
+        engine = self.engine(spec)
+        run_id = engine.start(data or {})
+        run = engine.run(run_id)
+        assert (run.state, run.lease_owner) == ("awaiting", None)
+        return run_id
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def site(request, tmp_path):
+    if request.param == "memory":
+        journal, location = MemoryJournal(), "memory"
+    else:
+        if not hasattr(SqliteJournal, "put_signal"):
+            pytest.skip("the SQLite journal does not journal signals yet")
+        location = str(tmp_path / "journal.db")
+        journal = SqliteJournal(location)
+    site = Site(request.param, journal, location)
+    yield site
+    for server in site.servers:
+        server.stop()
+    journal.close()
+
+
+def csrf_token(body: str) -> str:
+    found = re.search(r'name="csrf_token" value="([^"]+)"', body)
+    assert found, "no CSRF token in the page"
+    return found.group(1)
+
+
+def form(**fields: str) -> bytes:
+    return urlencode(fields).encode()
+
+
+def cells(body: str, row_class: str) -> list[dict[str, str]]:
+    """Each ``<tr class="... row_class ...">``'s cells, by their class (text, unescaped)."""
+    rows = []
+    for row in re.findall(
+        rf'<tr class="(?:[^"]* )?{row_class}(?: [^"]*)?"[^>]*>(.*?)</tr>', body, re.S
+    ):
+        found = re.findall(r'<td(?: class="([^"]*)")?>(.*?)</td>', row, re.S)
+        rows.append(
+            {cls: html.unescape(re.sub(r"<[^>]+>", "", text)).strip() for cls, text in found}
+        )
+    return rows
+
+
+def shown(moment: dt.datetime) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+class TestWaitingTab:
+    """The runs page's "waiting" tab: active runs in a waiting state, from the index."""
+
+    def test_lists_what_each_run_waits_for_since_when_and_until_when(self, site):
+        journal = site.journal
+        parked = site.parked()
+        held = site.parked()
+        journal.claim(held, "someone", ttl=600)  # held: a signal to it stays pending
+        pending = signal_run(journal, held, "REJECT", {"why": "<b>no</b>"})
+        assert pending.status is SignalStatus.PENDING
+        proposing = site.engine().start({})  # not waiting yet
+        ended = site.parked()
+        signal_run(journal, ended, "APPROVE")
+        site.engine().run(ended)
+        other = Engine(linear_spec("a"), handlers={"a": lambda ctx: NEXT}, journal=journal)
+        plain = other.start({})  # a machine that never waits
+
+        server = site.serve()
+        listing = server.get("/runs?waiting=1")
+        assert listing.status == 200
+        rows = dict(
+            zip(
+                re.findall(r'<tr class="run waiting-run" data-run-id="([^"]+)"', listing.body),
+                cells(listing.body, "waiting-run"),
+                strict=True,
+            )
+        )
+        assert set(rows) == {parked, held}  # not the proposing, ended or plain runs
+        assert not {proposing, ended, plain} & set(
+            re.findall(r'data-run-id="([^"]+)"', listing.body)
+        )
+        for run_id in (parked, held):
+            assert rows[run_id]["accepts"] == "APPROVE, REJECT"
+            assert rows[run_id]["since"] == shown(journal.load(run_id).updated_at)
+            assert rows[run_id]["prompt"] == APPROVAL_PROMPT
+        spec = APPROVAL
+        due = deadline(journal, spec, journal.load(parked))
+        assert journal.wake_time(parked) == due  # parked until its deadline
+        assert rows[parked]["deadline"].startswith(shown(due))
+        assert rows[parked]["pending"] == "-"
+        # the held one's wake time is the signal's arrival (past): its timeout after since
+        since = journal.load(held).updated_at
+        assert rows[held]["deadline"].startswith(shown(since + dt.timedelta(days=1)))
+        assert rows[held]["pending"] == "REJECT"
+        assert "then TIMEOUT" in rows[held]["deadline"]
+
+        by_machine = server.get("/runs?waiting=1&machine=approval&state=awaiting")
+        assert set(re.findall(r'waiting-run" data-run-id="([^"]+)"', by_machine.body)) == {
+            parked,
+            held,
+        }
+        for query in ("machine=linear", "state=proposing", "machine=nope", f"q={plain[:8]}"):
+            empty = server.get(f"/runs?waiting=1&{query}")
+            assert empty.status == 200
+            assert "waiting-run" not in empty.body
+            assert "No run is waiting" in empty.body
+        everything = server.get("/runs")  # the plain tab lists them all, as before
+        assert {parked, held, proposing, ended, plain} <= set(
+            re.findall(r'data-run-id="([^"]+)"', everything.body)
+        )
+        assert 'class="tab waiting-tab"' in everything.body
+
+    def test_an_older_spec_that_does_not_wait_there_is_not_listed(self, site):
+        """A run of the machine's older spec, in a state of that name that has a handler."""
+        older = MachineSpec(
+            "approval",
+            [State("awaiting", handler="propose"), State("applied", terminal=True)],
+            [Transition("awaiting", "PROPOSED", "applied")],
+        )
+        old_run = Engine(older, handlers=APPROVAL_HANDLERS, journal=site.journal).start({})
+        parked = site.parked()
+        listing = site.serve().get("/runs?waiting=1")
+        assert re.findall(r'waiting-run" data-run-id="([^"]+)"', listing.body) == [parked]
+        assert old_run not in listing.body
+
+
+class TestRunPage:
+    """A waiting run's page: its prompt and schema, escaped; answer forms only with actions."""
+
+    def test_prompt_and_schema_are_escaped_and_no_form_without_actions(self, site):
+        run_id = site.parked(HOSTILE)
+        server = site.serve()
+        page = server.get(f"/runs/{run_id}")
+        assert page.status == 200
+        assert SCRIPT not in page.body
+        assert page.body.count("<script") == 1  # the inspector's own
+        prompt = re.search(r'<p class="prompt">(.*?)</p>', page.body, re.S)
+        assert prompt
+        assert html.unescape(prompt.group(1)) == f"approve {SCRIPT}?"
+        schema = re.search(r'<pre class="schema">(.*?)</pre>', page.body, re.S)
+        assert schema
+        assert json.loads(html.unescape(schema.group(1))) == {"title": SCRIPT}
+        assert '<section class="waiting"' in page.body
+        assert 'class="answer"' not in page.body  # actions off: no buttons
+        assert "--allow-actions" in page.body
+        listing = server.get("/runs?waiting=1")
+        assert SCRIPT not in listing.body
+        assert "approve &lt;script&gt;" in listing.body
+
+    def test_answer_forms_with_actions(self, site):
+        run_id = site.parked()
+        page = site.serve(actions=True).get(f"/runs/{run_id}")
+        forms = re.findall(
+            r'<form method="post" action="([^"]+)" class="answer" data-signal="([^"]+)"', page.body
+        )
+        assert forms == [
+            (f"/runs/{run_id}/signal", "APPROVE"),
+            (f"/runs/{run_id}/signal", "REJECT"),
+        ]
+        assert page.body.count('name="payload"') == 2
+        assert page.body.count('name="signal_id"') == 2
+        assert html.escape(APPROVAL_SCHEMA["properties"]["note"]["type"]) in page.body
+        ended = site.parked()
+        signal_run(site.journal, ended, "APPROVE")
+        site.engine().run(ended)
+        done = site.servers[-1].get(f"/runs/{ended}")
+        assert '<section class="waiting"' not in done.body
+
+
+class TestAnswerGuards:
+    """Every refused answer writes nothing and is an error page, never a traceback."""
+
+    def nothing_written(self, site, run_id: str) -> None:
+        assert site.journal.signals(run_id) == []
+        run = site.journal.load(run_id)
+        assert (run.state, run.seq) == ("awaiting", 1)
+
+    def test_refused_when_actions_are_off(self, site):
+        run_id = site.parked()
+        server = site.serve()
+        token = csrf_token(site.serve(actions=True).get(f"/runs/{run_id}").body)
+        answer = server.post(f"/runs/{run_id}/signal", form(csrf_token=token, name="APPROVE"))
+        assert answer.status == 403
+        assert "Actions are off" in answer.body
+        assert not any(t in answer.body for t in NO_TRACEBACK)
+        assert server.get(f"/runs/{run_id}/signal").status in (404, 405)  # POST only
+        self.nothing_written(site, run_id)
+
+    def test_refused_without_or_with_a_wrong_csrf_token(self, site):
+        run_id = site.parked()
+        server = site.serve(actions=True)
+        for fields in ({}, {"csrf_token": ""}, {"csrf_token": "x" * 43}):
+            answer = server.post(f"/runs/{run_id}/signal", form(name="APPROVE", **fields))
+            assert answer.status == 403
+            assert "CSRF token" in answer.body
+        self.nothing_written(site, run_id)
+
+    def test_a_payload_that_is_not_json_is_refused(self, site):
+        run_id = site.parked()
+        server = site.serve(actions=True)
+        token = csrf_token(server.get(f"/runs/{run_id}").body)
+        for payload in ("{not json", "NaN", "[1, 2", "'single'", "[" * 100_000):
+            answer = server.post(
+                f"/runs/{run_id}/signal", form(csrf_token=token, name="APPROVE", payload=payload)
+            )
+            assert answer.status == 400, payload[:20]
+            assert "The payload is not JSON" in answer.body
+            assert "nothing was sent" in answer.body
+            assert not any(t in answer.body for t in NO_TRACEBACK)
+        self.nothing_written(site, run_id)
+
+    def test_a_refused_name_an_ended_run_or_no_run(self, site):
+        run_id = site.parked()
+        server = site.serve(actions=True)
+        token = csrf_token(server.get(f"/runs/{run_id}").body)
+        for name in ("DEPLOY", "TIMEOUT", "PROPOSED", "SYSTEM_ERROR", "<b>x</b>", ""):
+            answer = server.post(f"/runs/{run_id}/signal", form(csrf_token=token, name=name))
+            assert answer.status in (400, 409), name
+            assert "<b>x</b>" not in answer.body
+            assert not any(t in answer.body for t in NO_TRACEBACK)
+        self.nothing_written(site, run_id)
+        signal_run(site.journal, run_id, "APPROVE")
+        site.engine().run(run_id)
+        ended = server.post(f"/runs/{run_id}/signal", form(csrf_token=token, name="APPROVE"))
+        assert ended.status == 409
+        assert "Refused" in ended.body
+        assert len(site.journal.signals(run_id)) == 1
+        missing = server.post("/runs/no-such-run/signal", form(csrf_token=token, name="APPROVE"))
+        assert missing.status == 404
+        assert "No such run" in missing.body
+
+
+class TestAnswer:
+    """An answer journals the signal; the run page says what became of it, and shows it."""
+
+    def test_approve_moves_the_run_on(self, site):
+        run_id = site.parked()
+        server = site.serve(actions=True)
+        token = csrf_token(server.get(f"/runs/{run_id}").body)
+        payload = '{"note": "<b>ship it</b>"}'
+        fields = {"csrf_token": token, "name": "APPROVE", "payload": payload, "signal_id": "hook-1"}
+        answer = server.post(f"/runs/{run_id}/signal", form(**fields))
+        assert answer.status == 303
+        (sent,) = site.journal.signals(run_id)
+        assert (sent.name, sent.payload, sent.signal_id) == (
+            "APPROVE",
+            {"note": "<b>ship it</b>"},
+            "hook-1",
+        )
+        assert sent.status is SignalStatus.CONSUMED
+        assert sent.consumed_seq == 2
+        assert answer.headers["Location"] == f"/runs/{run_id}?signal={sent.number}#outcome"
+        assert site.journal.load(run_id).state == "applying"
+
+        page = server.get(f"/runs/{run_id}?signal={sent.number}")
+        outcome = re.search(
+            r'<p id="outcome" class="outcome consumed"[^>]*>(.*?)</p>', page.body, re.S
+        )
+        assert outcome, "the page says nothing of the signal"
+        assert "consumed at seq 2: the run moved on" in outcome.group(1)
+        assert '<span id="run-state" class="state">applying</span>' in page.body
+        assert '<section class="waiting"' not in page.body  # it waits no more
+        consumed = re.search(
+            r'<tr class="transition consumed-signal" data-seq="2" data-signal="(\d+)">', page.body
+        )
+        assert consumed
+        assert int(consumed.group(1)) == sent.number
+        (row,) = cells(page.body, "signal")
+        assert row["name"] == "APPROVE"
+        assert row["signal-id"] == "hook-1"
+        assert row["consumed"].startswith("seq 2 at ")
+        assert row["payload"] == '{"note": "<b>ship it</b>"}'
+        assert "<b>ship it</b>" not in page.body  # escaped
+
+        again = server.post(f"/runs/{run_id}/signal", form(**{**fields, "name": "REJECT"}))
+        assert again.status == 303  # the same signal id: the first signal, nothing written
+        assert again.headers["Location"] == answer.headers["Location"]
+        assert len(site.journal.signals(run_id)) == 1
+        assert site.engine().run(run_id).state == "applied"
+
+    def test_a_signal_to_a_held_run_stays_pending_and_the_page_says_so(self, site):
+        run_id = site.parked()
+        site.journal.claim(run_id, "a-worker", ttl=600)
+        server = site.serve(actions=True)
+        token = csrf_token(server.get(f"/runs/{run_id}").body)
+        answer = server.post(f"/runs/{run_id}/signal", form(csrf_token=token, name="REJECT"))
+        assert answer.status == 303
+        page = server.get(answer.headers["Location"].split("#")[0])
+        assert '<p id="outcome" class="outcome pending"' in page.body
+        assert re.search(
+            r'<dd class="pending"><span class="signal-chip">#\d+ REJECT</span>', page.body
+        )
+        assert site.journal.load(run_id).state == "awaiting"
+
+    def test_the_live_update_carries_signals_and_what_the_run_waits_for(self, site):
+        run_id = site.parked()
+        server = site.serve()
+        still = server.get(f"/runs/{run_id}/live?after=1")
+        update = json.loads(still.body)
+        assert update["waiting"] is None  # nothing moved: the page's panel stands
+        assert "No signals" in update["signals"]
+        signal_run(site.journal, run_id, "APPROVE", {"by": "ana"})
+        moved = json.loads(server.get(f"/runs/{run_id}/live?after=1").body)
+        assert moved["state"] == "applying"
+        assert moved["waiting"] == ""  # it waits no more: the panel goes
+        assert 'data-signal="' in moved["rows"]
+        assert "signal #" in moved["rows"]
+        assert 'data-status="consumed"' in moved["signals"]
