@@ -19,6 +19,8 @@ import datetime as dt
 import html
 import json
 import re
+import threading
+import time
 from urllib.parse import urlencode
 
 import pytest
@@ -28,7 +30,7 @@ from fsm_runner.engine.waits import deadline, signal_run
 from fsm_runner.journal import MemoryJournal
 from fsm_runner.ui.app import create_app
 from tests.helpers import NEXT, linear_spec
-from tests.ui_helpers import AppServer, Server
+from tests.ui_helpers import ARTIFACTS, CHROMIUM, AppServer, Server
 from tests.ui_journals import (
     APPROVAL_HANDLERS,
     APPROVAL_PROMPT,
@@ -211,6 +213,9 @@ class TestRunPage:
         assert '<section class="waiting"' in page.body
         assert 'class="answer"' not in page.body  # actions off: no buttons
         assert "--allow-actions" in page.body
+        command = re.search(r'<code id="cmd-signal">(.*?)</code>', page.body)
+        assert command
+        assert html.unescape(command.group(1)).endswith(f" signal {run_id[:12]} APPROVE")
         listing = server.get("/runs?waiting=1")
         assert SCRIPT not in listing.body
         assert "approve &lt;script&gt;" in listing.body
@@ -374,3 +379,135 @@ class TestAnswer:
         assert 'data-signal="' in moved["rows"]
         assert "signal #" in moved["rows"]
         assert 'data-status="consumed"' in moved["signals"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    yield page
+    context.close()
+    assert dialogs == [], "a script from run data ran in the page"
+
+
+class Worker:
+    """``Engine.work`` on a thread of its own, with its own journal (the memory one shared)."""
+
+    def __init__(self, site: Site, spec: MachineSpec, handlers) -> None:
+        self.stop = threading.Event()
+        self.failure: list[BaseException] = []
+        self.thread = threading.Thread(target=self._work, args=(site, spec, handlers))
+        self.thread.start()
+
+    def _work(self, site: Site, spec: MachineSpec, handlers) -> None:
+        own = site.backend != "memory"
+        journal = SqliteJournal(site.location) if own else site.journal
+        engine = Engine(spec, handlers=handlers, journal=journal)
+        try:
+            engine.work(stop=self.stop, idle_wait=0.2)
+        except BaseException as exc:
+            self.failure.append(exc)
+            raise
+        finally:
+            engine.close()
+            if own:
+                journal.close()
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+        assert self.failure == []
+
+
+def wait_until(check, what: str, timeout: float = 30) -> None:
+    deadline_at = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline_at, f"waited {timeout} s for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+class TestInBrowser:
+    """Acceptance: approve a waiting run from the inspector; it continues, the page shows it live."""
+
+    def test_approve_a_waiting_run_and_watch_it_continue(self, site, page):
+        from playwright.sync_api import expect
+
+        gate = threading.Event()  # the apply phase runs until the page has been seen waiting
+
+        def apply(ctx):
+            assert gate.wait(60), "the test never opened the gate"
+            return "APPLIED"
+
+        worker = Worker(site, APPROVAL, {**APPROVAL_HANDLERS, "apply": apply})
+        try:
+            run_id = site.engine().start({"change": "<b>rename</b>"})
+
+            def parked() -> bool:
+                run = site.journal.load(run_id)
+                return run.state == "awaiting" and run.lease_owner is None
+
+            wait_until(parked, "the worker to park the run in awaiting")
+            server = site.serve(actions=True)
+            page.goto(f"{server.url}/runs?waiting=1")
+            page.click(f"tr.waiting-run[data-run-id='{run_id}'] td.id a")
+            page.wait_for_url(f"**/runs/{run_id}")
+            expect(page.locator("#waiting p.prompt")).to_have_text(APPROVAL_PROMPT)
+            assert page.locator("#waiting dd.accepts").inner_text() == "APPROVE, REJECT"
+            assert page.locator("#live-badge").is_visible()
+
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"waits-waiting-{site.backend}.png"))
+            approve = page.locator("form.answer[data-signal='APPROVE']")
+            approve.locator("textarea[name=payload]").fill('{"note": "looks <i>right</i>"}')
+            approve.locator("input[name=signal_id]").fill("review-1")
+            approve.locator("button").click()
+            page.wait_for_url(lambda url: "signal=" in url)
+            assert page.locator("#outcome").get_attribute("data-status") in ("consumed", "pending")
+            page.evaluate("window.notReloaded = true")
+
+            # consumed (at once, or by the worker): the run moves on to applying, on the page
+            expect(page.locator("#run-state")).to_have_text("applying", timeout=10_000)
+            expect(page.locator("#waiting")).to_have_count(0)  # it waits no more
+            expect(page.locator("#signals tr.signal.consumed")).to_have_count(1)
+            (signal,) = site.journal.signals(run_id)
+            assert (signal.name, signal.signal_id) == ("APPROVE", "review-1")
+            assert signal.payload == {"note": "looks <i>right</i>"}
+            consumed = page.locator(f"#timeline-rows tr[data-signal='{signal.number}']")
+            expect(consumed).to_have_attribute("data-seq", str(signal.consumed_seq))
+            assert "APPROVE" in consumed.locator("td.event").inner_text()
+            shown_seq = int(page.locator("#run-seq").inner_text())
+
+            gate.set()  # the worker's apply phase ends: the run succeeds, live on the page
+            expect(page.locator("#run-status")).to_have_text("succeeded", timeout=10_000)
+            expect(page.locator("#run-state")).to_have_text("applied")
+            expect(page.locator("#live-badge")).to_be_hidden()
+            assert page.evaluate("window.notReloaded") is True
+            last = site.journal.load(run_id).seq
+            assert last > shown_seq  # journaled after the page was loaded, shown without reload
+            events = [
+                row.locator("td.event").inner_text().split()[0]
+                for row in page.locator("#timeline-rows tr").all()
+            ]
+            assert events == ["STARTED", "PROPOSED", "APPROVE", "APPLIED"]
+            svg = page.locator("#diagram svg.fsm")
+            assert svg.locator("g.node.current").get_attribute("data-state") == "applied"
+            shot = ARTIFACTS / f"waits-approved-{site.backend}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"\nscreenshot of the approved run: {shot}")
+        finally:
+            gate.set()
+            worker.join()

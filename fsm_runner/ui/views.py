@@ -167,6 +167,14 @@ def waiting_of(
         "deadline": _time(due) or "none",
         "on_timeout": wait.on_timeout if wait.timeout is not None else "",
         "pending": signal_rows(journal.signals(run.run_id, pending=True)),
+        "command": suggested_command(
+            "fsm-runner",
+            journal.location,
+            "signal",
+            run.run_id[:12],
+            min(spec.accepts(run.state), default="NAME"),
+            name_journal=True,
+        ),
     }
 
 
