@@ -1,7 +1,7 @@
 """The run inspector and durable waits (issue 29): waiting runs listed, answered, and shown.
 
 Server-side: a real inspector on a free loopback port (a `fsm-runner ui` process over a SQLite
-file; the app on a thread of this process over a memory journal), requests with urllib: the
+file or a PostgreSQL schema; the app on a thread of this process over a memory journal), requests with urllib: the
 waiting tab (what each run waits for, since when, its deadline, its pending signals; read per
 waiting state from the index), the run page's prompt and schema escaped, the answer forms and
 their guards (actions off: 403; no or a wrong CSRF token: 403; a payload that is not JSON: 400;
@@ -25,9 +25,9 @@ from urllib.parse import urlencode
 
 import pytest
 
-from fsm_runner import Engine, MachineSpec, SignalStatus, SqliteJournal, State, Transition
+from fsm_runner import Engine, MachineSpec, SignalStatus, State, Transition
 from fsm_runner.engine.waits import deadline, signal_run
-from fsm_runner.journal import MemoryJournal
+from fsm_runner.journal import MemoryJournal, open_journal
 from fsm_runner.ui.app import create_app
 from tests.helpers import NEXT, linear_spec
 from tests.ui_helpers import ARTIFACTS, CHROMIUM, AppServer, Server
@@ -75,15 +75,23 @@ class Site:
         return run_id
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
 def site(request, tmp_path):
+    """The journal of each kind, and its inspectors: a process of its own over a SQLite file or
+    a PostgreSQL schema; on a thread of this process over a memory journal."""
     if request.param == "memory":
         journal, location = MemoryJournal(), "memory"
     else:
-        if not hasattr(SqliteJournal, "put_signal"):
-            pytest.skip("the SQLite journal does not journal signals yet")
-        location = str(tmp_path / "journal.db")
-        journal = SqliteJournal(location)
+        if request.param == "sqlite":
+            location = str(tmp_path / "journal.db")
+        else:
+            server = request.getfixturevalue("postgres_server")
+            schema = request.getfixturevalue("postgres_schema")
+            location = f"{server.url}?schema={schema}"
+        journal = open_journal(location)
+        if not hasattr(journal, "put_signal"):
+            journal.close()
+            pytest.skip(f"the {request.param} journal does not journal signals yet")
     site = Site(request.param, journal, location)
     yield site
     for server in site.servers:
@@ -174,7 +182,10 @@ class TestWaitingTab:
             assert empty.status == 200
             assert "waiting-run" not in empty.body
             assert "No run is waiting" in empty.body
-        everything = server.get("/runs")  # the plain tab lists them all, as before
+        machine = server.get("/machines/approval")
+        assert '<a href="/runs?waiting=1&amp;machine=approval">' in machine.body
+        everything = server.get("/runs")
+        # the plain tab lists them all, as before
         assert {parked, held, proposing, ended, plain} <= set(
             re.findall(r'data-run-id="([^"]+)"', everything.body)
         )
@@ -413,7 +424,7 @@ class Worker:
 
     def _work(self, site: Site, spec: MachineSpec, handlers) -> None:
         own = site.backend != "memory"
-        journal = SqliteJournal(site.location) if own else site.journal
+        journal = open_journal(site.location) if own else site.journal
         engine = Engine(spec, handlers=handlers, journal=journal)
         try:
             engine.work(stop=self.stop, idle_wait=0.2)
