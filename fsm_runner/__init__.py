@@ -46,6 +46,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.exceptions import SpecError as SpecError
     from fsm_runner.exceptions import SpecMismatchError as SpecMismatchError
     from fsm_runner.exceptions import SupervisorError as SupervisorError
+    from fsm_runner.exceptions import WaitTimeoutError as WaitTimeoutError
     from fsm_runner.journal import Journal as Journal
     from fsm_runner.journal import MemoryJournal as MemoryJournal
     from fsm_runner.journal import PostgresJournal as PostgresJournal
@@ -139,6 +140,7 @@ _EXPORTS: dict[str, str] = {
     "Transition": "fsm_runner.spec",
     "TransitionRecord": "fsm_runner.records",
     "Wait": "fsm_runner.spec",
+    "WaitTimeoutError": "fsm_runner.exceptions",
     "interrupt_on_sigterm": "fsm_runner.engine",
     "open_journal": "fsm_runner.journal",
     "structure": "fsm_runner.records",

@@ -22,6 +22,8 @@ __all__ = [
     "SYSTEM_ERROR",
     "TIMEOUT",
     "USER_ABORTED",
+    "WAITING",
+    "WOKEN",
     "PhaseStatus",
     "RunEvent",
     "event_name",
@@ -54,6 +56,8 @@ class RunEvent(str, enum.Enum):
     REWOUND = "REWOUND"
     DEAD_LETTERED = "DEAD_LETTERED"
     SPEC_CHANGED = "SPEC_CHANGED"
+    WAITING = "WAITING"
+    WOKEN = "WOKEN"
 
     def __str__(self) -> str:
         return self.value
@@ -71,6 +75,8 @@ USER_ABORTED: Final = RunEvent.USER_ABORTED.value
 REWOUND: Final = RunEvent.REWOUND.value
 DEAD_LETTERED: Final = RunEvent.DEAD_LETTERED.value
 SPEC_CHANGED: Final = RunEvent.SPEC_CHANGED.value
+WAITING: Final = RunEvent.WAITING.value
+WOKEN: Final = RunEvent.WOKEN.value
 
 
 class PhaseStatus(enum.IntEnum):
@@ -103,10 +109,22 @@ STATUS_EVENTS: dict[PhaseStatus, RunEvent] = {
 #: operator's resume from an earlier state (``resume --from-state``: the run is rewound there),
 #: recovery parking a run whose worker was lost too often (a self transition; status
 #: ``dead_letter``), and a run continuing under another spec (``allow_spec_change``: a self
-#: transition of the same visit that records the switch). A journaled transition on one of these
-#: need not be an edge of the spec; every other one must be.
+#: transition of the same visit that records the switch), and a phase that waits for a signal
+#: or a time (``ctx.wait_for``, ``ctx.sleep_until``: a ``WAITING`` self transition parks the run,
+#: a ``WOKEN`` one records what woke it before the phase runs again). A journaled transition on
+#: one of these need not be an edge of the spec; every other one must be.
 OFF_SPEC_EVENTS: frozenset[str] = frozenset(
-    {STARTED, RETRIED, USER_ABORTED, INTERRUPTED, REWOUND, DEAD_LETTERED, SPEC_CHANGED}
+    {
+        STARTED,
+        RETRIED,
+        USER_ABORTED,
+        INTERRUPTED,
+        REWOUND,
+        DEAD_LETTERED,
+        SPEC_CHANGED,
+        WAITING,
+        WOKEN,
+    }
 )
 
 #: The part of :data:`OFF_SPEC_EVENTS` a spec may not use at all: a spec transition on one would
@@ -115,7 +133,7 @@ OFF_SPEC_EVENTS: frozenset[str] = frozenset(
 #: state's own exit when it has one) and ``INTERRUPTED`` (except as a self transition, which is
 #: the engine's own).
 RESERVED_EVENTS: frozenset[str] = frozenset(
-    {STARTED, RETRIED, REWOUND, DEAD_LETTERED, SPEC_CHANGED}
+    {STARTED, RETRIED, REWOUND, DEAD_LETTERED, SPEC_CHANGED, WAITING, WOKEN}
 )
 
 

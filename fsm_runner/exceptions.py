@@ -68,6 +68,7 @@ __all__ = [
     "SpecError",
     "SpecMismatchError",
     "SupervisorError",
+    "WaitTimeoutError",
 ]
 
 
@@ -209,6 +210,21 @@ class PhaseTimeoutError(FsmRunnerError, TimeoutError):
         self.state = state
         self.timeout = timeout
         super().__init__(f"phase {state!r} ran past its timeout of {timeout}s")
+
+
+class WaitTimeoutError(PhaseTimeoutError):
+    """Raised by ``ctx.wait_for(name)`` once its wait timed out with no signal.
+
+    The phase then times out (the engine journals ``TIMEOUT``) unless the handler catches it.
+    """
+
+    def __init__(self, *, state: str, signal: str, timeout: float | None) -> None:
+        self.signal = signal
+        FsmRunnerError.__init__(
+            self, f"phase {state!r} waited for signal {signal!r} past its timeout of {timeout}s"
+        )
+        self.state = state
+        self.timeout = timeout
 
 
 class RunAbortedError(FsmRunnerError):

@@ -9,6 +9,7 @@ str enum) or a :class:`fsm_runner.PhaseStatus`. Raising is fine: the engine jour
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import inspect
 import logging
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 
 from fsm_runner.effects import perform
-from fsm_runner.events import PhaseStatus, event_name
-from fsm_runner.exceptions import PhaseTimeoutError, RunAbortedError
-from fsm_runner.records import ArtifactRecord, RunRecord
+from fsm_runner.events import WAITING, WOKEN, PhaseStatus, event_name
+from fsm_runner.exceptions import PhaseTimeoutError, RunAbortedError, WaitTimeoutError
+from fsm_runner.records import ArtifactRecord, RunRecord, SignalRecord, utc_now
 
 if TYPE_CHECKING:
     from fsm_runner.journal.base import Journal
@@ -33,6 +34,7 @@ __all__ = [
     "PhaseHandler",
     "PhaseHandlerObject",
     "PhaseResult",
+    "PhaseWaits",
     "to_phase_result",
 ]
 
@@ -97,6 +99,24 @@ class PhaseResult:
 
 #: What a handler may return.
 HandlerReturn = PhaseResult | str | enum.Enum | PhaseStatus
+
+
+class PhaseWaits(Exception):  # noqa: N818 - not an error: how a phase asks to be parked
+    """Raised by ``ctx.wait_for``/``ctx.sleep_until`` to end the phase and park the run.
+
+    The engine journals a ``WAITING`` self transition and lets go of the run; the phase runs
+    again once the signal (or the time) comes. Do not catch it in a handler: a handler that
+    swallows it goes on as if the wait had been answered.
+
+    Attributes:
+        signal: the signal waited for, or ``None`` for a sleep.
+        until: when the wait ends without one (UTC), or ``None`` for never.
+    """
+
+    def __init__(self, signal: str | None, until: dt.datetime | None) -> None:
+        self.signal = signal
+        self.until = until
+        super().__init__(f"waiting for {signal or 'a time'}")
 
 
 class PhaseContext:
@@ -227,6 +247,82 @@ class PhaseContext:
             if transition.from_state == state and transition.output is not None:
                 return transition.output
         return None
+
+    def _visit_transitions(self) -> list[Any]:
+        if self._journal is None:
+            return []
+        run = self.run
+        return list(self._journal.transitions(run.run_id, from_seq=run.visit_seq))
+
+    def wait_for(self, name: str, *, timeout: float | None = None) -> Any:
+        """Wait for the signal ``name`` from inside the phase; return its payload.
+
+        The first time, the phase ends here (:class:`PhaseWaits`: do not catch it) and the
+        run is parked where it is, holding no lease, until the signal comes
+        (``Engine.signal``; one sent earlier is in the run's mailbox already) or ``timeout``
+        seconds have passed; then the phase runs again from its start, and this call returns
+        the signal's payload at once. Effects recorded before the wait are not repeated (the
+        visit goes on). The state must declare the signal (``State(signals=...)``).
+
+        Raises:
+            WaitTimeoutError: the wait timed out with no signal (a ``PhaseTimeoutError``: the
+                engine journals ``TIMEOUT`` unless the handler catches it).
+            ValueError: the state does not declare the signal.
+        """
+        state = self._state
+        if state is None or name not in state.signals:
+            where = "this phase" if state is None else f"state {state.name!r}"
+            raise ValueError(f"{where} does not declare signal {name!r} (State(signals=...))")
+        until: dt.datetime | None = None
+        for transition in reversed(self._visit_transitions()):
+            result = transition.result if isinstance(transition.result, Mapping) else {}
+            if transition.event == WOKEN and result.get("for") == name:
+                if result.get("timed_out"):
+                    raise WaitTimeoutError(state=state.name, signal=name, timeout=timeout)
+                return result.get("output")
+            error = result.get("error")
+            if (
+                transition.event == WAITING
+                and isinstance(error, Mapping)
+                and error.get("for") == name
+                and isinstance(error.get("until"), str)
+            ):
+                until = dt.datetime.fromisoformat(error["until"])  # the first wait's deadline
+        if until is None and timeout is not None:
+            until = utc_now() + dt.timedelta(seconds=timeout)
+        raise PhaseWaits(name, until)
+
+    def sleep_until(self, when: dt.datetime) -> None:
+        """Return once ``when`` (an aware datetime) has come; until then the run is parked.
+
+        The phase ends here (:class:`PhaseWaits`) and the run is parked, holding no lease and
+        no process, until ``when``, across restarts; then the phase runs again from its start
+        and this call returns. Effects recorded before it are not repeated.
+        """
+        if when.tzinfo is None:
+            raise ValueError("sleep_until needs an aware datetime (UTC)")
+        if utc_now() >= when:
+            return
+        raise PhaseWaits(None, when.astimezone(dt.timezone.utc))
+
+    @property
+    def signal(self) -> SignalRecord | None:
+        """The signal whose consumption began this visit of the state, if one did.
+
+        A state entered on a signal (an approval, say) reads its name and payload here.
+        """
+        if self._journal is None:
+            return None
+        run = self.run
+        visit = run.visit_seq
+        (entered,) = self._journal.transitions(run.run_id, from_seq=visit, to_seq=visit)
+        number = entered.result.get("signal") if isinstance(entered.result, Mapping) else None
+        if not isinstance(number, int):
+            return None
+        signals = getattr(self._journal, "signals", None)
+        if signals is None:
+            return None
+        return next((s for s in signals(run.run_id) if s.number == number), None)
 
     @property
     def previous_state(self) -> str | None:

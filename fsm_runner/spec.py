@@ -213,6 +213,8 @@ class State:
         max_mutations: how many ``mutate`` effects one visit may perform; ``None`` for no limit.
         wait: for a state without a handler, how it waits (its deadline, what it asks); a
             non-terminal state without a handler waits for a signal even without one.
+        signals: the signals the phase may wait for from inside (``ctx.wait_for(name)``):
+            the run is parked where it is until one comes, then the phase runs again.
     """
 
     name: str
@@ -228,6 +230,7 @@ class State:
     allows: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_kinds)
     max_mutations: int | None = None
     wait: Wait | None = None
+    signals: tuple[str, ...] = attrs.field(default=(), converter=_items)
 
     @property
     def composite(self) -> bool:
@@ -532,8 +535,11 @@ class MachineSpec:
 
     @functools.cached_property
     def signal_names(self) -> frozenset[str]:
-        """Every signal some waiting state accepts: a signal of another name is refused."""
-        return frozenset(itertools.chain.from_iterable(self._accepted.values()))
+        """Every signal some waiting state, or some phase, accepts: another one is refused."""
+        phases = (s.signals for s in self.leaves if s.handler and isinstance(s.signals, tuple))
+        return frozenset(
+            itertools.chain(itertools.chain.from_iterable(self._accepted.values()), *phases)
+        )
 
     def wait_of(self, state: str) -> Wait | None:
         """How ``state`` waits: its :class:`Wait` (a bare one if it has none), or ``None``."""
@@ -660,6 +666,8 @@ class MachineSpec:
                 yield from (f"state {state.name!r}: {p}" for p in state.retry.problems())
             if state.wait is not None:
                 yield from self._wait_problems(state)
+            if state.signals:
+                yield from _phase_signal_problems(state)
             if (
                 handlers is not None
                 and isinstance(state.handler, str)
@@ -833,6 +841,16 @@ def _is_text(value: object) -> bool:
 
 def _transition_label(index: int, transition: Transition) -> str:
     return f"transition #{index} ({'|'.join(map(str, transition.source))} -{transition.event}->)"
+
+
+def _phase_signal_problems(state: State) -> Iterator[str]:
+    where = f"state {state.name!r}"
+    if not state.handler:
+        yield f"{where} declares signals, but only a phase waits for signals from inside"
+    for name in state.signals:
+        yield from _text_problems(f"{where}: signal", name)
+        if isinstance(name, str) and (not name or name in _NOT_SIGNALS):
+            yield f"{where}: {name!r} cannot be a signal (the engine journals it itself)"
 
 
 def _text_problems(name: str, value: object, *, kind: str = "a str") -> Iterator[str]:

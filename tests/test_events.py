@@ -65,6 +65,8 @@ class TestRunEvent:
             "SPEC_CHANGED",
             "STARTED",
             "USER_ABORTED",
+            "WAITING",
+            "WOKEN",
         ]
 
     def test_reserved_events_are_the_off_spec_events_a_spec_may_not_use(self):

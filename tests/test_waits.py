@@ -313,3 +313,142 @@ class TestDeadlines:
             assert [t.event for t in journal.transitions(run_id)].count("TIMEOUT") == 0
         finally:
             engine.close()
+
+
+class TestStartingToWait:
+    SPEC = MachineSpec(
+        "starts-waiting",
+        [State("asked", wait=Wait(timeout=0.2)), State("z", terminal=True)],
+        [Transition("asked", "OK", "z"), Transition("asked", "TIMEOUT", "z")],
+    )
+
+    @pytest.mark.parametrize("claim", [False, True])
+    def test_a_run_that_starts_waiting_gets_its_deadline(self, journal, claim):
+        engine = Engine(self.SPEC, handlers={}, journal=journal)
+        try:
+            first = engine.start(claim=claim)
+            (second,) = engine.start_many([None], claim=claim)
+            for run_id in (first, second):
+                assert journal.wake_time(run_id) is not None
+                assert journal.load(run_id).lease_owner is None
+            stop = threading.Event()
+            threading.Timer(3, stop.set).start()
+            assert engine.work(stop=stop, max_runs=2, idle_wait=5) == 2
+            for run_id in (first, second):
+                assert [t.event for t in journal.transitions(run_id)] == ["STARTED", "TIMEOUT"]
+        finally:
+            engine.close()
+
+
+REVIEWS: list[object] = []
+
+
+def review(ctx):
+    REVIEWS.append(ctx.effect("draft", lambda: "drafted", kind="read"))
+    answer = ctx.wait_for("verdict", timeout=ctx.input.get("timeout") if ctx.input else None)
+    REVIEWS.append(answer)
+    return "DONE" if answer.get("ok") else "REDO"
+
+
+def napping(ctx):
+    ctx.sleep_until(dt.datetime.fromisoformat(ctx.input["until"]))
+    return "DONE"
+
+
+PHASE_WAITS = MachineSpec(
+    "phase-waits",
+    [
+        State("reviewing", handler="review", signals=["verdict"]),
+        State("done", terminal=True),
+        State("late", terminal=True, outcome="failed"),
+    ],
+    [
+        Transition("reviewing", "DONE", "done"),
+        Transition("reviewing", "REDO", "reviewing"),
+        Transition("reviewing", "TIMEOUT", "late"),
+    ],
+)
+
+
+class TestPhaseWaits:
+    @pytest.fixture
+    def engine(self, journal):
+        REVIEWS.clear()
+        engine = Engine(PHASE_WAITS, handlers={"review": review}, journal=journal)
+        yield engine
+        engine.close()
+
+    def test_wait_for_parks_the_run_until_the_signal_then_the_phase_runs_again(self, engine):
+        journal = engine.journal
+        run_id = engine.start()
+        run = engine.run(run_id)
+        assert (run.state, run.lease_owner) == ("reviewing", None)
+        assert journal.transitions(run_id)[-1].event == "WAITING"
+        assert journal.wake_time(run_id) is not None  # never, by itself
+        assert engine.work(exit_when_idle=True) == 0  # not claimed while it waits
+        signal = engine.signal(run_id, "verdict", {"ok": True})
+        assert signal.status is SignalStatus.PENDING  # a worker of the app consumes it
+        assert engine.work(exit_when_idle=True) == 1
+        run = journal.load(run_id)
+        assert run.state == "done"
+        events = [t.event for t in journal.transitions(run_id)]
+        assert events == ["STARTED", "WAITING", "WOKEN", "DONE"]
+        assert REVIEWS == ["drafted", "drafted", {"ok": True}]  # the effect ran once
+        assert journal.signals(run_id)[0].consumed_seq == 2
+
+    def test_a_signal_sent_before_the_phase_waits_answers_it_at_once(self, engine):
+        run_id = engine.start()
+        engine.signal(run_id, "verdict", {"ok": True})
+        assert engine.run(run_id).state == "done"
+        events = [t.event for t in engine.journal.transitions(run_id)]
+        assert events == ["STARTED", "WAITING", "WOKEN", "DONE"]
+
+    def test_wait_for_times_out_as_the_phase_timing_out(self, engine):
+        run_id = engine.start({"timeout": 0.2})
+        engine.run(run_id)
+        stop = threading.Event()
+        threading.Timer(3, stop.set).start()
+        engine.work(stop=stop, max_runs=1, idle_wait=5)
+        run = engine.journal.load(run_id)
+        assert (run.state, run.status.value) == ("late", "failed")
+        events = [t.event for t in engine.journal.transitions(run_id)]
+        assert events == ["STARTED", "WAITING", "WOKEN", "TIMEOUT"]
+
+    def test_sleep_until_parks_the_run_until_then(self, journal):
+        until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=0.3)
+        spec = MachineSpec(
+            "naps",
+            [State("napping", handler="nap"), State("done", terminal=True)],
+            [Transition("napping", "DONE", "done")],
+        )
+        napper = Engine(spec, handlers={"nap": napping}, journal=journal)
+        try:
+            run_id = napper.start({"until": until.isoformat()})
+            assert napper.run(run_id).state == "napping"
+            assert napper.work(exit_when_idle=True) == 0
+            stop = threading.Event()
+            threading.Timer(3, stop.set).start()
+            napper.work(stop=stop, max_runs=1, idle_wait=5)
+            assert journal.load(run_id).state == "done"
+            assert dt.datetime.now(dt.timezone.utc) >= until
+            events = [t.event for t in journal.transitions(run_id)]
+            assert events == ["STARTED", "WAITING", "WOKEN", "DONE"]
+        finally:
+            napper.close()
+
+    def test_a_signal_the_phase_does_not_declare_is_refused(self, engine):
+        run_id = engine.start()
+        with pytest.raises(InvalidTransitionError):
+            engine.signal(run_id, "approval")
+
+    def test_replay_reads_the_waits(self, engine):
+        from fsm_runner.replay import replay_run
+
+        run_id = engine.start()
+        engine.run(run_id)
+        engine.signal(run_id, "verdict", {"ok": False})
+        engine.work(exit_when_idle=True, max_runs=1)
+        engine.signal(run_id, "verdict", {"ok": True})
+        engine.work(exit_when_idle=True, max_runs=1)
+        assert engine.journal.load(run_id).state == "done"
+        replay_run(engine.journal, run_id)  # raises ReplayMismatchError on a mismatch

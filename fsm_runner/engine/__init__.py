@@ -20,9 +20,10 @@ logic is :mod:`fsm_runner.rules`.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 from fsm_runner.engine import waits
@@ -333,6 +334,8 @@ class Engine:
         core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
         self._leases.started([run])
         core.notify(first, run)
+        if self._starts_waiting:
+            self._park_started([run.run_id])
         return run.run_id
 
     def start_many(
@@ -378,7 +381,30 @@ class Engine:
         if core.listeners:
             for run, first, _ in batch:
                 core.notify(first, run)
-        return [run.run_id for run, _, _ in batch]
+        run_ids = [run.run_id for run, _, _ in batch]
+        if self._starts_waiting:
+            self._park_started(run_ids)
+        return run_ids
+
+    @functools.cached_property
+    def _starts_waiting(self) -> bool:
+        """Whether runs start in a state that waits with a deadline (see :meth:`_park_started`)."""
+        spec = self._core.spec
+        wait = spec.wait_of(spec.initial_leaf)
+        return wait is not None and wait.timeout is not None
+
+    def _park_started(self, run_ids: Sequence[str]) -> None:
+        """Give runs that start waiting with a deadline their wake time: claim and park each.
+
+        A new run is stored without one (the start's rows are the hot path of every run); a
+        claim and a release in a waiting state (:meth:`LeaseKeeper.let_go`) park it, which sets
+        its wake time to its deadline. A run started holding is let go of here.
+        """
+        leases = self._leases
+        for run_id in run_ids:
+            if not leases.holds(run_id):
+                leases.claim(run_id)
+            leases.let_go(run_id)
 
     def _lease(self, claim: bool) -> tuple[str, dt.timedelta] | None:
         """The lease a run is started holding: this engine's, or none."""

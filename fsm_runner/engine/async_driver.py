@@ -28,10 +28,10 @@ from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.core import PLAIN_RETURNS, Planned, StepCore, new_commit
 from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.leases import LeaseKeeper, unleased
-from fsm_runner.events import USER_ABORTED
+from fsm_runner.events import USER_ABORTED, WAITING
 from fsm_runner.exceptions import RunConflictError
 from fsm_runner.journal.base import Commit, Journal
-from fsm_runner.phases import PhaseContext
+from fsm_runner.phases import PhaseContext, PhaseWaits
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.rules.decisions import PhaseOutcome, PhaseStep, retry_wait
 from fsm_runner.rules.reducer import ACTIVE as _ACTIVE
@@ -110,7 +110,12 @@ class AsyncDriver:
             while (max_steps is None or steps < max_steps) and run.status is _ACTIVE:  # not ended
                 try:
                     handler = fast.get(run.state)
-                    if handler is None or run.abort_reason is not None or run_id in aborts:
+                    if (
+                        handler is None
+                        or run.error is not None  # a phase parked it, perhaps (see _astep)
+                        or run.abort_reason is not None
+                        or run_id in aborts
+                    ):
                         transition, after = await self._astep(run)
                     else:
                         ctx = PhaseContext(
@@ -165,9 +170,9 @@ class AsyncDriver:
                     if run.ended:
                         return run  # another writer ended it: its row as the journal has it
                     continue  # refused for an abort requested meanwhile: carried out next
+                run = after
                 if transition is None:
                     break
-                run = after
                 steps += 1
         finally:
             self.leases.let_go(run_id, ended=run.ended)  # ended: its last commit let go
@@ -186,6 +191,11 @@ class AsyncDriver:
         pending_abort = core.held.aborts.get(run.run_id) or run.abort_reason
         if pending_abort is not None:
             return await self._awrite(core.plan_abort(run, pending_abort))
+        if run.error is not None and run.error.get("type") == WAITING:  # its phase parked it
+            transition, after = core.wait_move(run)
+            if transition is None:
+                return None, run  # it waits on
+            run = after  # WOKEN: the phase runs again
         step = core.prepare(run)
         if step is None:  # it waits: a signal it accepts, or its deadline, moves it
             return core.wait_move(run)
@@ -222,6 +232,8 @@ class AsyncDriver:
         self, step: PhaseStep, outcome: PhaseOutcome
     ) -> tuple[TransitionRecord, RunRecord]:
         """Journal a phase's outcome, or a retry of it (then wait before the next attempt)."""
+        if type(outcome.error) is PhaseWaits:  # ctx.wait_for / sleep_until: parked here
+            return self.core.park_phase(step, outcome.error)
         wait = retry_wait(step, outcome)
         if wait is None:
             return await self._awrite(self.core.decide(step, outcome))

@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from fsm_runner._convert import format_utc
 from fsm_runner._json import dumps_json, error_info, storable_text
 from fsm_runner.engine import waits
 from fsm_runner.engine.held import HeldRuns
@@ -39,6 +40,7 @@ from fsm_runner.events import (
     SYSTEM_ERROR,
     TIMEOUT,
     USER_ABORTED,
+    WAITING,
 )
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -56,7 +58,7 @@ from fsm_runner.exceptions import (
 from fsm_runner.journal import Journal, SqliteJournal
 from fsm_runner.journal.base import Commit
 from fsm_runner.machine import Guard, compile_spec
-from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult, split_handler
+from fsm_runner.phases import PhaseContext, PhaseHandler, PhaseResult, PhaseWaits, split_handler
 from fsm_runner.records import (
     ArtifactRecord,
     IterationRecord,
@@ -351,17 +353,55 @@ class StepCore:
     def wait_move(self, run: RunRecord) -> tuple[TransitionRecord | None, RunRecord]:
         """A run held where it waits: consume a signal, or time out (``None``: it waits on).
 
-        See :mod:`fsm_runner.engine.waits`: the oldest pending signal the state accepts, else
-        the wait's ``on_timeout`` once its deadline has passed; committed with the signal it
-        consumes in one transaction, then the listeners are told.
+        See :mod:`fsm_runner.engine.waits`: in a waiting state, the oldest pending signal the
+        state accepts, else the wait's ``on_timeout`` once its deadline has passed; for a run
+        its phase parked, ``WOKEN`` by the signal it waits for or its time. Committed with the
+        signal it consumes in one transaction, then the listeners are told. A run that waits
+        on is marked parked here (its let-go parks it).
         """
-        if self.spec.wait_of(run.state) is None:
+        if waits.parked_phase(run) is not None:
+            move = waits.phase_move(self.journal, self.spec, run)
+        elif self.spec.wait_of(run.state) is not None:
+            move = waits.next_move(self.journal, self.spec, run, self.guards)
+        else:
             return None, run
-        move = waits.next_move(self.journal, self.spec, run, self.guards)
         if move is None:
+            with self.held.lock:
+                self.held.parked.add(run.run_id)
             return None, run
         waits.write_move(self.journal, move)
         return self.committed(move[0], move[1])
+
+    def park_phase(
+        self, step: PhaseStep, waits_for: PhaseWaits
+    ) -> tuple[TransitionRecord, RunRecord]:
+        """A phase asked to wait (``ctx.wait_for``/``sleep_until``): journal ``WAITING``.
+
+        A self transition of the same visit whose result's error says what the run waits
+        for and until when (the run row carries it, so whoever holds the run next knows); the
+        run is marked parked, so its let-go parks it (see :mod:`fsm_runner.engine.waits`).
+        """
+        run = step.run
+        until = waits_for.until
+        what = f"signal {waits_for.signal!r}" if waits_for.signal is not None else "a time"
+        error = {
+            "type": WAITING,
+            "message": f"waiting for {what}" + (f" until {format_utc(until)}" if until else ""),
+            "for": waits_for.signal,
+            "until": None if until is None else format_utc(until),
+        }
+        planned = self.plan(
+            run,
+            WAITING,
+            run.state,
+            result={"error": error},
+            duration_ms=(self.clock() - step.started) * 1000.0,
+            kind="wait",
+        )
+        committed = self.write(planned)
+        with self.held.lock:
+            self.held.parked.add(run.run_id)
+        return committed
 
     def close_phase(self, run_id: str) -> None:
         """The phase has returned: forget it, and refuse its effects from now on."""

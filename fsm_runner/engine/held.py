@@ -29,7 +29,10 @@ class HeldRuns:
         self.active: dict[str, PhaseContext] = {}
         #: aborts to carry out at a run's next step (requested here, or seen by the heartbeat)
         self.aborts: dict[str, str] = {}
-        #: guards the two maps, and the lease keeper's holds
+        #: runs whose phase parked them here (``ctx.wait_for``/``sleep_until``): let go of by
+        #: parking, not by a plain release
+        self.parked: set[str] = set()
+        #: guards the maps, and the lease keeper's holds
         self.lock = threading.Lock()
         _fork.register(self)
 
@@ -38,3 +41,4 @@ class HeldRuns:
         self.lock = threading.Lock()
         self.active.clear()
         self.aborts.clear()
+        self.parked.clear()

@@ -367,10 +367,16 @@ class LeaseKeeper:
             return
         core = self._core
         journal = core.journal
+        held = core.held
         try:
-            if core.spec.waiting_states:  # a run let go of where it waits is parked
+            parked = False
+            if held.parked:
+                with held.lock:
+                    parked = run_id in held.parked
+                    held.parked.discard(run_id)
+            if parked or core.spec.waiting_states:  # a run let go of where it waits is parked
                 run = journal.load(run_id)
-                if run.spec_hash == core.spec.spec_hash and core.spec.wait_of(run.state):
+                if run.spec_hash == core.spec.spec_hash and waits.waits_now(core.spec, run):
                     waits.park(journal, core.spec, run, (self.worker_id, hold.token), core.guards)
                     return
             journal.release(run_id, self.worker_id, hold.token)

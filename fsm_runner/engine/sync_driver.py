@@ -21,9 +21,9 @@ from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.core import PLAIN_RETURNS, StepCore
 from fsm_runner.engine.deadlines import with_deadline
 from fsm_runner.engine.leases import LeaseKeeper, unleased
-from fsm_runner.events import REWOUND, USER_ABORTED, event_name
+from fsm_runner.events import REWOUND, USER_ABORTED, WAITING, event_name
 from fsm_runner.exceptions import InvalidTransitionError, RunConflictError
-from fsm_runner.phases import PhaseContext
+from fsm_runner.phases import PhaseContext, PhaseWaits
 from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.rules.classify import StepKind
 from fsm_runner.rules.decisions import PhaseOutcome, PhaseStep, retry_wait
@@ -114,16 +114,21 @@ class SyncDriver:
         while (max_steps is None or steps < max_steps) and run.status is _ACTIVE:  # not ended
             try:
                 handler = fast.get(run.state)
-                if handler is None or run.abort_reason is not None or run.run_id in aborts:
+                if (
+                    handler is None
+                    or run.error is not None  # a phase parked it, perhaps (see _step)
+                    or run.abort_reason is not None
+                    or run.run_id in aborts
+                ):
                     transition, after = self._step(run)
                 else:
                     transition, after = self._step_fast(run, handler)
             except RunConflictError as refused:
                 run = core.after_refusal(run.run_id, refused)
                 continue  # ended elsewhere (the loop stops), or an abort the next step carries out
+            run = after
             if transition is None:
                 break
-            run = after
             steps += 1
         return run
 
@@ -193,6 +198,11 @@ class SyncDriver:
         pending_abort = self._aborts.get(run_id) or run.abort_reason
         if pending_abort is not None:
             return core.write(core.plan_abort(run, pending_abort))
+        if run.error is not None and run.error.get("type") == WAITING:  # its phase parked it
+            transition, after = core.wait_move(run)
+            if transition is None:
+                return None, run  # it waits on
+            run = after  # WOKEN: the phase runs again
         fast = core.fast.get(run.state)
         if fast is not None:
             return self._step_fast(run, fast)
@@ -272,6 +282,8 @@ class SyncDriver:
     def _settle(self, step: PhaseStep, outcome: PhaseOutcome) -> tuple[TransitionRecord, RunRecord]:
         """Journal a phase's outcome, or a retry of it (then wait before the next attempt)."""
         core = self.core
+        if type(outcome.error) is PhaseWaits:  # ctx.wait_for / sleep_until: parked here
+            return core.park_phase(step, outcome.error)
         wait = retry_wait(step, outcome)
         if wait is None:
             return core.write(core.decide(step, outcome))

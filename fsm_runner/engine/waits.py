@@ -28,8 +28,8 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from fsm_runner._convert import format_utc
-from fsm_runner.events import event_name
+from fsm_runner._convert import format_utc, parse_utc
+from fsm_runner.events import WAITING, WOKEN, event_name
 from fsm_runner.exceptions import (
     InvalidTransitionError,
     LeaseHeldError,
@@ -43,7 +43,11 @@ from fsm_runner.records import RunRecord, SignalRecord, SignalStatus, Transition
 from fsm_runner.rules.reducer import take
 from fsm_runner.spec import MachineSpec
 
-__all__ = ["Move", "deadline", "next_move", "signal_run"]
+__all__ = ["NEVER", "Move", "deadline", "next_move", "parked_phase", "signal_run", "waits_now"]
+
+#: The wake time of a phase parked for a signal with no deadline: a run with a wake time is
+#: claimed only once it has come (``claim_next``), and this one never comes by itself.
+NEVER = dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc)
 
 #: A waiting run's next move: its transition and row after it, and the signal it consumes
 #: (``None``: the deadline's ``on_timeout``).
@@ -65,6 +69,28 @@ def deadline(journal: Journal, spec: MachineSpec, run: RunRecord) -> dt.datetime
     entered = journal.transitions(run.run_id, from_seq=run.visit_seq, to_seq=run.visit_seq)
     start = entered[0].at if entered else run.updated_at
     return start + dt.timedelta(seconds=wait.timeout)
+
+
+def parked_phase(run: RunRecord) -> tuple[str | None, dt.datetime | None] | None:
+    """What a run whose phase parked it waits for: (signal or ``None``, until or ``None``).
+
+    ``None`` when its phase did not park it (its last transition is no ``WAITING``: the run
+    row's error says so, as the ``WAITING`` transition's result set it).
+    """
+    error = run.error
+    if error is None or error.get("type") != WAITING:
+        return None
+    signal = error.get("for")
+    until = error.get("until")
+    return (
+        signal if isinstance(signal, str) else None,
+        parse_utc(until) if isinstance(until, str) else None,
+    )
+
+
+def waits_now(spec: MachineSpec, run: RunRecord) -> bool:
+    """Whether the run waits: in a waiting state, or parked by its phase."""
+    return spec.wait_of(run.state) is not None or parked_phase(run) is not None
 
 
 def _resolvable(spec: MachineSpec, state: str, event: str, guards: Mapping[str, Guard]) -> bool:
@@ -120,6 +146,40 @@ def next_move(
     return transition, after, None
 
 
+def phase_move(
+    journal: Journal, spec: MachineSpec, run: RunRecord, *, now: dt.datetime | None = None
+) -> Move | None:
+    """What wakes a run its phase parked: the signal it waits for, or its time (``WOKEN``).
+
+    ``None`` while it waits on. The ``WOKEN`` self transition records what woke it (the
+    signal's payload as its output, or that the wait timed out) for the phase, which runs
+    again after it and finds the answer (``ctx.wait_for``, ``ctx.sleep_until``).
+    """
+    parked = parked_phase(run)
+    if parked is None:
+        return None
+    signal, until = parked
+    number: int | None = None
+    result: dict[str, Any] | None = None
+    if signal is not None:
+        found = next(
+            (s for s in journal.signals(run.run_id, pending=True) if s.name == signal), None
+        )
+        if found is not None:
+            number = found.number
+            result = {"for": signal, "signal": number}
+            if found.payload is not None:
+                result["output"] = found.payload
+    if result is None and until is not None and until <= (now or utc_now()):
+        result = {"for": signal, "timed_out": signal is not None}
+    if result is None:
+        return None
+    transition, after = take(
+        spec, run, WOKEN, run.state, result=result, duration_ms=0.0, at=utc_now(), kind="wait"
+    )
+    return transition, after, number
+
+
 def write_move(journal: Journal, move: Move) -> None:
     """Commit a waiting run's move: with the signal it consumes, in one transaction."""
     transition, after, number = move
@@ -142,6 +202,17 @@ def park(
     run at once again (no worker would loop on it): it waits for the deadline, or for another
     signal. One whose guards cannot be asked here wakes it, for a worker of the app to ask.
     """
+    parked = parked_phase(run)
+    if parked is not None:
+        name, until = parked
+        owner, token = lease
+        return journal.park(
+            run.run_id,
+            owner,
+            token,
+            wake_at=until or (NEVER if name is not None else None),
+            accepts=() if name is None else (name,),
+        )
     accepts = set(spec.accepts(run.state))
     if accepts:
         machine = compile_spec(spec)
@@ -275,7 +346,7 @@ def let_go(
     """Give up the lease of a run held: parked if it waits, released otherwise (not if ended)."""
     if run.ended:
         return  # the commit that ended it cleared its lease
-    if spec.wait_of(run.state) is not None:
+    if waits_now(spec, run):
         park(journal, spec, run, lease, guards)
     else:
         journal.release(run.run_id, *lease)

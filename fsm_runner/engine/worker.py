@@ -66,9 +66,10 @@ class Worker:
         return taken
 
     def _idle_for(self, idle_wait: float) -> float:
-        """Seconds to wait for work: ``idle_wait``, or less when a parked run wakes sooner."""
-        if not self.core.spec.waiting_states:
-            return idle_wait
+        """Seconds to wait for work: ``idle_wait``, or less when a parked run wakes sooner.
+
+        One read of an index (``next_wake``): any phase may park its run (``sleep_until``).
+        """
         try:
             wake = self.core.journal.next_wake(machine=self.core.spec.name)
         except FsmRunnerError as exc:

@@ -359,11 +359,13 @@ class Journal(Protocol):
         """Claim the oldest runnable run (first started), or return ``None`` when there is none.
 
         Runnable: active, of ``machine`` (and ``spec_hash`` if given), with no live lease, and
-        either in one of ``states`` (those with a handler) or due: its wake time (see
-        :meth:`park`, :meth:`put_signal`) has come, whatever its state. Choosing and claiming
+        either in one of ``states`` (those with a handler) with no wake time, or due: its wake
+        time (see :meth:`park`, :meth:`put_signal`) has come, whatever its state (a run its
+        phase parked, with a wake time to come, is not runnable before). Choosing and claiming
         are one transaction, so two workers never claim the same run; taking over an expired
-        lease counts as a recovery, as in :meth:`claim`. A claim leaves the wake time as it
-        is; a run that ends has none.
+        lease counts as a recovery, as in :meth:`claim`. Every claim (this one,
+        :meth:`claim`, ``claim_many``, a run created holding its lease) clears the run's wake
+        time: its holder parks it again if it still waits. A run that ends has none.
         """
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:

@@ -423,6 +423,7 @@ class MemoryJournal:
             takeover = _lease.grant(run, owner, now, take_over=take_over)
             expires = now + dt.timedelta(seconds=ttl)
             claimed = self._runs[run_id] = _lease.claimed(run, owner, expires, takeover=takeover)
+            self._wakes.pop(run_id, None)  # its holder parks it again if it still waits
             return claimed
 
     def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
@@ -443,6 +444,7 @@ class MemoryJournal:
             claimed = self._runs[run.run_id] = _lease.claimed(
                 stored, owner, expires, takeover=False
             )
+            self._wakes.pop(run.run_id, None)
             return claimed
 
     def claim_many(
@@ -475,7 +477,10 @@ class MemoryJournal:
                 for run in self._runs.values()
                 if not run.ended
                 and run.machine == machine
-                and (run.state in states or self._due(run.run_id, now))
+                and (
+                    (run.state in states and run.run_id not in self._wakes)
+                    or self._due(run.run_id, now)
+                )
                 and (spec_hash is None or run.spec_hash == spec_hash)
                 and _lease.unheld(run, now)
             ]

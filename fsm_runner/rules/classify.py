@@ -42,6 +42,8 @@ from fsm_runner.events import (
     SPEC_CHANGED,
     STARTED,
     USER_ABORTED,
+    WAITING,
+    WOKEN,
 )
 from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import RETURN, MachineSpec, State
@@ -63,7 +65,8 @@ __all__ = [
 #: (``INTERRUPTED``), both continuing the visit; a ``stop`` in place (``USER_ABORTED`` where the
 #: state has no exit for it); a ``rewind`` (``REWOUND``); a ``park`` (``DEAD_LETTERED``:
 #: recovery gave up on the run where it stood); a ``spec_change`` (``SPEC_CHANGED``: the run
-#: goes on under another spec).
+#: goes on under another spec); a ``wait`` (``WAITING``: a phase parked the run where it is, to
+#: wait for a signal or a time; ``WOKEN``: what woke it, before the phase runs again).
 StepKind = Literal[
     "start",
     "transition",
@@ -74,6 +77,7 @@ StepKind = Literal[
     "rewind",
     "park",
     "spec_change",
+    "wait",
 ]
 
 
@@ -196,6 +200,12 @@ def _engine_kind(  # noqa: PLR0911 - one return per engine event reads best
         return "stop"
     if event == SPEC_CHANGED and dest == state:
         return "spec_change"
+    if event in (WAITING, WOKEN):
+        if dest != state:
+            problems.append(
+                Problem(f"state {state!r} (a phase waits where it is)", f"state {dest!r}")
+            )
+        return "wait"
     if event == DEAD_LETTERED:
         if dest != state:
             problems.append(

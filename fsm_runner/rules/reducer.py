@@ -50,7 +50,9 @@ __all__ = [
 ]
 
 #: Kinds that continue the visit the run is on (no new visit, no new iteration).
-_SAME_VISIT: frozenset[str] = frozenset({"retry", "interruption", "stop", "park", "spec_change"})
+_SAME_VISIT: frozenset[str] = frozenset(
+    {"retry", "interruption", "stop", "park", "spec_change", "wait"}
+)
 #: Kinds that are the next attempt of the visit.
 _NEXT_ATTEMPT: frozenset[str] = frozenset({"retry", "interruption"})
 #: Kinds whose transition is the spec's: a guard's reason becomes the run's error.
@@ -229,7 +231,7 @@ def _visit(
         if kind in _NEXT_ATTEMPT:
             attempt = run.attempt + 1
         else:
-            attempt = run.attempt if kind == "spec_change" else 1
+            attempt = run.attempt if kind in ("spec_change", "wait") else 1
         return attempt, run.visit_seq, run.return_to, run.return_attempt, run.return_visit
     if dest == run.state:  # a self transition keeps where to return to
         return 1, seq, run.return_to, run.return_attempt, run.return_visit
