@@ -205,6 +205,50 @@ class TestWaitingTab:
         assert old_run not in listing.body
 
 
+def _review(ctx):
+    answer = ctx.wait_for("verdict")
+    return "DONE" if answer.get("ok") else "REDO"
+
+
+#: A phase that waits from inside (``ctx.wait_for``): its run is parked in a state with a handler.
+PHASE_WAITS = MachineSpec(
+    "phase-waits",
+    [State("reviewing", handler="review", signals=["verdict"]), State("done", terminal=True)],
+    [Transition("reviewing", "DONE", "done"), Transition("reviewing", "REDO", "reviewing")],
+)
+
+
+class TestPhaseWaits:
+    """A run its phase parked (``ctx.wait_for``) is listed, shown and answered too."""
+
+    def test_listed_shown_and_answered(self, site):
+        engine = Engine(PHASE_WAITS, handlers={"review": _review}, journal=site.journal)
+        run_id = engine.start({})
+        assert engine.run(run_id).state == "reviewing"
+        running = engine.start({})  # in the same state, not parked: not waiting
+        server = site.serve(actions=True)
+        listing = server.get("/runs?waiting=1")
+        (row,) = cells(listing.body, "waiting-run")
+        assert re.findall(r'waiting-run" data-run-id="([^"]+)"', listing.body) == [run_id]
+        assert running not in listing.body
+        assert (row["accepts"], row["deadline"]) == ("verdict", "none")
+        page = server.get(f"/runs/{run_id}")
+        assert "Its phase waits in" in page.body
+        assert re.findall(r'class="answer" data-signal="([^"]+)"', page.body) == ["verdict"]
+        token = csrf_token(page.body)
+        answer = server.post(
+            f"/runs/{run_id}/signal", form(csrf_token=token, name="verdict", payload='{"ok": true}')
+        )
+        assert answer.status == 303
+        engine.work(exit_when_idle=True)  # a worker of the app wakes the phase
+        assert site.journal.load(run_id).state == "done"
+        done = server.get(f"/runs/{run_id}")
+        assert '<section class="waiting"' not in done.body
+        woken = re.search(r'data-seq="2" data-signal="(\d+)"', done.body)
+        assert woken
+        engine.close()
+
+
 class TestRunPage:
     """A waiting run's page: its prompt and schema, escaped; answer forms only with actions."""
 

@@ -20,6 +20,7 @@ import attrs
 
 from fsm_runner.command_line import suggested_command
 from fsm_runner.diagrams import Graph, extract
+from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
 from fsm_runner.replay import check_journal
@@ -137,45 +138,65 @@ def _payload(value: Any) -> str:
 def waiting_of(
     journal: Journal, spec: MachineSpec, run: RunRecord, *, now: dt.datetime | None = None
 ) -> dict[str, Any] | None:
-    """What an active run waiting in a waiting state of its spec waits for; else ``None``.
+    """What an active run waits for, if it waits; else ``None``.
 
-    The signals its state accepts, its prompt and payload schema, since when it waits (its
-    ``updated_at``), its deadline (its wake time if that is to come, else the wait's timeout
-    after since; ``None``: it waits for ever) and its pending signals.
+    A run in a waiting state of its spec: the signals the state accepts, its prompt and
+    payload schema, its deadline (its wake time if that is to come, else the wait's timeout
+    after since; "none": it waits for ever). A run its phase parked (``ctx.wait_for``,
+    ``ctx.sleep_until``): the signal the phase waits for, if any, and until when. Both with
+    since when it waits (its ``updated_at``) and its pending signals.
     """
-    if run.ended or run.state not in spec.waiting_states:
+    if run.ended:
         return None
-    wait = spec.wait_of(run.state)
-    assert wait is not None  # a waiting state has a Wait, if only a bare one
     now = now or utc_now()
-    due = journal.wake_time(run.run_id)
-    if due is None or due <= now:
-        due = None
-        if wait.timeout is not None and run.updated_at is not None:
-            due = run.updated_at + dt.timedelta(seconds=wait.timeout)
-    schema = (
-        json.dumps(wait.schema, ensure_ascii=False, indent=1, sort_keys=True, default=str)
-        if wait.schema is not None
-        else ""
-    )
+    wait = spec.wait_of(run.state)
+    phase = parked_phase(run) if wait is None else None
+    if wait is None and phase is None:
+        return None
+    accepts: list[str] = []
+    prompt = schema = on_timeout = ""
+    due: dt.datetime | None = None
+    if wait is not None:
+        accepts = sorted(spec.accepts(run.state))
+        prompt = wait.prompt
+        if wait.schema is not None:
+            schema = json.dumps(
+                wait.schema, ensure_ascii=False, indent=1, sort_keys=True, default=str
+            )
+        due = journal.wake_time(run.run_id)
+        if due is None or due <= now:
+            due = None
+            if wait.timeout is not None and run.updated_at is not None:
+                due = run.updated_at + dt.timedelta(seconds=wait.timeout)
+        on_timeout = wait.on_timeout if wait.timeout is not None else ""
+    elif phase is not None:
+        name, due = phase
+        accepts = [name] if name is not None else []
     return {
         "state": run.state,
-        "accepts": sorted(spec.accepts(run.state)),
-        "prompt": _clip(wait.prompt),
+        "phase": phase is not None,
+        "accepts": accepts,
+        "prompt": _clip(prompt),
         "schema": _clip(schema),
         "since": _time(run.updated_at),
         "deadline": _time(due) or "none",
-        "on_timeout": wait.on_timeout if wait.timeout is not None else "",
+        "on_timeout": on_timeout,
         "pending": signal_rows(journal.signals(run.run_id, pending=True)),
         "command": suggested_command(
             "fsm-runner",
             journal.location,
             "signal",
             run.run_id[:12],
-            min(spec.accepts(run.state), default="NAME"),
+            accepts[0] if accepts else "NAME",
             name_journal=True,
         ),
     }
+
+
+def _waits_in(spec: MachineSpec) -> set[str]:
+    """The states a run of ``spec`` may wait in: its waiting states, and phases with signals."""
+    phases = {s.name for s in spec.leaves if s.handler and s.signals and isinstance(s.name, str)}
+    return set(spec.waiting_states) | phases
 
 
 def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
@@ -183,9 +204,11 @@ def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
 
     Index-served: for each machine and each waiting state of its specs, the machine's active
     runs in that state (``runs(machine=, status="active", state=)``), at most a page each;
-    never a listing of every run. The machines are the one named, or else those of the newest
-    :data:`WAITING_SCAN` active runs (``partial`` says the scan was full: name a machine to
-    be sure to see all of its waiting runs).
+    never a listing of every run. The states whose phase declares signals are read so too,
+    for the runs their phase parked (``ctx.wait_for``); a phase that only sleeps
+    (``ctx.sleep_until``) in a state without signals is not looked for. The machines are the
+    one named, or else those of the newest :data:`WAITING_SCAN` active runs (``partial`` says
+    the scan was full: name a machine to be sure to see all of its waiting runs).
     """
     spec_of = _specs(journal)
     hashes: dict[str, set[str]] = {}
@@ -205,7 +228,7 @@ def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
         seen.update(run.spec_hash for run in newest)
         states: set[str] = set()
         for spec_hash in sorted(seen):
-            states.update(spec_of(spec_hash).waiting_states)
+            states.update(_waits_in(spec_of(spec_hash)))
         if query.state:
             states &= {query.state}
         for state in sorted(states):
@@ -220,8 +243,8 @@ def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
             more = more or len(runs) > RUNS_PAGE
             for run in runs[:RUNS_PAGE]:
                 spec = spec_of(run.spec_hash)
-                if state in spec.waiting_states:  # an older spec may not wait there
-                    found[run.run_id] = (run, spec)
+                if state in spec.waiting_states or parked_phase(run) is not None:
+                    found[run.run_id] = (run, spec)  # (an older spec may not wait there)
     ordered = sorted(
         found.values(), key=lambda pair: (pair[0].updated_at or pair[0].created_at, pair[0].run_id)
     )
