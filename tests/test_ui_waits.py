@@ -566,3 +566,100 @@ class TestInBrowser:
         finally:
             gate.set()
             worker.join()
+
+    def test_approve_a_waiting_agent_loop_run(
+        self, site, page, browser, tmp_path, lean_child_pytest
+    ):
+        """The issue's acceptance: the demo's agent loop with its approval gate, real services.
+
+        A worker runs it (the scripted agent and pytest as subprocesses, git snapshots) to the
+        gate. From the inspector: REJECT with a comment; the watching page shows the loop build
+        again, live, and stand at the gate again with its answer buttons back; APPROVE; the run
+        succeeds, and a second page, open on the run all along, shows every step live.
+        """
+        from playwright.sync_api import expect
+
+        commands = pytest.importorskip("fsm_runner.presets.agent_loop.commands")
+        if not hasattr(commands, "make_approval_engine"):
+            pytest.skip("the agent loop has no approval gate yet")
+        from fsm_runner.presets.agent_loop import APPROVAL_PROMPT as GATE_PROMPT
+
+        worker = AgentWorker(site, commands.make_approval_engine)
+        try:
+            spec_engine = commands.make_approval_engine(site.journal)
+            work = commands.create_demo_project(tmp_path)
+            run_id = spec_engine.start(commands.demo_input(work, approval=True))
+
+            def at_the_gate() -> bool:
+                run = site.journal.load(run_id)
+                return run.state == "awaiting_approval" and run.lease_owner is None
+
+            wait_until(at_the_gate, "the agent loop to reach its approval gate", timeout=180)
+            server = site.serve(actions=True)
+            watcher = browser.new_page(viewport={"width": 1280, "height": 900})
+            watcher.goto(f"{server.url}/runs/{run_id}")
+            watcher.evaluate("window.notReloaded = true")
+
+            page.goto(f"{server.url}/runs?waiting=1&machine=agent-loop-approval")
+            page.click(f"tr.waiting-run[data-run-id='{run_id}'] td.id a")
+            page.wait_for_url(f"**/runs/{run_id}")
+            expect(page.locator("#waiting p.prompt")).to_have_text(GATE_PROMPT)
+            reject = page.locator("form.answer[data-signal='REJECT']")
+            reject.locator("textarea[name=payload]").fill('{"comment": "Say what add does."}')
+            reject.locator("button").click()
+            page.wait_for_url(lambda url: "signal=" in url)
+            before = site.journal.load(run_id).seq
+
+            # the worker builds again with the comment as feedback; the page follows live
+            expect(page.locator("#run-state")).to_have_text("awaiting_approval", timeout=180_000)
+            approve = page.locator("form.answer[data-signal='APPROVE']")  # back, live
+            expect(approve).to_have_count(1)
+            assert site.journal.load(run_id).seq > before
+            assert page.locator("#timeline-rows tr.consumed-signal").count() == 1  # the REJECT
+            approve.locator("button").click()
+            page.wait_for_url(lambda url: "signal=" in url)
+            expect(page.locator("#outcome")).to_have_attribute("data-status", "consumed")
+            expect(page.locator("#run-status")).to_have_text("succeeded")
+
+            expect(watcher.locator("#run-status")).to_have_text("succeeded", timeout=10_000)
+            expect(watcher.locator("#waiting")).to_have_count(0)
+            assert watcher.evaluate("window.notReloaded") is True
+            last = site.journal.load(run_id).seq
+            expect(watcher.locator(f"#timeline-rows tr[data-seq='{last}']")).to_have_count(1)
+            marked = watcher.locator("#timeline-rows tr.consumed-signal td.event").all_inner_texts()
+            assert [m.split()[0] for m in marked] == ["REJECT", "APPROVE"]
+            statuses = watcher.locator("#signals tr.signal").evaluate_all(
+                "rows => rows.map(r => r.dataset.status)"
+            )
+            assert statuses == ["consumed", "consumed"]
+            assert '"Say what add does."' in (work / "calc.py").read_text()
+            watcher.screenshot(
+                path=str(ARTIFACTS / f"waits-agent-loop-{site.backend}.png"), full_page=True
+            )
+            watcher.close()
+        finally:
+            worker.join()
+
+
+class AgentWorker(Worker):
+    """A worker of the agent loop's app (its engine made by ``make``)."""
+
+    def __init__(self, site: Site, make) -> None:
+        self.stop = threading.Event()
+        self.failure: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(site, make))
+        self.thread.start()
+
+    def _run(self, site: Site, make) -> None:
+        own = site.backend != "memory"
+        journal = open_journal(site.location) if own else site.journal
+        engine = make(journal)
+        try:
+            engine.work(stop=self.stop, idle_wait=0.2)
+        except BaseException as exc:
+            self.failure.append(exc)
+            raise
+        finally:
+            engine.close()
+            if own:
+                journal.close()
