@@ -240,7 +240,7 @@ class TestPhaseWaits:
             f"/runs/{run_id}/signal", form(csrf_token=token, name="verdict", payload='{"ok": true}')
         )
         assert answer.status == 303
-        engine.work(exit_when_idle=True)  # a worker of the app wakes the phase
+        engine.work(exit_when_idle=True, max_runs=1)  # a worker of the app wakes the phase
         assert site.journal.load(run_id).state == "done"
         done = server.get(f"/runs/{run_id}")
         assert '<section class="waiting"' not in done.body
