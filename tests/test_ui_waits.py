@@ -28,6 +28,7 @@ import pytest
 from fsm_runner import Engine, MachineSpec, SignalStatus, State, Transition
 from fsm_runner.engine.waits import deadline, signal_run
 from fsm_runner.journal import MemoryJournal, open_journal
+from fsm_runner.ui import views
 from fsm_runner.ui.app import create_app
 from tests.helpers import NEXT, linear_spec
 from tests.ui_helpers import ARTIFACTS, CHROMIUM, AppServer, Server
@@ -663,3 +664,37 @@ class AgentWorker(Worker):
             engine.close()
             if own:
                 journal.close()
+
+
+class TestIndexReads:
+    """The waiting tab reads runs per machine and waiting state, never a listing of every run."""
+
+    def test_reads(self):
+        journal = MemoryJournal()
+        calls: list[dict] = []
+        runs = journal.runs
+
+        def recorded(**kwargs):
+            calls.append(kwargs)
+            return runs(**kwargs)
+
+        site = Site("memory", journal, "memory")
+        waiting = [site.parked() for _ in range(3)]
+        engine = Engine(linear_spec("a"), handlers={"a": lambda ctx: NEXT}, journal=journal)
+        for _ in range(5):
+            engine.run(engine.start({}))  # ended runs of another machine
+        journal.runs = recorded
+        listed = views.waiting_page(journal, views.RunsQuery(waiting="1"))
+        assert sorted(row["run"].run_id for row in listed["waiting"]) == sorted(waiting)
+        scans = [c for c in calls if "machine" not in c]
+        assert scans == [{"status": "active", "limit": views.WAITING_SCAN + 1}]
+        for call in calls:
+            if call.get("state"):
+                assert call["status"] == "active"
+                assert call["limit"] == views.RUNS_PAGE + 1
+            elif "machine" in call:
+                assert call["limit"] == 1  # the machine's newest run: its spec
+        assert {c["state"] for c in calls if c.get("state")} == {"awaiting"}
+        calls.clear()
+        views.waiting_page(journal, views.RunsQuery(waiting="1", machine="approval"))
+        assert all(c.get("machine") == "approval" for c in calls)  # no scan at all
