@@ -26,6 +26,7 @@ from urllib.parse import urlencode
 import pytest
 
 from fsm_runner import Engine, MachineSpec, SignalStatus, State, Transition
+from fsm_runner.engine import abort_run
 from fsm_runner.engine.waits import deadline, signal_run
 from fsm_runner.journal import MemoryJournal, open_journal
 from fsm_runner.ui import views
@@ -420,6 +421,19 @@ class TestAnswer:
             r'<dd class="pending"><span class="signal-chip">#\d+ REJECT</span>', page.body
         )
         assert site.journal.load(run_id).state == "awaiting"
+
+    def test_a_signal_its_run_never_consumed_is_shown_expired(self, site):
+        run_id = site.engine().start({})  # not waiting yet: a signal stays pending
+        early = signal_run(site.journal, run_id, "APPROVE", {"early": True})
+        assert early.status is SignalStatus.PENDING
+        abort_run(site.journal, run_id, "not needed")
+        assert site.journal.load(run_id).ended
+        page = site.serve().get(f"/runs/{run_id}?signal={early.number}")
+        (row,) = cells(page.body, "signal")
+        assert (row["name"], row["consumed"]) == ("APPROVE", "-")
+        assert '<tr class="signal expired"' in page.body
+        assert '<p id="outcome" class="outcome expired"' in page.body
+        assert "expired: the run ended before consuming it" in page.body
 
     def test_the_live_update_carries_signals_and_what_the_run_waits_for(self, site):
         run_id = site.parked()
