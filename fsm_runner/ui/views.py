@@ -208,7 +208,9 @@ def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
     for the runs their phase parked (``ctx.wait_for``); a phase that only sleeps
     (``ctx.sleep_until``) in a state without signals is not looked for. The machines are the
     one named, or else those of the newest :data:`WAITING_SCAN` active runs (``partial`` says
-    the scan was full: name a machine to be sure to see all of its waiting runs).
+    the scan was full: name a machine to be sure to see all of its waiting runs). A machine's
+    waiting states are those of its newest run's spec and of the specs of the active runs the
+    scan saw; each run found is kept only if its own spec waits in its state.
     """
     spec_of = _specs(journal)
     hashes: dict[str, set[str]] = {}
