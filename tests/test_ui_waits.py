@@ -413,10 +413,21 @@ class TestAnswer:
         site.journal.claim(run_id, "a-worker", ttl=600)
         server = site.serve(actions=True)
         token = csrf_token(server.get(f"/runs/{run_id}").body)
-        answer = server.post(f"/runs/{run_id}/signal", form(csrf_token=token, name="REJECT"))
+        hostile = {
+            "csrf_token": token,
+            "name": "REJECT",
+            "signal_id": SCRIPT,
+            "payload": '"</pre>"',
+        }
+        answer = server.post(f"/runs/{run_id}/signal", form(**hostile))
         assert answer.status == 303
         page = server.get(answer.headers["Location"].split("#")[0])
         assert '<p id="outcome" class="outcome pending"' in page.body
+        assert SCRIPT not in page.body
+        assert page.body.count("<script") == 1  # the inspector's own
+        assert page.body.count("</pre>") == page.body.count("<pre")
+        (row,) = cells(page.body, "signal")
+        assert (row["signal-id"], row["payload"]) == (SCRIPT, '"</pre>"')
         assert re.search(
             r'<dd class="pending"><span class="signal-chip">#\d+ REJECT</span>', page.body
         )
