@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import cattrs.gen
 
+from fsm_runner import waiting
 from fsm_runner._convert import by_value, converter
 from fsm_runner.events import (
     INTERRUPTED,
-    OFF_SPEC_EVENTS,
     RESERVED_EVENTS,
     STATUS_EVENTS,
     PhaseStatus,
@@ -32,6 +32,8 @@ from fsm_runner.events import (
     event_name,
 )
 from fsm_runner.exceptions import SpecError
+from fsm_runner.policies import RetryPolicy
+from fsm_runner.waiting import Wait
 
 __all__ = [
     "RETURN",
@@ -50,8 +52,6 @@ WILDCARD = "*"
 #: a recovery state returns the run to the sub-phase that failed, never to one already done.
 RETURN = "$return"
 PHASE_COMPLETED = RunEvent.PHASE_COMPLETED.value
-#: Events the engine journals itself: a waiting state's exit on one of them is not a signal.
-_NOT_SIGNALS = OFF_SPEC_EVENTS | {RunEvent.SYSTEM_ERROR.value}
 
 
 class RunLifecycle(str, enum.Enum):
@@ -84,13 +84,6 @@ def _event_field(value: Any) -> str:
         return cast(str, value)  # validate() names it
 
 
-def _int_field(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return cast(int, value)  # validate() names it
-
-
 def _float_field(value: Any) -> float:
     try:
         return float(value)
@@ -105,44 +98,6 @@ def _items(value: Any) -> tuple[Any, ...]:
         return tuple(value)
     except TypeError:
         return (value,)  # validate() names it
-
-
-@attrs.frozen
-class RetryPolicy:
-    """Retry a phase whose handler raised, with exponential backoff, before giving up.
-
-    Every failed attempt is journaled as a ``RETRIED`` self transition, so it stays visible;
-    once ``max_attempts`` attempts have failed the spec's ``SYSTEM_ERROR`` transition is followed.
-
-    Args:
-        max_attempts: attempts in all, the first one included (>= 1).
-        wait_initial: seconds to wait after the first failure.
-        wait_max: the longest wait between two attempts.
-        wait_exp_base: how much each wait grows over the one before.
-    """
-
-    max_attempts: int = attrs.field(default=3, converter=_int_field)
-    wait_initial: float = attrs.field(default=0.1, converter=_float_field)
-    wait_max: float = attrs.field(default=5.0, converter=_float_field)
-    wait_exp_base: float = attrs.field(default=2.0, converter=_float_field)
-
-    def wait(self, failed_attempt: int) -> float:
-        """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
-        exponent = max(failed_attempt - 1, 0)
-        return float(min(self.wait_initial * self.wait_exp_base**exponent, self.wait_max))
-
-    def problems(self) -> Iterator[str]:
-        """Yield what is wrong with this policy."""
-        attempts: Any = self.max_attempts  # as given: the converter keeps what it cannot read
-        if not isinstance(attempts, int):
-            yield f"max_attempts must be an integer, not {attempts!r}"
-        elif attempts < 1:
-            yield f"max_attempts must be >= 1, not {attempts}"
-        waits: tuple[Any, ...] = (self.wait_initial, self.wait_max, self.wait_exp_base)
-        if not all(isinstance(wait, float) and math.isfinite(wait) for wait in waits):
-            yield f"waits must be finite numbers, not {waits!r}"
-        elif self.wait_initial < 0 or self.wait_max < 0 or self.wait_exp_base < 1:
-            yield "waits must be >= 0 and wait_exp_base >= 1"
 
 
 def _optional_kinds(value: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -162,29 +117,6 @@ def _optional_outcome(value: RunLifecycle | str | None) -> RunLifecycle | None:
         return None if value is None else RunLifecycle(value)
     except ValueError:
         return cast(RunLifecycle, value)  # validate() names it
-
-
-@attrs.frozen
-class Wait:
-    """How a state without a handler waits: for a signal, at most until a deadline.
-
-    A run in a waiting state holds no lease and no process. It continues when a signal that
-    the state accepts arrives (one of its exits' events; :meth:`fsm_runner.Engine.signal`),
-    or, with ``timeout``, when the deadline comes: the engine then journals ``on_timeout``.
-
-    Args:
-        timeout: seconds from entering the state to its deadline; ``None`` waits for ever.
-        on_timeout: the event journaled at the deadline (the state needs an exit for it).
-        prompt: what the wait asks of whoever answers (shown by ``fsm-runner runs --waiting``
-            and the inspector).
-        schema: what an answer's payload should look like (a JSON schema, shown with the
-            prompt).
-    """
-
-    timeout: float | None = attrs.field(default=None, converter=_optional_float)
-    on_timeout: str = attrs.field(default=RunEvent.TIMEOUT.value, converter=_event_field)
-    prompt: str = ""
-    schema: Mapping[str, Any] | None = None
 
 
 @attrs.frozen
@@ -507,39 +439,20 @@ class MachineSpec:
     @functools.cached_property
     def waiting_states(self) -> frozenset[str]:
         """The states a run waits in: non-terminal states without a handler (see :class:`Wait`)."""
-        return frozenset(
-            state.name
-            for state in self.leaves
-            if not state.terminal and not state.handler and isinstance(state.name, str)
-        )
+        return frozenset(waiting.waiting_leaves(self.leaves))
 
     @functools.cached_property
     def _accepted(self) -> dict[str, frozenset[str]]:
-        accepted: dict[str, set[str]] = {name: set() for name in self.waiting_states}
-        for source, event in self.edges:
-            if source in accepted and event not in _NOT_SIGNALS:
-                accepted[source].add(event)
-        for name, events in accepted.items():
-            wait = self._by_name[name].wait
-            if isinstance(wait, Wait):
-                events.discard(wait.on_timeout)  # the deadline's event, not a signal
-        return {name: frozenset(events) for name, events in accepted.items()}
+        return waiting.accepted_signals(self.waiting_states, self.edges, self._by_name)
 
     def accepts(self, state: str) -> frozenset[str]:
-        """The signals a run waiting in ``state`` accepts: its exits' events.
-
-        Not the events the engine journals itself (``SYSTEM_ERROR``, ``USER_ABORTED``...), nor
-        the state's ``on_timeout``; empty for a state that does not wait.
-        """
+        """The signals a run waiting in ``state`` accepts (:func:`.waiting.accepted_signals`)."""
         return self._accepted.get(state, frozenset())
 
     @functools.cached_property
     def signal_names(self) -> frozenset[str]:
         """Every signal some waiting state, or some phase, accepts: another one is refused."""
-        phases = (s.signals for s in self.leaves if s.handler and isinstance(s.signals, tuple))
-        return frozenset(
-            itertools.chain(itertools.chain.from_iterable(self._accepted.values()), *phases)
-        )
+        return waiting.signal_names(self._accepted, self.leaves)
 
     def wait_of(self, state: str) -> Wait | None:
         """How ``state`` waits: its :class:`Wait` (a bare one if it has none), or ``None``."""
@@ -664,10 +577,7 @@ class MachineSpec:
                 yield f"state {state.name!r} has a timeout <= 0"
             if isinstance(state.retry, RetryPolicy):
                 yield from (f"state {state.name!r}: {p}" for p in state.retry.problems())
-            if state.wait is not None:
-                yield from self._wait_problems(state)
-            if state.signals:
-                yield from _phase_signal_problems(state)
+            yield from waiting.state_problems(self, state)
             if (
                 handlers is not None
                 and isinstance(state.handler, str)
@@ -682,43 +592,6 @@ class MachineSpec:
         for key in self.status_events:
             if key not in PhaseStatus.__members__:
                 yield f"status_events names {key!r}, which is not a PhaseStatus"
-
-    def _wait_problems(self, state: State) -> Iterator[str]:
-        wait = state.wait
-        where = f"state {state.name!r}"
-        if not isinstance(wait, Wait):
-            yield f"{where}: wait must be a Wait, not {type(wait).__name__}"
-            return
-        if state.handler or state.terminal or state.composite:
-            yield f"{where} waits, so it cannot have a handler or children, or be terminal"
-            return
-        timeout: Any = wait.timeout
-        if timeout is not None and not (isinstance(timeout, float) and math.isfinite(timeout)):
-            yield f"{where}: wait timeout must be a finite number, not {timeout!r}"
-        elif timeout is not None and timeout <= 0:
-            yield f"{where} has a wait timeout <= 0"
-        elif timeout is not None and (state.name, wait.on_timeout) not in self.edges:
-            yield (
-                f"{where} waits at most {timeout:g} s but has no exit for its"
-                f" on_timeout event {wait.on_timeout!r}"
-            )
-        on_timeout: Any = wait.on_timeout  # as given: the converter keeps what it cannot read
-        if not isinstance(on_timeout, str) or not on_timeout:
-            yield f"{where}: wait on_timeout must be an event name, not {on_timeout!r}"
-        yield from _text_problems(f"{where}: wait prompt", wait.prompt)
-        schema: Any = wait.schema
-        if schema is not None and not isinstance(schema, Mapping):
-            yield f"{where}: wait schema must be a JSON object, not {type(schema).__name__}"
-        elif schema is not None:
-            try:
-                json.dumps(schema, allow_nan=False)
-            except (TypeError, ValueError) as exc:
-                yield f"{where}: wait schema must be JSON ({exc})"
-        if not self.accepts(state.name) and wait.timeout is None:
-            yield (
-                f"{where} waits for ever, but no signal can move it (no exit but the engine's"
-                " own events)"
-            )
 
     def _transition_problems(  # noqa: PLR0912 - one flat list of independent checks
         self, guards: Collection[str] | Mapping[str, object] | None
@@ -841,16 +714,6 @@ def _is_text(value: object) -> bool:
 
 def _transition_label(index: int, transition: Transition) -> str:
     return f"transition #{index} ({'|'.join(map(str, transition.source))} -{transition.event}->)"
-
-
-def _phase_signal_problems(state: State) -> Iterator[str]:
-    where = f"state {state.name!r}"
-    if not state.handler:
-        yield f"{where} declares signals, but only a phase waits for signals from inside"
-    for name in state.signals:
-        yield from _text_problems(f"{where}: signal", name)
-        if isinstance(name, str) and (not name or name in _NOT_SIGNALS):
-            yield f"{where}: {name!r} cannot be a signal (the engine journals it itself)"
 
 
 def _text_problems(name: str, value: object, *, kind: str = "a str") -> Iterator[str]:

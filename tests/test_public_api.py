@@ -41,6 +41,7 @@ from fsm_runner.exceptions import (
     SpecError,
     SpecMismatchError,
     SupervisorError,
+    WaitTimeoutError,
 )
 
 
@@ -91,6 +92,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
     PhaseTimeoutError: (
         PhaseTimeoutError(state="building", timeout=2.5),
         {"state": "building", "timeout": 2.5},
+    ),
+    WaitTimeoutError: (
+        WaitTimeoutError(state="reviewing", signal="verdict", timeout=60.0),
+        {"state": "reviewing", "signal": "verdict", "timeout": 60.0},
     ),
     RunAbortedError: (
         RunAbortedError(run_id="r1", reason="operator"),
@@ -415,6 +420,7 @@ class TestExceptionModule:
             (HandlerResultError, TypeError),
             (PayloadError, TypeError),
             (PhaseTimeoutError, TimeoutError),
+            (WaitTimeoutError, PhaseTimeoutError),
             (SchemaVersionError, JournalError),
             (SpecMismatchError, JournalError),
             (RunConflictError, JournalError),

@@ -20,10 +20,9 @@ logic is :mod:`fsm_runner.rules`.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar, overload
 
 from fsm_runner.engine import waits
@@ -334,8 +333,7 @@ class Engine:
         core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
         self._leases.started([run])
         core.notify(first, run)
-        if self._starts_waiting:
-            self._park_started([run.run_id])
+        self._worker.park_started([run.run_id])
         return run.run_id
 
     def start_many(
@@ -382,29 +380,8 @@ class Engine:
             for run, first, _ in batch:
                 core.notify(first, run)
         run_ids = [run.run_id for run, _, _ in batch]
-        if self._starts_waiting:
-            self._park_started(run_ids)
+        self._worker.park_started(run_ids)
         return run_ids
-
-    @functools.cached_property
-    def _starts_waiting(self) -> bool:
-        """Whether runs start in a state that waits with a deadline (see :meth:`_park_started`)."""
-        spec = self._core.spec
-        wait = spec.wait_of(spec.initial_leaf)
-        return wait is not None and wait.timeout is not None
-
-    def _park_started(self, run_ids: Sequence[str]) -> None:
-        """Give runs that start waiting with a deadline their wake time: claim and park each.
-
-        A new run is stored without one (the start's rows are the hot path of every run); a
-        claim and a release in a waiting state (:meth:`LeaseKeeper.let_go`) park it, which sets
-        its wake time to its deadline. A run started holding is let go of here.
-        """
-        leases = self._leases
-        for run_id in run_ids:
-            if not leases.holds(run_id):
-                leases.claim(run_id)
-            leases.let_go(run_id)
 
     def _lease(self, claim: bool) -> tuple[str, dt.timedelta] | None:
         """The lease a run is started holding: this engine's, or none."""
@@ -530,13 +507,10 @@ class Engine:
     ) -> SignalRecord:
         """Send a signal to a run: journaled in its mailbox, consumed when it waits for it.
 
-        The signal is journaled durably even when the run is not (yet) waiting for it; the
-        run consumes it when it waits in a state that accepts it (one of that state's exits'
-        events), in arrival order, each exactly once: the transition it causes carries the
-        payload as its output. If the run waits for it now and nobody holds it, it is
-        consumed here at once; otherwise by whoever holds the run when it waits (a worker's
-        ``work()`` wakes a run with a signal to consume). A repeated ``signal_id`` (an
-        idempotent sender, a webhook retried) writes nothing and returns the first signal.
+        Consumed in arrival order, each exactly once, when the run waits where it is accepted
+        (at once here if it waits now and nobody holds it; else by whoever holds it then: a
+        worker is woken for it); the transition carries the payload as its output. A repeated
+        ``signal_id`` writes nothing and returns the first signal (see :mod:`.waits`).
 
         Returns:
             The signal as it stands: ``consumed`` (``consumed_seq``) or ``pending``.

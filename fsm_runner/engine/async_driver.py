@@ -110,12 +110,9 @@ class AsyncDriver:
             while (max_steps is None or steps < max_steps) and run.status is _ACTIVE:  # not ended
                 try:
                     handler = fast.get(run.state)
-                    if (
-                        handler is None
-                        or run.error is not None  # a phase parked it, perhaps (see _astep)
-                        or run.abort_reason is not None
-                        or run_id in aborts
-                    ):
+                    if run.error is not None or run.abort_reason is not None or run_id in aborts:
+                        handler = None  # the general path (a phase parked it, perhaps: _astep)
+                    if handler is None:
                         transition, after = await self._astep(run)
                     else:
                         ctx = PhaseContext(

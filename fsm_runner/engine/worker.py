@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from fsm_runner._json import storable_text
 from fsm_runner.engine.core import StepCore
@@ -64,6 +65,23 @@ class Worker:
             taken += 1
             self._work_on(claimed)
         return taken
+
+    def park_started(self, run_ids: Sequence[str]) -> None:
+        """Give runs that start waiting with a deadline their wake time: claim and park each.
+
+        A new run is stored without one (the start's rows are the hot path of every run); a
+        claim and a let-go where it waits park it, which sets its wake time to its deadline. A
+        run started holding is let go of here. Nothing for any other spec.
+        """
+        spec = self.core.spec
+        wait = spec.wait_of(spec.initial_leaf)
+        if wait is None or wait.timeout is None:
+            return
+        leases = self.leases
+        for run_id in run_ids:
+            if not leases.holds(run_id):
+                leases.claim(run_id)
+            leases.let_go(run_id)
 
     def _idle_for(self, idle_wait: float) -> float:
         """Seconds to wait for work: ``idle_wait``, or less when a parked run wakes sooner.

@@ -25,6 +25,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._memory_mailbox import MemoryMailbox
 from fsm_runner.journal.base import (
     Commit,
     NewRun,
@@ -40,7 +41,6 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     SignalRecord,
-    SignalStatus,
     TransitionRecord,
     unstructure,
     utc_now,
@@ -95,6 +95,91 @@ def _stale(run: RunRecord, now: dt.datetime) -> bool:
     )
 
 
+def _committed(stored: RunRecord, run: RunRecord, aborting: bool, new_spec: bool) -> RunRecord:
+    """The stored row after a commit: only the columns a commit owns change (as in SQL)."""
+    return attrs.evolve(
+        stored,
+        spec_hash=run.spec_hash if new_spec else stored.spec_hash,
+        state=run.state,
+        status=run.status,
+        seq=run.seq,
+        iteration=run.iteration,
+        attempt=run.attempt,
+        context=run.context,
+        error=run.error,
+        updated_at=run.updated_at,
+        return_to=run.return_to,
+        return_attempt=run.return_attempt,
+        visit_seq=run.visit_seq,
+        return_visit=run.return_visit,
+        # an abort request stays until the USER_ABORTED commit that carries it out
+        abort_reason=None if aborting else stored.abort_reason,
+        # a run that ends lets go of its lease (its token stays, as a release leaves it)
+        lease_owner=None if run.ended else stored.lease_owner,
+        lease_expires_at=None if run.ended else stored.lease_expires_at,
+    )
+
+
+def _unchanged(stored: RunRecord, run: RunRecord) -> bool:
+    """Whether the stored run is still as ``run`` shows it, active and unleased."""
+    return (
+        not stored.ended
+        and stored.seq == run.seq
+        and stored.lease_token == run.lease_token
+        and stored.lease_owner is None
+        and stored.abort_reason is None
+    )
+
+
+def _copy_history(
+    tables: tuple[
+        dict[str, list[TransitionRecord]],
+        dict[str, dict[int, IterationRecord]],
+        dict[str, dict[str, ArtifactRecord]],
+        dict[str, dict[tuple[int, str], EffectRecord]],
+    ],
+    source_id: str,
+    run: RunRecord,
+    at_seq: int,
+) -> None:
+    """A fork's history: the source's transitions, iterations, artifacts and effects by then."""
+    transitions, iterations, artifacts, effects = tables
+    new_id = run.run_id
+    transitions[new_id] = [
+        attrs.evolve(t, run_id=new_id, lease_token=0)  # written under the fork's leases
+        for t in transitions[source_id]
+        if t.seq <= at_seq
+    ]
+    iterations[new_id] = {
+        number: attrs.evolve(record, run_id=new_id)
+        for number, record in iterations.get(source_id, {}).items()
+        if number <= run.iteration
+    }
+    artifacts[new_id] = {
+        name: attrs.evolve(artifact, run_id=new_id)
+        for name, artifact in artifacts.get(source_id, {}).items()
+        if artifact.seq <= at_seq
+    }
+    effects[new_id] = {
+        key: attrs.evolve(effect, run_id=new_id)
+        for key, effect in effects.get(source_id, {}).items()
+        if effect.visit_seq < run.visit_seq
+    }
+
+
+def _prunable(runs: Collection[RunRecord], ended_before: dt.datetime) -> list[RunRecord]:
+    """The ended runs updated before ``ended_before`` whose parent (if any) ended, oldest first."""
+    live_parents = {run.parent_run_id for run in runs if not run.ended}
+    return sorted(
+        (
+            run
+            for run in runs
+            if run.ended and run.updated_at < ended_before and run.run_id not in live_parents
+        ),
+        key=lambda run: run.updated_at,
+    )
+
+
 class MemoryJournal:
     """A journal held in this process's memory; gone when the process ends.
 
@@ -114,10 +199,7 @@ class MemoryJournal:
         # run id -> the lease token the run had when its abort was requested (the SQLite
         # journal's run_rows.abort_token): commits under it may only carry the abort out
         self._abort_tokens: dict[str, int] = {}
-        # run id -> when claim_next offers the run whatever its state (see Journal.park)
-        self._wakes: dict[str, dt.datetime] = {}
-        self._signals: dict[str, list[SignalRecord]] = {}
-        self._signal_number = 0
+        self._mailbox = MemoryMailbox()  # signals and wake times (see Journal.park)
         self._closed = False
 
     def _before_fork(self) -> Callable[[], None] | None:
@@ -205,31 +287,10 @@ class MemoryJournal:
             if aborting:
                 self._abort_tokens.pop(run.run_id, None)
             if run.ended:
-                self._wakes.pop(run.run_id, None)
-            # Only the columns a commit owns change, as in the SQLite UPDATE.
+                self._mailbox.wakes.pop(run.run_id, None)
             if spec_json is not None:
                 self._specs.setdefault(run.spec_hash, spec_json)
-            self._runs[run.run_id] = attrs.evolve(
-                stored,
-                spec_hash=run.spec_hash if spec_json is not None else stored.spec_hash,
-                state=run.state,
-                status=run.status,
-                seq=run.seq,
-                iteration=run.iteration,
-                attempt=run.attempt,
-                context=run.context,
-                error=run.error,
-                updated_at=run.updated_at,
-                return_to=run.return_to,
-                return_attempt=run.return_attempt,
-                visit_seq=run.visit_seq,
-                return_visit=run.return_visit,
-                # an abort request stays until the USER_ABORTED commit that carries it out
-                abort_reason=None if aborting else stored.abort_reason,
-                # a run that ends lets go of its lease (its token stays, as a release leaves it)
-                lease_owner=None if run.ended else stored.lease_owner,
-                lease_expires_at=None if run.ended else stored.lease_expires_at,
-            )
+            self._runs[run.run_id] = _committed(stored, run, aborting, spec_json is not None)
             self._transitions[run.run_id].append(transition)
             for record in iterations:
                 self._iterations.setdefault(run.run_id, {})[record.iteration] = record
@@ -423,7 +484,7 @@ class MemoryJournal:
             takeover = _lease.grant(run, owner, now, take_over=take_over)
             expires = now + dt.timedelta(seconds=ttl)
             claimed = self._runs[run_id] = _lease.claimed(run, owner, expires, takeover=takeover)
-            self._wakes.pop(run_id, None)  # its holder parks it again if it still waits
+            self._mailbox.wakes.pop(run_id, None)  # its holder parks it again if it waits
             return claimed
 
     def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
@@ -432,19 +493,12 @@ class MemoryJournal:
         with self._lock:
             self._check_open()
             stored = self._runs.get(run.run_id)
-            if (
-                stored is None
-                or stored.ended
-                or stored.seq != run.seq
-                or stored.lease_token != run.lease_token
-                or stored.lease_owner is not None
-                or stored.abort_reason is not None
-            ):
+            if stored is None or not _unchanged(stored, run):
                 return None
             claimed = self._runs[run.run_id] = _lease.claimed(
                 stored, owner, expires, takeover=False
             )
-            self._wakes.pop(run.run_id, None)
+            self._mailbox.wakes.pop(run.run_id, None)
             return claimed
 
     def claim_many(
@@ -478,8 +532,8 @@ class MemoryJournal:
                 if not run.ended
                 and run.machine == machine
                 and (
-                    (run.state in states and run.run_id not in self._wakes)
-                    or self._due(run.run_id, now)
+                    (run.state in states and run.run_id not in self._mailbox.wakes)
+                    or self._mailbox.due(run.run_id, now)
                 )
                 and (spec_hash is None or run.spec_hash == spec_hash)
                 and _lease.unheld(run, now)
@@ -488,10 +542,6 @@ class MemoryJournal:
                 return None
             chosen = min(runnable, key=lambda run: run.created_at)
             return self.claim(chosen.run_id, owner, ttl=ttl)
-
-    def _due(self, run_id: str, now: dt.datetime) -> bool:
-        wake = self._wakes.get(run_id)
-        return wake is not None and wake <= now
 
     def park(
         self,
@@ -504,101 +554,39 @@ class MemoryJournal:
     ) -> bool:
         """Give up the lease and set when the run is due (now, if an accepted signal waits)."""
         with self._lock:
-            if not self.release(run_id, owner, token):
-                return False
-            if any(s.name in accepts for s in self._pending(run_id)):
-                wake_at = utc_now()
-            if wake_at is None:
-                self._wakes.pop(run_id, None)
-            else:
-                self._wakes[run_id] = wake_at
-        return True
+            if self.release(run_id, owner, token):
+                self._mailbox.park(run_id, wake_at, accepts)
+                return True
+            return False
 
     def wake_time(self, run_id: str) -> dt.datetime | None:
         """The run's wake time, if it has one."""
         with self._lock:
-            self.load(run_id)
-            return self._wakes.get(run_id)
+            return self._mailbox.wakes.get(self.load(run_id).run_id)
 
     def next_wake(self, *, machine: str) -> dt.datetime | None:
         """The earliest wake time of the machine's active runs nobody holds, if any."""
-        now = utc_now()
         with self._lock:
-            self._check_open()
-            wakes = [
-                wake
-                for run_id, wake in self._wakes.items()
-                if (run := self._runs[run_id]).machine == machine
-                and not run.ended
-                and _lease.unheld(run, now)
-            ]
-        return min(wakes, default=None)
+            runs = (run for run in self._runs.values() if run.machine == machine)
+            return self._mailbox.next_wake(runs, utc_now())
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal pending for its run (see ``Journal.put_signal``)."""
         _check_json(signal.payload)
         with self._lock:
-            run = self.load(signal.run_id)
-            if signal.signal_id is not None:
-                for stored in self._signals.get(signal.run_id, ()):
-                    if stored.signal_id == signal.signal_id:
-                        return self._reported(stored, run)
-            if run.ended:
-                raise RunTerminalError(run_id=run.run_id, state=run.state, status=run.status.value)
-            self._signal_number += 1
-            stored = attrs.evolve(
-                signal,
-                number=self._signal_number,
-                received_at=utc_now(),
-                status=SignalStatus.PENDING,
-                consumed_seq=None,
-                consumed_at=None,
-            )
-            self._signals.setdefault(run.run_id, []).append(stored)
-            self._wakes[run.run_id] = stored.received_at
-            return stored
-
-    @staticmethod
-    def _reported(signal: SignalRecord, run: RunRecord) -> SignalRecord:
-        if signal.status is SignalStatus.PENDING and run.ended:
-            return attrs.evolve(signal, status=SignalStatus.EXPIRED)
-        return signal
-
-    def _pending(self, run_id: str) -> list[SignalRecord]:
-        return [s for s in self._signals.get(run_id, ()) if s.status is SignalStatus.PENDING]
+            return self._mailbox.put(signal, self.load(signal.run_id))
 
     def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
         """The run's signals in arrival order (pending ones only, with ``pending``)."""
         with self._lock:
-            self._check_open()
-            run = self._runs.get(run_id)
-            if run is None:
-                return []
-            if pending:
-                return [] if run.ended else self._pending(run_id)
-            return [self._reported(s, run) for s in self._signals.get(run_id, ())]
+            return self._mailbox.listed(self._runs.get(run_id), pending=pending)
 
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
         """Commit the transition and mark signal ``number`` consumed by it, at once."""
         with self._lock:
-            self._check_open()
-            signals = self._signals.get(run.run_id, [])
-            index = next(
-                (i for i, s in enumerate(signals) if s.number == number),
-                None,
-            )
-            if index is None or signals[index].status is not SignalStatus.PENDING:
-                # consumed by another writer already (which advanced the run)
-                raise RunConflictError(
-                    run_id=run.run_id, expected_seq=transition.seq - 1, path=":memory:"
-                )
+            self._mailbox.check(run.run_id, number, transition)  # refused: nothing written
             self.commit(run, transition)
-            signals[index] = attrs.evolve(
-                signals[index],
-                status=SignalStatus.CONSUMED,
-                consumed_seq=transition.seq,
-                consumed_at=transition.at,
-            )
+            self._mailbox.take(run.run_id, number, transition)
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
@@ -656,44 +644,15 @@ class MemoryJournal:
             _rows.check_fork_source(source_run_id, self.load(source_run_id).seq, at_seq)
             if run.run_id in self._runs:
                 raise RunExistsError(run.run_id)
-            new_id = run.run_id
-            self._runs[new_id] = run
-            self._transitions[new_id] = [
-                attrs.evolve(t, run_id=new_id, lease_token=0)  # written under the fork's leases
-                for t in self._transitions[source_run_id]
-                if t.seq <= at_seq
-            ]
-            self._iterations[new_id] = {
-                number: attrs.evolve(record, run_id=new_id)
-                for number, record in self._iterations.get(source_run_id, {}).items()
-                if number <= run.iteration
-            }
-            self._artifacts[new_id] = {
-                name: attrs.evolve(artifact, run_id=new_id)
-                for name, artifact in self._artifacts.get(source_run_id, {}).items()
-                if artifact.seq <= at_seq
-            }
-            self._effects[new_id] = {
-                key: attrs.evolve(effect, run_id=new_id)
-                for key, effect in self._effects.get(source_run_id, {}).items()
-                if effect.visit_seq < run.visit_seq
-            }
+            self._runs[run.run_id] = run
+            tables = (self._transitions, self._iterations, self._artifacts, self._effects)
+            _copy_history(tables, source_run_id, run, at_seq)
 
     def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, with all they own."""
         with self._lock:
             self._check_open()
-            live_parents = {run.parent_run_id for run in self._runs.values() if not run.ended}
-            doomed = sorted(
-                (
-                    run
-                    for run in self._runs.values()
-                    if run.ended
-                    and run.updated_at < ended_before
-                    and run.run_id not in live_parents
-                ),
-                key=lambda run: run.updated_at,
-            )
+            doomed = _prunable(self._runs.values(), ended_before)
             ids = tuple(run.run_id for run in doomed)
             count = sum(len(self._transitions.get(run_id, ())) for run_id in ids)
             if not dry_run:
@@ -705,10 +664,9 @@ class MemoryJournal:
                         self._artifacts,
                         self._effects,
                         self._abort_tokens,
-                        self._wakes,
-                        self._signals,
                     ):
                         table.pop(run_id, None)
+                    self._mailbox.forget(run_id)
                 used = {run.spec_hash for run in self._runs.values()}
                 self._specs = {h: text for h, text in self._specs.items() if h in used}
         return PruneReport(ids, count, dry_run=dry_run)
