@@ -429,7 +429,7 @@ def create_app(
 
     Args:
         location: the journal, as ``fsm-runner --journal`` takes it.
-        allow_actions: serve the abort and fork forms (POST, with the CSRF token).
+        allow_actions: serve the abort, fork and answer forms (POST, with the CSRF token).
         hosts: the only Host header names answered (others: 400); ``None``: any.
             ``fsm-runner ui`` on loopback gives :data:`LOOPBACK_HOSTS` and its ``--host``.
         journal: an open journal to serve instead of opening ``location`` (a memory
