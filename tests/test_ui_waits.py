@@ -81,24 +81,29 @@ class Site:
 def site(request, tmp_path):
     """The journal of each kind, and its inspectors: a process of its own over a SQLite file or
     a PostgreSQL schema; on a thread of this process over a memory journal."""
+    postgres = schema = None
     if request.param == "memory":
         journal, location = MemoryJournal(), "memory"
     else:
         if request.param == "sqlite":
             location = str(tmp_path / "journal.db")
         else:
-            server = request.getfixturevalue("postgres_server")
-            schema = request.getfixturevalue("postgres_schema")
-            location = f"{server.url}?schema={schema}"
+            postgres = request.getfixturevalue("postgres_server")
+            schema = postgres.new_schema()
+            location = f"{postgres.url}?schema={schema}"
         journal = open_journal(location)
         if not hasattr(journal, "put_signal"):
             journal.close()
+            if postgres is not None:
+                postgres.drop(schema)
             pytest.skip(f"the {request.param} journal does not journal signals yet")
     site = Site(request.param, journal, location)
     yield site
     for server in site.servers:
         server.stop()
     journal.close()
+    if postgres is not None:  # once every server and worker has let go of it
+        postgres.drop(schema)
 
 
 def csrf_token(body: str) -> str:
