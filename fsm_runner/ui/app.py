@@ -252,7 +252,7 @@ async def _live(request: Request) -> Response:
     rows = inspector.templates.get_template("timeline_rows.html").render(rows=update["rows"])
     signals = inspector.templates.get_template("signals.html").render(signals=update["signals"])
     waiting = None
-    if update["moved"]:  # what it waits for now ("": nothing), else the page's stands
+    if update["moved"]:  # what it waits for now ("": nothing); unmoved, the page keeps its own
         waiting = inspector.templates.get_template("waiting_panel.html").render(
             run=run, waiting=update["waiting"]
         )
