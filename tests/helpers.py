@@ -293,10 +293,20 @@ END"""
 RUN_COLUMNS_V8 = "run_key, " + RUN_COLUMNS_V6 + ", abort_token"
 
 
+def undo_v10(conn) -> None:
+    """Turn a journal's schema back from version 10 to 9: no signals, no wake times."""
+    conn.execute("DROP TABLE signals")  # its indexes with it
+    conn.execute("DROP INDEX idx_run_rows_due")
+    conn.execute("ALTER TABLE run_rows DROP COLUMN wake_at")
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0010_waits'")
+    conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
+
+
 def undo_v9(conn) -> None:
-    """Turn a journal's schema back from version 9 to 8: run_rows and its indexes rebuilt."""
+    """Turn a journal's schema back from version 10 to 8: run_rows and its indexes rebuilt."""
     from fsm_runner.journal._schema import _VIEW_V9  # version 7's view, unchanged since
 
+    undo_v10(conn)
     conn.execute("DROP VIEW runs")
     conn.execute("DROP TRIGGER transitions_fence")
     conn.execute("DROP TRIGGER run_rows_released")
@@ -321,7 +331,7 @@ def undo_v9(conn) -> None:
 
 
 def undo_v8(conn) -> None:
-    """Turn a journal's schema back from version 9 to 7: a fence that ignores abort requests."""
+    """Turn a journal's schema back from version 10 to 7: a fence that ignores abort requests."""
     undo_v9(conn)
     conn.execute("DROP TRIGGER transitions_fence")
     conn.execute("ALTER TABLE run_rows DROP COLUMN abort_token")
@@ -331,7 +341,7 @@ def undo_v8(conn) -> None:
 
 
 def undo_v7(conn) -> None:
-    """Turn a journal's schema back from version 9 to 6 (no integer run keys): tables rebuilt."""
+    """Turn a journal's schema back from version 10 to 6 (no integer run keys): tables rebuilt."""
     undo_v8(conn)
     conn.execute("DROP VIEW runs")
     conn.execute("DROP TRIGGER transitions_fence")
@@ -365,7 +375,7 @@ def undo_v7(conn) -> None:
 
 
 def undo_v6(conn) -> None:
-    """Turn a journal's schema back from version 9 to 5 (run heads kept in the run rows)."""
+    """Turn a journal's schema back from version 10 to 5 (run heads kept in the run rows)."""
     undo_v7(conn)
     heads = conn.execute(
         "SELECT run_id, state, seq, iteration, updated_at, visit_seq FROM runs"
@@ -384,7 +394,7 @@ def undo_v6(conn) -> None:
 
 
 def undo_v5(conn) -> None:
-    """Turn a journal's schema back from version 9 to version 4 (no lease tokens, recoveries)."""
+    """Turn a journal's schema back from version 10 to version 4 (no lease tokens, recoveries)."""
     undo_v6(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     conn.execute("DROP INDEX IF EXISTS idx_runs_status_lease_expires_at")
@@ -397,7 +407,7 @@ def undo_v5(conn) -> None:
 
 
 def undo_v4(conn) -> None:
-    """Turn a journal's schema back from version 9 to version 3 (no effects, no visits)."""
+    """Turn a journal's schema back from version 10 to version 3 (no effects, no visits)."""
     undo_v5(conn)
     conn.execute("DROP TRIGGER transitions_advance_run")
     for column in ("visit_seq", "return_visit"):

@@ -967,14 +967,18 @@ def index_dropped(tmp_path: Path) -> Scene:
 @pytest.mark.parametrize(
     ("prepare", "expected", "writable"),
     [
-        (fence_damaged, ["schema: trigger transitions_fence differs from schema version 9"], False),
+        (
+            fence_damaged,
+            ["schema: trigger transitions_fence differs from schema version 10"],
+            False,
+        ),
         (fence_dropped, ["schema: trigger transitions_fence is missing"], False),
-        (extra_trigger, ["schema: trigger forget is not part of schema version 9"], False),
+        (extra_trigger, ["schema: trigger forget is not part of schema version 10"], False),
         (index_dropped, ["schema: index idx_run_rows_ready is missing"], True),
         (
             view_not_utf8,
             [
-                "schema: view runs differs from schema version 9",
+                "schema: view runs differs from schema version 10",
                 f"runs {DONE_RUN}, {RUN}: cannot be read: journal ",
             ],
             False,

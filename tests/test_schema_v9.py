@@ -25,8 +25,8 @@ from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
 from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.journal._sqlite_claims import _claim_statements, _search_params
 from fsm_runner.journal._sqlite_prune import _SELECT as PRUNE_SELECT
-from fsm_runner.records import RunRecord, TransitionRecord, format_utc, utc_now
-from tests.helpers import NEXT, undo_v4, undo_v5, undo_v6, undo_v7, undo_v8, undo_v9
+from fsm_runner.records import RunRecord, SignalRecord, TransitionRecord, format_utc, utc_now
+from tests.helpers import NEXT, undo_v4, undo_v5, undo_v6, undo_v7, undo_v8, undo_v9, undo_v10
 
 APPROVED = "APPROVED"
 #: ``a`` and ``b`` have handlers; ``wait`` has none (a run there waits for an operator's event).
@@ -169,7 +169,7 @@ class TestClaims:
                 costs.append(counted[0])
         assert costs[1] <= costs[0] * 1.2 + 50, costs
 
-    @pytest.mark.parametrize("states", [1, 3])
+    @pytest.mark.parametrize("states", [0, 1, 3])
     @pytest.mark.parametrize("spec_hash", [None, "h"])
     def test_the_search_reads_index_ranges_only(self, states, spec_hash):
         search, _claim = _claim_statements(states, spec_hash)
@@ -182,7 +182,35 @@ class TestClaims:
         assert (
             "SEARCH r USING INDEX idx_run_rows_leased (machine=? AND lease_expires_at<?)" in steps
         )
+        # the due runs (schema version 10): one range of theirs, whatever their state
+        due = [s for s in steps if "idx_run_rows_due" in s]
+        assert due == [
+            "SEARCH run_rows USING INDEX idx_run_rows_due (machine=? AND wake_at>? AND wake_at<?)"
+        ], steps
         assert not [s for s in steps if s.startswith("SCAN") and "subquery" not in s], steps
+
+    def test_an_idle_poll_costs_the_same_among_many_parked_runs(self, tmp_path):
+        """10 times the runs parked with a wake time to come: the same VM steps, and
+        next_wake one seek."""
+        costs = []
+        for runs in (100, 1000):
+            with SqliteJournal(tmp_path / f"{runs}.db") as journal:
+                engine = engine_for(journal)
+                wake = utc_now() + dt.timedelta(hours=1)
+                for run_id in engine.start_many([None] * runs):
+                    engine.run(run_id)  # waits in "wait", unleased
+                    held = journal.claim(run_id, "w", ttl=60)
+                    assert journal.park(run_id, "w", held.lease_token, wake_at=wake, accepts=())
+                claim(journal)  # statements prepared
+                journal.next_wake(machine=SPEC.name)
+                with vm_steps(journal) as counted:
+                    assert claim(journal) is None
+                with vm_steps(journal) as woken:
+                    assert journal.next_wake(machine=SPEC.name) == wake
+                costs.append((counted[0], woken[0]))
+        (poll, seek), (poll_10x, seek_10x) = costs
+        assert poll_10x <= poll * 1.2 + 50, costs
+        assert seek_10x <= seek * 1.2 + 20, costs
 
     def test_a_row_left_behind_its_head_by_hand_is_skipped_not_claimed_by_its_row(self, tmp_path):
         path = tmp_path / "j.db"
@@ -335,7 +363,7 @@ class TestListing:
 
 #: Each older schema version, made from a journal of this one (see tests/helpers.py).
 UNDO: dict[int, Callable[[sqlite3.Connection], None]] = {
-    3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9,
+    3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9, 9: undo_v10,
 }  # fmt: skip
 
 
@@ -361,7 +389,7 @@ class TestMigration:
             conn.close()
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "9"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "10"
             assert journal.schema_problems() == []
             assert journal.integrity_problems() == []
             assert {run_id: journal.load(run_id) for run_id in heads} == heads
@@ -372,6 +400,12 @@ class TestMigration:
             assert claim(journal) is None
             report = journal.prune(ended_before=utc_now(), dry_run=True)
             assert report.run_ids == (ended,)
+            # version 10: no run has a wake time or a signal; a signal makes one due
+            assert [journal.wake_time(run_id) for run_id in heads] == [None] * 3
+            assert journal.next_wake(machine=SPEC.name) is None
+            sent = journal.put_signal(SignalRecord(waiting, 0, APPROVED))
+            assert journal.signals(waiting) == [sent]
+            assert claim(journal).run_id == waiting
 
     def test_a_version_8_row_behind_its_head_is_brought_to_it(self, tmp_path):
         # Version 8 moved no row with a commit: an unleased run committed to by hand (or

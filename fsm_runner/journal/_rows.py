@@ -25,8 +25,11 @@ from fsm_runner.records import (
     EffectRecord,
     IterationRecord,
     RunRecord,
+    SignalRecord,
+    SignalStatus,
     TransitionRecord,
     converter,
+    parse_utc,
 )
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "RUN_COLUMNS",
     "RUN_JSON",
     "RUN_TIMES",
+    "SIGNAL_COLUMNS",
     "TRANSITION_COLUMNS",
     "Stamp",
     "artifact_params",
@@ -45,10 +49,12 @@ __all__ = [
     "checked_spec_json",
     "decode_effect",
     "decode_iteration",
+    "decode_signal",
     "dumps",
     "effect_params",
     "iteration_params",
     "run_params",
+    "signal_params",
     "transition_params",
 ]
 
@@ -80,6 +86,11 @@ ARTIFACT_COLUMNS = (
 EFFECT_COLUMNS = tuple(field.name for field in attrs.fields(EffectRecord))
 EFFECT_JSON = ("params", "result", "error")
 _ITERATION_FLAGS = ("success", "passed", "feedback_fallback")
+#: A signal's columns as read (:func:`decode_signal`), in the record's order.
+SIGNAL_COLUMNS = (
+    "run_id", "number", "name", "payload", "signal_id", "received_at", "consumed_seq",
+    "consumed_at",
+)  # fmt: skip
 
 
 def dumps(value: Any) -> str | None:
@@ -259,6 +270,44 @@ def effect_params(record: EffectRecord, stamp: Stamp) -> tuple[Any, ...]:
             value = value.value
         values.append(value)
     return tuple(values)
+
+
+def signal_params(signal: SignalRecord, received_at: Any) -> tuple[Any, ...]:
+    """A new signal's values: run id, name, payload (JSON text), signal id, ``received_at``.
+
+    ``received_at`` is given as the journal stores it; the number is the journal's to give.
+
+    Raises:
+        JournalError: the payload, the name or the signal id cannot be stored as given
+            (:func:`dumps`); nothing was written.
+    """
+    for column in ("run_id", "name", "signal_id"):
+        _check_column(getattr(signal, column), column)
+    return (signal.run_id, signal.name, dumps(signal.payload), signal.signal_id, received_at)
+
+
+def decode_signal(row: Sequence[Any], loads: Loads, *, ended: bool) -> SignalRecord:
+    """A signals row (:data:`SIGNAL_COLUMNS`) as a record of a run that has ``ended`` or not.
+
+    Its status is derived: consumed once it has a ``consumed_seq``; else pending, or expired
+    when the run has ended. Times are read as either journal stores them.
+    """
+    run_id, number, name, payload, signal_id, received_at, consumed_seq, consumed_at = row
+    if consumed_seq is not None:
+        status = SignalStatus.CONSUMED
+    else:
+        status = SignalStatus.EXPIRED if ended else SignalStatus.PENDING
+    return SignalRecord(
+        run_id,
+        number,
+        name,
+        loads(payload),
+        signal_id,
+        parse_utc(received_at),
+        status,
+        consumed_seq,
+        None if consumed_at is None else parse_utc(consumed_at),
+    )
 
 
 def decode_iteration(data: dict[str, Any], loads: Loads) -> dict[str, Any]:

@@ -628,6 +628,52 @@ def m0009_claims_prune_pages(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
 
 
+#: The signals sent to runs (schema version 10): a run's mailbox, kept after consumption.
+#: ``number`` is the arrival order (a new one is above every stored one); ``payload`` JSON
+#: text; a signal is consumed when ``consumed_seq`` is set, else pending (expired once its run
+#: has ended: derived, never stored).
+_SIGNALS_V10 = """
+CREATE TABLE signals (
+   number INTEGER PRIMARY KEY,
+   run_key INTEGER NOT NULL REFERENCES run_rows(run_key),
+   run_id TEXT NOT NULL,
+   name TEXT NOT NULL,
+   payload TEXT,
+   signal_id TEXT,
+   received_at TEXT NOT NULL,
+   consumed_seq INTEGER,
+   consumed_at TEXT
+)
+"""
+_INDEXES_V10 = (
+    # Claims and next_wake: the unleased active runs that have a wake time, by it.
+    "CREATE INDEX idx_run_rows_due ON run_rows (machine, wake_at)"
+    " WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL",
+    # A run's signals in arrival order; its signal ids, each once.
+    "CREATE INDEX idx_signals_run ON signals (run_key, number)",
+    "CREATE UNIQUE INDEX idx_signals_id ON signals (run_key, signal_id)"
+    " WHERE signal_id IS NOT NULL",
+)
+
+
+@_migrations()
+def m0010_waits(db: sqlite_utils.Database) -> None:
+    """Version 10: durable waits: a run's wake time, and the signals sent to runs.
+
+    * ``run_rows.wake_at``: when ``claim_next`` offers the run whatever its state (set by a
+      park and by a signal's arrival, cleared when the run ends), read by claims and
+      ``next_wake`` from one range of ``idx_run_rows_due``. A column added: the ``runs`` view
+      names its columns, and neither it nor the triggers change.
+    * ``signals``: each signal sent to a run, numbered in arrival order, pending until a
+      transition of the run consumes it (``consumed_seq``, ``consumed_at``).
+    """
+    db.execute("ALTER TABLE run_rows ADD COLUMN wake_at TEXT")
+    db.execute(_SIGNALS_V10)
+    for sql in _INDEXES_V10:
+        db.execute(sql)
+    db.execute("UPDATE meta SET value = '10' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
@@ -638,4 +684,5 @@ _MIGRATION_VERSIONS = {
     "m0007_run_keys": 7,
     "m0008_abort_fence": 8,
     "m0009_claims_prune_pages": 9,
+    "m0010_waits": 10,
 }

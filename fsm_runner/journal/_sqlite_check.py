@@ -42,7 +42,7 @@ __all__ = [
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
 #: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
 #: current schema version has them. Checked at every open; a test keeps it equal to a new
@@ -55,7 +55,7 @@ CODE: dict[tuple[str, str], tuple[str, str]] = {
 #: The journal's tables and its view: a trigger on one of them takes part in its writes.
 TABLES = frozenset(
     {"_sqlite_migrations", "artifacts", "effects", "iterations", "meta", "run_rows", "runs",
-     "specs", "transitions"}
+     "signals", "specs", "transitions"}
 )  # fmt: skip
 #: A column's type affinity (SQLite's rules, section 3.1 of its datatype page), by substring.
 _AFFINITIES = (("INT", "INTEGER"), ("CHAR", "TEXT"), ("CLOB", "TEXT"), ("TEXT", "TEXT"),
@@ -357,7 +357,8 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     Then the schema objects that differ from the schema version's (:func:`schema_problems`).
     Also transitions whose ``run_key`` is not the key of the run their ``run_id`` names (only
     a hand edit makes one: the fence trigger refuses such an insert): reads go by ``run_key``,
-    so such a row would show in another run's history.
+    so such a row would show in another run's history; and signals likewise (another run's
+    mailbox). A signal of no run is a dangling row, as ``foreign_key_check`` reports it.
     """
     schema = schema_problems(conn)
     problems = [
@@ -384,6 +385,19 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
         problems.append(
             f"{len(miskeyed)} row(s) of table transitions have a run_key that is not their"
             f" run's (first: run {run_id}, seq {seq})"
+        )
+    # Signals too are read by run_key (schema 10): one filed under another run's key would
+    # show in that run's mailbox. (A journal without the table has that problem listed.)
+    count, first = 0, None
+    with contextlib.suppress(sqlite3.OperationalError):
+        count, first = conn.execute(
+            "SELECT count(*), min(s.number) FROM signals AS s"
+            " JOIN run_rows AS r ON r.run_key = s.run_key WHERE s.run_id IS NOT r.run_id"
+        ).fetchone()
+    if count:
+        problems.append(
+            f"{count} row(s) of table signals have a run_key that is not their run's"
+            f" (first: number {first})"
         )
     # An unleased active run's row is its head (schema 9): claims read the stored state.
     # Read from the tables alone (the view may be the damaged object).

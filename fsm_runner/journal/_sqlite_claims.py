@@ -4,13 +4,14 @@ The search is a read (WAL: it neither takes nor waits for the write lock), so a 
 a journal with nothing to claim never delays a writer, and (schema version 9) it reads only
 index ranges, so it costs the same among a hundred runs as among a million: an unleased active
 run's stored row is its head, so the runs a claim may take are one range of
-``idx_run_rows_ready`` per state, and the leases that expired one range of
-``idx_run_rows_leased``. A run found is then claimed by one conditional UPDATE in a short write
-transaction, which asks the search's question again of that one run, as of then
-(:func:`_claim_found`): another worker may have claimed it, its head moved, or its lease been
-renewed since. Such a run is skipped for the next one found; after :data:`_CLAIM_SEARCHES`
-searches whose every run was taken meanwhile, ``None`` (the caller polls again, as when nothing
-was runnable).
+``idx_run_rows_ready`` per state, the leases that expired one range of
+``idx_run_rows_leased``, and (schema version 10) the unleased runs whose wake time has come one
+range of ``idx_run_rows_due``, whatever their state. A run found is then claimed by one
+conditional UPDATE in a short write transaction, which asks the search's question again of that
+one run, as of then (:func:`_claim_found`): another worker may have claimed it, its head moved,
+or its lease been renewed since. Such a run is skipped for the next one found; after
+:data:`_CLAIM_SEARCHES` searches whose every run was taken meanwhile, ``None`` (the caller polls
+again, as when nothing was runnable).
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ _CLAIM_SEARCHES = 3
 def _claimable(states: int, spec_hash: str | None) -> str:
     """The ``runs`` view's condition of a run ``claim_next`` may take.
 
-    Parameters: the machine, ``states`` states, the spec hash (if ``spec_hash``), then "now"
-    (a lease that expired before it is free).
+    In one of the states, or due (schema version 10: its wake time has come, whatever its
+    state; ``run_rows.wake_at`` is the claim's own row, as the view does not show it).
+    Parameters: the machine, ``states`` states, "now" (its wake time), the spec hash (if
+    ``spec_hash``), then "now" again (a lease that expired before it is free).
     """
     return (
-        f"status = 'active' AND machine = ? AND state IN ({', '.join('?' * states)})"
+        f"status = 'active' AND machine = ? AND (state IN ({', '.join('?' * states)})"
+        " OR run_rows.wake_at <= ?)"
         + (" AND spec_hash = ?" if spec_hash is not None else "")
         + " AND (lease_owner IS NULL OR lease_expires_at < ?)"
     )
@@ -54,9 +58,12 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     whose row a hand edit left behind its last transition is skipped, and ``check`` names it),
     and
     the leased runs whose lease expired (``idx_run_rows_leased``, their head read through the
-    view: a holder that died may have moved it). Its parameters: per state the machine, the
-    state (and the spec hash); then the machine, now, the states (and the spec hash); the
-    number of runs wanted last, once per part and once in all (:func:`_search_params`).
+    view: a holder that died may have moved it; in one of the states, or due), and the
+    unleased runs that are due, whatever their state (``idx_run_rows_due``: their wake time
+    has come; the earliest first). Its parameters: per state the machine, the state (and the
+    spec hash); then the machine, now, the states, now (and the spec hash); then the machine,
+    now (and the spec hash); the number of runs wanted last, once per part and once in all
+    (:func:`_search_params`).
 
     The claim asks the search's question again of that one run (:func:`_claimable`); its
     parameters: owner, expiry, the run key twice, then the search's.
@@ -72,9 +79,16 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     expired = (
         "SELECT run_key FROM (SELECT run_key FROM runs WHERE machine = ? AND status = 'active'"
         f" AND lease_owner IS NOT NULL AND lease_expires_at < ?"
-        f" AND state IN ({', '.join('?' * states)}){spec} ORDER BY lease_expires_at LIMIT ?)"
+        f" AND (state IN ({', '.join('?' * states)})"
+        "      OR (SELECT w.wake_at <= ? FROM run_rows AS w WHERE w.run_key = runs.run_key))"
+        f"{spec} ORDER BY lease_expires_at LIMIT ?)"
     )
-    search = " UNION ALL ".join([ready] * states + [expired]) + " ORDER BY run_key LIMIT ?"
+    due = (
+        "SELECT run_key FROM (SELECT run_key FROM run_rows WHERE machine = ?"
+        " AND status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL"
+        f" AND wake_at <= ?{spec} ORDER BY wake_at LIMIT ?)"
+    )
+    search = " UNION ALL ".join([ready] * states + [expired, due]) + " ORDER BY run_key LIMIT ?"
     where = _claimable(states, spec_hash)
     claim = (
         "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
@@ -92,7 +106,12 @@ def _search_params(
     params: list[Any] = []
     for state in states:
         params += [machine, state, *spec, _CLAIM_CANDIDATES]
-    return [*params, machine, now, *states, *spec, _CLAIM_CANDIDATES, _CLAIM_CANDIDATES]
+    return [
+        *params,
+        *(machine, now, *states, now, *spec, _CLAIM_CANDIDATES),
+        *(machine, now, *spec, _CLAIM_CANDIDATES),
+        _CLAIM_CANDIDATES,
+    ]
 
 
 def claim_next(
@@ -105,12 +124,9 @@ def claim_next(
     states: Collection[str],
     spec_hash: str | None,
 ) -> RunRecord | None:
-    """Claim the oldest runnable run of ``machine`` in ``states`` for ``owner``, or ``None``."""
+    """Claim the oldest runnable run of ``machine`` (in ``states``, or due) for ``owner``."""
     ordered = sorted(set(states))
     search, claim = _claim_statements(len(ordered), spec_hash)
-    wanted: list[Any] = [machine, *ordered]
-    if spec_hash is not None:
-        wanted.append(spec_hash)
     for _ in range(_CLAIM_SEARCHES):
         with connections.read() as conn:
             params = _search_params(machine, ordered, spec_hash, format_utc(utc_now()))
@@ -119,7 +135,13 @@ def claim_next(
             return None
         keys = [key for (key,) in found]
         claimed = _claim_found(
-            connections, read_row, keys, owner=owner, ttl=ttl, claim=claim, wanted=wanted
+            connections,
+            read_row,
+            keys,
+            owner=owner,
+            ttl=ttl,
+            claim=claim,
+            wanted=(machine, ordered, spec_hash),
         )
         if claimed is not None:
             return claimed
@@ -134,7 +156,7 @@ def _claim_found(
     owner: str,
     ttl: float,
     claim: str,
-    wanted: Sequence[Any],
+    wanted: tuple[str, Sequence[str], str | None],
 ) -> RunRecord | None:
     """Claim the first of the runs ``keys`` that is still claimable, in ONE transaction.
 
@@ -144,12 +166,17 @@ def _claim_found(
     token rises once per claim; ``recoveries`` counts a takeover by the lease found at that
     moment.
     """
+    machine, states, spec_hash = wanted
+    spec = [] if spec_hash is None else [spec_hash]
     with connections.write() as conn:
-        # "now" once the lock is held: a lease that expired while this waited is free.
+        # "now" once the lock is held: a lease that expired (a wake time that came) while
+        # this waited counts.
         now = utc_now()
         expires = format_utc(now + dt.timedelta(seconds=ttl))
+        stamp = format_utc(now)
+        params = [machine, *states, stamp, *spec, stamp]
         for key in keys:
-            changed = conn.execute(claim, [owner, expires, key, key, *wanted, format_utc(now)])
+            changed = conn.execute(claim, [owner, expires, key, key, *params])
             if changed.rowcount:
                 cursor = conn.execute("SELECT * FROM runs WHERE run_key = ?", (key,))
                 return read_row(cursor.description, cursor.fetchone())

@@ -85,6 +85,7 @@ def prune(
             cursor = conn.cursor()
             cursor.executemany("DELETE FROM transitions WHERE run_key = ?", keys)
             count += cursor.rowcount
+            cursor.executemany("DELETE FROM signals WHERE run_key = ?", keys)
             for table in _OWNED_BY_ID:
                 cursor.executemany(f"DELETE FROM {table} WHERE run_id = ?", run_ids)
             cursor.executemany("DELETE FROM run_rows WHERE run_key = ?", keys)

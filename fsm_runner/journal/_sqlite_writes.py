@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from fsm_runner.events import USER_ABORTED
-from fsm_runner.exceptions import JournalError, RunNotFoundError
+from fsm_runner.exceptions import JournalError, RunConflictError, RunNotFoundError
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal._sqlite_connections import SqliteConnections
@@ -88,6 +88,12 @@ def _bulk_insert(rows: int) -> str:
     return _INSERT_TRANSITION.split(" VALUES ", maxsplit=1)[0] + " VALUES " + values
 
 
+#: A pending signal of the run (by its key) marked consumed by a transition (seq, at).
+_CONSUME_SIGNAL = (
+    "UPDATE signals SET consumed_seq = ?, consumed_at = ?"
+    " WHERE number = ? AND run_key = ? AND consumed_seq IS NULL"
+)
+
 _RUN_COLUMNS = _rows.RUN_COLUMNS
 _INSERT_RUN = (
     f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)})"
@@ -98,8 +104,9 @@ _INSERT_RUN = (
 _dumps = _rows.dumps
 
 
-#: The run row's lease holder, set to NULL when the run ends (its token stays).
-_NO_HOLDER = ("lease_owner", "lease_expires_at")
+#: Set to NULL when the run ends: its lease holder (its token stays) and its wake time (an
+#: ended run is never due: schema version 10).
+_ENDED_NULLS = ("lease_owner", "lease_expires_at", "wake_at")
 #: A run's status while it has not ended.
 _ACTIVE = RunLifecycle.ACTIVE
 
@@ -117,9 +124,9 @@ def _update_run_row(columns: Sequence[str], bound: int) -> str:
 
 
 #: The UPDATE :meth:`SqliteWriter._extra_update` writes when a plain step ends a run: the
-#: head, the status, and no lease holder.
+#: head, the status, no lease holder and no wake time.
 _END_RUN = _update_run_row(
-    ("state", "seq", "iteration", "updated_at", "visit_seq", "status", *_NO_HOLDER), 6
+    ("state", "seq", "iteration", "updated_at", "visit_seq", "status", *_ENDED_NULLS), 6
 )
 
 
@@ -350,6 +357,29 @@ class SqliteWriter:
             if len(written) >= _REMEMBERED_RUNS:
                 written.clear()
             written[run_id] = run
+
+    def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
+        """:meth:`commit` and mark signal ``number`` consumed by it, in ONE transaction.
+
+        The commit's own statements (:meth:`_statements`), then :data:`_CONSUME_SIGNAL`, which
+        changes the signal only while it is pending and the run's (by the key the fence admits
+        the transition with). Refused as :meth:`commit` refuses, or ``RunConflictError`` when
+        the signal is not pending: rolled back, nothing written.
+        """
+        insert, rows = self._statements(run, transition, (), (), None)
+        consume = (_CONSUME_SIGNAL, (transition.seq, insert[7], number, insert[11]))
+        self._written.pop(run.run_id, None)  # until it is stored
+        with self._connections.write() as conn:
+            cursor = conn.cursor()
+            try:
+                self._insert_with(cursor, insert, [*(rows or ()), consume])
+            except sqlite3.IntegrityError as exc:
+                seq, token = transition.seq - 1, transition.lease_token
+                raise self._refusal(exc, run.run_id, seq, token) from None
+            if not cursor.rowcount:  # consumed already (by a writer that moved the run on)
+                path = self._connections.path
+                raise RunConflictError(run_id=run.run_id, expected_seq=run.seq - 1, path=path)
+        self.remember(run)
 
     def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
         """Store several commits in one ``BEGIN IMMEDIATE`` transaction (see ``Journal``).
@@ -608,8 +638,9 @@ class SqliteWriter:
         if transition.event == USER_ABORTED:
             columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
         if run.ended:
-            # The run ends: its lease ends with it (the token stays, as a release leaves it).
-            columns += _NO_HOLDER
+            # The run ends: its lease ends with it (the token stays, as a release leaves it),
+            # and so does its wake time.
+            columns += _ENDED_NULLS
         names = tuple(columns)
         sql = self._update_sql.get(names)
         if sql is None:

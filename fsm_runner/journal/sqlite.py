@@ -28,6 +28,7 @@ from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_pr
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
+from fsm_runner.journal._sqlite_waits import Names, SqliteWaits, Wake
 from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
 from fsm_runner.journal.base import Commit, Durability, NewRun, PruneReport, Renewal, renewals
 from fsm_runner.records import (
@@ -35,6 +36,7 @@ from fsm_runner.records import (
     EffectRecord,
     IterationRecord,
     RunRecord,
+    SignalRecord,
     TransitionRecord,
     format_utc,
     utc_now,
@@ -115,6 +117,7 @@ class SqliteJournal:
         )
         self._core = SqlCore(_DIALECT, self._connections)
         self._writer = SqliteWriter(self._connections, self._core)
+        self._waits = SqliteWaits(self._connections, self._core)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -378,15 +381,12 @@ class SqliteJournal:
         states: Collection[str],
         spec_hash: str | None = None,
     ) -> RunRecord | None:
-        """Claim the oldest runnable run, or ``None``; an idle poll takes no write lock.
+        """Claim the oldest runnable run (in ``states``, or due), or ``None``; no lock if idle.
 
-        See :func:`fsm_runner.journal._sqlite_claims.claim_next`: a search of index ranges,
-        outside the write lock, then one conditional UPDATE in a short write transaction.
+        See :func:`fsm_runner.journal._sqlite_claims.claim_next` (index ranges, then one UPDATE).
         """
-        if not states:
-            return None
-        # Refused as before on a journal closed or whose writes are refused (a damaged fence),
-        # though an idle poll writes nothing: a worker there fails at once, not when work comes.
+        # Refused on a journal closed or unwritable (a damaged fence) though an idle poll
+        # writes nothing, and (schema version 10) with no states a due run is still claimed.
         self._connections.check_writable()
         claimed = _sqlite_claims.claim_next(
             self._connections,
@@ -445,6 +445,32 @@ class SqliteJournal:
                 (run_id, owner, token),
             ).rowcount
         return bool(released)
+
+    # -- waits (SqliteWaits', schema version 10) ---------------------------------------------
+
+    def park(self, run_id: str, owner: str, token: int, *, wake_at: Wake, accepts: Names) -> bool:
+        """Release the lease and set the run's wake time at once (:meth:`SqliteWaits.park`)."""
+        return self._waits.park(run_id, owner, token, wake_at=wake_at, accepts=accepts)
+
+    def wake_time(self, run_id: str) -> dt.datetime | None:
+        """Return the run's wake time, if it has one (``RunNotFoundError``: no such run)."""
+        return self._waits.wake_time(run_id)
+
+    def next_wake(self, *, machine: str) -> dt.datetime | None:
+        """The earliest wake time of the machine's unleased runs (:meth:`SqliteWaits.next_wake`)."""
+        return self._waits.next_wake(machine=machine)
+
+    def put_signal(self, signal: SignalRecord) -> SignalRecord:
+        """Journal a signal for its run in ONE transaction (:meth:`SqliteWaits.put_signal`)."""
+        return self._waits.put_signal(signal)
+
+    def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
+        """Return the run's signals in arrival order (pending ones only, with ``pending``)."""
+        return self._waits.signals(run_id, pending=pending)
+
+    def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
+        """:meth:`commit` and mark the signal consumed (:meth:`SqliteWriter.consume_signal`)."""
+        self._writer.consume_signal(run, transition, number)
 
     # -- checks --------------------------------------------------------------------------------
 
