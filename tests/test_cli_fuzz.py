@@ -278,6 +278,24 @@ def command_lines(world: dict, tmp_path: Path, rng: random.Random) -> list[list[
         lambda: ["ui", "--host", rng.choice(["0.0.0.0", "::", "example.com"]), "--port", "0"],
         lambda: ["nope"],
         lambda: ["show", "--no-such-option", rid()],
+        lambda: [
+            "signal",
+            rid(),
+            rng.choice(["APPROVE", "", "\x00", "é\n" * 50, "STARTED", "BUILT"]),
+            "--data",
+            rng.choice(["{}", "{", "NaN", '"x"', "1e999", "-Infinity", "\ud800", "[" * 5000]),
+        ],
+        lambda: ["signal", rid(), "BUILT", "--id", rng.choice(HOSTILE_IDS)],
+        lambda: ["signal", rid()],
+        lambda: [
+            "runs",
+            "--waiting",
+            "--machine",
+            rng.choice(HOSTILE_IDS),
+            "--limit",
+            numbers(rng),
+        ],
+        lambda: ["runs", "--waiting", "--state", rng.choice(HOSTILE_IDS), "--json"],
     ]
     lines = []
     for make in makers:
@@ -391,6 +409,7 @@ class TestFuzz:
                 ["diagram", "--run", run_id],
                 ["export", run_id, "out"],
                 ["runs", "--parent", run_id],
+                ["signal", run_id, "BUILT"],
             ):
                 result = fuzz(*argv)
                 assert result.exit_code != EXIT_OK, argv
@@ -479,6 +498,8 @@ SLOTTED = [
     ["prune", "--older-than", "NUMBER", "--dry-run"],
     ["recover", "--app", APP, "--limit", "NUMBER"],
     ["worker", "--app", APP, "--exit-when-idle", "--idle-wait", "NUMBER"],
+    ["signal", "TEXT", "TEXT", "--data", "TEXT", "--id", "TEXT"],
+    ["runs", "--waiting", "--machine", "TEXT", "--state", "TEXT", "--limit", "NUMBER"],
 ]
 any_number = st.one_of(
     st.integers(min_value=-(2**80), max_value=2**80).map(str),
@@ -520,6 +541,8 @@ class TestHostileJournals:
         for journal in hostile_journals(tmp_path, world):
             for argv in (
                 ["runs"],
+                ["runs", "--waiting"],
+                ["signal", run, "BUILT"],
                 ["show", run],
                 ["resume", run, "--app", APP],
                 ["abort", run, "--reason", "x"],

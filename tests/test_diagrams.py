@@ -27,6 +27,7 @@ from fsm_runner import (
     State,
     Transition,
     TransitionRecord,
+    Wait,
 )
 from fsm_runner import diagrams as diagrams_module
 from fsm_runner.diagrams import (
@@ -41,9 +42,11 @@ from fsm_runner.diagrams import (
     render_image,
     render_mermaid,
     render_mermaid_flowchart,
+    wait_duration,
 )
 from fsm_runner.exceptions import DiagramError
 from fsm_runner.testing import FakeClock, ScriptedHandler
+from fsm_runner.ui.svg import render_svg
 
 from .test_public_api import isort_style_key
 
@@ -1561,6 +1564,163 @@ class TestRenderImage:
 
         titles = {el.text for el in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}title")}
         assert 'say "hi"' in titles
+
+
+# -- waiting states --------------------------------------------------------------------------
+
+
+def approval_spec():
+    """A machine with two waiting states: one with a Wait (timeout, prompt), one bare."""
+    return MachineSpec(
+        name="approval",
+        initial="proposing",
+        states=[
+            State("proposing", handler="propose"),
+            State(
+                "approving",
+                wait=Wait(timeout=86_400, prompt="Apply the change?"),
+                description="a person decides",
+            ),
+            State("holding"),
+            State("applied", terminal=True),
+            State("dropped", terminal=True, outcome=RunLifecycle.ABORTED),
+        ],
+        transitions=[
+            Transition("proposing", PHASE_COMPLETED, "approving"),
+            Transition("approving", "APPROVED", "applied"),
+            Transition("approving", "REJECTED", "proposing"),
+            Transition("approving", "TIMEOUT", "dropped"),
+            Transition("approving", "HELD", "holding"),
+            Transition("holding", "RELEASED", "approving"),
+        ],
+    )
+
+
+class TestWaitingStates:
+    """States that wait for a signal are drawn distinctly: dashed, their timeout in the label."""
+
+    def test_extract_marks_them(self):
+        graph = extract(approval_spec())
+        nodes = {node.name: node for node in graph.nodes}
+
+        assert {name for name, node in nodes.items() if node.waiting} == {"approving", "holding"}
+        assert nodes["approving"].label == "approving (waits 24h)"
+        assert nodes["approving"].timeout == 86_400
+        assert nodes["approving"].prompt == "Apply the change?"
+        assert nodes["approving"].tooltip == (
+            "a person decides\nwaits for a signal, at most 24h: Apply the change?"
+        )
+        assert nodes["holding"].label == "holding"  # no timeout: the name alone
+        assert nodes["holding"].tooltip == "waits for a signal"
+        assert not nodes["proposing"].waiting
+        assert not nodes["applied"].waiting
+
+    @pytest.mark.parametrize(
+        ("seconds", "shown"),
+        [
+            (30, "30s"),
+            (90, "90s"),
+            (300, "5m"),
+            (5400, "90m"),
+            (86_400, "24h"),
+            (2 * 86_400, "2d"),
+            (30 * 86_400, "30d"),
+            (1.5, "1.5s"),
+            (0.25, "0.25s"),
+        ],
+    )
+    def test_durations(self, seconds, shown):
+        assert wait_duration(seconds) == shown
+
+    def test_mermaid_state_diagram(self):
+        text = render(approval_spec(), format="mermaid")
+
+        assert '    state "approving (waits 24h)" as approving\n' in text
+        assert "    holding\n" in text
+        assert "    classDef waiting stroke:#6a1b9a,stroke-dasharray:5\n" in text
+        assert text.endswith("    class approving,holding waiting\n")
+        assert "classDef visited" not in text  # no run, no run classes
+
+    def test_mermaid_without_waiting_states_is_unchanged(self):
+        assert "waiting" not in render(rich_spec(), format="mermaid")
+
+    def test_mermaid_flowchart_of_a_run(self):
+        spec = approval_spec()
+        timeline = [
+            TransitionRecord("r", 0, None, "STARTED", "proposing"),
+            TransitionRecord("r", 1, "proposing", PHASE_COMPLETED, "approving"),
+        ]
+        graph = extract(spec, timeline=timeline)
+
+        flow = assert_path_styled(render_mermaid_flowchart(graph), graph)
+
+        assert flow.class_defs["waiting"] == "stroke:#6a1b9a,stroke-dasharray:5"
+        assert flow.classed("waiting") == {"approving (waits 24h)", "holding"}
+        assert flow.classed("current") == {"approving (waits 24h)"}
+        text = render_mermaid_flowchart(graph)
+        # Defined before the run's classes, so theirs override its colour, not its dashes.
+        assert text.index("classDef waiting") < text.index("classDef visited")
+
+    def test_dot(self):
+        dot = parse_dot(render(approval_spec(), format="dot"))
+
+        for name in ("approving", "holding"):
+            assert dot.nodes[name]["style"] == "rounded,dashed"
+            assert dot.nodes[name]["color"] == "#6a1b9a"
+            assert dot.nodes[name]["shape"] == "box"
+        assert dot.nodes["approving"]["label"] == "approving (waits 24h)"
+        assert dot.nodes["approving"]["tooltip"] == (
+            "a person decides\\nwaits for a signal, at most 24h: Apply the change?"
+        )
+        assert dot.nodes["proposing"]["style"] == "rounded"
+        assert "color" not in dot.nodes["proposing"]
+
+    def test_dot_of_a_run_waiting(self):
+        timeline = [
+            TransitionRecord("r", 0, None, "STARTED", "proposing"),
+            TransitionRecord("r", 1, "proposing", PHASE_COMPLETED, "approving"),
+        ]
+        dot = parse_dot(render(approval_spec(), format="dot", timeline=timeline))
+
+        approving = dot.nodes["approving"]
+        assert approving["style"] == "rounded,dashed,filled,bold"
+        assert approving["fillcolor"] == "#fff59d"  # current: the run's colours win
+        assert dot.nodes["holding"]["style"] == "rounded,dashed"
+
+    @needs_dot
+    def test_real_dot_draws_them_dashed(self):
+        svg = render_image(render(approval_spec(), format="dot"), format="svg")
+
+        root = ET.fromstring(svg)
+        ns = "{http://www.w3.org/2000/svg}"
+        dashed = set()
+        for group in root.iter(f"{ns}g"):
+            title = group.find(f"{ns}title")
+            if group.get("class") != "node" or title is None:
+                continue
+            if any(path.get("stroke-dasharray") for path in group.iter(f"{ns}path")):
+                dashed.add(title.text)
+        assert dashed == {"approving", "holding"}
+        texts = {el.text for el in root.iter(f"{ns}text")}
+        assert "approving (waits 24h)" in texts
+
+    def test_inspector_svg(self):
+        svg = render_svg(extract(approval_spec()))
+
+        root = ET.fromstring(svg)
+        ns = "{http://www.w3.org/2000/svg}"
+        classes = {
+            group.get("data-state"): group.get("class", "").split()
+            for group in root.iter(f"{ns}g")
+            if "node" in group.get("class", "").split()
+        }
+        assert {name for name, c in classes.items() if "waiting" in c} == {"approving", "holding"}
+        assert "waiting" not in classes["proposing"]
+        style = root.find(f"{ns}style").text
+        assert ".fsm .node.waiting rect{" in style
+        assert "stroke-dasharray" in style.split(".fsm .node.waiting rect{")[1].split("}")[0]
+        titles = [el.text for el in root.iter(f"{ns}title")]
+        assert "a person decides\nwaits for a signal, at most 24h: Apply the change?" in titles
 
 
 class TestModule:

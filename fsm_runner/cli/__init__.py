@@ -1,4 +1,4 @@
-"""The ``fsm-runner`` command line: list, inspect, replay, resume, abort, fork and draw runs.
+"""The ``fsm-runner`` command line: list, inspect, replay, resume, abort, signal, fork, draw runs.
 
 The CLI is thin: every command opens the journal, calls the library and prints. It is the only
 place where errors become exit codes: a user's mistake prints one line on stderr, never a
@@ -8,8 +8,9 @@ Colour is used only on a terminal; piped output is plain, stable text.
 This module holds the ``cli`` group and registers every command on it. The commands live by
 topic: :mod:`~fsm_runner.cli.inspection` (``runs``, ``watch``, ``replay``),
 :mod:`~fsm_runner.cli.report` (``show``), :mod:`~fsm_runner.cli.operations` (``resume``,
-``recover``, ``worker``, ``abort``, ``fork``), :mod:`~fsm_runner.cli.maintenance` (``check``,
-``prune``, ``export``), :mod:`~fsm_runner.cli.drawing` (``diagram``) and
+``recover``, ``worker``, ``abort``, ``signal``, ``fork``),
+:mod:`~fsm_runner.cli.maintenance` (``check``, ``prune``, ``export``),
+:mod:`~fsm_runner.cli.drawing` (``diagram``) and
 :mod:`~fsm_runner.cli.agent` (``demo``, ``agent-loop``); what they share:
 :mod:`~fsm_runner.cli.errors` (exit codes, one-line errors), :mod:`~fsm_runner.cli.journals`
 (the journal a command works on), :mod:`~fsm_runner.cli.apps` (importing ``--app``) and
@@ -52,6 +53,7 @@ from fsm_runner.cli.operations import abort as abort
 from fsm_runner.cli.operations import fork as fork
 from fsm_runner.cli.operations import recover as recover
 from fsm_runner.cli.operations import resume as resume
+from fsm_runner.cli.operations import signal as signal
 from fsm_runner.cli.operations import worker as worker
 from fsm_runner.cli.report import show as show
 from fsm_runner.command_line import journal_option
@@ -112,6 +114,7 @@ cli.add_command(resume)
 cli.add_command(recover)
 cli.add_command(worker)
 cli.add_command(abort)
+cli.add_command(signal)
 cli.add_command(export)
 cli.add_command(fork)
 cli.add_command(diagram)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -28,11 +28,14 @@ from fsm_runner.cli.output import (
     run_standing,
     styled_status,
     table,
+    wrap_column,
 )
 
 if TYPE_CHECKING:
+    from fsm_runner.journal import Journal
     from fsm_runner.records import RunRecord
     from fsm_runner.replay import Replay
+    from fsm_runner.spec import MachineSpec
 
 
 @click.command()
@@ -54,6 +57,12 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Only runs with an effect caught in flight (its outcome unknown).",
 )
+@click.option(
+    "--waiting",
+    is_flag=True,
+    help="Only active runs waiting for a signal, with what each waits for, since when, its"
+    " deadline, its pending signals and its prompt.",
+)
 @click.option("--limit", type=Int64Range(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.pass_obj
@@ -65,13 +74,34 @@ def runs(
     parent: str | None,
     stale: bool,
     effect_in_flight: bool,
+    waiting: bool,
     limit: int,
     as_json: bool,
 ) -> None:
-    """List runs, newest first (child runs show their parent)."""
+    """List runs, newest first (child runs show their parent).
+
+    With --waiting, the active runs that wait, newest first: those in a waiting state of
+    their machine (a state without a handler: it waits for a signal, see `fsm-runner
+    signal`) and those their phase parked (ctx.wait_for, ctx.sleep_until; their state shown
+    with "(phase)"): the signals each waits for, since when (its last transition), its
+    deadline (when the wait times out; - for none), how many signals wait in its mailbox,
+    and what the wait asks. --machine and --state narrow it.
+    """
     from fsm_runner.records import unstructure
 
     journal = state.journal()
+    if waiting:
+        others = {
+            "--status": status not in (None, "active"),
+            "--parent": parent is not None,
+            "--stale": stale,
+            "--effect-in-flight": effect_in_flight,
+        }
+        clashing = [option for option, given in others.items() if given]
+        if clashing:
+            fail(f"--waiting cannot be combined with {', '.join(clashing)}", EXIT_USAGE)
+        _print_waiting(journal, machine, run_state, limit, as_json=as_json)
+        return
     if parent is not None:
         parent = resolve_run_id(journal, parent)
     found = journal.runs(
@@ -107,6 +137,160 @@ def runs(
         ("RUN", "MACHINE", "STATE", "STATUS", "SEQ", "ITER", "UPDATED (UTC)", "PARENT"),
         styles=[run.status.value for run in found],
     )
+
+
+#: How many of the newest active runs name the machines ``runs --waiting`` looks at, when no
+#: --machine is given (the journal has no list of its machines).
+_MACHINES_SAMPLE = 1000
+
+
+class _Specs:
+    """The specs a journal keeps, read once per hash."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        self._specs: dict[str, MachineSpec] = {}
+
+    def __call__(self, spec_hash: str) -> MachineSpec:
+        spec = self._specs.get(spec_hash)
+        if spec is None:
+            from fsm_runner.spec import MachineSpec
+
+            spec = MachineSpec.from_json(self._journal.spec_json(spec_hash))
+            self._specs[spec_hash] = spec
+        return spec
+
+
+def _waiting_runs(
+    journal: Journal, specs: _Specs, machine: str | None, only_state: str | None, limit: int
+) -> list[RunRecord]:
+    """The active runs that wait, newest first: in a waiting state, or parked by their phase.
+
+    Index reads only: per machine, the states its active runs stand in (``run_counts``),
+    then the newest ``limit`` active runs of each state (``runs(machine=, status="active",
+    state=)``), of which those that wait are kept. Every run of a waiting state waits; a
+    run its phase parked (``ctx.wait_for``, ``ctx.sleep_until``) is found among the newest
+    ``limit`` of its state.
+    """
+    from fsm_runner.engine.waits import waits_now
+
+    if machine is not None:
+        machines = [machine]
+    else:
+        sample = journal.runs(status="active", limit=_MACHINES_SAMPLE)
+        machines = sorted({run.machine for run in sample})
+    found: list[RunRecord] = []
+    for name in machines:
+        counts = journal.run_counts(machine=name)
+        states = sorted(
+            {s for (s, status), count in counts.items() if status == "active" and count}
+        )
+        for run_state in states if only_state is None else [s for s in states if s == only_state]:
+            candidates = journal.runs(machine=name, status="active", state=run_state, limit=limit)
+            found += [run for run in candidates if waits_now(specs(run.spec_hash), run)]
+    found.sort(key=lambda run: (run.updated_at, run.run_id), reverse=True)
+    return found[:limit]
+
+
+class Waiting:
+    """How one run waits: for which signals, since when, until when, what it asks.
+
+    What ``runs --waiting`` lists and ``show`` says of a waiting run.
+
+    A plain class: a ``NamedTuple`` would cost ``fsm-runner --help`` its creation.
+    """
+
+    def __init__(self, journal: Journal, spec: MachineSpec, run: RunRecord) -> None:
+        from fsm_runner.engine.waits import deadline, parked_phase
+
+        self.run = run
+        self.since = run.updated_at
+        self.pending = len(journal.signals(run.run_id, pending=True))
+        parked = parked_phase(run)
+        wait = spec.wait_of(run.state)
+        if parked is not None:  # its phase waits (ctx.wait_for, ctx.sleep_until)
+            signal, until = parked
+            self.by = "phase"
+            self.accepts = [signal] if signal is not None else []
+            self.deadline = until
+            self.on_timeout: str | None = None
+            self.prompt = ""
+        else:
+            self.by = "state"
+            self.accepts = sorted(spec.accepts(run.state))
+            self.deadline = deadline(journal, spec, run)
+            self.on_timeout = wait.on_timeout if wait is not None else None
+            self.prompt = wait.prompt if wait is not None else ""
+
+    def wait_json(self) -> dict[str, Any]:
+        """The wait, as JSON."""
+        from fsm_runner._convert import format_utc
+
+        return {
+            "state": self.run.state,
+            "by": self.by,
+            "accepts": self.accepts,
+            "since": format_utc(self.since),
+            "deadline": format_utc(self.deadline) if self.deadline is not None else None,
+            "on_timeout": self.on_timeout,
+            "pending_signals": self.pending,
+            "prompt": self.prompt,
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        """The run's row, and its ``wait``."""
+        from fsm_runner.records import unstructure
+
+        return {**unstructure(self.run), "wait": self.wait_json()}
+
+    def summary(self) -> str:
+        """One line: what the run waits for, until when, what it asks."""
+        what = ", ".join(self.accepts) or ("a time" if self.by == "phase" else "nothing")
+        text = f"for {what}" if self.by == "state" else f"in its phase, for {what}"
+        if self.deadline is not None:
+            text += f" until {format_time(self.deadline)} UTC"
+            if self.on_timeout:
+                text += f" (then {self.on_timeout})"
+        if self.pending:
+            text += f"; {self.pending} signal{'s' if self.pending != 1 else ''} pending"
+        return f"{text}: {self.prompt}" if self.prompt else text
+
+    def row(self) -> tuple[str, ...]:
+        """The run's row of the table."""
+        run = self.run
+        waits_for = ",".join(self.accepts) or ("-" if self.by == "state" else "(a time)")
+        return (
+            run.run_id[:12],
+            run.machine,
+            run.state if self.by == "state" else f"{run.state} (phase)",
+            waits_for,
+            format_time(self.since),
+            format_time(self.deadline),
+            str(self.pending),
+            self.prompt or "-",
+        )
+
+
+def _print_waiting(
+    journal: Journal, machine: str | None, only_state: str | None, limit: int, *, as_json: bool
+) -> None:
+    """``runs --waiting``: the waiting runs, what each waits for, since when, until when."""
+    specs = _Specs(journal)
+    found = [
+        Waiting(journal, specs(run.spec_hash), run)
+        for run in _waiting_runs(journal, specs, machine, only_state, limit)
+    ]
+    if as_json:
+        json_dump([waiting.as_json() for waiting in found])
+        return
+    if not found:
+        click.echo("no waiting runs")
+        return
+    table(
+        wrap_column([waiting.row() for waiting in found], 7, 50),
+        ("RUN", "MACHINE", "STATE", "WAITS FOR", "SINCE (UTC)", "DEADLINE (UTC)", "PENDING",
+         "PROMPT"),
+    )  # fmt: skip
 
 
 @click.command()

@@ -1,10 +1,14 @@
-"""Commands that move runs: ``resume`` (and rewind), ``recover``, ``worker``, ``abort``, ``fork``.
+"""Commands that move runs: ``resume``, ``recover``, ``worker``, ``abort``, ``signal``, ``fork``.
 
 ``resume``, ``recover`` and ``worker`` run the phases with the handlers of ``--app``;
-``abort`` needs an app only for guards, ``fork`` none.
+``abort`` and ``signal`` need an app only for guards, ``fork`` none.
 """
 
 from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -18,6 +22,10 @@ from fsm_runner.cli.errors import (
 )
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import echo_transition, json_dump, run_standing, styled_status
+
+if TYPE_CHECKING:
+    from fsm_runner.journal import Journal
+    from fsm_runner.records import SignalRecord
 
 #: ``--app`` of the commands that run phases for any run of the app.
 _required_app = click.option(
@@ -157,6 +165,124 @@ def abort(state: CliState, run_id: str, reason: str, app: str | None) -> None:
             f"run {run.run_id}: abort requested; {run.lease_owner}, which holds the run, "
             "carries it out at its next step"
         )
+
+
+def _not_a_number(constant: str) -> NoReturn:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e999: JSON, but no number a journal stores
+        raise ValueError(f"{text} is too large")
+    return number
+
+
+def _json_option(option: str, text: str | None) -> Any:
+    """The value of a JSON option (``None`` when it is not given), or a one-line usage error."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text, parse_constant=_not_a_number, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:  # json.JSONDecodeError too; [[[[...
+        fail(f"{option}: not JSON: {exc}", EXIT_USAGE)
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("name")
+@click.option(
+    "--data",
+    metavar="JSON",
+    help="The signal's payload, as JSON (the transition it causes carries it as its output).",
+)
+@click.option(
+    "--id",
+    "signal_id",
+    metavar="ID",
+    help="The sender's key: a signal sent again with the same ID is journaled once, and the"
+    " first one's outcome is printed.",
+)
+@click.option(
+    "--app",
+    metavar="MODULE:ATTR",
+    help="The host app, needed only when the exit the signal takes has guards (without it, a"
+    " worker of the app consumes the signal).",
+)
+@click.pass_obj
+def signal(
+    state: CliState,
+    run_id: str,
+    name: str,
+    data: str | None,
+    signal_id: str | None,
+    app: str | None,
+) -> None:
+    """Send signal NAME (APPROVED, say) to a run that waits for an answer.
+
+    The signal is journaled in the run's mailbox even when the run is not waiting for it yet;
+    the run consumes it when it waits in a state that accepts it (one of that state's exits'
+    events), in arrival order, exactly once. If the run waits in such a state now, the signal
+    is consumed at once and the run moves on (a worker of its app runs what comes next).
+    A NAME no waiting state of the run's machine accepts is refused (exit 2), as is a signal to
+    an ended run (exit 4); nothing is written then. Prints one line: the signal's number, and
+    the seq that consumed it or why it is pending.
+    """
+    from fsm_runner.engine.waits import signal_run
+    from fsm_runner.exceptions import InvalidTransitionError
+
+    payload = _json_option("--data", data)
+    journal = state.journal()
+    run_id = resolve_run_id(journal, run_id)
+    repeated = signal_id is not None and any(
+        stored.signal_id == signal_id for stored in journal.signals(run_id)
+    )
+    guards = None
+    if app:
+        engine = load_app(app, journal)
+        guards = engine.guards
+        engine.close()
+    try:
+        sent = signal_run(journal, run_id, name, payload, signal_id=signal_id, guards=guards)
+    except InvalidTransitionError as exc:
+        fail(f"NAME: {exc}", EXIT_USAGE)  # a signal the run's machine never takes
+    click.echo(_signal_line(journal, sent, repeated=repeated))
+
+
+def _signal_line(journal: Journal, sent: SignalRecord, *, repeated: bool) -> str:
+    """What ``signal`` prints: the signal, and where it stands (consumed, pending, expired)."""
+    from fsm_runner.records import SignalStatus
+
+    run = journal.load(sent.run_id)
+    head = f"signal #{sent.number} {sent.name} for run {run.run_id}"
+    if repeated:
+        head += f" (already sent with --id {sent.signal_id}; nothing written)"
+    if sent.status is SignalStatus.CONSUMED:
+        return f"{head}: consumed by seq {sent.consumed_seq} (now in state {run.state!r})"
+    if sent.status is SignalStatus.EXPIRED or run.ended:
+        return (
+            f"{head}: expired (the run ended, {run.status.value} in state {run.state!r}, "
+            "before it waited for it)"
+        )
+    from fsm_runner.engine.waits import parked_phase
+    from fsm_runner.spec import MachineSpec
+
+    parked = parked_phase(run)
+    if parked is not None and parked[0] == sent.name:
+        return (
+            f"{head}: pending (the run's phase waits for it in state {run.state!r}; a worker of"
+            " its app wakes the run, and the phase reads it)"
+        )
+    if sent.name in MachineSpec.from_json(journal.spec_json(run.spec_hash)).accepts(run.state):
+        # Held by a worker, or its exit has guards only the app can ask.
+        return (
+            f"{head}: pending (the run waits in state {run.state!r}, which accepts it; a worker"
+            " of its app consumes it)"
+        )
+    return (
+        f"{head}: pending (the run is in state {run.state!r}; it is consumed when the run "
+        "waits in a state that accepts it)"
+    )
 
 
 @click.command()

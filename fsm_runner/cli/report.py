@@ -1,7 +1,7 @@
 """``fsm-runner show``: a run's report, as text or JSON.
 
-The summary, the timeline, then each section the run has: sub-phases, effects, child runs,
-iterations and artifacts.
+The summary, the timeline, then each section the run has: signals, sub-phases, effects, child
+runs, iterations and artifacts.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from fsm_runner.cli.output import (
 from fsm_runner.visits import subphase_visits
 
 if TYPE_CHECKING:
+    from fsm_runner.cli.inspection import Waiting
     from fsm_runner.journal import Journal
     from fsm_runner.records import (
         ArtifactRecord,
         EffectRecord,
         IterationRecord,
         RunRecord,
+        SignalRecord,
         TransitionRecord,
     )
 
@@ -45,6 +47,8 @@ class _Shown:
     """
 
     def __init__(self, journal: Journal, run_id: str) -> None:
+        from fsm_runner.cli.inspection import Waiting
+        from fsm_runner.engine.waits import waits_now
         from fsm_runner.spec import MachineSpec
 
         self.run = run = journal.load(run_id)
@@ -55,6 +59,10 @@ class _Shown:
         self.visits = subphase_visits(spec, self.timeline)
         self.children = list(reversed(journal.runs(parent_run_id=run.run_id)))
         self.effects = journal.effects(run.run_id)
+        self.signals = journal.signals(run.run_id)
+        self.waiting: Waiting | None = None
+        if not run.ended and waits_now(spec, run):
+            self.waiting = Waiting(journal, spec, run)
 
 
 @click.command()
@@ -69,8 +77,11 @@ def show(state: CliState, run_id: str, as_json: bool) -> None:
         _print_json(shown)
         return
     print_summary(shown.run)
+    if shown.waiting is not None:
+        _print_pair("waits", shown.waiting.summary())
     click.echo("")
     _print_timeline(shown.timeline)
+    _print_section(shown.signals, _print_signals)
     _print_section(shown.visits, _print_visits)
     _print_section(shown.effects, _print_effects)
     _print_section(shown.children, _print_children)
@@ -96,6 +107,8 @@ def _print_json(shown: _Shown) -> None:
             "artifacts": [artifact_summary(a) for a in shown.artifacts],
             "subphases": shown.visits,
             "effects": [unstructure(e) for e in shown.effects],
+            "signals": [unstructure(s) for s in shown.signals],
+            "wait": shown.waiting.wait_json() if shown.waiting is not None else None,
             "children": [
                 {"run_id": c.run_id, "machine": c.machine, "state": c.state,
                  "status": c.status.value}
@@ -136,13 +149,16 @@ def print_summary(run: RunRecord) -> None:
         pairs.append(("abort", f"requested: {run.abort_reason}"))
     if run.error:
         pairs.append(("error", f"{run.error.get('type')}: {run.error.get('message')}"))
-    width = text_width() - 9
     for key, value in pairs:
-        # Long values (the input, the context) wrap between words under their value.
-        lines = wrap(value, width)
-        click.echo(f"{key:<9}{lines[0]}")
-        for line in lines[1:]:
-            click.echo(f"{'':<9}{line}")
+        _print_pair(key, value)
+
+
+def _print_pair(key: str, value: str) -> None:
+    """One ``key value`` line of the summary; a long value wraps between words under itself."""
+    lines = wrap(value, text_width() - 9)
+    click.echo(f"{key:<9}{lines[0]}")
+    for line in lines[1:]:
+        click.echo(f"{'':<9}{line}")
 
 
 def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
@@ -161,6 +177,41 @@ def _print_timeline(timeline: Sequence[TransitionRecord]) -> None:
             )
         )
     table(wrap_column(rows, 6, 80), ("SEQ", "AT (UTC)", "FROM", "EVENT", "TO", "MS", "ERROR"))
+
+
+#: How much of a signal's payload the signals table shows.
+_PAYLOAD_CHARS = 40
+
+
+def _short(value: Any) -> str:
+    """A payload as one line of JSON, cut to :data:`_PAYLOAD_CHARS` characters."""
+    if value is None:
+        return "-"
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= _PAYLOAD_CHARS else text[: _PAYLOAD_CHARS - 1] + "…"
+
+
+def _print_signals(signals: Sequence[SignalRecord]) -> None:
+    table(
+        [
+            (
+                f"#{s.number}",
+                s.name,
+                s.status.value,
+                format_time_ms(s.received_at),
+                "-" if s.consumed_seq is None else f"seq {s.consumed_seq}",
+                s.signal_id or "-",
+                _short(s.payload),
+            )
+            for s in signals
+        ],
+        ("SIGNAL", "NAME", "STATUS", "RECEIVED (UTC)", "CONSUMED BY", "ID", "PAYLOAD"),
+        styles=[_SIGNAL_STYLES[s.status.value] for s in signals],
+    )
+
+
+#: The colour of a signal's row: a run status' of the same mood.
+_SIGNAL_STYLES = {"pending": "active", "consumed": "succeeded", "expired": "aborted"}
 
 
 def _print_visits(visits: Sequence[dict[str, Any]]) -> None:

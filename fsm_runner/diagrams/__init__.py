@@ -17,6 +17,10 @@ The spec is the source of truth, drawn as it is declared:
 * a wildcard transition (source ``*``) is drawn once, from a ``*`` node;
 * a composite state is a box around its sub-phases (``state X { ... }``, a DOT cluster) with
   an arrow into its first sub-phase and its ``advance_on`` edges between consecutive ones;
+* a waiting state (a non-terminal state without a handler: it waits for a signal) is drawn
+  dashed -- Mermaid's ``waiting`` class, a dashed DOT box, the inspector's ``waiting`` class --
+  with its wait's timeout in its label (``approving (waits 24h)``) and its prompt in the
+  tooltip;
 * a :data:`~fsm_runner.spec.RETURN` transition goes to a deep-history node ``H*`` placed in the
   innermost composite that encloses every state the run can come from (at the top level when
   there is none): the run goes back to the very sub-phase it left.
@@ -48,7 +52,16 @@ from typing import Literal
 
 from fsm_runner.diagrams.dot import IMAGE_FORMATS, ImageFormat, render_dot, render_image
 from fsm_runner.diagrams.extraction import extract
-from fsm_runner.diagrams.graph import HISTORY, Composite, Edge, EdgeKind, Graph, Node, NodeKind
+from fsm_runner.diagrams.graph import (
+    HISTORY,
+    Composite,
+    Edge,
+    EdgeKind,
+    Graph,
+    Node,
+    NodeKind,
+    wait_duration,
+)
 from fsm_runner.diagrams.mermaid import render_mermaid, render_mermaid_flowchart
 from fsm_runner.exceptions import DiagramError
 from fsm_runner.records import RunRecord, TransitionRecord
@@ -72,6 +85,7 @@ __all__ = [
     "render_image",
     "render_mermaid",
     "render_mermaid_flowchart",
+    "wait_duration",
 ]
 
 #: The text formats :func:`render` writes.

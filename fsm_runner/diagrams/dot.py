@@ -22,6 +22,8 @@ _NO_DOT = (
     "graphviz) or use --format mermaid|dot"
 )
 _INITIAL = "$initial"
+#: The outline of waiting states.
+_WAITING = "#6a1b9a"
 
 
 def _q(text: str) -> str:
@@ -41,6 +43,9 @@ def _dot_node(node: Node) -> str:
     else:
         values = {"label": node.label, "shape": "doublecircle" if node.terminal else "box"}
     style = [] if node.terminal or node.kind != "state" else ["rounded"]
+    if node.waiting:  # dashed, in purple unless the run's colours say more
+        style.append("dashed")
+        values.update(color=_WAITING, penwidth="1.5")
     if node.visited:
         style.append("filled")
         values["fillcolor"] = "#e3f2fd"
@@ -52,7 +57,7 @@ def _dot_node(node: Node) -> str:
         values.update(fillcolor="#ffcdd2", color="#c62828", penwidth="2.5")
     if style:
         values["style"] = ",".join(dict.fromkeys(style))
-    tooltip = node.description
+    tooltip = node.tooltip
     if node.outcome is not None:
         tooltip = f"{tooltip} (run {node.outcome.value})" if tooltip else f"run {node.outcome}"
     if tooltip:
@@ -83,8 +88,9 @@ def _dot_edge(graph: Graph, edge: Edge, *, plain: bool = False) -> str:
 def render_dot(graph: Graph) -> str:
     """Render a graph as a Graphviz DOT ``digraph`` (for ``dot``, see :func:`render_image`).
 
-    Composites become ``cluster_<name>`` subgraphs, terminal states double circles, and the
-    initial state is pointed at from a point node. With a run, visited states are filled, the
+    Composites become ``cluster_<name>`` subgraphs, terminal states double circles, waiting
+    states dashed purple boxes (their prompt in the tooltip), and the initial state is
+    pointed at from a point node. With a run, visited states are filled, the
     current one yellow and the one a failed run failed in red; traversed edges are thick and
     blue with their counts, the others grey.
 

@@ -3,7 +3,8 @@
 The spec's transitions become edges (a wildcard transition once, a RETURN one to a history
 node), a composite's moves between its sub-phases too; the timeline counts how often the run
 took each edge, adds the engine events it took without a spec transition, and marks the
-states it visited, is in and failed in.
+states it visited, is in and failed in. Waiting states (``spec.waiting_states``) are marked
+``waiting``, with their wait's timeout in the label (``approving (waits 24h)``) and its prompt.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
-from fsm_runner.diagrams.graph import HISTORY, Composite, Edge, Graph, Node
+from fsm_runner.diagrams.graph import HISTORY, Composite, Edge, Graph, Node, wait_duration
 from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, RunLifecycle, State, Transition
 
@@ -250,9 +251,14 @@ def _states(
             children = [child.name for child in state.children]
             composites.append(Composite(state.name, parent, children, state.description))
             continue
+        wait = spec.wait_of(state.name)
+        label = state.name
+        if wait is not None and wait.timeout is not None:
+            label = f"{state.name} (waits {wait_duration(wait.timeout)})"
         nodes.append(
             Node(
                 state.name,
+                label=label,
                 terminal=state.terminal,
                 outcome=state.final_outcome if state.terminal else None,
                 parent=parent,
@@ -260,6 +266,9 @@ def _states(
                 visited=state.name in visited,
                 current=state.name == current,
                 failed=state.name == failed,
+                waiting=wait is not None,
+                timeout=wait.timeout if wait is not None else None,
+                prompt=wait.prompt if wait is not None else "",
             )
         )
     return composites, nodes, order

@@ -44,6 +44,11 @@ class Node:
         visited: the run has been in this state.
         current: the run is in this state.
         failed: the run failed in this state.
+        waiting: a run here waits for a signal (a non-terminal state without a handler; see
+            :class:`~fsm_runner.spec.Wait`): drawn dashed.
+        timeout: how long a run waits here before the wait times out (seconds; ``None``:
+            for ever, or not a waiting state).
+        prompt: what the wait asks of whoever answers (shown as a tooltip).
     """
 
     name: str
@@ -56,6 +61,33 @@ class Node:
     visited: bool = False
     current: bool = False
     failed: bool = False
+    waiting: bool = False
+    timeout: float | None = None
+    prompt: str = ""
+
+    @property
+    def tooltip(self) -> str:
+        """The state's description, then how it waits and what it asks (one line each)."""
+        lines = [self.description] if self.description else []
+        if self.waiting:
+            wait = "waits for a signal"
+            if self.timeout is not None:
+                wait += f", at most {wait_duration(self.timeout)}"
+            lines.append(f"{wait}: {self.prompt}" if self.prompt else wait)
+        return "\n".join(lines)
+
+
+def wait_duration(seconds: float) -> str:
+    """A wait's timeout, short and ASCII: ``90s``, ``5m``, ``24h``, ``30d``, ``1.5s``.
+
+    The largest unit that divides it evenly (days from two on), so nothing is rounded away.
+    """
+    for unit, size, least in (("d", 86_400, 2 * 86_400), ("h", 3_600, 3_600), ("m", 60, 60)):
+        if seconds >= least and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
 
 
 def _names(value: Iterable[str]) -> tuple[str, ...]:

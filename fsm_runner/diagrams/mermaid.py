@@ -40,6 +40,9 @@ _MERMAID_RESERVED = frozenset(
         "style",
     }
 )
+#: The class of waiting states (drawn dashed), with or without a run; defined before the run's
+#: classes so that theirs override its colour, not its dashes.
+_WAITING_CLASS = ("waiting", "stroke:#6a1b9a,stroke-dasharray:5")
 _MERMAID_CLASSES = (
     ("visited", "fill:#e3f2fd,stroke:#1565c0"),
     ("current", "fill:#fff59d,stroke:#f57f17,stroke-width:3px"),
@@ -171,10 +174,15 @@ def _scoped(graph: Graph) -> dict[str | None, list[Edge]]:
     return scoped
 
 
+def _waiting(graph: Graph) -> tuple[tuple[str, str], ...]:
+    """The ``waiting`` class, for a graph with waiting states."""
+    return (_WAITING_CLASS,) if any(node.waiting for node in graph.nodes) else ()
+
+
 def _class_lines(graph: Graph, ids: _MermaidIds) -> list[str]:
-    """``class`` lines giving the run's states their classes (``visited``, ...)."""
+    """``class`` lines giving states their classes (``waiting``, and the run's: ``visited``...)."""
     lines = []
-    for name, _style in _MERMAID_CLASSES:
+    for name, _style in (*_waiting(graph), *_MERMAID_CLASSES):
         members = [ids(n.name) for n in graph.nodes if getattr(n, name)]
         if members:
             lines.append(f"    class {','.join(members)} {name}")
@@ -186,8 +194,9 @@ def render_mermaid(graph: Graph) -> str:
 
     Composites become ``state ID { ... }`` blocks; a name Mermaid cannot read as an id (it
     starts with a digit, is a keyword such as ``end``, ...) is declared as
-    ``state "name" as s_name``. With a run, states get the classes ``visited``, ``current``
-    and ``failed`` (``classDef`` + ``class``) and traversed edges their counts in the label.
+    ``state "name" as s_name``. Waiting states get the class ``waiting`` (a dashed outline);
+    with a run, states get the classes ``visited``, ``current`` and ``failed`` (``classDef`` +
+    ``class``) and traversed edges their counts in the label.
     Several self-loops on one state are drawn as one link that lists them all (Mermaid would
     keep only the last).
 
@@ -224,8 +233,9 @@ def render_mermaid(graph: Graph) -> str:
 
     block(None, "    ")
     lines.extend(f"    {ids(n.name)} --> [*]" for n in graph.nodes if n.terminal)
-    if graph.has_run:
-        lines.extend(f"    classDef {name} {style}" for name, style in _MERMAID_CLASSES)
+    classes = (*_waiting(graph), *(_MERMAID_CLASSES if graph.has_run else ()))
+    lines.extend(f"    classDef {name} {style}" for name, style in classes)
+    if classes:
         lines.extend(_class_lines(graph, ids))
     return "\n".join(lines) + "\n"
 
@@ -259,9 +269,10 @@ def render_mermaid_flowchart(graph: Graph) -> str:
     is pointed at from a small filled circle, composites are ``subgraph`` blocks (nested) and
     every name is aliased (``s_<name>``: the ``*`` node is ``any_state``). Edges carry the
     labels of :func:`render_mermaid` (counts included); engine events are dotted links.
-    States get the classes ``visited``, ``current`` and ``failed``; every traversed link is
-    thick and blue (``linkStyle`` by the link's index, counted in the order links are written,
-    the start point's one included), every other one but the start point's grey.
+    States get the classes ``waiting`` (dashed), ``visited``, ``current`` and ``failed``; every
+    traversed link is thick and blue (``linkStyle`` by the link's index, counted in the order
+    links are written, the start point's one included), every other one but the start point's
+    grey.
 
     Args:
         graph: what to draw (from :func:`extract`, or built by hand).
@@ -301,7 +312,7 @@ def render_mermaid_flowchart(graph: Graph) -> str:
     if graph.initial:
         lines.append(f'    {_FLOW_START}((" "))')
     block(None, "    ")
-    for name, style in (_FLOW_START_CLASS, *_MERMAID_CLASSES):
+    for name, style in (_FLOW_START_CLASS, *_waiting(graph), *_MERMAID_CLASSES):
         lines.append(f"    classDef {name} {style}")
     if graph.initial:
         lines.append(f"    class {_FLOW_START} {_FLOW_START_CLASS[0]}")

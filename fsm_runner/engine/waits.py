@@ -256,7 +256,7 @@ def check_signal(spec: MachineSpec, run: RunRecord, name: str) -> None:
             state=run.state,
             event=name,
             reason=(
-                f"is not a signal any waiting state of machine {spec.name!r} accepts"
+                f"not a signal any waiting state (or phase) of machine {spec.name!r} accepts"
                 f" (it accepts: {accepted});"
             ),
         )

@@ -646,6 +646,10 @@ CREATE TABLE signals (
 )
 """
 _INDEXES_V10 = (
+    # Claims: the unleased active runs with no wake time, by state (a run its phase parked,
+    # with a wake time to come, is not runnable before it: it is read from the next index).
+    "CREATE INDEX idx_run_rows_ready ON run_rows (machine, state)"
+    " WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NULL",
     # Claims and next_wake: the unleased active runs that have a wake time, by it.
     "CREATE INDEX idx_run_rows_due ON run_rows (machine, wake_at)"
     " WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL",
@@ -661,13 +665,16 @@ def m0010_waits(db: sqlite_utils.Database) -> None:
     """Version 10: durable waits: a run's wake time, and the signals sent to runs.
 
     * ``run_rows.wake_at``: when ``claim_next`` offers the run whatever its state (set by a
-      park and by a signal's arrival, cleared when the run ends), read by claims and
-      ``next_wake`` from one range of ``idx_run_rows_due``. A column added: the ``runs`` view
+      park and by a signal's arrival, cleared by every claim and when the run ends), read by
+      claims and ``next_wake`` from one range of ``idx_run_rows_due``; ``idx_run_rows_ready``
+      is remade partial to the runs with none (a run its phase parked is not runnable before
+      its wake time). A column added: the ``runs`` view
       names its columns, and neither it nor the triggers change.
     * ``signals``: each signal sent to a run, numbered in arrival order, pending until a
       transition of the run consumes it (``consumed_seq``, ``consumed_at``).
     """
     db.execute("ALTER TABLE run_rows ADD COLUMN wake_at TEXT")
+    db.execute("DROP INDEX idx_run_rows_ready")
     db.execute(_SIGNALS_V10)
     for sql in _INDEXES_V10:
         db.execute(sql)

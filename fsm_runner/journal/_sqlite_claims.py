@@ -37,14 +37,15 @@ _CLAIM_SEARCHES = 3
 def _claimable(states: int, spec_hash: str | None) -> str:
     """The ``runs`` view's condition of a run ``claim_next`` may take.
 
-    In one of the states, or due (schema version 10: its wake time has come, whatever its
-    state; ``run_rows.wake_at`` is the claim's own row, as the view does not show it).
+    In one of the states with no wake time, or due (schema version 10: its wake time has
+    come, whatever its state; ``run_rows.wake_at`` is the claim's own row, as the view does
+    not show it).
     Parameters: the machine, ``states`` states, "now" (its wake time), the spec hash (if
     ``spec_hash``), then "now" again (a lease that expired before it is free).
     """
     return (
-        f"status = 'active' AND machine = ? AND (state IN ({', '.join('?' * states)})"
-        " OR run_rows.wake_at <= ?)"
+        f"status = 'active' AND machine = ? AND ((state IN ({', '.join('?' * states)})"
+        " AND run_rows.wake_at IS NULL) OR run_rows.wake_at <= ?)"
         + (" AND spec_hash = ?" if spec_hash is not None else "")
         + " AND (lease_owner IS NULL OR lease_expires_at < ?)"
     )
@@ -71,7 +72,7 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     spec = " AND spec_hash = ?" if spec_hash is not None else ""
     ready = (
         "SELECT run_key FROM (SELECT run_key FROM run_rows AS r WHERE machine = ? AND state = ?"
-        f" AND status = 'active' AND lease_owner IS NULL{spec}"
+        f" AND status = 'active' AND lease_owner IS NULL AND wake_at IS NULL{spec}"
         " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
         "                  WHERE t.run_key = r.run_key AND t.seq > r.seq)"
         " ORDER BY run_key LIMIT ?)"
@@ -91,7 +92,7 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     search = " UNION ALL ".join([ready] * states + [expired, due]) + " ORDER BY run_key LIMIT ?"
     where = _claimable(states, spec_hash)
     claim = (
-        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?, wake_at = NULL,"
         " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
         f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
     )

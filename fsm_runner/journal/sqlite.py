@@ -63,8 +63,10 @@ _DIALECT = SqlDialect(
     stamp=format_utc,
     stale_bound=_stale_bound,
     list_by_created=False,
-    active_keys=(
+    active_keys=(  # the claims' three indexes: ready, due (a wake time), leased
         "SELECT run_key FROM run_rows WHERE status = 'active' AND lease_owner IS NULL"
+        " AND wake_at IS NULL UNION ALL SELECT run_key FROM run_rows WHERE status = 'active'"
+        " AND lease_owner IS NULL AND wake_at IS NOT NULL"
         " UNION ALL SELECT run_key FROM run_rows WHERE status = 'active'"
         " AND lease_owner IS NOT NULL"
     ),
@@ -341,7 +343,7 @@ class SqliteJournal:
         takeover = _lease.grant(run, owner, now, take_over=take_over)
         expires = now + dt.timedelta(seconds=ttl)
         conn.execute(
-            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?, wake_at = NULL,"
             " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
             (owner, format_utc(expires), int(takeover), run_id),
         )
@@ -359,7 +361,7 @@ class SqliteJournal:
         expires = utc_now() + dt.timedelta(seconds=ttl)
         with self._connections.write() as conn:
             changed = conn.execute(
-                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?, wake_at = NULL,"
                 " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
                 " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
                 " AND NOT EXISTS (SELECT 1 FROM transitions AS t"

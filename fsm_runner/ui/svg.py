@@ -15,7 +15,8 @@ the run's path on it) is laid out here in layers:
 * edges are straight between adjacent rows and bowed otherwise, clipped at the boxes,
   labelled with their event (and how often the run took them).
 
-Nodes carry the classes ``visited``, ``current`` and ``failed`` (and ``terminal``), edges
+Nodes carry the classes ``visited``, ``current`` and ``failed`` (and ``terminal``, and
+``waiting`` for a state that waits for a signal: a dashed outline), edges
 ``traversed`` and ``engine``: the page's style and the tests read those. Every text is
 escaped. The output is deterministic for a given graph.
 """
@@ -44,6 +45,7 @@ _STYLE = """
 .fsm text{font:12px ui-monospace,Menlo,Consolas,monospace;fill:#1f2328}
 .fsm .node rect,.fsm .node circle{fill:#fff;stroke:#6e7781;stroke-width:1.2}
 .fsm .node.terminal rect.outer{stroke-width:1;fill:none}
+.fsm .node.waiting rect{stroke:#6a1b9a;stroke-width:1.6;stroke-dasharray:5 3}
 .fsm .node.visited rect,.fsm .node.visited circle{fill:#e3f2fd;stroke:#1565c0}
 .fsm .node.current rect{fill:#fff59d;stroke:#f57f17;stroke-width:3}
 .fsm .node.failed rect{fill:#ffcdd2;stroke:#c62828;stroke-width:3}
@@ -233,8 +235,9 @@ def _node_svg(node: Node, box: _Box) -> str:
         "visited" if node.visited else None,
         "current" if node.current else None,
         "failed" if node.failed else None,
+        "waiting" if node.waiting else None,
     )
-    title = f"<title>{escape(node.description or node.name)}</title>"
+    title = f"<title>{escape(node.tooltip or node.name)}</title>"
     head = f'<g class="{classes}" data-state="{escape(node.name)}">{title}'
     if node.kind != "state":
         shape = f'<circle cx="{box.cx:.1f}" cy="{box.cy:.1f}" r="{box.h / 2 - 2:.1f}"/>'
