@@ -112,7 +112,7 @@ class PostgresServer:
     """
 
     #: The journal's tables, children first (the foreign keys are enforced).
-    TABLES = ("effects", "artifacts", "iterations", "transitions", "runs", "specs")
+    TABLES = ("effects", "artifacts", "iterations", "transitions", "signals", "runs", "specs")
     tables = sorted([*TABLES, "meta"])
 
     def __init__(self, url: str) -> None:

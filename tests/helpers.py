@@ -297,7 +297,12 @@ def undo_v10(conn) -> None:
     """Turn a journal's schema back from version 10 to 9: no signals, no wake times."""
     conn.execute("DROP TABLE signals")  # its indexes with it
     conn.execute("DROP INDEX idx_run_rows_due")
+    conn.execute("DROP INDEX idx_run_rows_ready")  # version 10's names wake_at
     conn.execute("ALTER TABLE run_rows DROP COLUMN wake_at")
+    conn.execute(
+        "CREATE INDEX idx_run_rows_ready ON run_rows (machine, state)"
+        " WHERE status = 'active' AND lease_owner IS NULL"
+    )
     conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0010_waits'")
     conn.execute("UPDATE meta SET value = '9' WHERE key = 'schema_version'")
 

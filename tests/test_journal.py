@@ -1542,7 +1542,22 @@ class TestWaits:
         claimed = journal.claim_next("x", ttl=60, machine=SPEC.name, states=["verifying"])
         assert claimed.run_id == "past"
         assert journal.claim_next("x", ttl=60, machine=SPEC.name, states=["verifying"]) is None
-        assert journal.wake_time("past") is not None  # a claim leaves the wake time
+        assert journal.wake_time("past") is None  # a claim clears it: its holder parks again
+        assert journal.wake_time("future") is not None
+
+    def test_a_run_with_a_wake_time_to_come_is_not_runnable_before_it(self, journal):
+        # a run its phase parked (ctx.wait_for, ctx.sleep_until) stands in a handler's state
+        start(journal, "parked", created=0)
+        run = held(journal, "parked")
+        journal.park("parked", "w", run.lease_token, wake_at=utc_now() + HOUR, accepts=())
+        state = journal.load("parked").state
+        assert journal.claim_next("x", ttl=60, machine=SPEC.name, states=[state]) is None
+        journal.put_signal(signal("parked"))  # now due
+        claimed = journal.claim_next("x", ttl=60, machine=SPEC.name, states=[state])
+        assert claimed.run_id == "parked"
+        assert journal.wake_time("parked") is None
+        journal.release("parked", "x", claimed.lease_token)
+        assert journal.claim_next("y", ttl=60, machine=SPEC.name, states=[state]) is not None
 
     def test_a_due_run_is_offered_to_a_worker_of_no_states(self, journal):
         start(journal)

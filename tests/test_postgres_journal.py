@@ -205,6 +205,7 @@ class TestSchema:
         }
         assert tables == {
             "meta", "specs", "runs", "transitions", "iterations", "artifacts", "effects",
+            "signals",
         }  # fmt: skip
 
     def test_schemas_keep_journals_apart(self, postgres_server, postgres_journal):

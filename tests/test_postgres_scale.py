@@ -6,7 +6,8 @@ enough (and ``ANALYZE``d) for the planner to choose by real statistics, that the
 and prune's selection never scan ``runs``; that the migration gets there from every older
 version; that claims still see every runnable run and only those; that a prune deletes in
 batches, each its own transaction, beside a writer that is never held up; and that a step of a
-leased run stays a HOT update (it writes no index of ``runs``).
+leased run stays a HOT update (it writes no index of ``runs``). Migration 8's ``runs_due``
+(durable waits) is checked alike: the claim's due range and ``next_wake`` read it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from psycopg import sql
 from fsm_runner import PostgresJournal, RunEvent, RunLifecycle, RunRecord, TransitionRecord
 from fsm_runner.journal._postgres_claims import claim_next_query
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
+from fsm_runner.journal._postgres_waits import NEXT_WAKE
 from fsm_runner.journal._postgres_writes import _BEFORE_ALL, _PRUNABLE
+from fsm_runner.records import SignalRecord
 from tests.test_postgres_journal import SPEC, T0, next_step, table_rows
 
 HANDLED = ["building", "verifying"]  # the states with a handler: what a worker claims
@@ -75,7 +78,7 @@ def fill(admin, schema: str, *, ended: int, waiting: int, leased: int, ready: in
     """Runs written straight into the tables (with one transition each), then ``ANALYZE``d.
 
     ``ended`` runs ended at T0 (ids ``e…``), oldest first; ``waiting`` active unleased runs in a
-    state without a handler (``w…``); ``leased`` active runs leased for a day (``l…``);
+    state without a handler, parked until a day from now (``w…``); ``leased`` active runs leased for a day (``l…``);
     ``ready`` active unleased runs in a handled state (``r…``), created after all the others.
     """
     groups = (
@@ -94,15 +97,17 @@ def fill(admin, schema: str, *, ended: int, waiting: int, leased: int, ready: in
         for prefix, count, state, status, leased_ in groups:
             admin.execute(
                 "INSERT INTO runs (run_id, machine, spec_hash, state, status, seq, created_at,"
-                " updated_at, lease_owner, lease_expires_at, lease_token)"
+                " updated_at, lease_owner, lease_expires_at, lease_token, wake_at)"
                 " SELECT %s || lpad(i::text, 7, '0'), %s, %s, %s, %s, 0,"
                 " %s + (i + %s) * interval '1 millisecond', %s + i * interval '1 millisecond',"
                 " CASE WHEN %s THEN 'holder' END,"
                 " CASE WHEN %s THEN clock_timestamp() + interval '1 day' END,"
-                " CASE WHEN %s THEN 1 ELSE 0 END FROM generate_series(1, %s) AS i",
+                " CASE WHEN %s THEN 1 ELSE 0 END,"
+                " CASE WHEN %s THEN clock_timestamp() + interval '1 day' + i * interval '1 ms' END"
+                " FROM generate_series(1, %s) AS i",
                 (prefix, SPEC.name, SPEC.spec_hash, state, status, LONG_AGO, offset, T0)
                 + (leased_,) * 3
-                + (count,),
+                + (prefix == "w", count),
             )
             admin.execute(
                 "INSERT INTO transitions (run_id, seq, from_state, event, to_state, at)"
@@ -190,7 +195,7 @@ class TestIndexServed:
     """
 
     @pytest.mark.parametrize("mode", MODES)
-    def test_the_claim_search_reads_two_partial_indexes(self, big, admin, mode):
+    def test_the_claim_search_reads_three_partial_indexes(self, big, admin, mode):
         now = table_rows(admin, big.schema, "SELECT clock_timestamp()")[0][0]
         for spec_hash in (None, SPEC.spec_hash):
             statement, params = claim_next_query(
@@ -201,18 +206,27 @@ class TestIndexServed:
                 owner="w1",
                 expires=now,
             )
-            reads = reads_of_runs(explain(admin, big.schema, statement, params, mode))
+            nodes = explain(admin, big.schema, statement, params, mode)
+            reads = reads_of_runs(nodes)
             assert all(kind != "Seq Scan" for kind, _ in reads), reads
             indexes = {index for _, index in reads}
             assert (
-                {"runs_ready", "runs_leased"}
+                {"runs_ready", "runs_leased", "runs_due"}
                 <= indexes
-                <= {
-                    "runs_ready",
-                    "runs_leased",
-                    "runs_pkey",
-                }
+                <= {"runs_ready", "runs_leased", "runs_due", "runs_pkey"}
             ), reads
+            due = [node for node in nodes if node.get("Index Name") == "runs_due"]
+            assert all("wake_at <=" in node.get("Index Cond", "") for node in due), due
+
+    @pytest.mark.parametrize("mode", MODES)
+    def test_next_wake_reads_the_due_index_and_the_leased_one(self, big, admin, mode):
+        nodes = explain(admin, big.schema, NEXT_WAKE, (SPEC.name, SPEC.name), mode)
+        reads = reads_of_runs(nodes)
+        assert {index for _, index in reads} == {"runs_due", "runs_leased"}, reads
+        assert all(kind in ("Index Scan", "Index Only Scan") for kind, _ in reads), reads
+        limits = [node for node in nodes if node["Node Type"] == "Limit"]
+        assert len(limits) >= 1, nodes  # min() as the first entry of the due range
+        assert big.next_wake(machine=SPEC.name) is not None
 
     @pytest.mark.parametrize("mode", MODES)
     @pytest.mark.parametrize("cutoff", [LONG_AGO + dt.timedelta(seconds=1), T0 + dt.timedelta(1)])
@@ -230,7 +244,7 @@ class TestIndexServed:
         assert report.run_ids == ()
 
 
-#: The indexes of ``runs`` at schema version 7.
+#: The indexes of ``runs`` at schema version 8.
 ALL_INDEXES = {
     "runs_pkey",
     "runs_rowid_key",
@@ -243,6 +257,7 @@ ALL_INDEXES = {
     "runs_leased",
     "runs_ended",
     "runs_spec_hash",
+    "runs_due",
 }
 
 
@@ -262,7 +277,7 @@ def runs_options(admin, schema: str) -> list[str] | None:
     return row[0]
 
 
-def test_a_new_journal_has_the_indexes_and_fillfactor_of_version_7(postgres_journal, admin):
+def test_a_new_journal_has_the_indexes_and_fillfactor_of_its_version(postgres_journal, admin):
     assert set(runs_indexes(admin, postgres_journal.schema)) == ALL_INDEXES
     assert runs_options(admin, postgres_journal.schema) == ["fillfactor=90"]
 
@@ -330,6 +345,17 @@ def test_every_older_journal_is_migrated(postgres_server, postgres_schema, admin
         report = journal.prune(ended_before=cutoff)
         assert (report.run_ids, report.transitions) == (("ended",), 1)
         assert sorted(heads(admin, postgres_schema)) == ["leased", "ready", "waiting"]
+        # Version 8: no run has a wake time yet; a signal makes the waiting run due.
+        assert [journal.wake_time(run_id) for run_id in ("ready", "waiting", "leased")] == [
+            None
+        ] * 3
+        assert journal.next_wake(machine=SPEC.name) is None
+        sent = journal.put_signal(SignalRecord("waiting", 0, "APPROVED", {"ok": True}, "s1"))
+        assert journal.signals("waiting") == [sent]
+        assert journal.wake_time("waiting") == sent.received_at
+        due = claim(journal)
+        assert due is not None
+        assert due.run_id == "waiting"
 
 
 class TestClaims:
@@ -554,11 +580,19 @@ class TestPrune:
         assert postgres_journal.integrity_problems() == []
 
 
-def test_a_step_of_a_leased_run_is_a_hot_update(postgres_journal, admin):
-    """No index holds a column a plain step changes: the row is updated in place (HOT)."""
+@pytest.mark.parametrize("due", [False, True], ids=["no-wake-time", "wake-time"])
+def test_a_step_of_a_leased_run_is_a_hot_update(postgres_journal, admin, due):
+    """No index holds a column a plain step changes: the row is updated in place (HOT).
+
+    Also when the run has a wake time (a signal came while it was held): a step writes
+    ``wake_at`` as it is, so ``runs_due`` is not written either.
+    """
     start(postgres_journal, "hot")
     run = claim(postgres_journal)
     assert run is not None
+    if due:
+        postgres_journal.put_signal(SignalRecord("hot", 0, "APPROVED"))
+        assert postgres_journal.wake_time("hot") is not None
 
     def updates() -> tuple[int, int]:
         postgres_journal._connection.call(
@@ -584,3 +618,4 @@ def test_a_step_of_a_leased_run_is_a_hot_update(postgres_journal, admin):
     # tests) can keep the page from being pruned, and then one update moves the row to another
     # page. An index over a column a step changes would make every one of them non-HOT.
     assert done[1] - before[1] >= steps // 2
+    assert (postgres_journal.wake_time("hot") is not None) is due

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,9 +15,43 @@ from fsm_runner.cli.output import echo_transition, run_standing
 from fsm_runner.cli.report import print_iterations
 from fsm_runner.command_line import suggested_command
 
+if TYPE_CHECKING:
+    from fsm_runner.records import RunRecord
+    from fsm_runner.spec import MachineSpec
 
-def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
-    """Start an agent-loop run with ``run_input``, print it as it goes, then its iterations."""
+
+_ASK_HELP = (
+    "Wait for your approval once verification passes: the run parks in state"
+    " awaiting_approval (no process waits) until `fsm-runner signal RUN APPROVE` or `REJECT"
+    ' --data \'{"comment": "..."}\'`; no answer in 24 h cancels it.'
+)
+
+
+def _how_to_answer(state: CliState, spec: MachineSpec, run: RunRecord) -> None:
+    """Print what a run parked at the approval gate asks, and the commands that answer it."""
+    from fsm_runner.presets.agent_loop import APPROVAL_TIMEOUT
+
+    wait = spec.wait_of(run.state)
+    short = run.run_id[:12]
+    journal = state.journal_path
+    comment = json.dumps({"comment": "what to change"})
+    approve = suggested_command("fsm-runner", journal, "signal", short, "APPROVE")
+    reject = suggested_command("fsm-runner", journal, "signal", short, "REJECT", "--data", comment)
+    resume = suggested_command("fsm-runner", journal, "resume", short)
+    timeout = wait.timeout if wait is not None and wait.timeout else APPROVAL_TIMEOUT
+    click.echo(f"waiting for your answer: {wait.prompt if wait else 'approve the change?'}")
+    click.echo(f"approve it with: {approve}")
+    click.echo(f"reject it with:  {reject}")
+    click.echo(f"  then the next build (your comment is its feedback): {resume}")
+    click.echo(f"no answer in {timeout / 3600:g} h cancels the run.")
+
+
+def _run_agent_loop(state: CliState, run_input: dict[str, Any], *, ask: bool = False) -> None:
+    """Start an agent-loop run with ``run_input``, print it as it goes, then its iterations.
+
+    With ``ask``, the run is one with the approval gate: once verification passes it parks
+    waiting for a signal, and this prints how to send one, and exits 0.
+    """
     from fsm_runner.presets.agent_loop.commands import make_engine
     from fsm_runner.presets.agent_loop.services import GitSnapshotter
 
@@ -24,7 +59,7 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
     # repository) would otherwise be found only after the agent had worked in it.
     snapshots = GitSnapshotter().check_workspace(run_input["workspace"])
     journal = state.journal(must_exist=False)
-    engine = make_engine(journal)
+    engine = make_engine(journal, approval=ask)
     engine.listeners.append(echo_transition)
     click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")
     click.echo(f"snapshots: {snapshots} (each build's changes are committed there)")
@@ -43,21 +78,26 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any]) -> None:
         "fsm-runner", state.journal_path, "export", short, f"fsm-runner-export-{short}"
     )
     click.echo(f"see it with: {show}   export it with: {export}")
+    if not run.ended and run.state in engine.spec.waiting_states:
+        _how_to_answer(state, engine.spec, run)
     exit_if_failed(run)
 
 
 @click.command()
+@click.option("--ask", is_flag=True, help=_ASK_HELP)
 @click.pass_obj
-def demo(state: CliState) -> None:
+def demo(state: CliState, ask: bool) -> None:
     """Run the agent loop on a small demo project, journaled like any run.
 
     Creates a git project with a failing test in a temporary directory, and runs a scripted
     agent (a real subprocess that edits files: one wrong attempt, then the fix) with real
-    verification: L0 compiles the code, L1 runs pytest.
+    verification: L0 compiles the code, L1 runs pytest. With --ask, the verified fix waits for
+    your approval: the command prints how to approve or reject it, and exits with the run
+    waiting.
     """
     from fsm_runner.presets.agent_loop.commands import create_demo_project, demo_input
 
-    _run_agent_loop(state, demo_input(create_demo_project()))
+    _run_agent_loop(state, demo_input(create_demo_project(), approval=ask), ask=ask)
 
 
 @click.command("agent-loop")
@@ -93,6 +133,7 @@ def demo(state: CliState) -> None:
     metavar="S",
     help="Wall-clock limit of the whole run in seconds (each agent run gets at most this too).",
 )
+@click.option("--ask", is_flag=True, help=_ASK_HELP)
 @click.pass_obj
 def agent_loop(
     state: CliState,
@@ -102,11 +143,15 @@ def agent_loop(
     levels: tuple[str, ...],
     max_iterations: int,
     timeout: float | None,
+    ask: bool,
 ) -> None:
     """Run the agent loop on your own repository with your own agent CLI.
 
     build (your agent) -> snapshot (git) -> verify (your levels) -> feedback -> build ...
     until verification passes or a limit is spent. Resume with `fsm-runner resume RUN`.
+    With --ask, a change that passed verification waits for your APPROVE or REJECT (whose
+    comment is the next build's feedback); --timeout then limits the time of the builds and
+    checks, and the time the run waits for you too.
     """
     from fsm_runner.presets.agent_loop.commands import loop_input
 
@@ -123,5 +168,6 @@ def agent_loop(
         verify=verify,
         max_iterations=max_iterations,
         timeout=timeout,
+        approval=ask,
     )
-    _run_agent_loop(state, run_input)
+    _run_agent_loop(state, run_input, ask=ask)

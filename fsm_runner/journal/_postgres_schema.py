@@ -4,13 +4,15 @@
 and creates or migrates it (for :class:`~fsm_runner.journal.postgres.PostgresJournal`, as it
 opens).
 
-The versions follow the SQLite journal's (:mod:`fsm_runner.journal._schema`): schema version N
-holds the same tables and columns in both, so a record written by one reads back the same from
-the other. Migrations are frozen once released: a change of schema is a new migration, never an
-edit of an old one. Each migration runs inside the transaction that opens the journal, under an
-advisory lock, so two processes opening a new schema at once create it once. What only
+Versions 1 to 5 are the SQLite journal's (:mod:`fsm_runner.journal._schema`); since then each
+medium numbers its own migrations (PostgreSQL's 6, the abort fence, is SQLite's 8). Both store
+the same records, so a record written by one reads back the same from the other. Migrations
+are frozen once released: a change of schema is a new migration, never an edit of an old one.
+Each migration runs inside the transaction that opens the journal, under an advisory lock, so
+two processes opening a new schema at once create it once. What only
 PostgreSQL's claims and prunes search (migration 7's generated columns ``ready_state`` and
-``ended_at``, and the partial indexes over them) is never read into a record.
+``ended_at``, and the partial indexes over them) is never read into a record; nor is a run's
+wake time (migration 8's ``wake_at``), which only ``wake_time`` and ``next_wake`` read.
 
 Types: ``bigint`` for seqs, tokens and counts; ``timestamptz`` for times (microseconds, like the
 ISO text the SQLite journal stores); ``text`` for JSON payloads, holding exactly the JSON the
@@ -39,7 +41,7 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
 _FORMAT: Final = "fsm_runner journal"
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _M0001_INITIAL = """
 CREATE TABLE meta (key text PRIMARY KEY, value text);
@@ -217,6 +219,34 @@ DROP INDEX runs_status_lease_expires_at;
 UPDATE meta SET value = '7' WHERE key = 'schema_version';
 """
 
+# Durable waits (issue 29). ``wake_at``: when a claim offers the run whatever its state (a
+# signal came, or its wait's deadline); set by ``park`` and ``put_signal``, cleared by the commit
+# that ends the run. ``runs_due`` holds only the active runs nobody holds that have one, keyed
+# by ``(machine, wake_at)``: the runs due are one range of it, the next wake time its first
+# entry. A plain step changes none of its columns (``wake_at`` is never written by one), so a
+# step stays a HOT update. ``signals``: each run's mailbox, numbered in arrival order (a run's
+# signals are numbered under its row lock); pending while ``consumed_seq`` is NULL (expired if
+# the run ended); at most one signal per ``(run, signal_id)``.
+_M0008_WAITS = """
+ALTER TABLE runs ADD COLUMN wake_at timestamptz;
+CREATE INDEX runs_due ON runs (machine, wake_at)
+    WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL;
+CREATE TABLE signals (
+    number bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id text COLLATE "C" NOT NULL REFERENCES runs (run_id),
+    name text NOT NULL,
+    payload text,
+    signal_id text,
+    received_at timestamptz NOT NULL,
+    consumed_seq bigint,
+    consumed_at timestamptz
+);
+CREATE INDEX signals_run_id_number ON signals (run_id, number);
+CREATE UNIQUE INDEX signals_run_id_signal_id ON signals (run_id, signal_id)
+    WHERE signal_id IS NOT NULL;
+UPDATE meta SET value = '8' WHERE key = 'schema_version';
+"""
+
 #: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "m0001_initial", _M0001_INITIAL),
@@ -226,6 +256,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (5, "m0005_leases", _M0005_LEASES),
     (6, "m0006_abort_fence", _M0006_ABORT_FENCE),
     (7, "m0007_claim_prune_indexes", _M0007_CLAIM_PRUNE_INDEXES),
+    (8, "m0008_waits", _M0008_WAITS),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -19,7 +19,12 @@ import attrs
 from psycopg import errors as pg_errors
 
 from fsm_runner.events import USER_ABORTED
-from fsm_runner.exceptions import JournalError, RunExistsError, RunNotFoundError
+from fsm_runner.exceptions import (
+    JournalError,
+    RunConflictError,
+    RunExistsError,
+    RunNotFoundError,
+)
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
@@ -50,7 +55,8 @@ _INSERT_TRANSITION = (
 #: The hot path, one statement: move the run row from seq N-1 to N — only if it is at N-1 and
 #: the writer holds its current lease token (fencing), and, when an abort was requested under
 #: that token, only for the USER_ABORTED that carries it out — and insert transition N from it.
-#: A transition that ends the run also ends its lease (owner and expiry; the token stays).
+#: A transition that ends the run also ends its lease (owner and expiry; the token stays) and
+#: clears its wake time (a plain step writes ``wake_at`` as it is: no index entry changes).
 _COMMIT_TEMPLATE = """
 WITH moved AS (
     UPDATE runs SET state = %s, seq = %s, iteration = %s, updated_at = %s, status = %s,
@@ -59,7 +65,8 @@ WITH moved AS (
                     abort_reason = CASE WHEN %s THEN NULL ELSE abort_reason END,
                     abort_token = CASE WHEN %s THEN NULL ELSE abort_token END,
                     lease_owner = CASE WHEN %s THEN NULL ELSE lease_owner END,
-                    lease_expires_at = CASE WHEN %s THEN NULL ELSE lease_expires_at END{spec}
+                    lease_expires_at = CASE WHEN %s THEN NULL ELSE lease_expires_at END,
+                    wake_at = CASE WHEN %s THEN NULL ELSE wake_at END{spec}
      WHERE run_id = %s AND seq = %s AND lease_token = %s
        AND (abort_token IS NULL OR abort_token < lease_token OR %s)
     RETURNING run_id
@@ -70,6 +77,11 @@ SELECT run_id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s FROM moved
 """
 _COMMIT = _COMMIT_TEMPLATE.format(spec="")
 _COMMIT_WITH_SPEC = _COMMIT_TEMPLATE.format(spec=", spec_hash = %s")
+#: Mark a pending signal of the run consumed by the transition at that seq and time.
+_CONSUME_SIGNAL = (
+    "UPDATE signals SET consumed_seq = %s, consumed_at = %s"
+    " WHERE number = %s AND run_id = %s AND consumed_seq IS NULL"
+)
 _INSERT_SPEC = (
     "INSERT INTO specs (spec_hash, machine, json, created_at) VALUES (%s, %s, %s, %s)"
     " ON CONFLICT (spec_hash) DO NOTHING"
@@ -105,7 +117,7 @@ class _RefusedError(Exception):
 
 
 #: The tables a prune deletes from, children first (the foreign keys are enforced).
-_TABLES = ("transitions", "iterations", "artifacts", "effects", "runs")
+_TABLES = ("transitions", "iterations", "artifacts", "effects", "signals", "runs")
 #: How many runs a prune deletes a transaction (each batch's row locks end with it).
 PRUNE_BATCH = 1000
 #: The next batch of prunable runs after a keyset ``(ended_at, rowid)``: ended before the
@@ -330,6 +342,36 @@ class PostgresWriter:
             results[index] = refusal
         return results
 
+    def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
+        """Commit ``transition`` and mark signal ``number`` consumed by it, in ONE transaction.
+
+        The commit is the one :meth:`commit` makes (its UPDATE locks the run row: a second
+        consumer of the signal waits, then finds the run moved on); then the signal is marked,
+        only while it is a pending signal of the run. Either refusal rolls both back: nothing
+        is written. (The run row is locked before the signal's, as a prune locks them.)
+
+        Raises:
+            RunConflictError: the signal is not a pending signal of the run, or as
+                :meth:`commit` raises it.
+        """
+        plan = self._plan(run, transition, (), (), None)
+        mark = (transition.seq, utc(transition.at), number, run.run_id)
+
+        def work(conn: Connection) -> None:
+            try:
+                with conn.transaction():
+                    plan.apply_or_raise(conn)
+                    if not conn.execute(_CONSUME_SIGNAL, mark).rowcount:
+                        raise RunConflictError(
+                            run_id=run.run_id,
+                            expected_seq=transition.seq - 1,
+                            path=self._connection.location,
+                        )
+            except _RefusedError:  # and rolled back: the signal is pending still
+                raise plan.refusal(conn) from None
+
+        self._connection.call(work, resolve=plan.resolve)
+
     def _plan(
         self,
         run: RunRecord,
@@ -358,8 +400,9 @@ class PostgresWriter:
             run.visit_seq,
             aborting,  # the abort carried out clears the request ...
             aborting,
-            run.ended,  # a run that ends lets go of its lease (its token stays)
+            run.ended,  # a run that ends lets go of its lease (its token stays) ...
             run.ended,
+            run.ended,  # ... and is due no more
         ]
         before: list[tuple[str, Sequence[Any]]] = []
         if spec_json is not None:

@@ -19,6 +19,11 @@ How it keeps the contract:
 * **Claims** lock the run row (``FOR UPDATE``); ``claim_next`` picks the longest-waiting runnable
   run with ``FOR UPDATE SKIP LOCKED``, so workers on many hosts never claim one run twice and never
   queue behind each other.
+* **Durable waits**: a run's wake time (``runs.wake_at``) and its signals (``signals``, numbered
+  in arrival order) are written under the run's row lock (``put_signal``, ``park``), so a signal
+  and a park racing each other always leave the run due when the signal is one its waiting
+  state accepts; ``claim_next`` also takes a run whose wake time has come, and ``next_wake``
+  is the first entry of an index (``runs_due``). A commit that ends the run clears its wake time.
 * **Lost connections** (the server restarted, the backend was terminated, the network dropped)
   are reconnected with backoff for up to ``retry_for`` seconds, then the operation is retried.
   When a write's outcome is unknown — the connection died while its COMMIT was on the wire — the
@@ -29,11 +34,13 @@ How it keeps the contract:
 Opening the journal connects once, without retrying: a wrong URL or password, or a server that
 is not there, is reported at once. Passwords never appear in messages or in :attr:`location`.
 
-:class:`PostgresJournal` holds three objects: its connection manager
+:class:`PostgresJournal` holds four objects: its connection manager
 (:class:`~fsm_runner.journal._postgres_connection.PostgresConnection`: the URL, reconnects,
-forks), the SQL it shares with SQLite (:class:`~fsm_runner.journal._sql.SqlCore`) and its
-fenced writes (:class:`~fsm_runner.journal._postgres_writes.PostgresWriter`). This module holds
-the claims, reads and operations that are PostgreSQL's own.
+forks), the SQL it shares with SQLite (:class:`~fsm_runner.journal._sql.SqlCore`), its
+fenced writes (:class:`~fsm_runner.journal._postgres_writes.PostgresWriter`) and its releases
+and durable waits (:class:`~fsm_runner.journal._postgres_waits.PostgresWaits`). This module
+holds the claims (``claim_next``'s in :mod:`~fsm_runner.journal._postgres_claims`), reads and
+operations that are PostgreSQL's own.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._postgres_claims import claim_next_query
+from fsm_runner.journal._postgres_claims import claim_next
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -62,6 +69,7 @@ from fsm_runner.journal._postgres_connection import (
 )
 from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, integrity_problems, open_schema
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
+from fsm_runner.journal._postgres_waits import PostgresWaits
 from fsm_runner.journal._postgres_writes import (
     PRUNE_BATCH,
     TRANSITION_COLUMNS,
@@ -83,6 +91,7 @@ from fsm_runner.records import (
     EffectRecord,
     IterationRecord,
     RunRecord,
+    SignalRecord,
     TransitionRecord,
 )
 from fsm_runner.spec import RunLifecycle
@@ -188,6 +197,7 @@ class PostgresJournal:
             raise
         self._core = SqlCore(_DIALECT, connection)
         self._writer = PostgresWriter(connection, self._core)
+        self._waits = PostgresWaits(connection)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -369,37 +379,19 @@ class PostgresJournal:
         One statement: the oldest runnable run not locked by another worker's claim is chosen
         with ``FOR UPDATE SKIP LOCKED`` and its lease taken, so concurrent workers each get a
         different run and never wait for each other. Its search is index ranges only
-        (:func:`~fsm_runner.journal._postgres_claims.claim_next_query`): a waiting or ended run
-        is never read.
+        (:func:`~fsm_runner.journal._postgres_claims.claim_next_query`): a run that waits (and is
+        not due) or has ended is never read. A run whose wake time has come is runnable
+        whatever its state (even with no ``states``).
         """
-        if not states:
-            return None
-        tried: list[dt.datetime] = []
-
-        def work(conn: Connection) -> RunRecord | None:
-            now = _server_now(conn)
-            expires = now + dt.timedelta(seconds=ttl)
-            tried.append(expires)
-            statement, params = claim_next_query(
-                machine=machine,
-                states=states,
-                spec_hash=spec_hash,
-                now=now,
-                owner=owner,
-                expires=expires,
-            )
-            row = conn.execute(statement, params).fetchone()
-            return None if row is None else self._run_from_row(row)
-
-        def resolve(conn: Connection) -> RunRecord | Unresolved | None:
-            row = conn.execute(
-                f"SELECT {_RUN_SELECT} FROM runs WHERE lease_owner = %s"
-                " AND lease_expires_at = ANY(%s) AND machine = %s",
-                (owner, tried, machine),
-            ).fetchone()
-            return UNRESOLVED if row is None else self._run_from_row(row)
-
-        return self._connection.call(work, resolve=resolve)
+        return claim_next(
+            self._connection,
+            self._run_from_row,
+            owner,
+            ttl=ttl,
+            machine=machine,
+            states=states,
+            spec_hash=spec_hash,
+        )
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
         """Extend the lease ``owner`` holds with ``token`` by ``ttl`` seconds from now."""
@@ -442,25 +434,41 @@ class PostgresJournal:
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
+        return self._waits.release(run_id, owner, token)
 
-        def work(conn: Connection) -> bool:
-            return bool(
-                conn.execute(
-                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
-                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
-                    (run_id, owner, token),
-                ).rowcount
-            )
+    # -- durable waits (PostgresWaits') ----------------------------------------------------------
 
-        def resolve(conn: Connection) -> bool | Unresolved:
-            row = conn.execute(
-                "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
-            ).fetchone()
-            if row is not None and row[0] is None and row[1] == token:
-                return True  # released by the try that was cut off, and nobody claimed since
-            return UNRESOLVED
+    def park(
+        self,
+        run_id: str,
+        owner: str,
+        token: int,
+        *,
+        wake_at: dt.datetime | None,
+        accepts: Collection[str],
+    ) -> bool:
+        """Give up the lease and set when the run is due, at once (:meth:`PostgresWaits.park`)."""
+        return self._waits.park(run_id, owner, token, wake_at=wake_at, accepts=accepts)
 
-        return self._connection.call(work, resolve=resolve)
+    def wake_time(self, run_id: str) -> dt.datetime | None:
+        """Return the run's wake time, if it has one."""
+        return self._waits.wake_time(run_id)
+
+    def next_wake(self, *, machine: str) -> dt.datetime | None:
+        """The earliest wake time of the machine's active runs nobody holds (one index read)."""
+        return self._waits.next_wake(machine=machine)
+
+    def put_signal(self, signal: SignalRecord) -> SignalRecord:
+        """Journal a signal pending for its run (:meth:`PostgresWaits.put_signal`)."""
+        return self._waits.put_signal(signal)
+
+    def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
+        """The run's signals in arrival order (pending ones only, with ``pending``)."""
+        return self._waits.signals(run_id, pending=pending)
+
+    def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
+        """Commit the transition and mark signal ``number`` consumed by it, at once."""
+        self._writer.consume_signal(run, transition, number)
 
     # -- operations ----------------------------------------------------------------------------
 

@@ -12,6 +12,28 @@ input) and an optional wall-clock limit (``max_seconds``), and when either is sp
 with that reason. Every iteration keeps an :class:`fsm_runner.records.IterationRecord` (tokens,
 cost, levels run, errors …) in the journal, written with the transitions that update it.
 
+**The approval gate** (optional: ``agent_loop_spec(approval=True)``,
+``agent_loop_engine(..., approval=True)``, ``fsm-runner demo --ask``): a change that passed
+verification is not done until a person says so::
+
+    verifying --VERIFY_PASSED--> awaiting_approval --APPROVE--> succeeded
+                                        │ REJECT {"comment": "..."}  → feedback → building …
+                                        └ TIMEOUT (no answer in 24 h) → canceled
+
+``awaiting_approval`` is a waiting state (``State(wait=Wait(timeout=..., prompt=...,
+schema=...))``): the run holds no lease and no process there, and continues on a signal —
+``Engine.signal(run_id, "APPROVE")``, or from a shell ``fsm-runner signal RUN APPROVE`` (then
+``REJECT --data '{"comment": "..."}'``). The reviewer's comment is the next build's feedback
+(:func:`rejection_feedback`), and the iteration and wall-clock limits still apply: a
+rejection with no iteration left fails the run. The gate's own ``TIMEOUT`` exit cancels the
+run (it comes before the wildcard ``TIMEOUT`` that fails it). After ``REJECT`` the run stands
+in ``feedback``, a phase to run: a worker of the app, or ``fsm-runner resume RUN``, takes it
+on to the next build and back to the gate. :data:`AGENT_LOOP` itself is unchanged (its runs
+and spec hash stay as they were); the gated machine is named ``agent-loop-approval``, and only
+an engine built with ``approval=True`` (the same ``approval_timeout``) continues its runs — on
+the command line ``fsm_runner.presets.agent_loop.commands:make_approval_engine``, which the
+runs of ``--ask`` name as their app.
+
 The phase handlers are thin: each uses services injected through ``ctx.services``:
 
 ``agent``       :class:`AgentDriver` — runs the agent on the task, feedback and last session.
@@ -46,12 +68,17 @@ from fsm_runner import (
     RunRecord,
     State,
     Transition,
+    Wait,
     structure,
     unstructure,
 )
 
 __all__ = [
     "AGENT_LOOP",
+    "APPROVAL_PROMPT",
+    "APPROVAL_SCHEMA",
+    "APPROVAL_TIMEOUT",
+    "AWAITING_APPROVAL",
     "AgentDriver",
     "AgentRequest",
     "AgentResult",
@@ -70,9 +97,11 @@ __all__ = [
     "Verifier",
     "VerifyPhase",
     "agent_loop_engine",
+    "agent_loop_spec",
     "classify_agent_exit",
     "fallback_feedback",
     "guards",
+    "rejection_feedback",
 ]
 
 _log = logging.getLogger("fsm_runner.presets.agent_loop")
@@ -88,52 +117,122 @@ VERIFY_PASSED = RunEvent.VERIFY_PASSED.value
 VERIFY_FAILED_RETRYABLE = RunEvent.VERIFY_FAILED_RETRYABLE.value
 FEEDBACK_READY = RunEvent.FEEDBACK_READY.value
 
+APPROVE = "APPROVE"
+REJECT = "REJECT"
+
+#: The approval gate's waiting state (``agent_loop_spec(approval=True)``).
+AWAITING_APPROVAL = "awaiting_approval"
+#: How long the approval gate waits for an answer by default: 24 hours, then the run is canceled.
+APPROVAL_TIMEOUT = 24 * 3600.0
+#: What the approval gate asks, and the JSON schema of an answer's payload.
+APPROVAL_PROMPT = "Verification passed. Apply the change?"
+APPROVAL_SCHEMA: Mapping[str, Any] = {
+    "type": "object",
+    "properties": {
+        "comment": {
+            "type": "string",
+            "description": "with REJECT: what to change (the next build's feedback)",
+        }
+    },
+    "additionalProperties": False,
+}
+
+_STATES = [
+    State("queued", handler="queue", description="check the task and workspace"),
+    State(
+        "building",
+        handler="build",
+        starts_iteration=True,
+        description="run the agent on the task and feedback",
+    ),
+    State("snapshotting", handler="snapshot", description="capture the workspace"),
+    State("verifying", handler="verify", description="run verification levels"),
+    State("feedback", handler="feedback", description="turn failures into feedback"),
+]
+_ENDS = [
+    State("succeeded", terminal=True),
+    State("failed", terminal=True, outcome="failed"),
+    State("canceled", terminal=True, outcome="aborted"),
+]
+_BUILD_TO_VERIFY = [
+    Transition("queued", RUN_ACCEPTED, "building"),
+    Transition("building", BUILD_SUCCEEDED, "snapshotting"),
+    Transition("building", BUILD_FAILED, "feedback"),
+    Transition("snapshotting", SNAPSHOT_TAKEN, "verifying"),
+    Transition("snapshotting", SNAPSHOT_FAILED, "failed", reason="snapshot failed"),
+]
+_FEEDBACK_AND_ENDS = [
+    Transition("verifying", VERIFY_FAILED_RETRYABLE, "feedback"),
+    Transition(
+        "feedback",
+        FEEDBACK_READY,
+        "failed",
+        unless=["iterations_left"],
+        reason="iteration limit spent",
+    ),
+    Transition(
+        "feedback",
+        FEEDBACK_READY,
+        "failed",
+        unless=["time_left"],
+        reason="wall-clock limit spent",
+    ),
+    Transition("feedback", FEEDBACK_READY, "building"),
+    Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
+    Transition("*", RunEvent.TIMEOUT, "failed"),
+    Transition("*", RunEvent.USER_ABORTED, "canceled"),
+]
+
 #: The agent loop's machine.
 AGENT_LOOP = MachineSpec(
     "agent-loop",
-    states=[
-        State("queued", handler="queue", description="check the task and workspace"),
-        State(
-            "building",
-            handler="build",
-            starts_iteration=True,
-            description="run the agent on the task and feedback",
-        ),
-        State("snapshotting", handler="snapshot", description="capture the workspace"),
-        State("verifying", handler="verify", description="run verification levels"),
-        State("feedback", handler="feedback", description="turn failures into feedback"),
-        State("succeeded", terminal=True),
-        State("failed", terminal=True, outcome="failed"),
-        State("canceled", terminal=True, outcome="aborted"),
-    ],
+    states=[*_STATES, *_ENDS],
     transitions=[
-        Transition("queued", RUN_ACCEPTED, "building"),
-        Transition("building", BUILD_SUCCEEDED, "snapshotting"),
-        Transition("building", BUILD_FAILED, "feedback"),
-        Transition("snapshotting", SNAPSHOT_TAKEN, "verifying"),
-        Transition("snapshotting", SNAPSHOT_FAILED, "failed", reason="snapshot failed"),
+        *_BUILD_TO_VERIFY,
         Transition("verifying", VERIFY_PASSED, "succeeded"),
-        Transition("verifying", VERIFY_FAILED_RETRYABLE, "feedback"),
-        Transition(
-            "feedback",
-            FEEDBACK_READY,
-            "failed",
-            unless=["iterations_left"],
-            reason="iteration limit spent",
-        ),
-        Transition(
-            "feedback",
-            FEEDBACK_READY,
-            "failed",
-            unless=["time_left"],
-            reason="wall-clock limit spent",
-        ),
-        Transition("feedback", FEEDBACK_READY, "building"),
-        Transition("*", RunEvent.SYSTEM_ERROR, "failed"),
-        Transition("*", RunEvent.TIMEOUT, "failed"),
-        Transition("*", RunEvent.USER_ABORTED, "canceled"),
+        *_FEEDBACK_AND_ENDS,
     ],
 )
+
+
+def agent_loop_spec(
+    *, approval: bool = False, approval_timeout: float = APPROVAL_TIMEOUT
+) -> MachineSpec:
+    """The agent loop's machine: :data:`AGENT_LOOP`, or with a person's approval after verifying.
+
+    With ``approval``, a change that passed verification waits in ``awaiting_approval`` for a
+    signal (see the module): ``APPROVE`` ends the run ``succeeded``; ``REJECT`` (its payload's
+    ``comment`` becomes the feedback) goes on to ``feedback`` and another build, under the
+    same iteration and wall-clock limits; no answer in ``approval_timeout`` seconds (24 hours
+    by default) cancels the run. The machine is named ``agent-loop-approval``: its runs are
+    never taken for :data:`AGENT_LOOP`'s.
+    """
+    if not approval:
+        return AGENT_LOOP
+    gate = State(
+        AWAITING_APPROVAL,
+        wait=Wait(timeout=approval_timeout, prompt=APPROVAL_PROMPT, schema=APPROVAL_SCHEMA),
+        description="wait for a person to approve the verified change",
+    )
+    return MachineSpec(
+        "agent-loop-approval",
+        states=[*_STATES, gate, *_ENDS],
+        transitions=[
+            *_BUILD_TO_VERIFY,
+            Transition("verifying", VERIFY_PASSED, AWAITING_APPROVAL),
+            Transition(AWAITING_APPROVAL, APPROVE, "succeeded"),
+            Transition(AWAITING_APPROVAL, REJECT, "feedback"),
+            # the gate's own TIMEOUT comes before the wildcard's (which fails the run)
+            Transition(
+                AWAITING_APPROVAL,
+                RunEvent.TIMEOUT,
+                "canceled",
+                reason="no answer to the approval in time",
+            ),
+            *_FEEDBACK_AND_ENDS,
+        ],
+    )
+
 
 DEFAULT_MAX_ITERATIONS = 3
 
@@ -556,13 +655,37 @@ class VerifyPhase:
         )
 
 
+def rejection_feedback(answer: Any) -> str:
+    """The feedback a reviewer's ``REJECT`` at the approval gate gives the next build.
+
+    ``answer`` is the signal's payload (``{"comment": "..."}``, or anything else).
+    """
+    comment = answer.get("comment") if isinstance(answer, Mapping) else answer
+    if isinstance(comment, str) and comment.strip():
+        return f"The change passed verification, but the reviewer rejected it: {comment.strip()}"
+    return "The change passed verification, but the reviewer rejected it (without a comment)."
+
+
 class FeedbackPhase:
-    """``feedback``: turn the iteration's failure into feedback for the next build."""
+    """``feedback``: turn the iteration's failure into feedback for the next build.
+
+    After a ``REJECT`` at the approval gate (:func:`agent_loop_spec`) the feedback is the
+    reviewer's comment: the payload of the signal that began this visit (``ctx.signal``).
+    """
 
     def run(self, ctx: PhaseContext) -> PhaseResult:
         """Report FEEDBACK_READY; the next build gets this phase's output as its feedback."""
         build_failure = ctx.context.get("build_failure")
         fallback = False
+        signal = ctx.signal  # the REJECT that began this visit, if one did
+        if signal is not None and signal.name == REJECT:
+            text = rejection_feedback(signal.payload)
+            return PhaseResult(
+                FEEDBACK_READY,
+                output={"feedback": text, "fallback": False, "rejected": True},
+                context={"feedback": text, "feedback_fallback": False},
+                iteration={"feedback": text, "feedback_fallback": False},
+            )
         if build_failure:
             text = f"The previous attempt failed before verification: {build_failure}"
         else:
@@ -592,10 +715,17 @@ def agent_loop_engine(
     feedback: FeedbackGenerator | None = None,
     persister: ResultPersister | None = None,
     listeners: Sequence[Listener] = (),
+    approval: bool = False,
+    approval_timeout: float = APPROVAL_TIMEOUT,
 ) -> Engine:
-    """An engine running :data:`AGENT_LOOP` with the preset's handlers and these services."""
+    """An engine running the agent loop with the preset's handlers and these services.
+
+    Its machine is :data:`AGENT_LOOP`, or with ``approval`` the loop with the approval gate
+    (:func:`agent_loop_spec`; ``approval_timeout`` seconds to answer). An engine continues
+    only runs of its own machine: resume a run with an engine built as the one that started it.
+    """
     return Engine(
-        AGENT_LOOP,
+        agent_loop_spec(approval=approval, approval_timeout=approval_timeout),
         handlers={
             "queue": QueuePhase(),
             "build": BuildPhase(),

@@ -36,10 +36,21 @@ from fsm_runner.presets.agent_loop.services import (
     TemplateFeedbackGenerator,
 )
 
-__all__ = ["APP", "create_demo_project", "demo_input", "loop_input", "main", "make_engine"]
+__all__ = [
+    "APP",
+    "APPROVAL_APP",
+    "create_demo_project",
+    "demo_input",
+    "loop_input",
+    "main",
+    "make_approval_engine",
+    "make_engine",
+]
 
 #: The import path of :func:`make_engine`, recorded in every run's input.
 APP = "fsm_runner.presets.agent_loop.commands:make_engine"
+#: The import path of :func:`make_approval_engine`, recorded in the input of gated runs.
+APPROVAL_APP = "fsm_runner.presets.agent_loop.commands:make_approval_engine"
 
 
 class _OptionsAgent:
@@ -53,10 +64,11 @@ class _OptionsAgent:
         return driver.run(request)
 
 
-def make_engine(journal: Journal | None = None) -> Engine:
+def make_engine(journal: Journal | None = None, *, approval: bool = False) -> Engine:
     """The agent-loop engine whose services take their commands from each run's input.
 
-    The CLI rebinds it to its own journal; without one it journals in memory.
+    The CLI rebinds it to its own journal; without one it journals in memory. With
+    ``approval``, its machine has the approval gate (:func:`make_approval_engine`).
     """
     return agent_loop_engine(
         journal=journal if journal is not None else MemoryJournal(),
@@ -64,7 +76,13 @@ def make_engine(journal: Journal | None = None) -> Engine:
         snapshotter=GitSnapshotter(),
         verifier=CommandVerifier(),
         feedback=TemplateFeedbackGenerator(),
+        approval=approval,
     )
+
+
+def make_approval_engine(journal: Journal | None = None) -> Engine:
+    """:func:`make_engine` with the approval gate: the app of ``demo --ask`` runs."""
+    return make_engine(journal, approval=True)
 
 
 def loop_input(
@@ -75,6 +93,7 @@ def loop_input(
     verify: Mapping[str, Sequence[str] | str],
     max_iterations: int = 3,
     timeout: float | None = None,
+    approval: bool = False,
 ) -> dict[str, Any]:
     """The input of a command-driven agent-loop run.
 
@@ -85,6 +104,8 @@ def loop_input(
         verify: verification levels, e.g. ``{"L0": "cmd", "L1": ["cmd", "cmd"]}``.
         max_iterations: builds at most.
         timeout: the run's wall-clock limit in seconds; each agent run gets at most this too.
+        approval: the run waits for a person's approval once verification passes (its app
+            is then :data:`APPROVAL_APP`).
     """
     levels = {name: [cmd] if isinstance(cmd, str) else list(cmd) for name, cmd in verify.items()}
     return {
@@ -94,7 +115,7 @@ def loop_input(
         "max_seconds": timeout,
         "agent": {"command": agent, "timeout": timeout},
         "verify": levels,
-        "app": APP,
+        "app": APPROVAL_APP if approval else APP,
     }
 
 
@@ -124,10 +145,14 @@ def create_demo_project(parent: str | os.PathLike[str] | None = None) -> Path:
     return root
 
 
-def demo_input(workspace: Path) -> dict[str, Any]:
-    """The demo run's input: the scripted agent, L0 a compile check, L1 pytest."""
+def demo_input(workspace: Path, *, approval: bool = False) -> dict[str, Any]:
+    """The demo run's input: the scripted agent, L0 a compile check, L1 pytest.
+
+    With ``approval``, the run waits for a person's approval once verification passes, and
+    has no wall-clock limit (a person's answer may take hours; each agent run still has 120 s).
+    """
     python = shlex.quote(sys.executable)
-    return loop_input(
+    run_input = loop_input(
         task="Make the tests in test_calc.py pass: calc.add must add its arguments.",
         workspace=workspace,
         agent=f"{python} -m fsm_runner.presets.agent_loop.commands agent",
@@ -137,7 +162,11 @@ def demo_input(workspace: Path) -> dict[str, Any]:
         },
         max_iterations=3,
         timeout=120,
+        approval=approval,
     )
+    if approval:
+        run_input["max_seconds"] = None
+    return run_input
 
 
 def _scripted_agent() -> int:
@@ -145,8 +174,12 @@ def _scripted_agent() -> int:
     request = json.loads(sys.stdin.read() or "{}")
     iteration = int(request.get("iteration") or os.environ.get("FSM_ITERATION") or 1)
     feedback = request.get("feedback") or ""
-    # First attempt: a plausible but wrong fix; once there is feedback, the right one.
+    # First attempt: a plausible but wrong fix; once there is feedback, the right one (and
+    # after a reviewer's rejection, the right one with the reviewer's words as its docstring).
     source = _FIXED if feedback else _WRONG
+    if "reviewer rejected it: " in feedback:
+        comment = feedback.split("reviewer rejected it: ", 1)[1].strip().splitlines()[0]
+        source = source.replace(":\n", f":\n    {json.dumps(comment)}\n", 1)
     Path("calc.py").write_text(source)
     prompt = f"{request.get('task', '')}\n{feedback}"
     tokens_in = len(prompt.split()) * 4 + 200
