@@ -92,11 +92,6 @@ def site(request, tmp_path):
             schema = postgres.new_schema()
             location = f"{postgres.url}?schema={schema}"
         journal = open_journal(location)
-        if not hasattr(journal, "put_signal"):
-            journal.close()
-            if postgres is not None:
-                postgres.drop(schema)
-            pytest.skip(f"the {request.param} journal does not journal signals yet")
     site = Site(request.param, journal, location)
     yield site
     for server in site.servers:
@@ -610,10 +605,8 @@ class TestInBrowser:
         """
         from playwright.sync_api import expect
 
-        commands = pytest.importorskip("fsm_runner.presets.agent_loop.commands")
-        if not hasattr(commands, "make_approval_engine"):
-            pytest.skip("the agent loop has no approval gate yet")
         from fsm_runner.presets.agent_loop import APPROVAL_PROMPT as GATE_PROMPT
+        from fsm_runner.presets.agent_loop import commands
 
         worker = AgentWorker(site, commands.make_approval_engine)
         try:
