@@ -8,9 +8,11 @@ their guards (actions off: 403; no or a wrong CSRF token: 403; a payload that is
 an ended run or a refused name: the refusal page; nothing written in each case), a successful
 answer and what the page then says, the timeline's consumed signals and the live update.
 
-Acceptance, in Debian's chromium through Playwright: a run parked in a waiting state, a real
-worker (``Engine.work`` on a thread) waiting for work; a click on APPROVE in the inspector; the
-run continues, and the open page shows its new states live, without a reload.
+Acceptance, in Debian's chromium through Playwright, on every journal: a run parked in a
+waiting state, a real worker (``Engine.work`` on a thread) waiting for work; a click on APPROVE
+in the inspector; the run continues, and the open page shows its new states live, without a
+reload. Then the issue's own: the demo's agent loop with its approval gate (real scripted agent,
+pytest and git), rejected once and approved from the inspector, followed live.
 """
 
 from __future__ import annotations
