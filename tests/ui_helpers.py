@@ -90,3 +90,41 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         return self.proc.communicate()
+
+
+class AppServer:
+    """An inspector app served by uvicorn on a thread of this process, on a free loopback port.
+
+    For a journal only this process can reach (a memory journal given to ``create_app``); a
+    journal in a file or a database is served by :class:`Server`, a process of its own.
+    """
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", access_log=False
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise AssertionError("the in-process ui server did not start")
+            time.sleep(0.02)
+
+    def get(self, path: str) -> Response:
+        return fetch(self.url + path)
+
+    def post(self, path: str, data: bytes) -> Response:
+        return fetch(self.url + path, data=data, method="POST")
+
+    def stop(self) -> tuple[str, str]:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        return "", ""

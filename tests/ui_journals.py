@@ -22,10 +22,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from fsm_runner import Engine, MachineSpec, RetryPolicy, RunEvent, State, Transition
+from fsm_runner import Engine, MachineSpec, RetryPolicy, RunEvent, State, Transition, Wait
 from fsm_runner.journal import Journal, open_journal
 from fsm_runner.presets.agent_loop.commands import create_demo_project, demo_input, make_engine
 from fsm_runner.presets.coordinator import Coordinator, Task, TaskGraph
@@ -83,6 +84,51 @@ def _push(ctx: Any) -> str:
 
 def _die(params: object) -> None:
     raise Crash
+
+
+#: What the approval machine's waiting state asks, and the payload it expects.
+APPROVAL_PROMPT = "Apply the proposed change?"
+APPROVAL_SCHEMA = {"type": "object", "properties": {"note": {"type": "string"}}}
+
+
+def approval_spec(
+    name: str = "approval", prompt: str = APPROVAL_PROMPT, schema: Any = APPROVAL_SCHEMA
+) -> MachineSpec:
+    """A small machine that waits: propose, wait a day for APPROVE or REJECT, then apply."""
+    return MachineSpec(
+        name,
+        states=[
+            State("proposing", handler="propose"),
+            State("awaiting", wait=Wait(timeout=86_400, prompt=prompt, schema=schema)),
+            State("applying", handler="apply"),
+            State("applied", terminal=True),
+            State("expired", terminal=True, outcome="failed"),
+            State("failed", terminal=True, outcome="failed"),
+        ],
+        transitions=[
+            Transition("proposing", "PROPOSED", "awaiting"),
+            Transition("awaiting", "APPROVE", "applying"),
+            Transition("awaiting", "REJECT", "proposing"),
+            Transition("awaiting", "TIMEOUT", "expired"),
+            Transition("applying", "APPLIED", "applied"),
+            Transition("proposing", RunEvent.SYSTEM_ERROR, "failed"),
+            Transition("applying", RunEvent.SYSTEM_ERROR, "failed"),
+        ],
+    )
+
+
+def _propose(ctx: Any) -> str:
+    return "PROPOSED"
+
+
+def _apply(ctx: Any) -> str:
+    """Apply: as slowly as the run's input says (``delay`` seconds), for a page to watch it."""
+    time.sleep(float((ctx.input or {}).get("delay", 0)))
+    return "APPLIED"
+
+
+#: The approval machine's handlers.
+APPROVAL_HANDLERS = {"propose": _propose, "apply": _apply}
 
 
 def agent_loop(journal: Journal, workdir: Path) -> str:

@@ -1,11 +1,12 @@
 """The run inspector's web application: Starlette routes over one journal, Jinja2 pages.
 
 Read-mostly: every page reads the journal through :mod:`fsm_runner.ui.views`. The only writes
-are the two actions, ``abort`` and ``fork``, which exist only when the server was started with
-``allow_actions=True``, answer only ``POST`` and only with the server's CSRF token (a secret
-made when the app is built, compared in constant time). On loopback, ``fsm-runner ui`` answers
-only requests whose Host header names this machine (:data:`LOOPBACK_HOSTS`): a foreign site
-that makes its own name resolve to 127.0.0.1 (DNS rebinding) is refused and reads nothing.
+are the actions, ``abort``, ``fork`` and ``signal`` (a waiting run's answer), which exist only
+when the server was started with ``allow_actions=True``, answer only ``POST`` and only with the
+server's CSRF token (a secret made when the app is built, compared in constant time). On
+loopback, ``fsm-runner ui`` answers only requests whose Host header names this machine
+(:data:`LOOPBACK_HOSTS`): a foreign site that makes its own name resolve to 127.0.0.1 (DNS
+rebinding) is refused and reads nothing.
 
 Errors never reach the browser as a traceback: an unknown run is a 404 page, a journal that
 cannot be opened or read (missing, damaged, an unreachable server) a clear error page naming
@@ -38,6 +39,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from fsm_runner.engine import abort_run, fork_run
+from fsm_runner.engine.waits import signal_run
 from fsm_runner.exceptions import (
     AmbiguousRunIdError,
     FsmRunnerError,
@@ -109,10 +111,13 @@ class Inspector:
     journal), as one CLI command would read it.
     """
 
-    def __init__(self, location: str, *, allow_actions: bool = False) -> None:
+    def __init__(
+        self, location: str, *, allow_actions: bool = False, journal: Journal | None = None
+    ) -> None:
         self.location = location
         self.allow_actions = allow_actions
         self.csrf_token = secrets.token_urlsafe(32)
+        self._given = journal
         self._journal: Journal | None = None
         self._lock = threading.Lock()
         self.templates = jinja2.Environment(
@@ -136,7 +141,7 @@ class Inspector:
         """The open journal, for one request; a journal error closes it (reopened next time)."""
         with self._lock:
             if self._journal is None:
-                self._journal = self._open()
+                self._journal = self._given or self._open()
             try:
                 yield self._journal
             except JournalError:
@@ -153,7 +158,8 @@ class Inspector:
         """Close the journal (the server stops, or the journal was refused)."""
         if self._journal is not None:
             journal, self._journal = self._journal, None
-            journal.close()
+            if journal is not self._given:  # a journal given is its giver's to close
+                journal.close()
 
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         """Render ``template`` with ``context``."""
@@ -198,8 +204,11 @@ async def _runs(request: Request) -> Response:
     with inspector.journal() as journal:
         if query.parent:
             query = views.RunsQuery(**{**_fields(query), "parent": _resolve(journal, query.parent)})
-        context = views.runs_page(journal, query)
-    return inspector.page("runs.html", **context)
+        if query.waiting:
+            context = views.waiting_page(journal, query)
+        else:
+            context = views.runs_page(journal, query)
+    return inspector.page("waiting.html" if query.waiting else "runs.html", **context)
 
 
 def _fields(query: views.RunsQuery) -> dict[str, str]:
@@ -225,11 +234,12 @@ def _int(value: str | None, name: str) -> int | None:
 async def _run(request: Request) -> Response:
     inspector = _inspector(request)
     from_seq = _int(request.query_params.get("from"), "from")
+    signal = _int(request.query_params.get("signal"), "signal")
     with inspector.journal() as journal:
         run_id = _resolve(journal, request.path_params["run_id"])
         if run_id != request.path_params["run_id"]:
             return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=302)
-        context = views.run_page(journal, run_id, from_seq=from_seq)
+        context = views.run_page(journal, run_id, from_seq=from_seq, signal=signal)
     return inspector.page("run.html", **context)
 
 
@@ -240,6 +250,12 @@ async def _live(request: Request) -> Response:
         update = views.live_update(journal, request.path_params["run_id"], after)
     run = update["run"]
     rows = inspector.templates.get_template("timeline_rows.html").render(rows=update["rows"])
+    signals = inspector.templates.get_template("signals.html").render(signals=update["signals"])
+    waiting = None
+    if update["moved"]:  # what it waits for now ("": nothing); unmoved, the page keeps its own
+        waiting = inspector.templates.get_template("waiting_panel.html").render(
+            run=run, waiting=update["waiting"]
+        )
     return _Json(
         {
             "seq": run.seq,
@@ -248,6 +264,8 @@ async def _live(request: Request) -> Response:
             "ended": run.ended,
             "rows": rows,
             "diagram": update["diagram"],
+            "signals": signals,
+            "waiting": waiting,
         }
     )
 
@@ -292,7 +310,9 @@ async def _form(request: Request) -> dict[str, list[str]]:
     inspector = _inspector(request)
     if not inspector.allow_actions:
         raise _PageError(
-            403, "Actions are off", "start the inspector with --allow-actions to abort or fork"
+            403,
+            "Actions are off",
+            "start the inspector with --allow-actions to abort, fork or answer a waiting run",
         )
     body = (await request.body()).decode("utf-8", errors="replace")
     form = parse_qs(body, keep_blank_values=True)
@@ -323,6 +343,39 @@ async def _fork(request: Request) -> Response:
         except ValueError as exc:
             raise _PageError(400, "Cannot fork there", str(exc)) from None
     return RedirectResponse(f"/runs/{quote(forked.run_id, safe='')}", status_code=303)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def _signal(request: Request) -> Response:
+    """Answer a waiting run: journal a signal (``signal_run``), then show the run again.
+
+    The payload, if any, must be JSON (else 400, nothing written); the signal id is optional.
+    The run page the redirect shows says what became of the signal (consumed: the run moved
+    on; pending). An ended run or a name no waiting state accepts: the refusal page (409).
+    """
+    form = await _form(request)
+    name = (form.get("name") or [""])[0].strip()
+    if not name:
+        raise _PageError(400, "A signal is needed", "name the signal to send")
+    text = (form.get("payload") or [""])[0].strip()
+    payload: Any = None
+    if text:
+        try:
+            payload = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            detail = f"the payload is not JSON ({_one_line(exc)}); nothing was sent"
+            raise _PageError(400, "The payload is not JSON", detail) from None
+    signal_id = (form.get("signal_id") or [""])[0].strip() or None
+    inspector = _inspector(request)
+    with inspector.journal() as journal:
+        run_id = _resolve(journal, request.path_params["run_id"])
+        sent = signal_run(journal, run_id, name, payload, signal_id=signal_id)
+    return RedirectResponse(
+        f"/runs/{quote(run_id, safe='')}?signal={sent.number}#outcome", status_code=303
+    )
 
 
 def _error_page(request: Request, status: int, title: str, detail: str) -> Response:
@@ -366,20 +419,26 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    location: str, *, allow_actions: bool = False, hosts: Sequence[str] | None = None
+    location: str,
+    *,
+    allow_actions: bool = False,
+    hosts: Sequence[str] | None = None,
+    journal: Journal | None = None,
 ) -> Starlette:
     """The inspector's ASGI app over the journal at ``location`` (a path or a PostgreSQL URL).
 
     Args:
         location: the journal, as ``fsm-runner --journal`` takes it.
-        allow_actions: serve the abort and fork forms (POST, with the CSRF token).
+        allow_actions: serve the abort, fork and answer forms (POST, with the CSRF token).
         hosts: the only Host header names answered (others: 400); ``None``: any.
             ``fsm-runner ui`` on loopback gives :data:`LOOPBACK_HOSTS` and its ``--host``.
+        journal: an open journal to serve instead of opening ``location`` (a memory
+            journal, an app embedding the inspector); its giver closes it.
 
     Returns:
         The Starlette app; its ``state.inspector`` holds the :class:`Inspector`.
     """
-    inspector = Inspector(location, allow_actions=allow_actions)
+    inspector = Inspector(location, allow_actions=allow_actions, journal=journal)
     routes = [
         Route("/", _home),
         Route("/runs", _runs),
@@ -387,6 +446,7 @@ def create_app(
         Route("/runs/{run_id:path}/artifacts/{name:path}", _artifact),
         Route("/runs/{run_id:path}/abort", _abort, methods=["POST"]),
         Route("/runs/{run_id:path}/fork", _fork, methods=["POST"]),
+        Route("/runs/{run_id:path}/signal", _signal, methods=["POST"]),
         Route("/runs/{run_id:path}", _run),
         Route("/machines/{name:path}", _machine),
         Route("/check", _check),

@@ -56,7 +56,10 @@ def is_loopback(host: str) -> bool:
 @click.option(
     "--allow-actions",
     is_flag=True,
-    help="Offer abort and fork on run pages (POST with a CSRF token); off by default.",
+    help=(
+        "Offer abort, fork and a waiting run's answers (signals) on run pages (POST with a CSRF"
+        " token); off by default."
+    ),
 )
 def ui(  # noqa: PLR0917 - click passes each option by keyword
     journal_path: str,
@@ -66,7 +69,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     allow_remote: bool,
     allow_actions: bool,
 ) -> None:
-    """Serve the run inspector: runs, a run's timeline and diagram, machines, check.
+    """Serve the run inspector: runs, waiting runs, a run's timeline and diagram, machines, check.
 
     Read-only unless --allow-actions. Listens on 127.0.0.1 unless --host names another
     address together with --allow-remote. Stop it with Ctrl-C.
@@ -80,7 +83,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
         click.echo(
             f"Warning: serving the journal on {host}, beyond this machine, without "
             "authentication: anyone who can reach it can read every run"
-            + (" and abort or fork them" if allow_actions else ""),
+            + (" and abort, fork or answer them" if allow_actions else ""),
             err=True,
         )
     missing = [n for n in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(n) is None]

@@ -1,17 +1,18 @@
 """What each page of the run inspector shows, read from a journal: plain data for the templates.
 
 Every read goes through the :class:`~fsm_runner.journal.Journal` API (``runs``, ``load``,
-``transitions``, ``iterations``, ``effects``, ``artifacts``, ``run_counts``, ``spec_json``)
-and the library's own functions (:func:`fsm_runner.diagrams.extract`,
+``transitions``, ``iterations``, ``effects``, ``artifacts``, ``run_counts``, ``spec_json``,
+``signals``, ``wake_time``) and the library's own functions (:func:`fsm_runner.diagrams.extract`,
 :func:`fsm_runner.replay.check_journal`), exactly as ``fsm-runner runs``, ``show``,
 ``diagram --run`` and ``check`` read them. Nothing here writes, and nothing knows about HTTP.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -19,8 +20,9 @@ import attrs
 
 from fsm_runner.command_line import suggested_command
 from fsm_runner.diagrams import Graph, extract
+from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
-from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord
+from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
 from fsm_runner.replay import check_journal
 from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
@@ -32,6 +34,7 @@ __all__ = [
     "SHOWN_CHARS",
     "STATUSES",
     "TIMELINE_PAGE",
+    "WAITING_SCAN",
     "RunsQuery",
     "check_page",
     "diagram",
@@ -40,7 +43,10 @@ __all__ = [
     "run_page",
     "run_path",
     "runs_page",
+    "signal_rows",
     "timeline_rows",
+    "waiting_of",
+    "waiting_page",
 ]
 
 #: Runs a page of the runs table lists.
@@ -55,6 +61,9 @@ EXACT_UP_TO = 1000
 SHOWN_CHARS = 100_000
 #: The statuses the runs table filters on.
 STATUSES = ("active", "succeeded", "failed", "aborted", "dead_letter")
+#: Without a machine named, the waiting tab looks for the machines of the newest this many
+#: active runs (one bounded read); naming a machine looks at that machine's runs alone.
+WAITING_SCAN = 500
 
 
 @attrs.frozen
@@ -67,6 +76,8 @@ class RunsQuery:
     parent: str = ""
     q: str = ""
     before: str = ""
+    #: "1": the waiting tab (active runs standing in a waiting state of their spec).
+    waiting: str = ""
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> RunsQuery:
@@ -74,6 +85,7 @@ class RunsQuery:
         values = {f.name: params.get(f.name, "").strip() for f in attrs.fields(cls)}
         if values["status"] not in STATUSES:
             values["status"] = ""
+        values["waiting"] = "1" if values["waiting"] not in ("", "0") else ""
         return cls(**values)
 
     def link(self, **changes: str) -> str:
@@ -100,6 +112,174 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
     older = query.link(before=found[-1].run_id) if more and found else None
     newest = query.link(before="") if query.before else None
     return {"runs": found, "query": query, "older": older, "newest": newest}
+
+
+def _specs(journal: Journal) -> Callable[[str], MachineSpec]:
+    """A reader of stored specs by hash, each read and parsed once (for one page)."""
+    cache: dict[str, MachineSpec] = {}
+
+    def spec_of(spec_hash: str) -> MachineSpec:
+        spec = cache.get(spec_hash)
+        if spec is None:
+            spec = cache[spec_hash] = MachineSpec.from_json(journal.spec_json(spec_hash))
+        return spec
+
+    return spec_of
+
+
+def _time(moment: dt.datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S") if moment is not None else ""
+
+
+def _payload(value: Any) -> str:
+    return _clip(json.dumps(value, ensure_ascii=False)) if value is not None else ""
+
+
+def waiting_of(
+    journal: Journal, spec: MachineSpec, run: RunRecord, *, now: dt.datetime | None = None
+) -> dict[str, Any] | None:
+    """What an active run waits for, if it waits; else ``None``.
+
+    A run in a waiting state of its spec: the signals the state accepts, its prompt and
+    payload schema, its deadline (its wake time if that is to come, else the wait's timeout
+    after since; "none": it waits for ever). A run its phase parked (``ctx.wait_for``,
+    ``ctx.sleep_until``): the signal the phase waits for, if any, and until when. Both with
+    since when it waits (its ``updated_at``) and its pending signals.
+    """
+    if run.ended:
+        return None
+    now = now or utc_now()
+    wait = spec.wait_of(run.state)
+    phase = parked_phase(run) if wait is None else None
+    if wait is None and phase is None:
+        return None
+    accepts: list[str] = []
+    prompt = schema = on_timeout = ""
+    due: dt.datetime | None = None
+    if wait is not None:
+        accepts = sorted(spec.accepts(run.state))
+        prompt = wait.prompt
+        if wait.schema is not None:
+            schema = json.dumps(
+                wait.schema, ensure_ascii=False, indent=1, sort_keys=True, default=str
+            )
+        due = journal.wake_time(run.run_id)
+        if due is None or due <= now:
+            due = None
+            if wait.timeout is not None and run.updated_at is not None:
+                due = run.updated_at + dt.timedelta(seconds=wait.timeout)
+        on_timeout = wait.on_timeout if wait.timeout is not None else ""
+    elif phase is not None:
+        name, due = phase
+        accepts = [name] if name is not None else []
+    return {
+        "state": run.state,
+        "phase": phase is not None,
+        "accepts": accepts,
+        "prompt": _clip(prompt),
+        "schema": _clip(schema),
+        "since": _time(run.updated_at),
+        "deadline": _time(due) or "none",
+        "on_timeout": on_timeout,
+        "pending": signal_rows(journal.signals(run.run_id, pending=True)),
+        "command": suggested_command(
+            "fsm-runner",
+            journal.location,
+            "signal",
+            run.run_id[:12],
+            accepts[0] if accepts else "NAME",
+            name_journal=True,
+        ),
+    }
+
+
+def _waits_in(spec: MachineSpec) -> set[str]:
+    """The states a run of ``spec`` may wait in: its waiting states, and phases with signals."""
+    phases = {s.name for s in spec.leaves if s.handler and s.signals and isinstance(s.name, str)}
+    return set(spec.waiting_states) | phases
+
+
+def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
+    """The waiting tab: active runs standing in a waiting state of their spec, longest first.
+
+    Index-served: for each machine and each waiting state of its specs, the machine's active
+    runs in that state (``runs(machine=, status="active", state=)``), at most a page each;
+    never a listing of every run. The states whose phase declares signals are read so too,
+    for the runs their phase parked (``ctx.wait_for``); a phase that only sleeps
+    (``ctx.sleep_until``) in a state without signals is not looked for. The machines are the
+    one named, or else those of the newest :data:`WAITING_SCAN` active runs (``partial`` says
+    the scan was full: name a machine to be sure to see all of its waiting runs). A machine's
+    waiting states are those of its newest run's spec and of the specs of the active runs the
+    scan saw; each run found is kept only if its own spec waits in its state.
+    """
+    spec_of = _specs(journal)
+    hashes: dict[str, set[str]] = {}
+    partial = False
+    if query.machine:
+        hashes[query.machine] = set()
+    else:
+        scan = journal.runs(status="active", limit=WAITING_SCAN + 1)
+        partial = len(scan) > WAITING_SCAN
+        for run in scan[:WAITING_SCAN]:
+            hashes.setdefault(run.machine, set()).add(run.spec_hash)
+    now = utc_now()
+    found: dict[str, tuple[RunRecord, MachineSpec]] = {}
+    more = False
+    for machine, seen in sorted(hashes.items()):
+        newest = journal.runs(machine=machine, limit=1)
+        seen.update(run.spec_hash for run in newest)
+        states: set[str] = set()
+        for spec_hash in sorted(seen):
+            states.update(_waits_in(spec_of(spec_hash)))
+        if query.state:
+            states &= {query.state}
+        for state in sorted(states):
+            runs = journal.runs(
+                machine=machine,
+                status="active",
+                state=state,
+                parent_run_id=query.parent or None,
+                run_id_prefix=query.q or None,
+                limit=RUNS_PAGE + 1,
+            )
+            more = more or len(runs) > RUNS_PAGE
+            for run in runs[:RUNS_PAGE]:
+                spec = spec_of(run.spec_hash)
+                if state in spec.waiting_states or parked_phase(run) is not None:
+                    found[run.run_id] = (run, spec)  # (an older spec may not wait there)
+    ordered = sorted(
+        found.values(), key=lambda pair: (pair[0].updated_at or pair[0].created_at, pair[0].run_id)
+    )
+    more = more or len(ordered) > RUNS_PAGE
+    rows = []
+    for run, spec in ordered[:RUNS_PAGE]:
+        waiting = waiting_of(journal, spec, run, now=now)
+        if waiting is not None:
+            rows.append({"run": run, **waiting})
+    return {
+        "waiting": rows,
+        "query": query,
+        "more": more,
+        "partial": partial,
+        "waiting_scan": WAITING_SCAN,
+    }
+
+
+def signal_rows(signals: Sequence[SignalRecord]) -> list[dict[str, Any]]:
+    """A run's signals as rows: number, name, id, when received, status, consuming seq, payload."""
+    return [
+        {
+            "number": s.number,
+            "name": s.name,
+            "signal_id": s.signal_id or "",
+            "received_at": _time(s.received_at),
+            "status": s.status.value,
+            "consumed_seq": s.consumed_seq,
+            "consumed_at": _time(s.consumed_at),
+            "payload": _payload(s.payload),
+        }
+        for s in signals
+    ]
 
 
 def _clip(text: str) -> str:
@@ -131,9 +311,16 @@ def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
             "error": _error_text(t.error),
             "traceback": _clip((t.error or {}).get("traceback") or ""),
             "output": json.dumps(t.output, ensure_ascii=False) if t.output is not None else "",
+            "signal": _signal_number(t),
         }
         for t in timeline
     ]
+
+
+def _signal_number(transition: TransitionRecord) -> int | None:
+    """The number of the signal a transition consumed (its result's ``signal``), if any."""
+    number = (transition.result or {}).get("signal")
+    return number if isinstance(number, int) and not isinstance(number, bool) else None
 
 
 def _totals(iterations: Sequence[IterationRecord]) -> dict[str, Any]:
@@ -222,8 +409,13 @@ def _commands(run: RunRecord, journal_location: str) -> dict[str, str]:
     return commands
 
 
-def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str, Any]:
-    """Everything the run page shows; the timeline one page long (the last one by default)."""
+def run_page(
+    journal: Journal, run_id: str, *, from_seq: int | None, signal: int | None = None
+) -> dict[str, Any]:
+    """Everything the run page shows; the timeline one page long (the last one by default).
+
+    ``signal``: the number of a signal just sent from the page, whose outcome it reports.
+    """
     run = journal.load(run_id)
     spec = _spec(journal, run)
     last = max(run.seq - TIMELINE_PAGE + 1, 0)
@@ -232,6 +424,7 @@ def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str
     graph, visits = run_path(journal, spec, run)
     iterations = journal.iterations(run.run_id)
     effects = journal.effects(run.run_id)
+    signals = signal_rows(journal.signals(run.run_id))
     return {
         "run": run,
         "spec": spec,
@@ -255,17 +448,28 @@ def run_page(journal: Journal, run_id: str, *, from_seq: int | None) -> dict[str
         "error": _error_text(run.error),
         "input": _clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
         "context": _clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
+        "waiting": waiting_of(journal, spec, run),
+        "signals": signals,
+        "sent": next((s for s in signals if s["number"] == signal), None),
     }
 
 
 def live_update(journal: Journal, run_id: str, after: int) -> dict[str, Any]:
-    """What changed in a run since seq ``after``: new timeline rows, its state, the diagram."""
+    """What changed in a run since seq ``after``: new timeline rows, its state, the diagram.
+
+    With its signals as they stand now (one arrives, or is consumed, between transitions too),
+    and, when it moved, what it waits for now (``None``: it moved on; unchanged if it did not).
+    """
     run = journal.load(run_id)
     new = journal.transitions(run.run_id, from_seq=after + 1) if run.seq > after else []
+    spec = _spec(journal, run) if new else None
     return {
         "run": run,
         "rows": timeline_rows(new),
-        "diagram": diagram(journal, run) if new else None,
+        "diagram": render_svg(run_path(journal, spec, run)[0]) if spec is not None else None,
+        "moved": spec is not None,
+        "waiting": waiting_of(journal, spec, run) if spec is not None else None,
+        "signals": signal_rows(journal.signals(run.run_id)),
     }
 
 

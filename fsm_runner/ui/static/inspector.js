@@ -30,6 +30,7 @@ function setupLive() {
   const pollMs = Number(run.dataset.pollMs) || 1000;
   const url = "/runs/" + encodeURIComponent(run.dataset.runId) + "/live";
   let seq = Number(run.dataset.seq);
+  let lastSignals = null; // the signals table as the last update gave it
   let timer = null;
 
   async function poll() {
@@ -44,6 +45,15 @@ function setupLive() {
       }
       if (update.diagram) {
         document.getElementById("diagram").innerHTML = update.diagram;
+      }
+      const signals = document.getElementById("signals");
+      if (signals && typeof update.signals === "string" && update.signals !== lastSignals) {
+        signals.innerHTML = update.signals; // rendered (escaped) by the server, as rows are
+        lastSignals = update.signals;
+      }
+      const waiting = document.getElementById("waiting-panel");
+      if (waiting && typeof update.waiting === "string") {
+        waiting.innerHTML = update.waiting; // the run moved: what it waits for now, if anything
       }
       seq = update.seq;
       run.dataset.seq = String(seq);
