@@ -49,6 +49,7 @@ EXAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "HandlerResultError": ((), {"run_id": "r1", "state": "building", "detail": "returned 42"}),
     "PayloadError": ((), {"run_id": "r1", "what": "input", "detail": "set is not JSON"}),
     "PhaseTimeoutError": ((), {"state": "building", "timeout": 2.5}),
+    "WaitTimeoutError": ((), {"state": "reviewing", "signal": "verdict", "timeout": 60.0}),
     "RunAbortedError": ((), {"run_id": "r1", "reason": "operator"}),
     "JournalError": (("is read-only",), {"path": "/tmp/j.db"}),
     "JournalNotFoundError": (("is a directory, not a journal file",), {"path": "/tmp/j"}),

@@ -1531,8 +1531,8 @@ class TestWaits:
         claimed = journal.claim_next("x", ttl=60, machine=SPEC.name, states=["verifying"])
         assert claimed.run_id == "past"
         assert journal.claim_next("x", ttl=60, machine=SPEC.name, states=["verifying"]) is None
-        assert journal.wake_time("past") is None  # a claim clears it: its holder parks again
-        assert journal.wake_time("future") is not None
+        assert journal.wake_time("past") is not None  # a claim leaves it: a dead claimer's run
+        assert journal.wake_time("future") is not None  # stays due
 
     def test_a_run_with_a_wake_time_to_come_is_not_runnable_before_it(self, journal):
         # a run its phase parked (ctx.wait_for, ctx.sleep_until) stands in a handler's state
@@ -1544,9 +1544,18 @@ class TestWaits:
         journal.put_signal(signal("parked"))  # now due
         claimed = journal.claim_next("x", ttl=60, machine=SPEC.name, states=[state])
         assert claimed.run_id == "parked"
-        assert journal.wake_time("parked") is None
+        assert journal.wake_time("parked") is not None  # due: kept by the claim
         journal.release("parked", "x", claimed.lease_token)
         assert journal.claim_next("y", ttl=60, machine=SPEC.name, states=[state]) is not None
+
+    def test_a_release_drops_a_wake_time_still_to_come(self, journal):
+        start(journal, "r1")
+        run = held(journal, "r1")
+        journal.park("r1", "w", run.lease_token, wake_at=utc_now() + HOUR, accepts=())
+        run = held(journal, "r1", owner="x")  # an operator's send, say
+        assert journal.wake_time("r1") is not None
+        assert journal.release("r1", "x", run.lease_token)
+        assert journal.wake_time("r1") is None  # let go of without a park: it does not wait
 
     def test_a_due_run_is_offered_to_a_worker_of_no_states(self, journal):
         start(journal)

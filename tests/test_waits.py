@@ -8,6 +8,7 @@ real processes racing and killed are in ``test_waits_processes.py``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import threading
 
@@ -248,7 +249,9 @@ class TestSignals:
             assert signal.status is SignalStatus.CONSUMED
             return await engine.arun(run_id)
 
-        assert asyncio.run(main()).state == "applied"
+        # on a thread of its own: an earlier test on this worker may have left a loop set
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            assert pool.submit(asyncio.run, main()).result(30).state == "applied"
 
 
 class TestWithoutAnEngine:

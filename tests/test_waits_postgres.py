@@ -377,7 +377,7 @@ class TestClaimsOfDueRuns:
         taken = claim(postgres_journal, "w1")
         assert (taken.run_id, taken.state, taken.lease_owner) == ("due", "waiting", "w1")
         assert (taken.lease_token, taken.recoveries) == (due.lease_token + 1, 0)
-        assert postgres_journal.wake_time("due") is None  # a claim clears it (parked again)
+        assert postgres_journal.wake_time("due") == SOON  # a claim leaves it as is
         assert claim(postgres_journal, "w1") is None
 
     def test_a_held_due_run_is_not_claimed(self, postgres_journal):

@@ -48,6 +48,12 @@ class MemoryMailbox:
         """The run's pending signals, in arrival order."""
         return [s for s in self.signals.get(run_id, ()) if s.status is SignalStatus.PENDING]
 
+    def unpark(self, run_id: str) -> None:
+        """A run let go of without a park: a wake time still to come goes (a past one stays)."""
+        wake = self.wakes.get(run_id)
+        if wake is not None and wake > utc_now():
+            del self.wakes[run_id]
+
     def park(self, run_id: str, wake_at: dt.datetime | None, accepts: Collection[str]) -> None:
         """Set the wake time of a run let go of: now if an accepted signal waits."""
         if any(s.name in accepts for s in self.pending(run_id)):

@@ -79,7 +79,7 @@ def claim_next_query(
         f" AND wake_at <= %s{spec} ORDER BY wake_at LIMIT 1 FOR UPDATE SKIP LOCKED) AS d),"
         " chosen AS (SELECT run_id, lease_owner FROM candidates"
         " ORDER BY created_at, rowid LIMIT 1)"
-        " UPDATE runs SET lease_owner = %s, lease_expires_at = %s, wake_at = NULL,"
+        " UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
         " lease_token = runs.lease_token + 1,"
         " recoveries = runs.recoveries + (chosen.lease_owner IS NOT NULL)::int"
         " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "

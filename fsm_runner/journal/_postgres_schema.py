@@ -225,7 +225,7 @@ UPDATE meta SET value = '7' WHERE key = 'schema_version';
 # by ``(machine, wake_at)``: the runs due are one range of it, the next wake time its first
 # entry. A plain step changes none of its columns (``wake_at`` is never written by one), so a
 # step stays a HOT update. ``ready_state`` is made again to be NULL while the run has a wake
-# time (every claim clears it): a run its phase parked (``ctx.wait_for``, ``ctx.sleep_until``)
+# time: a run its phase parked (``ctx.wait_for``, ``ctx.sleep_until``)
 # stands in a handler's state but is not runnable before its wake time. ``signals``: each
 # run's mailbox, numbered in arrival order (a run's
 # signals are numbered under its row lock); pending while ``consumed_seq`` is NULL (expired if

@@ -72,7 +72,10 @@ class PostgresWaits:
         def work(conn: Connection) -> bool:
             return bool(
                 conn.execute(
-                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL"
+                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL,"
+                    # a wake time still to come goes (a run let go of without a park does
+                    # not wait); a past one stays: a signal came for it
+                    " wake_at = CASE WHEN wake_at > clock_timestamp() THEN NULL ELSE wake_at END"
                     " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
                     (run_id, owner, token),
                 ).rowcount

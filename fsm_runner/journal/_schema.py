@@ -665,7 +665,8 @@ def m0010_waits(db: sqlite_utils.Database) -> None:
     """Version 10: durable waits: a run's wake time, and the signals sent to runs.
 
     * ``run_rows.wake_at``: when ``claim_next`` offers the run whatever its state (set by a
-      park and by a signal's arrival, cleared by every claim and when the run ends), read by
+      park and by a signal's arrival, dropped by a release if still to come and when the run
+      ends), read by
       claims and ``next_wake`` from one range of ``idx_run_rows_due``; ``idx_run_rows_ready``
       is remade partial to the runs with none (a run its phase parked is not runnable before
       its wake time). A column added: the ``runs`` view

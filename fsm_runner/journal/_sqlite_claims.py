@@ -92,7 +92,7 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
     search = " UNION ALL ".join([ready] * states + [expired, due]) + " ORDER BY run_key LIMIT ?"
     where = _claimable(states, spec_hash)
     claim = (
-        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?, wake_at = NULL,"
+        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
         " lease_token = lease_token + 1, recoveries = recoveries + (lease_owner IS NOT NULL)"
         f" WHERE run_key = ? AND EXISTS (SELECT 1 FROM runs WHERE run_key = ? AND {where})"
     )

@@ -363,9 +363,10 @@ class Journal(Protocol):
         time (see :meth:`park`, :meth:`put_signal`) has come, whatever its state (a run its
         phase parked, with a wake time to come, is not runnable before). Choosing and claiming
         are one transaction, so two workers never claim the same run; taking over an expired
-        lease counts as a recovery, as in :meth:`claim`. Every claim (this one,
-        :meth:`claim`, ``claim_many``, a run created holding its lease) clears the run's wake
-        time: its holder parks it again if it still waits. A run that ends has none.
+        lease counts as a recovery, as in :meth:`claim`. A claim leaves the wake time as it is
+        (a holder that dies leaves the run due); :meth:`release` drops one still to come (a
+        run let go of without a park does not wait), and its holder parks a run that still
+        waits. A run that ends has none.
         """
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:

@@ -484,7 +484,6 @@ class MemoryJournal:
             takeover = _lease.grant(run, owner, now, take_over=take_over)
             expires = now + dt.timedelta(seconds=ttl)
             claimed = self._runs[run_id] = _lease.claimed(run, owner, expires, takeover=takeover)
-            self._mailbox.wakes.pop(run_id, None)  # its holder parks it again if it waits
             return claimed
 
     def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
@@ -498,7 +497,6 @@ class MemoryJournal:
             claimed = self._runs[run.run_id] = _lease.claimed(
                 stored, owner, expires, takeover=False
             )
-            self._mailbox.wakes.pop(run.run_id, None)
             return claimed
 
     def claim_many(
@@ -623,6 +621,7 @@ class MemoryJournal:
             if not _lease.holds(run, owner, token):
                 return False
             self._runs[run_id] = attrs.evolve(run, lease_owner=None, lease_expires_at=None)
+            self._mailbox.unpark(run_id)
         return True
 
     def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:

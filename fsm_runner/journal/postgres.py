@@ -310,7 +310,7 @@ class PostgresJournal:
                 takeover = _lease.grant(run, owner, now, take_over=take_over)
                 cursor = conn.execute(
                     "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
-                    " wake_at = NULL, lease_token = lease_token + 1, recoveries = recoveries + %s"
+                    " lease_token = lease_token + 1, recoveries = recoveries + %s"
                     f" WHERE run_id = %s RETURNING {_RUN_SELECT}",
                     (owner, expires, int(takeover), run_id),
                 )
@@ -336,7 +336,7 @@ class PostgresJournal:
             cursor = conn.execute(
                 "UPDATE runs SET lease_owner = %s,"
                 " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
-                " wake_at = NULL, lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
+                " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
                 " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
                 f" AND status = 'active' RETURNING {_RUN_SELECT}",
                 (owner, ttl, run.run_id, run.seq, run.lease_token),

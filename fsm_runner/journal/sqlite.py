@@ -343,7 +343,7 @@ class SqliteJournal:
         takeover = _lease.grant(run, owner, now, take_over=take_over)
         expires = now + dt.timedelta(seconds=ttl)
         conn.execute(
-            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?, wake_at = NULL,"
+            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
             " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
             (owner, format_utc(expires), int(takeover), run_id),
         )
@@ -361,7 +361,7 @@ class SqliteJournal:
         expires = utc_now() + dt.timedelta(seconds=ttl)
         with self._connections.write() as conn:
             changed = conn.execute(
-                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?, wake_at = NULL,"
+                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
                 " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
                 " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
                 " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
@@ -441,10 +441,13 @@ class SqliteJournal:
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
         with self._connections.write() as conn:
+            # A wake time still to come goes (a run let go of without a park does not wait);
+            # a past one stays: a signal came for it.
             released = conn.execute(
-                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL"
+                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL,"
+                " wake_at = CASE WHEN wake_at > ? THEN NULL ELSE wake_at END"
                 " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
-                (run_id, owner, token),
+                (format_utc(utc_now()), run_id, owner, token),
             ).rowcount
         return bool(released)
 
