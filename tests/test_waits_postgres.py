@@ -405,7 +405,8 @@ class TestClaimsOfDueRuns:
     def test_the_oldest_runnable_run_goes_first(self, postgres_journal):
         start(postgres_journal, "ready", created=1)
         parked(postgres_journal, "due", wake_at=SOON, created=0)
-        parked(postgres_journal, "due-later", wake_at=SOON, created=2)
+        # due later than "due" (the earliest due is the due range's candidate)
+        parked(postgres_journal, "due-later", wake_at=SOON + dt.timedelta(seconds=1), created=2)
         assert [getattr(claim(postgres_journal), "run_id", None) for _ in range(4)] == [
             "due",
             "ready",

@@ -53,6 +53,21 @@ class SqliteWaits:
         self._connections = connections
         self._loads = core._loads  # the journal's own reading of JSON columns
 
+    def release(self, run_id: str, owner: str, token: int) -> bool:
+        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it.
+
+        A wake time still to come goes with it (a run let go of without a park does not wait);
+        a past one stays: a signal came for the run.
+        """
+        with self._connections.write() as conn:
+            released = conn.execute(
+                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL,"
+                " wake_at = CASE WHEN wake_at > ? THEN NULL ELSE wake_at END"
+                " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
+                (format_utc(utc_now()), run_id, owner, token),
+            ).rowcount
+        return bool(released)
+
     def park(self, run_id: str, owner: str, token: int, *, wake_at: Wake, accepts: Names) -> bool:
         """Give up the lease as ``release`` does, and set the run's wake time, at once.
 

@@ -439,17 +439,8 @@ class SqliteJournal:
         return renewals(leases, owner, found)
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
-        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
-        with self._connections.write() as conn:
-            # A wake time still to come goes (a run let go of without a park does not wait);
-            # a past one stays: a signal came for it.
-            released = conn.execute(
-                "UPDATE run_rows SET lease_owner = NULL, lease_expires_at = NULL,"
-                " wake_at = CASE WHEN wake_at > ? THEN NULL ELSE wake_at END"
-                " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
-                (format_utc(utc_now()), run_id, owner, token),
-            ).rowcount
-        return bool(released)
+        """Give up the lease ``owner`` holds with ``token`` (:meth:`SqliteWaits.release`)."""
+        return self._waits.release(run_id, owner, token)
 
     # -- waits (SqliteWaits', schema version 10) ---------------------------------------------
 
