@@ -716,15 +716,7 @@ def _transition_label(index: int, transition: Transition) -> str:
     return f"transition #{index} ({'|'.join(map(str, transition.source))} -{transition.event}->)"
 
 
-def _text_problems(name: str, value: object, *, kind: str = "a str") -> Iterator[str]:
-    """A value that should be text but is not, or that no journal can store (UTF-8)."""
-    if not isinstance(value, str):
-        yield f"{name} {value!r:.80} is not {kind}"
-    elif not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            yield f"{name} {value!r:.80} holds a lone surrogate, which UTF-8 cannot store"
+_text_problems = waiting.text_problems
 
 
 def _state_type_problems(state: State) -> Iterator[str]:

@@ -25,6 +25,7 @@ __all__ = [
     "accepted_signals",
     "signal_names",
     "state_problems",
+    "text_problems",
     "waiting_leaves",
 ]
 
@@ -142,14 +143,15 @@ def state_problems(spec: MachineSpec, state: State) -> Iterator[str]:
         yield from _phase_signal_problems(state)
 
 
-def _text(where: str, value: object) -> Iterator[str]:
+def text_problems(name: str, value: object, *, kind: str = "a str") -> Iterator[str]:
+    """A value that should be text but is not, or that no journal can store (UTF-8)."""
     if not isinstance(value, str):
-        yield f"{where} {value!r:.80} is not a str"
+        yield f"{name} {value!r:.80} is not {kind}"
     elif not value.isascii():
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            yield f"{where} {value!r:.80} holds a lone surrogate, which UTF-8 cannot store"
+            yield f"{name} {value!r:.80} holds a lone surrogate, which UTF-8 cannot store"
 
 
 def _wait_problems(spec: MachineSpec, state: State) -> Iterator[str]:
@@ -174,7 +176,7 @@ def _wait_problems(spec: MachineSpec, state: State) -> Iterator[str]:
     on_timeout: Any = wait.on_timeout
     if not isinstance(on_timeout, str) or not on_timeout:
         yield f"{where}: wait on_timeout must be an event name, not {on_timeout!r}"
-    yield from _text(f"{where}: wait prompt", wait.prompt)
+    yield from text_problems(f"{where}: wait prompt", wait.prompt)
     schema: Any = wait.schema
     if schema is not None and not isinstance(schema, Mapping):
         yield f"{where}: wait schema must be a JSON object, not {type(schema).__name__}"
@@ -195,6 +197,6 @@ def _phase_signal_problems(state: State) -> Iterator[str]:
     if not state.handler:
         yield f"{where} declares signals, but only a phase waits for signals from inside"
     for name in state.signals:
-        yield from _text(f"{where}: signal", name)
+        yield from text_problems(f"{where}: signal", name)
         if isinstance(name, str) and (not name or name in NOT_SIGNALS):
             yield f"{where}: {name!r} cannot be a signal (the engine journals it itself)"

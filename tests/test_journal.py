@@ -1311,19 +1311,8 @@ def stored_state(journal: Journal, run_id: str = "r1") -> tuple[Any, ...]:
 class TestWaits:
     """The journal's side of durable waits (``Journal.park`` ... ``consume_signal``), on all three.
 
-    The ``journal`` fixture of this module's own (memory, SQLite, PostgreSQL).
+    The ``journal`` fixture of ``conftest.py``: memory, SQLite, PostgreSQL.
     """
-
-    @pytest.fixture(params=["memory", "sqlite", "postgres"])
-    def journal(self, request, tmp_path):
-        if request.param == "postgres":
-            j = request.getfixturevalue("postgres_journal")
-        elif request.param == "memory":
-            j = MemoryJournal()
-        else:
-            j = SqliteJournal(tmp_path / "journal.db")
-        yield j
-        j.close()
 
     # -- put_signal / signals ------------------------------------------------------------------
 
