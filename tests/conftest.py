@@ -297,3 +297,22 @@ def invoke(journal_path):
         return runner.invoke(cli, ["--journal", str(journal_path), *args], catch_exceptions=False)
 
     return invoke
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium through Playwright's sync API, for one module's browser tests.
+
+    Playwright's sync API runs an event loop of its own on the thread for as long as it lives:
+    a second one beside it refuses to start, as does ``asyncio.run`` on that thread. So it lives
+    as long as the module's tests (pytest tears a module's fixtures down before the next
+    module's tests on the same worker), never beside another module's.
+    """
+    from playwright.sync_api import sync_playwright
+
+    from tests.ui_helpers import CHROMIUM
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        browser.close()

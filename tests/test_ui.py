@@ -21,7 +21,7 @@ import pytest
 
 from fsm_runner.journal import open_journal
 from tests.conftest import NO_PLUGIN_AUTOLOAD
-from tests.ui_helpers import ARTIFACTS, CHROMIUM, ROOT, Server
+from tests.ui_helpers import ARTIFACTS, ROOT, Server
 from tests.ui_journals import SCRIPT
 
 pytestmark = pytest.mark.slow
@@ -92,17 +92,7 @@ def site(request, ui_builds):
     site.server.stop()
 
 
-@pytest.fixture(scope="session")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_context(browser):
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     yield context

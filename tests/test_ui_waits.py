@@ -34,7 +34,7 @@ from fsm_runner.journal import MemoryJournal, open_journal
 from fsm_runner.ui import views
 from fsm_runner.ui.app import create_app
 from tests.helpers import NEXT, linear_spec
-from tests.ui_helpers import ARTIFACTS, CHROMIUM, AppServer, Server
+from tests.ui_helpers import ARTIFACTS, AppServer, Server
 from tests.ui_journals import (
     APPROVAL_HANDLERS,
     APPROVAL_PROMPT,
@@ -462,16 +462,6 @@ class TestAnswer:
         assert 'data-signal="' in moved["rows"]
         assert "signal #" in moved["rows"]
         assert 'data-status="consumed"' in moved["signals"]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

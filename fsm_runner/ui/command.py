@@ -69,7 +69,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     allow_remote: bool,
     allow_actions: bool,
 ) -> None:
-    """Serve the run inspector: runs, waiting runs, a run's timeline and diagram, machines, check.
+    """Serve the run inspector: runs, waiting runs, timelines, machines, check.
 
     Read-only unless --allow-actions. Listens on 127.0.0.1 unless --host names another
     address together with --allow-remote. Stop it with Ctrl-C.
