@@ -585,6 +585,7 @@ class TestInBrowser:
             gate.set()
             worker.join()
 
+    @pytest.mark.parametrize("site", ["sqlite"], indirect=True)  # the real agent loop: once
     def test_approve_a_waiting_agent_loop_run(
         self, site, page, browser, tmp_path, lean_child_pytest
     ):

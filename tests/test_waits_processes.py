@@ -46,7 +46,9 @@ T = TypeVar("T")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("processes"),
+    # a group of its own: its tests one at a time (each starts three workers), beside the
+    # "processes" group's on the other worker rather than after them
+    pytest.mark.xdist_group("waits-processes"),
     pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX processes and signals"),
 ]
 
@@ -366,7 +368,11 @@ def send_signal_cli(
 # -- a wait's timeout ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("via", ["engine", "cli"])
+@pytest.mark.parametrize(
+    ("store", "via"),
+    [("sqlite", "engine"), ("postgres", "engine"), ("sqlite", "cli")],  # the CLI: one journal
+    indirect=["store"],
+)
 def test_a_two_second_wait_times_out_exactly_once_with_three_workers_racing(store, tmp_path, via):
     """Three workers (``Engine.work``, or ``fsm-runner worker``) race for three runs' deadlines."""
     with Workers(tmp_path, store, timeout=2.0) as workers:
@@ -386,7 +392,11 @@ def test_a_two_second_wait_times_out_exactly_once_with_three_workers_racing(stor
         assert store.journal.wake_time(run_id) is None
 
 
-@pytest.mark.parametrize("where", ["waking", "expiring"])
+@pytest.mark.parametrize(
+    ("store", "where"),
+    [("sqlite", "waking"), ("postgres", "waking"), ("sqlite", "expiring")],
+    indirect=["store"],
+)
 def test_kill_9_of_the_worker_waking_it_still_times_out_exactly_once(store, tmp_path, where):
     """SIGKILL the worker that claimed the due run: before it journaled the ``TIMEOUT``
     (``waking``: inside the journal's commit) or in the phase after it (``expiring``).
