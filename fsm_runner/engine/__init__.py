@@ -264,7 +264,8 @@ class Engine:
         Args:
             max_runs: stop after this many runs.
             stop: stop when this event is set (checked between runs and while idle).
-            idle_wait: seconds to wait when no run is runnable before looking again.
+            idle_wait: seconds to wait when no run is runnable before looking again (less
+                when the journal tells that work may have come, ``Journal.idle``: a signal).
             exit_when_idle: return as soon as no run is runnable.
 
         Returns:

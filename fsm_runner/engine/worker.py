@@ -60,7 +60,7 @@ class Worker:
             if claimed is None:
                 if exit_when_idle:
                     break
-                stop.wait(self._idle_for(idle_wait))
+                self._idle(self._idle_for(idle_wait), stop)
                 continue
             taken += 1
             self._work_on(claimed)
@@ -82,6 +82,18 @@ class Worker:
             if not leases.holds(run_id):
                 leases.claim(run_id)
             leases.let_go(run_id)
+
+    def _idle(self, seconds: float, stop: threading.Event) -> None:
+        """Wait ``seconds``, less when the journal tells work may have come (``idle``)."""
+        idle = getattr(self.core.journal, "idle", None)
+        if idle is not None:
+            try:
+                idle(timeout=seconds, stop=stop)
+            except FsmRunnerError as exc:
+                _log.warning("could not wait on the journal: %s", exc)
+            else:
+                return
+        stop.wait(seconds)
 
     def _idle_for(self, idle_wait: float) -> float:
         """Seconds to wait for work: ``idle_wait``, or less when a parked run wakes sooner.

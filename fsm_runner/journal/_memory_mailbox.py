@@ -2,7 +2,8 @@
 
 Held by :class:`~fsm_runner.journal.memory.MemoryJournal`, which calls it under its own lock
 with the run rows it has read; it keeps only what the SQL journals keep in ``signals`` and
-``run_rows.wake_at``.
+``run_rows.wake_at``, and rings its doorbell (what the journal's idle workers wait on) when a
+signal comes or a run is let go of.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import attrs
 
 from fsm_runner.exceptions import RunConflictError, RunTerminalError
 from fsm_runner.journal import _lease
+from fsm_runner.journal._idle import Doorbell
 from fsm_runner.records import RunRecord, SignalRecord, SignalStatus, TransitionRecord, utc_now
 
 __all__ = ["MemoryMailbox"]
@@ -33,6 +35,7 @@ class MemoryMailbox:
         self.wakes: dict[str, dt.datetime] = {}
         self.signals: dict[str, list[SignalRecord]] = {}
         self.number = 0
+        self.bell = Doorbell()  # rung when work may have come (see Journal.idle)
 
     def forget(self, run_id: str) -> None:
         """A run pruned: its signals and wake time go with it."""
@@ -53,6 +56,7 @@ class MemoryMailbox:
         wake = self.wakes.get(run_id)
         if wake is not None and wake > utc_now():
             del self.wakes[run_id]
+        self.bell.ring()  # it may be runnable
 
     def park(self, run_id: str, wake_at: dt.datetime | None, accepts: Collection[str]) -> None:
         """Set the wake time of a run let go of: now if an accepted signal waits."""
@@ -91,6 +95,7 @@ class MemoryMailbox:
         )
         self.signals.setdefault(run.run_id, []).append(stored)
         self.wakes[run.run_id] = stored.received_at
+        self.bell.ring()
         return stored
 
     def listed(self, run: RunRecord | None, *, pending: bool) -> list[SignalRecord]:

@@ -108,6 +108,15 @@ class PostgresConnection:
 
     def connect(self, *, timeout: float | None = None) -> Connection:
         """A new connection (the journal's from now on), in autocommit mode, in the schema."""
+        conn = self.open(timeout=timeout)
+        self.conn = conn
+        return conn
+
+    def open(self, *, timeout: float | None = None) -> Connection:
+        """A new connection to the journal's server, in autocommit mode, in the schema.
+
+        Not the journal's (:meth:`connect`): the listener's is one of these.
+        """
         options = dict(self._connect_options)
         if timeout is not None and "connect_timeout" in options:
             options["connect_timeout"] = max(2, min(10, round(timeout)))
@@ -121,7 +130,6 @@ class PostgresConnection:
         except BaseException:
             conn.close()
             raise
-        self.conn = conn
         return conn
 
     def disconnect(self) -> None:

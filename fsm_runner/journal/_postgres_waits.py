@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 from collections.abc import Collection, Sequence
 from typing import Any
 
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _rows
+from fsm_runner.journal._idle import Doorbell
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
     Connection,
     PostgresConnection,
     Unresolved,
 )
+from fsm_runner.journal._postgres_listen import PostgresListener
 from fsm_runner.journal._postgres_writes import utc
 from fsm_runner.records import SignalRecord, SignalStatus
 from fsm_runner.spec import RunLifecycle
@@ -65,9 +68,21 @@ class PostgresWaits:
 
     def __init__(self, connection: PostgresConnection) -> None:
         self._connection = connection
+        self._listener = PostgresListener(connection, Doorbell())
+
+    def idle(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to ``timeout`` seconds for a signal's ``NOTIFY`` (see ``Journal.idle``)."""
+        return self._listener.idle(timeout=timeout, stop=stop)
+
+    def close(self) -> None:
+        """Close the listener's connection, if it has one."""
+        self._listener.close()
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
-        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it."""
+        """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it.
+
+        A ``NOTIFY`` at the commit wakes idle workers: the run may be runnable.
+        """
 
         def work(conn: Connection) -> bool:
             return bool(
@@ -76,8 +91,10 @@ class PostgresWaits:
                     # a wake time still to come goes (a run let go of without a park does
                     # not wait); a past one stays: a signal came for it
                     " wake_at = CASE WHEN wake_at > clock_timestamp() THEN NULL ELSE wake_at END"
-                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
-                    (run_id, owner, token),
+                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s"
+                    # a run let go of may be runnable: idle workers hear it (at the commit)
+                    " RETURNING pg_notify(%s, machine)",
+                    (run_id, owner, token, self._listener.channel),
                 ).rowcount
             )
 
@@ -112,23 +129,24 @@ class PostgresWaits:
 
         def work(conn: Connection) -> bool:
             with conn.transaction():
-                if (
-                    conn.execute(
-                        "SELECT 1 FROM runs WHERE run_id = %s AND lease_owner = %s"
-                        " AND lease_token = %s FOR UPDATE",
-                        (run_id, owner, token),
-                    ).fetchone()
-                    is None
-                ):
+                held = conn.execute(
+                    "SELECT machine FROM runs WHERE run_id = %s AND lease_owner = %s"
+                    " AND lease_token = %s FOR UPDATE",
+                    (run_id, owner, token),
+                ).fetchone()
+                if held is None:
                     return False
-                conn.execute(
+                due = conn.execute(
                     "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL,"
                     " wake_at = CASE WHEN EXISTS (SELECT 1 FROM signals WHERE run_id = %s"
                     " AND consumed_seq IS NULL AND name = ANY(%s::text[]))"
                     " THEN clock_timestamp() ELSE %s::timestamptz END"
-                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s",
+                    " WHERE run_id = %s AND lease_owner = %s AND lease_token = %s"
+                    " RETURNING wake_at <= clock_timestamp()",
                     (run_id, names, utc(wake_at), run_id, owner, token),
-                )
+                ).fetchone()
+                if due is not None and due[0]:  # an accepted signal waits: runnable now
+                    conn.execute("SELECT pg_notify(%s, %s)", (self._listener.channel, held[0]))
                 return True
 
         def resolve(conn: Connection) -> bool | Unresolved:
@@ -173,7 +191,9 @@ class PostgresWaits:
         The run row is locked first (``FOR UPDATE``): a run's signals are numbered in the
         order they are journaled, a ``park`` or claim of the run waits for the signal (and
         sees it), and two signals with one ``signal_id`` are stored once. Then the signal is
-        inserted, received now by the server's clock, and the run is due at that time.
+        inserted, received now by the server's clock, and the run is due at that time; a
+        ``NOTIFY`` on the journal's channel, sent at the commit, wakes idle workers (their
+        :meth:`idle`).
         """
         payload = _dumps(signal.payload)
         tried: list[dt.datetime] = []  # the receipt time each try used: the resolver looks
@@ -181,13 +201,13 @@ class PostgresWaits:
         def work(conn: Connection) -> SignalRecord:
             with conn.transaction():
                 found = conn.execute(
-                    "SELECT state, status, clock_timestamp() FROM runs WHERE run_id = %s"
-                    " FOR UPDATE",
+                    "SELECT state, status, clock_timestamp(), machine FROM runs"
+                    " WHERE run_id = %s FOR UPDATE",
                     (signal.run_id,),
                 ).fetchone()
                 if found is None:
                     raise RunNotFoundError(signal.run_id)
-                state, status, now = found
+                state, status, now, machine = found
                 ended = status != RunLifecycle.ACTIVE.value
                 if signal.signal_id is not None:
                     row = conn.execute(
@@ -205,7 +225,10 @@ class PostgresWaits:
                     f" VALUES (%s, %s, %s, %s, %s) RETURNING {_SIGNAL_SELECT}",
                     (signal.run_id, signal.name, payload, signal.signal_id, now),
                 ).fetchone()
-                conn.execute("UPDATE runs SET wake_at = %s WHERE run_id = %s", (now, signal.run_id))
+                conn.execute(
+                    "UPDATE runs SET wake_at = %s WHERE run_id = %s RETURNING pg_notify(%s, %s)",
+                    (now, signal.run_id, self._listener.channel, machine),
+                )
                 return self._signal(row, ended=False)
 
         def resolve(conn: Connection) -> SignalRecord | Unresolved:

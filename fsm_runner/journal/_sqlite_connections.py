@@ -180,6 +180,18 @@ class SqliteConnections:
             cursor = conn.execute(query, params)
             return [column[0] for column in cursor.description], cursor.fetchall()
 
+    def data_version(self) -> int | None:
+        """The connection's ``PRAGMA data_version``: it changes when another connection commits.
+
+        ``None`` while reads go through connections of their own (a full disk, see the
+        module): a fresh connection's value says nothing of what changed.
+        """
+        with self.read(damaged=True) as conn:
+            if conn is not self.conn:
+                return None
+            version: int = conn.execute("PRAGMA data_version").fetchone()[0]
+            return version
+
     def writing(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``work`` with the connection inside one :meth:`write` transaction."""
         with self.write() as conn:

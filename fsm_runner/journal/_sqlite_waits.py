@@ -6,12 +6,15 @@ them, over the journal's connections. A run's wake time is ``run_rows.wake_at`` 
 signal's arrival, cleared by the commit that ends the run (the writer's), and read by claims and
 :meth:`SqliteWaits.next_wake` from one range of ``idx_run_rows_due``. Signals are the rows of
 ``signals``, numbered in arrival order; consuming one is a commit
-(:meth:`~fsm_runner.journal._sqlite_writes.SqliteWriter.consume_signal`).
+(:meth:`~fsm_runner.journal._sqlite_writes.SqliteWriter.consume_signal`). An idle worker waits
+on :meth:`SqliteWaits.idle`: until another connection commits (the file's ``data_version``), a
+signal is journaled or a run let go of through this journal object, or its time is up.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from collections.abc import Collection
 from typing import Any
 
@@ -19,6 +22,7 @@ import attrs
 
 from fsm_runner.exceptions import RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _rows
+from fsm_runner.journal._idle import Doorbell
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.records import SignalRecord, SignalStatus, format_utc, parse_utc, utc_now
@@ -52,6 +56,30 @@ class SqliteWaits:
     def __init__(self, connections: SqliteConnections, core: SqlCore) -> None:
         self._connections = connections
         self._loads = core._loads  # the journal's own reading of JSON columns
+        self._bell = Doorbell()  # rung by put_signal: for idle workers of this journal object
+        #: Per thread, the file's data_version when its last idle wait ended (before its claim).
+        self._versions = threading.local()
+
+    def idle(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to ``timeout`` seconds for work (see ``Journal.idle``).
+
+        Every tick (:data:`~._idle.TICK`) the file's ``data_version`` is compared with its
+        value when this thread's last wait ended, before the claim that found nothing: another
+        connection's commit since (a signal, a start, a release of another process) ends the
+        wait. A signal journaled through this journal object rings its doorbell.
+        """
+        try:
+            return self._bell.wait(timeout=timeout, stop=stop, listen=self._listen)
+        finally:
+            self._versions.value = self._connections.data_version()
+
+    def _listen(self, seconds: float) -> bool:
+        """Pause a tick (less if the doorbell rings); then whether another connection wrote."""
+        if self._bell.pause(seconds):
+            return True
+        seen = getattr(self._versions, "value", None)
+        now = self._connections.data_version()
+        return seen is not None and now is not None and now != seen
 
     def release(self, run_id: str, owner: str, token: int) -> bool:
         """Give up the lease ``owner`` holds with ``token``; ``False`` if it no longer held it.
@@ -66,6 +94,8 @@ class SqliteWaits:
                 " WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
                 (format_utc(utc_now()), run_id, owner, token),
             ).rowcount
+        if released:
+            self._bell.ring()  # a run let go of may be runnable
         return bool(released)
 
     def park(self, run_id: str, owner: str, token: int, *, wake_at: Wake, accepts: Names) -> bool:
@@ -93,6 +123,8 @@ class SqliteWaits:
                 f" wake_at = {wake_sql} WHERE run_id = ? AND lease_owner = ? AND lease_token = ?",
                 (*wake_params, run_id, owner, token),
             ).rowcount
+        if parked:
+            self._bell.ring()  # due at once if a signal it accepts came
         return bool(parked)
 
     def wake_time(self, run_id: str) -> dt.datetime | None:
@@ -152,6 +184,7 @@ class SqliteWaits:
             ).lastrowid
             assert number is not None  # set by every INSERT
             conn.execute("UPDATE run_rows SET wake_at = ? WHERE run_key = ?", (received, key))
+        self._bell.ring()
         return attrs.evolve(
             signal,
             number=number,

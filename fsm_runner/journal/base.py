@@ -428,6 +428,13 @@ class Journal(Protocol):
         """Return the earliest wake time of the machine's active runs nobody holds, if any.
 
         One read of an index: what a worker sleeps until when nothing is runnable.
+
+        A journal may also offer ``idle(*, timeout, stop) -> bool``: wait up to ``timeout``
+        seconds, less when work may have come (``True``: a signal journaled, another
+        process's commit) or ``stop`` (a ``threading.Event``) is set (``False``, as when the
+        time is up). The built-in journals do (PostgreSQL's hears ``put_signal``'s
+        ``NOTIFY``; SQLite's sees the file change); a worker with nothing to claim waits on
+        it, else sleeps its poll interval out.
         """
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:

@@ -574,6 +574,10 @@ class MemoryJournal:
         with self._lock:
             return self._mailbox.put(signal, self.load(signal.run_id))
 
+    def idle(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to ``timeout`` seconds for a signal to come (see ``Journal.idle``)."""
+        return self._mailbox.bell.wait(timeout=timeout, stop=stop)
+
     def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
         """The run's signals in arrival order (pending ones only, with ``pending``)."""
         with self._lock:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -217,7 +218,8 @@ class PostgresJournal:
         self._connection.retry_for = seconds
 
     def close(self) -> None:
-        """Close the connection; further use raises ``JournalError``."""
+        """Close the connection (and the listener's); further use raises ``JournalError``."""
+        self._waits.close()
         self._connection.close()
 
     def __repr__(self) -> str:
@@ -457,6 +459,10 @@ class PostgresJournal:
     def next_wake(self, *, machine: str) -> dt.datetime | None:
         """The earliest wake time of the machine's active runs nobody holds (one index read)."""
         return self._waits.next_wake(machine=machine)
+
+    def idle(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to ``timeout`` s for a signal's ``NOTIFY`` (:meth:`PostgresWaits.idle`)."""
+        return self._waits.idle(timeout=timeout, stop=stop)
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal pending for its run (:meth:`PostgresWaits.put_signal`)."""

@@ -19,6 +19,7 @@ import datetime as dt
 import functools
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -455,6 +456,10 @@ class SqliteJournal:
     def next_wake(self, *, machine: str) -> dt.datetime | None:
         """The earliest wake time of the machine's unleased runs (:meth:`SqliteWaits.next_wake`)."""
         return self._waits.next_wake(machine=machine)
+
+    def idle(self, *, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to ``timeout`` s for another connection's commit (:meth:`SqliteWaits.idle`)."""
+        return self._waits.idle(timeout=timeout, stop=stop)
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal for its run in ONE transaction (:meth:`SqliteWaits.put_signal`)."""
