@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
@@ -57,6 +57,24 @@ NEXT_WAKE = (
     " AND lease_owner IS NOT NULL AND lease_expires_at < now()))"
 )
 _dumps = _rows.dumps
+
+
+def _let_go(run_id: str, token: int) -> Callable[[Connection], bool | Unresolved]:
+    """The resolver of a release or park whose outcome a lost connection left unknown.
+
+    Done if the run is unleased with the token it had: let go of by the try that was cut off,
+    and claimed by nobody since (a claim raises the token).
+    """
+
+    def resolve(conn: Connection) -> bool | Unresolved:
+        row = conn.execute(
+            "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
+        ).fetchone()
+        if row is not None and row[0] is None and row[1] == token:
+            return True
+        return UNRESOLVED
+
+    return resolve
 
 
 class PostgresWaits:
@@ -98,15 +116,7 @@ class PostgresWaits:
                 ).rowcount
             )
 
-        def resolve(conn: Connection) -> bool | Unresolved:
-            row = conn.execute(
-                "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
-            ).fetchone()
-            if row is not None and row[0] is None and row[1] == token:
-                return True  # released by the try that was cut off, and nobody claimed since
-            return UNRESOLVED
-
-        return self._connection.call(work, resolve=resolve)
+        return self._connection.call(work, resolve=_let_go(run_id, token))
 
     def park(
         self,
@@ -149,15 +159,7 @@ class PostgresWaits:
                     conn.execute("SELECT pg_notify(%s, %s)", (self._listener.channel, held[0]))
                 return True
 
-        def resolve(conn: Connection) -> bool | Unresolved:
-            row = conn.execute(
-                "SELECT lease_owner, lease_token FROM runs WHERE run_id = %s", (run_id,)
-            ).fetchone()
-            if row is not None and row[0] is None and row[1] == token:
-                return True  # parked by the try that was cut off, and nobody claimed since
-            return UNRESOLVED
-
-        return self._connection.call(work, resolve=resolve)
+        return self._connection.call(work, resolve=_let_go(run_id, token))
 
     def wake_time(self, run_id: str) -> dt.datetime | None:
         """Return the run's wake time, if it has one (see ``Journal``)."""
