@@ -286,28 +286,39 @@ def signal_params(signal: SignalRecord, received_at: Any) -> tuple[Any, ...]:
     return (signal.run_id, signal.name, dumps(signal.payload), signal.signal_id, received_at)
 
 
-def decode_signal(row: Sequence[Any], loads: Loads, *, ended: bool) -> SignalRecord:
+def decode_signal(row: Sequence[Any], loads: Loads, *, ended: bool, location: str) -> SignalRecord:
     """A signals row (:data:`SIGNAL_COLUMNS`) as a record of a run that has ``ended`` or not.
 
     Its status is derived: consumed once it has a ``consumed_seq``; else pending, or expired
     when the run has ended. Times are read as either journal stores them.
+
+    Raises:
+        JournalError: the row cannot be read (a damaged time or payload), naming the signal
+            and the journal (``location``): a row that cannot be read is never misread.
     """
     run_id, number, name, payload, signal_id, received_at, consumed_seq, consumed_at = row
     if consumed_seq is not None:
         status = SignalStatus.CONSUMED
     else:
         status = SignalStatus.EXPIRED if ended else SignalStatus.PENDING
-    return SignalRecord(
-        run_id,
-        number,
-        name,
-        loads(payload),
-        signal_id,
-        parse_utc(received_at),
-        status,
-        consumed_seq,
-        None if consumed_at is None else parse_utc(consumed_at),
-    )
+    try:
+        return SignalRecord(
+            run_id,
+            number,
+            name,
+            loads(payload),
+            signal_id,
+            parse_utc(received_at),
+            status,
+            consumed_seq,
+            None if consumed_at is None else parse_utc(consumed_at),
+        )
+    except (ValueError, TypeError) as exc:
+        raise JournalError(
+            f"signal {number} of run {run_id!r} has an unreadable row ({exc}); run"
+            " 'fsm-runner check'",
+            path=location,
+        ) from None
 
 
 def decode_iteration(data: dict[str, Any], loads: Loads) -> dict[str, Any]:

@@ -216,9 +216,10 @@ class SqlCore:
             return None
         try:
             return json.loads(text)
-        except ValueError as exc:  # a row we cannot read must not be misread
+        except (ValueError, TypeError) as exc:  # a row we cannot read must not be misread
+            # (TypeError: a damaged record header made the column another type)
             raise JournalError(
-                f"holds unreadable JSON ({exc}): {text[:60]!r}", path=self.location
+                f"holds unreadable JSON ({exc}): {str(text)[:60]!r}", path=self.location
             ) from exc
 
     def _structure(self, data: dict[str, Any], cls: type[T]) -> T:

@@ -335,7 +335,8 @@ def schema_problems(conn: sqlite3.Connection) -> list[str]:
     }
     ours = {name for kind, name in expected if kind in ("table", "view")}
     problems = []
-    for key in sorted(expected.keys() | found.keys()):
+    # (a damaged name may be read as bytes: ordered by its text, never compared with a str)
+    for key in sorted(expected.keys() | found.keys(), key=lambda key: tuple(map(str, key))):
         kind, name = key
         if key not in found:
             problems.append(f"schema: {kind} {name} is missing")

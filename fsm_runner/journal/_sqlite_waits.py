@@ -174,7 +174,10 @@ class SqliteWaits:
                     (key, signal.signal_id),
                 ).fetchone()
                 if stored is not None:
-                    return _rows.decode_signal(stored, self._loads, ended=status != _ACTIVE)
+                    ended = status != _ACTIVE
+                    return _rows.decode_signal(
+                        stored, self._loads, ended=ended, location=self._connections.path
+                    )
             if status != _ACTIVE:
                 raise RunTerminalError(run_id=signal.run_id, state=state, status=status)
             number = conn.execute(
@@ -216,4 +219,5 @@ class SqliteWaits:
                 + " ORDER BY number",
                 (key,),
             ).fetchall()
-        return [_rows.decode_signal(row, self._loads, ended=ended) for row in rows]
+        path = self._connections.path
+        return [_rows.decode_signal(row, self._loads, ended=ended, location=path) for row in rows]
