@@ -58,12 +58,17 @@ class Site:
         self.location = location
         self.servers: list = []
 
-    def serve(self, *, actions: bool = False):
+    def serve(self, *, actions: bool = False, process: bool = False):
+        """An inspector: ``fsm-runner ui`` in a process of its own (``process``: the browser
+        tests'), else the app over a journal of its own on a thread of this process (a memory
+        journal: this one)."""
         if self.backend == "memory":
             app = create_app(self.location, allow_actions=actions, journal=self.journal)
             server = AppServer(app)
-        else:
+        elif process:
             server = Server(self.location, *(["--allow-actions"] if actions else []))
+        else:
+            server = AppServer(create_app(self.location, allow_actions=actions))
         self.servers.append(server)
         return server
 
@@ -81,8 +86,7 @@ class Site:
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
 def site(request, tmp_path):
-    """The journal of each kind, and its inspectors: a process of its own over a SQLite file or
-    a PostgreSQL schema; on a thread of this process over a memory journal."""
+    """The journal of each kind (PostgreSQL: a schema of the pool), and its inspectors."""
     postgres = schema = None
     if request.param == "memory":
         journal, location = MemoryJournal(), "memory"
@@ -91,7 +95,7 @@ def site(request, tmp_path):
             location = str(tmp_path / "journal.db")
         else:
             postgres = request.getfixturevalue("postgres_server")
-            schema = postgres.new_schema()
+            schema = postgres.take()
             location = f"{postgres.url}?schema={schema}"
         journal = open_journal(location)
     site = Site(request.param, journal, location)
@@ -100,7 +104,7 @@ def site(request, tmp_path):
         server.stop()
     journal.close()
     if postgres is not None:  # once every server and worker has let go of it
-        postgres.drop(schema)
+        postgres.give_back(schema)
 
 
 def csrf_token(body: str) -> str:
@@ -534,7 +538,7 @@ class TestInBrowser:
                 return run.state == "awaiting" and run.lease_owner is None
 
             wait_until(parked, "the worker to park the run in awaiting")
-            server = site.serve(actions=True)
+            server = site.serve(actions=True, process=True)
             page.goto(f"{server.url}/runs?waiting=1")
             page.click(f"tr.waiting-run[data-run-id='{run_id}'] td.id a")
             page.wait_for_url(f"**/runs/{run_id}")
@@ -612,7 +616,7 @@ class TestInBrowser:
                 return run.state == "awaiting_approval" and run.lease_owner is None
 
             wait_until(at_the_gate, "the agent loop to reach its approval gate", timeout=180)
-            server = site.serve(actions=True)
+            server = site.serve(actions=True, process=True)
             watcher = browser.new_page(viewport={"width": 1280, "height": 900})
             watcher.goto(f"{server.url}/runs/{run_id}")
             watcher.evaluate("window.notReloaded = true")
