@@ -1066,4 +1066,6 @@ def test_a_corrupt_schema_message_is_one_line_in_the_library_too(tmp_path):
     with pytest.raises(JournalError, match="malformed database schema") as info:
         open_and_read(scene)
     assert "\n" not in str(info.value)
-    assert str(info.value).endswith("…); nothing was changed")
+    assert str(info.value).endswith(
+        "…); nothing was changed ('fsm-runner check' says what is damaged)"
+    )

@@ -315,8 +315,8 @@ def decode_signal(row: Sequence[Any], loads: Loads, *, ended: bool, location: st
         )
     except (ValueError, TypeError) as exc:
         raise JournalError(
-            f"signal {number} of run {run_id!r} has an unreadable row ({exc}); run"
-            " 'fsm-runner check'",
+            f"signal {number} of run {run_id!r} has an unreadable row ({exc}); 'fsm-runner"
+            " check' says what is damaged",
             path=location,
         ) from None
 

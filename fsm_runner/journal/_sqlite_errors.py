@@ -42,7 +42,10 @@ _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
         ("not a database",),
         "is not a SQLite database (a corrupt or foreign file); nothing was changed",
     ),
-    (("malformed", "corrupt"), "is corrupt ({text}); nothing was changed"),
+    (
+        ("malformed", "corrupt"),
+        "is corrupt ({text}); nothing was changed ('fsm-runner check' says what is damaged)",
+    ),
     (("unable to open",), "cannot be opened (check the path and its permissions)"),
 )
 
@@ -83,7 +86,8 @@ def errors(path: str) -> Iterator[None]:
         raise JournalError(describe(exc), path=path) from exc
     except UnicodeDecodeError as exc:
         raise JournalError(
-            f"is corrupt (it holds text that is not UTF-8: {exc}); nothing was changed",
+            f"is corrupt (it holds text that is not UTF-8: {exc}); nothing was changed"
+            " ('fsm-runner check' says what is damaged)",
             path=path,
         ) from exc
 
