@@ -25,21 +25,36 @@ def _history_name(composite: str | None) -> str:
     return HISTORY if composite is None else f"{HISTORY}:{composite}"
 
 
-def _return_target(spec: MachineSpec, transition: Transition) -> str | None:
+#: Per leaf, the leaves with an edge into it, each with the position of its first such edge
+#: in ``spec.edges``: built once, so that each RETURN does not scan every edge.
+_Incoming = dict[str, dict[str, int]]
+
+
+def _incoming(spec: MachineSpec) -> _Incoming:
+    incoming: _Incoming = {}
+    for position, ((leaf, _event), candidates) in enumerate(spec.edges.items()):
+        for candidate in candidates:
+            incoming.setdefault(candidate.dest, {}).setdefault(leaf, position)
+    return incoming
+
+
+def _return_target(spec: MachineSpec, transition: Transition, incoming: _Incoming) -> str | None:
     """The innermost composite enclosing every state a run can enter ``transition``'s source from.
 
     A RETURN goes back to where the run was before it entered the returning state; when every
     way in starts inside one composite, the return lands in that composite.
     """
     sources = set(spec.expand_source(transition))
-    comers = [
-        leaf
-        for (leaf, _event), candidates in spec.edges.items()
-        if leaf not in sources and any(c.dest in sources for c in candidates)
-    ]
+    comers: dict[str, int] = {}
+    for source in sources:
+        for leaf, position in incoming.get(source, {}).items():
+            if leaf not in sources and position < comers.get(leaf, position + 1):
+                comers[leaf] = position
     if not comers:
         return None
-    common = [p for p in spec.parents(comers[0]) if all(p in spec.parents(c) for c in comers)]
+    first = min(comers, key=comers.__getitem__)  # the first in the edges' order
+    around = [set(spec.parents(leaf)) for leaf in comers]
+    common = [p for p in spec.parents(first) if all(p in chain for chain in around)]
     return common[0] if common else None
 
 
@@ -72,6 +87,7 @@ def _spec_edges(spec: MachineSpec) -> tuple[list[Edge], _Keyed, dict[str | None,
     edges: list[Edge] = []
     keyed: _Keyed = {}
     histories: dict[str | None, None] = {}  # an ordered set of history targets
+    incoming = _incoming(spec) if any(t.dest == RETURN for t in spec.transitions) else {}
 
     def add(edge: Edge, key: Transition, leaves_from: Iterable[str]) -> None:
         keyed.setdefault(key, []).append((len(edges), frozenset(leaves_from)))
@@ -82,7 +98,7 @@ def _spec_edges(spec: MachineSpec) -> tuple[list[Edge], _Keyed, dict[str | None,
         history = transition.dest == RETURN
         dest = transition.dest
         if history:
-            target = _return_target(spec, transition)
+            target = _return_target(spec, transition, incoming)
             histories[target] = None
             dest = _history_name(target)
         label = _label(transition)

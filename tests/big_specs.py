@@ -1,0 +1,87 @@
+"""Specs of any size and depth, for `test_big_specs.py` and `bench/bench_big_spec.py`."""
+
+from __future__ import annotations
+
+import itertools
+
+from fsm_runner import RETURN, MachineSpec, State, Transition
+
+NEXT = "NEXT"
+FAILED = "FAILED"
+CANCEL = "CANCEL"
+LOST = "SERVER_LOST"
+FOUND = "SERVER_FOUND"
+
+
+def big_spec(states: int, *, name: str = "big") -> MachineSpec:
+    """A machine of about ``states`` states, shaped like a long real one.
+
+    Blocks of ten: most a chain of leaves that move on with ``NEXT`` and, on ``FAILED``,
+    go back three states while the ``retries_left`` guard allows it (a back-edge) and to
+    ``failed`` otherwise; every fifth block a composite of three sub-phases, the middle one
+    itself a composite of two, whose ``SERVER_LOST`` goes to ``recovering``, which RETURNs.
+    A wildcard ``CANCEL`` from every non-terminal state; three terminal states.
+    """
+    top: list[State] = []
+    transitions: list[Transition] = []
+    chain: list[str] = []  # the top-level names, in the order a run goes through them
+    count = 0
+    block = 0
+    while count < states - 4:
+        if block % 5 == 4:
+            prefix = f"c{block}"
+            inner = State(
+                f"{prefix}_mid",
+                children=[
+                    State(f"{prefix}_mid_a", handler="work"),
+                    State(f"{prefix}_mid_b", handler="work"),
+                ],
+            )
+            composite = State(
+                prefix,
+                children=[
+                    State(f"{prefix}_a", handler="work"),
+                    inner,
+                    State(f"{prefix}_z", handler="work"),
+                ],
+            )
+            top.append(composite)
+            transitions.append(Transition(prefix, LOST, "recovering"))
+            chain.append(prefix)
+            count += 7
+        else:
+            for index in range(10):
+                state = f"s{block}_{index}"
+                top.append(State(state, handler="work"))
+                chain.append(state)
+                if len(chain) > 3:
+                    transitions.append(Transition(state, FAILED, chain[-4], guards="retries_left"))
+                transitions.append(Transition(state, FAILED, "failed"))
+            count += 10
+        block += 1
+    for current, following in itertools.pairwise(chain):
+        event = "PHASE_COMPLETED" if current.startswith("c") else NEXT
+        transitions.append(Transition(current, event, following))
+    last_event = "PHASE_COMPLETED" if chain[-1].startswith("c") else NEXT
+    transitions.append(Transition(chain[-1], last_event, "succeeded"))
+    transitions.append(Transition("recovering", FOUND, RETURN))
+    transitions.append(Transition("*", CANCEL, "cancelled"))
+    top += [
+        State("recovering", handler="recover"),
+        State("succeeded", terminal=True),
+        State("failed", terminal=True, outcome="failed"),
+        State("cancelled", terminal=True, outcome="aborted"),
+    ]
+    return MachineSpec(name, states=top, transitions=transitions)
+
+
+def deep_spec(depth: int, *, name: str = "deep") -> MachineSpec:
+    """A machine whose one phase sits ``depth`` composites deep (``depth`` 0: no composite)."""
+    state = State("work", handler="work")
+    for level in range(depth, 0, -1):
+        state = State(f"level{level}", children=[state])
+    return MachineSpec(
+        name,
+        states=[state, State("done", terminal=True)],
+        transitions=[Transition(state.name, "PHASE_COMPLETED", "done")],
+    )
