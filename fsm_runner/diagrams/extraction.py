@@ -217,6 +217,23 @@ def extract(
     )
 
 
+def taken_edges(spec: MachineSpec, timeline: Sequence[TransitionRecord]) -> list[int | None]:
+    """For each transition, the index in ``extract(spec).edges`` of the spec edge it took.
+
+    ``None`` for one that took none (an engine event, seq 0, a state the spec does not have).
+    What ``extract(spec, timeline=[record])`` counts, for many records at the cost of one.
+    """
+    _edges, keyed, _histories = _spec_edges(spec)
+    return [
+        _taken(spec, keyed, record)
+        if record.from_state is not None
+        and spec.has_state(record.from_state)
+        and spec.has_state(record.to_state)
+        else None
+        for record in timeline
+    ]
+
+
 def _count_taken(
     spec: MachineSpec,
     edges: list[Edge],

@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 import attrs
 
 from fsm_runner.command_line import suggested_command
-from fsm_runner.diagrams import Graph, extract
+from fsm_runner.diagrams import Graph, extract, taken_edges
 from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
@@ -373,12 +373,9 @@ def run_path(
     counts = [move[3] for move in moves]
     graph = extract(spec, run=run, timeline=records)
     weights = [0] * len(graph.edges)
-    for record, count in zip(records, counts, strict=True):
-        if record.from_state is not None:
-            single = extract(spec, timeline=[record]).edges
-            for index, edge in enumerate(single):
-                if edge.count and edge.kind != "engine":
-                    weights[index] += count
+    for taken, count in zip(taken_edges(spec, records), counts, strict=True):
+        if taken is not None:  # the spec edge each move took (an extract per move was slow)
+            weights[taken] += count
     engine = {(r.from_state, r.event, r.to_state): n for r, n in zip(records, counts, strict=True)}
     edges = [
         attrs.evolve(edge, count=engine.get((edge.source, edge.event, edge.dest), 0))
