@@ -563,8 +563,8 @@ class MachineSpec:
             if not isinstance(transition, Transition):
                 yield f"transitions[{index}] is not a Transition: {transition!r:.80}"
                 continue
-            label = _transition_label(index, transition)
-            yield from (f"{label}: {p}" for p in _transition_type_problems(transition))
+            for problem in _transition_type_problems(transition):
+                yield f"{_transition_label(index, transition)}: {problem}"
 
     def _state_problems(  # noqa: PLR0912 - one flat list of independent checks reads best
         self, handlers: Collection[str] | Mapping[str, object] | None
@@ -758,6 +758,11 @@ def _state_type_problems(state: State) -> Iterator[str]:
 
 
 def _transition_type_problems(transition: Transition) -> Iterator[str]:
+    t = transition
+    if all(type(x) is str and x.isascii() for x in (*t.source, t.event, t.dest, t.reason)) and all(
+        type(x) is str and x.isascii() for x in t.guards + t.unless
+    ):
+        return  # the common case, at a glance (a spec may have tens of thousands)
     for source in transition.source:
         yield from _text_problems("source", source)
     yield from _text_problems("event", transition.event, kind="a str or a str enum")
