@@ -42,6 +42,7 @@ from fsm_runner.policies import RetryPolicy
 from fsm_runner.waiting import Wait
 
 __all__ = [
+    "MAX_NESTING",
     "RETURN",
     "WILDCARD",
     "MachineSpec",

@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
+from fsm_runner._nesting import too_deep, walk
 from fsm_runner.diagrams.graph import HISTORY, Composite, Edge, Graph, Node, wait_duration
+from fsm_runner.exceptions import SpecError
 from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, RunLifecycle, State, Transition
 
@@ -64,10 +66,9 @@ def _label(transition: Transition) -> str:
     return " ".join([transition.event, *guards])
 
 
-def _walk(states: Iterable[State], parent: str | None = None) -> Iterator[tuple[State, str | None]]:
-    for state in states:
-        yield state, parent
-        yield from _walk(state.children, state.name)
+def _walk(states: Iterable[State]) -> Iterator[tuple[State, str | None]]:
+    for state, chain in walk(states, State):
+        yield state, chain[0] if chain else None
 
 
 def _resolve(spec: MachineSpec, transition: Transition) -> Transition:
@@ -181,7 +182,13 @@ def extract(
 
     Returns:
         The graph, ready for :func:`render_mermaid` or :func:`render_dot`.
+
+    Raises:
+        SpecError: if sub-phases nest deeper than ``fsm_runner.spec.MAX_NESTING``.
     """
+    deep = too_deep(spec.states)
+    if deep is not None:  # the renderers draw composites as nested blocks, recursively
+        raise SpecError([deep], machine=spec.name)
     edges, keyed, histories = _spec_edges(spec)
     edges, visited = _count_taken(spec, edges, keyed, timeline)
     current = run.state if run is not None else (timeline[-1].to_state if timeline else None)
