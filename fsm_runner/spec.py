@@ -397,7 +397,9 @@ class MachineSpec:
         for composite in self._walk(self.states):
             if not _is_text(composite.advance_on):
                 continue  # validate() names it
-            for current, following in itertools.pairwise(composite.children):
+            for current, following in itertools.pairwise(
+                c for c in composite.children if isinstance(c, State)
+            ):
                 leaf = self.exit_leaf(current.name)
                 # Just before the composite's own transitions, after those of everything inside
                 # the child being left (which may itself be a composite with its own exit).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from fsm_runner import RETURN, MachineSpec, State, Transition
+from fsm_runner import RETURN, MachineSpec, State, Transition, Wait
 
 NEXT = "NEXT"
 FAILED = "FAILED"
@@ -85,3 +85,58 @@ def deep_spec(depth: int, *, name: str = "deep") -> MachineSpec:
         states=[state, State("done", terminal=True)],
         transitions=[Transition(state.name, "PHASE_COMPLETED", "done")],
     )
+
+
+def faulty_specs() -> dict[str, tuple[MachineSpec, dict[str, object]]]:
+    """Small specs with known problems, and the registrations to validate them with.
+
+    `test_big_specs.py` holds the problems the quadratic validate() of before found in them,
+    in its order: the linear one must find exactly those.
+    """
+    inner = State("inner", children=[State("i1", handler="work"), State("i2", handler="work")])
+    composite = State("outer", children=[State("o1", handler="work"), inner])
+    graph = MachineSpec(
+        "graph",
+        states=[
+            State("a", handler="work"),
+            State("b", handler="work"),
+            State("island", handler="work"),
+            State("stuck", handler="work"),
+            State("done", terminal=True),
+            State("lost", terminal=True),
+        ],
+        transitions=[
+            Transition("a", NEXT, "b"),
+            Transition("a", NEXT, "done"),
+            Transition("b", NEXT, "stuck"),
+            Transition("b", FAILED, "a", guards="retries_left"),
+            Transition("island", NEXT, "done"),
+            Transition("done", NEXT, "a"),
+            Transition("ghost", NEXT, "nowhere"),
+            Transition("*", CANCEL, "done"),
+        ],
+    )
+    nested = MachineSpec(
+        "nested",
+        states=[
+            State("start", handler="work"),
+            composite,
+            State("free", handler="work", terminal=True),
+            State("waits", wait=Wait(timeout=5)),
+            State("end", terminal=True, outcome="failed"),
+        ],
+        transitions=[
+            Transition("start", NEXT, "outer"),
+            Transition("outer", "PHASE_COMPLETED", "end"),
+            Transition("i2", LOST, RETURN),
+            Transition("start", 5, "end"),  # type: ignore[arg-type]
+        ],
+        initial="start",
+    )
+    registered = big_spec(45, name="registered")
+    return {
+        "graph": (graph, {"handlers": {"work"}, "guards": set()}),
+        "nested": (nested, {"handlers": {"other"}, "guards": {"g"}}),
+        "registered": (registered, {"handlers": {"work"}, "guards": {"other"}}),
+        "valid": (registered, {}),
+    }
