@@ -7,6 +7,7 @@ import itertools
 from fsm_runner import RETURN, MachineSpec, State, Transition, Wait
 
 NEXT = "NEXT"
+PHASE_COMPLETED = "PHASE_COMPLETED"
 FAILED = "FAILED"
 CANCEL = "CANCEL"
 LOST = "SERVER_LOST"
@@ -18,8 +19,9 @@ def big_spec(states: int, *, name: str = "big") -> MachineSpec:
 
     Blocks of ten: most a chain of leaves that move on with ``NEXT`` and, on ``FAILED``,
     go back three states while the ``retries_left`` guard allows it (a back-edge) and to
-    ``failed`` otherwise; every fifth block a composite of three sub-phases, the middle one
-    itself a composite of two, whose ``SERVER_LOST`` goes to ``recovering``, which RETURNs.
+    ``failed`` otherwise; every fifth block a composite of three sub-phases (handler ``sub``:
+    they complete), the middle one itself a composite of two, whose ``SERVER_LOST`` goes to
+    ``recovering`` (handler ``recover``), which RETURNs.
     A wildcard ``CANCEL`` from every non-terminal state; three terminal states.
     """
     top: list[State] = []
@@ -33,16 +35,16 @@ def big_spec(states: int, *, name: str = "big") -> MachineSpec:
             inner = State(
                 f"{prefix}_mid",
                 children=[
-                    State(f"{prefix}_mid_a", handler="work"),
-                    State(f"{prefix}_mid_b", handler="work"),
+                    State(f"{prefix}_mid_a", handler="sub"),
+                    State(f"{prefix}_mid_b", handler="sub"),
                 ],
             )
             composite = State(
                 prefix,
                 children=[
-                    State(f"{prefix}_a", handler="work"),
+                    State(f"{prefix}_a", handler="sub"),
                     inner,
-                    State(f"{prefix}_z", handler="work"),
+                    State(f"{prefix}_z", handler="sub"),
                 ],
             )
             top.append(composite)
@@ -73,6 +75,15 @@ def big_spec(states: int, *, name: str = "big") -> MachineSpec:
         State("cancelled", terminal=True, outcome="aborted"),
     ]
     return MachineSpec(name, states=top, transitions=transitions)
+
+
+def big_handlers() -> dict[str, object]:
+    """Handlers for :func:`big_spec`: a run goes down the chain, through every sub-phase."""
+    return {
+        "work": lambda _ctx: NEXT,
+        "sub": lambda _ctx: PHASE_COMPLETED,
+        "recover": lambda _ctx: FOUND,
+    }
 
 
 def deep_spec(depth: int, *, name: str = "deep") -> MachineSpec:
@@ -137,6 +148,6 @@ def faulty_specs() -> dict[str, tuple[MachineSpec, dict[str, object]]]:
     return {
         "graph": (graph, {"handlers": {"work"}, "guards": set()}),
         "nested": (nested, {"handlers": {"other"}, "guards": {"g"}}),
-        "registered": (registered, {"handlers": {"work"}, "guards": {"other"}}),
+        "registered": (registered, {"handlers": {"work", "sub"}, "guards": {"other"}}),
         "valid": (registered, {}),
     }

@@ -28,17 +28,13 @@ from fsm_runner.cli import cli
 from fsm_runner.machine import compile_spec
 from fsm_runner.spec import MAX_NESTING
 from fsm_runner.ui.svg import render_svg
-from tests.big_specs import CANCEL, FAILED, NEXT, big_spec, deep_spec, faulty_specs
+from tests.big_specs import CANCEL, FAILED, NEXT, big_handlers, big_spec, deep_spec, faulty_specs
 from tests.helpers import one_line_error
 from tests.ui_helpers import Server
 
 PHASE_COMPLETED = "PHASE_COMPLETED"
 LIMIT = f"sub-phases may nest at most {MAX_NESTING} levels"
 TOO_DEEP = (MAX_NESTING + 1, 400, 3000)  # just over; past cattrs' recursion; past the json module's
-
-
-def big_handlers():
-    return {"work": lambda _ctx: NEXT, "recover": lambda _ctx: "SERVER_FOUND"}
 
 
 def big_engine(spec, journal):

@@ -43,13 +43,13 @@ from fsm_runner import machine as machine_module  # noqa: E402
 from fsm_runner.machine import compile_spec  # noqa: E402
 from fsm_runner.spec import RETURN  # noqa: E402
 from fsm_runner.ui.svg import render_svg  # noqa: E402
-from tests.big_specs import NEXT, big_spec  # noqa: E402
+from tests.big_specs import big_handlers, big_spec  # noqa: E402
 
 TARGET_COMPILE_S = 1.0
 TARGET_DRAW_S = 2.0
 TARGET_SIZE = 10_000
 
-HANDLERS = {"work": lambda _ctx: NEXT, "recover": lambda _ctx: "SERVER_FOUND"}
+HANDLERS = big_handlers()
 GUARDS = {"retries_left": lambda _run: True}
 
 
