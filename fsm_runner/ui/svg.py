@@ -172,7 +172,8 @@ class _Layout:
         about every edge made the layout quadratic.
         """
         graph = self.graph
-        members = {scope: set(graph.members(scope)) for scope in (None, *graph._composites)}
+        scopes = (None, *(composite.name for composite in graph.composites))
+        members = {scope: set(graph.members(scope)) for scope in scopes}
         links: dict[str | None, list[tuple[str, str]]] = {}
         for edge in graph.edges:
             sources = {graph.parent(c): c for c in (edge.source, *graph.enclosing(edge.source))}
