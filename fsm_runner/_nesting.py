@@ -102,5 +102,5 @@ def data_too_deep(data: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _list(value: object) -> list[Any]:
-    return value if isinstance(value, list) else []
+def _list(value: object) -> list[Any] | tuple[Any, ...]:
+    return value if isinstance(value, list | tuple) else []
