@@ -1,9 +1,10 @@
-"""Checks of ``MachineSpec.validate()`` that read the spec as a whole, each one linear in it.
+"""Checks of ``MachineSpec.validate()``, each one linear in the spec.
 
 The reachability of every state and the dead ends (one pass over the edges to index each
-state's destinations, then a breadth-first walk), and the handlers and guards a spec names
-but the engine has not registered. They live here, not in :mod:`fsm_runner.spec`, which reads
-them through the small protocols below (this module cannot import spec).
+state's destinations, then a breadth-first walk), the handlers and guards a spec names but the
+engine has not registered, and a transition's fields of the wrong type. They live here, not
+in :mod:`fsm_runner.spec`, which reads them through the small protocols below (this module
+cannot import spec).
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Protocol
 
-__all__ = ["graph_problems", "registration_problems"]
+from fsm_runner.waiting import text_problems
+
+__all__ = [
+    "graph_problems",
+    "guard_problems",
+    "handler_problem",
+    "registration_problems",
+    "transition_type_problems",
+]
 
 #: Names registered with the engine (a collection, or a mapping by name).
 Registered = Collection[str] | Mapping[str, object]
@@ -33,6 +42,14 @@ class _Candidate(Protocol):
 
 
 class _Transition(Protocol):
+    @property
+    def source(self) -> tuple[str, ...]: ...
+    @property
+    def event(self) -> str: ...
+    @property
+    def dest(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
     @property
     def guards(self) -> tuple[str, ...]: ...
     @property
@@ -111,3 +128,19 @@ def registration_problems(
             yield problem
     for label, transition in transitions:
         yield from guard_problems(label, transition, guards)
+
+
+def transition_type_problems(transition: _Transition) -> Iterator[str]:
+    """A transition's fields that are not text, or text that UTF-8 cannot store."""
+    texts = (*transition.source, *transition.guards, *transition.unless, transition.reason)
+    if all(type(text) is str and text.isascii() for text in (*texts, transition.event)) and (
+        type(transition.dest) is str and transition.dest.isascii()
+    ):
+        return  # the common case, at a glance: a spec may have tens of thousands of transitions
+    for source in transition.source:
+        yield from text_problems("source", source)
+    yield from text_problems("event", transition.event, kind="a str or a str enum")
+    yield from text_problems("destination", transition.dest)
+    for guard in transition.guards + transition.unless:
+        yield from text_problems("guard", guard)
+    yield from text_problems("reason", transition.reason)

@@ -28,6 +28,7 @@ from fsm_runner._spec_checks import (
     guard_problems,
     handler_problem,
     registration_problems,
+    transition_type_problems,
 )
 from fsm_runner.events import (
     INTERRUPTED,
@@ -419,8 +420,7 @@ class MachineSpec:
         return tuple(
             transition
             for transition in self.transitions
-            if isinstance(transition, Transition)
-            and not list(_transition_type_problems(transition))
+            if isinstance(transition, Transition) and not list(transition_type_problems(transition))
         )
 
     @functools.cached_property
@@ -496,7 +496,8 @@ class MachineSpec:
     ) -> None:
         """Check the spec and raise one :class:`SpecError` listing every problem.
 
-        Problems: fields of the wrong type or holding text UTF-8 cannot store, unknown or
+        Problems: sub-phases nested deeper than :data:`MAX_NESTING` (then the only one named),
+        fields of the wrong type or holding text UTF-8 cannot store, unknown or
         unreachable states, non-terminal dead ends, terminal states with exits or handlers,
         ambiguous (state, event) pairs, timeouts and retry waits that are not finite numbers,
         handlers and guards named but not registered.
@@ -566,7 +567,7 @@ class MachineSpec:
             if not isinstance(transition, Transition):
                 yield f"transitions[{index}] is not a Transition: {transition!r:.80}"
                 continue
-            for problem in _transition_type_problems(transition):
+            for problem in transition_type_problems(transition):
                 yield f"{_transition_label(index, transition)}: {problem}"
 
     def _state_problems(  # noqa: PLR0912 - one flat list of independent checks reads best
@@ -667,7 +668,11 @@ class MachineSpec:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        """The spec as plain data (fields equal to their default are left out)."""
+        """The spec as plain data (fields equal to their default are left out).
+
+        Raises:
+            SpecError: if sub-phases nest deeper than :data:`MAX_NESTING`.
+        """
         deep = too_deep(self.states)
         if deep is not None:  # cattrs writes the tree recursively
             raise SpecError([deep], machine=self.name)
@@ -758,21 +763,6 @@ def _state_type_problems(state: State) -> Iterator[str]:
         not isinstance(state.max_mutations, int) or isinstance(state.max_mutations, bool)
     ):
         yield f"{where}: max_mutations must be an integer, not {state.max_mutations!r:.80}"
-
-
-def _transition_type_problems(transition: Transition) -> Iterator[str]:
-    t = transition
-    if all(type(x) is str and x.isascii() for x in (*t.source, t.event, t.dest, t.reason)) and all(
-        type(x) is str and x.isascii() for x in t.guards + t.unless
-    ):
-        return  # the common case, at a glance (a spec may have tens of thousands)
-    for source in transition.source:
-        yield from _text_problems("source", source)
-    yield from _text_problems("event", transition.event, kind="a str or a str enum")
-    yield from _text_problems("destination", transition.dest)
-    for guard in transition.guards + transition.unless:
-        yield from _text_problems("guard", guard)
-    yield from _text_problems("reason", transition.reason)
 
 
 def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:
