@@ -125,6 +125,8 @@ def faulty_specs() -> dict[str, tuple[MachineSpec, dict[str, object]]]:
             Transition("done", NEXT, "a"),
             Transition("ghost", NEXT, "nowhere"),
             Transition("*", CANCEL, "done"),
+            Transition("b", "\udc80", "done", guards=7, reason="x\udc80"),  # type: ignore[arg-type]
+            Transition("island", FAILED, "lost", unless="g\u00e9"),
         ],
     )
     nested = MachineSpec(

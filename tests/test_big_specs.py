@@ -161,6 +161,11 @@ class TestDeepNesting:
 #: the commit before, run on these very specs): the same problems, in the same order.
 OLD_PROBLEMS = {
     "graph": [
+        "transition #8 (b -\udc80->): event '\\udc80' holds a lone surrogate, which UTF-8 "
+        "cannot store",
+        "transition #8 (b -\udc80->): guard 7 is not a str",
+        "transition #8 (b -\udc80->): reason 'x\\udc80' holds a lone surrogate, which UTF-8 "
+        "cannot store",
         "transition #5 (done -NEXT->): terminal state 'done' has an exit",
         "transition #6 (ghost -NEXT->): unknown source state 'ghost'",
         "transition #6 (ghost -NEXT->): unknown destination state 'nowhere'",
@@ -170,10 +175,16 @@ OLD_PROBLEMS = {
         "state 'lost' is unreachable from 'a'",
     ],
     "graph registered": [
+        "transition #8 (b -\udc80->): event '\\udc80' holds a lone surrogate, "
+        "which UTF-8 cannot store",
+        "transition #8 (b -\udc80->): guard 7 is not a str",
+        "transition #8 (b -\udc80->): reason 'x\\udc80' holds a lone surrogate, "
+        "which UTF-8 cannot store",
         "transition #3 (b -FAILED->): guard 'retries_left' is not registered",
         "transition #5 (done -NEXT->): terminal state 'done' has an exit",
         "transition #6 (ghost -NEXT->): unknown source state 'ghost'",
         "transition #6 (ghost -NEXT->): unknown destination state 'nowhere'",
+        "transition #9 (island -FAILED->): guard 'gé' is not registered",
         "ambiguous: state 'a' has 2 transitions on 'NEXT' (to b, done) and an "
         "unguarded one is not the last",
         "state 'island' is unreachable from 'a'",
