@@ -357,6 +357,20 @@ class _Taken:
         return _overlap(box, (self._boxes[i] for i in near))
 
 
+def _first_free(taken: _Taken, boxes: Iterable[_Box]) -> _Box:
+    """The first of ``boxes`` that nothing taken covers, else the least covered (the first)."""
+    best: _Box | None = None
+    least = math.inf
+    for box in boxes:
+        covered = taken.overlap(box)
+        if best is None or covered < least:
+            best, least = box, covered
+            if not covered:  # nothing can beat it: the places after it need not be made
+                break
+    assert best is not None  # an edge has places for its label
+    return best
+
+
 def _edge_svg(edge: Edge, path: str, label: _Box) -> str:
     classes = _classes(
         "edge",
@@ -397,8 +411,7 @@ def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
         bend = max(28.0, 0.16 * length) if rows_apart else 0.0
         bend += 24.0 * index
         path, places = _edge_path(source, dest, 12.0 * index if loop else bend, loop=loop)
-        boxes = [_label_box(edge, at) for at in places]
-        label = min(boxes, key=taken.overlap)  # the first free, or least covered
+        label = _first_free(taken, (_label_box(edge, at) for at in places))
         taken.add(label)
         parts.append(_edge_svg(edge, path, label))
     return parts

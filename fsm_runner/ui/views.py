@@ -10,6 +10,7 @@ Every read goes through the :class:`~fsm_runner.journal.Journal` API (``runs``, 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -347,7 +348,14 @@ def _children(journal: Journal, run_id: str, depth: int = 0) -> list[dict[str, A
 
 
 def _spec(journal: Journal, run: RunRecord) -> MachineSpec:
-    return MachineSpec.from_json(journal.spec_json(run.spec_hash))
+    return _read_spec(journal.spec_json(run.spec_hash))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_spec(text: str) -> MachineSpec:
+    # Read once for every page that shows it (a spec of 10,000 states takes ~0.2 s to read),
+    # and its answers (leaves, edges) found once too: a spec is immutable.
+    return MachineSpec.from_json(text)
 
 
 def run_path(
