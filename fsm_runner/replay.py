@@ -61,7 +61,7 @@ from fsm_runner.rules.classify import (
     output_text,
 )
 from fsm_runner.rules.reducer import advance, begin
-from fsm_runner.spec import MachineSpec, RunLifecycle, State
+from fsm_runner.spec import MachineSpec, RunLifecycle
 
 __all__ = [
     "CHECK_CHUNK",
@@ -638,8 +638,8 @@ class _Walker:
         self.visited: set[str] = set()
 
     def use(self, spec: MachineSpec) -> None:
-        self.spec = spec
-        self.leaves: dict[str, State] = {state.name: state for state in spec.leaves}
+        self.spec = spec  # its states looked up by name: a dict of its leaves per run would
+        # cost the spec's size for each run a check replays
 
     def first_spec(self, timeline: Sequence[TransitionRecord]) -> None:
         """Start from the spec the run started with, if it changed spec on the way."""
@@ -719,7 +719,8 @@ class _Walker:
                 f"a transition from state {prev.state!r}",
                 f"a transition from state {source!r}" if source else "a transition from no state",
             )
-            if source in self.leaves:  # go on from where the journal says (when collecting)
+            # go on from where the journal says (when collecting), if the spec has that leaf
+            if source and self.spec.has_state(source) and not self.spec.state(source).composite:
                 prev = attrs.evolve(prev, state=source)
         kind = self.classify(prev, transition)
         row = self.own(advance(self.spec, prev, transition, kind), transition)

@@ -14,7 +14,6 @@ import hashlib
 import itertools
 import json
 import math
-from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -23,6 +22,14 @@ import cattrs.gen
 
 from fsm_runner import waiting
 from fsm_runner._convert import by_value, converter
+from fsm_runner._nesting import MAX_NESTING, data_too_deep, items, too_deep, walk
+from fsm_runner._spec_checks import (
+    graph_problems,
+    guard_problems,
+    handler_problem,
+    registration_problems,
+    transition_type_problems,
+)
 from fsm_runner.events import (
     INTERRUPTED,
     RESERVED_EVENTS,
@@ -36,6 +43,7 @@ from fsm_runner.policies import RetryPolicy
 from fsm_runner.waiting import Wait
 
 __all__ = [
+    "MAX_NESTING",
     "RETURN",
     "WILDCARD",
     "MachineSpec",
@@ -266,10 +274,8 @@ class MachineSpec:
 
     @staticmethod
     def _walk(states: Iterable[State]) -> Iterator[State]:
-        for state in states:
-            if isinstance(state, State):  # anything else: validate() names it
-                yield state
-                yield from MachineSpec._walk(state.children)
+        # anything but a State is skipped: validate() names it
+        return (state for state, _chain in walk(states, State))
 
     @functools.cached_property
     def leaves(self) -> tuple[State, ...]:
@@ -280,13 +286,8 @@ class MachineSpec:
     def _parents(self) -> dict[str, tuple[str, ...]]:
         """Each state's enclosing composites, innermost first."""
         parents: dict[str, tuple[str, ...]] = {}
-
-        def visit(states: Iterable[State], chain: tuple[str, ...]) -> None:
-            for state in states:
-                parents.setdefault(state.name, chain)
-                visit(state.children, (state.name, *chain))
-
-        visit(self.states, ())
+        for state, chain in walk(self.states, State):
+            parents.setdefault(state.name, chain)
         return parents
 
     def parents(self, name: str) -> tuple[str, ...]:
@@ -397,7 +398,9 @@ class MachineSpec:
         for composite in self._walk(self.states):
             if not _is_text(composite.advance_on):
                 continue  # validate() names it
-            for current, following in itertools.pairwise(composite.children):
+            for current, following in itertools.pairwise(
+                c for c in composite.children if isinstance(c, State)
+            ):
                 leaf = self.exit_leaf(current.name)
                 # Just before the composite's own transitions, after those of everything inside
                 # the child being left (which may itself be a composite with its own exit).
@@ -417,8 +420,7 @@ class MachineSpec:
         return tuple(
             transition
             for transition in self.transitions
-            if isinstance(transition, Transition)
-            and not list(_transition_type_problems(transition))
+            if isinstance(transition, Transition) and not list(transition_type_problems(transition))
         )
 
     @functools.cached_property
@@ -434,7 +436,14 @@ class MachineSpec:
 
     def events_from(self, state: str) -> tuple[str, ...]:
         """The events that have at least one transition out of ``state``."""
-        return tuple(event for source, event in self.edges if source == state)
+        return self._events_by_state.get(state, ())
+
+    @functools.cached_property
+    def _events_by_state(self) -> dict[str, tuple[str, ...]]:
+        found: dict[str, list[str]] = {}
+        for source, event in self.edges:
+            found.setdefault(source, []).append(event)
+        return {source: tuple(events) for source, events in found.items()}
 
     @functools.cached_property
     def waiting_states(self) -> frozenset[str]:
@@ -487,7 +496,8 @@ class MachineSpec:
     ) -> None:
         """Check the spec and raise one :class:`SpecError` listing every problem.
 
-        Problems: fields of the wrong type or holding text UTF-8 cannot store, unknown or
+        Problems: sub-phases nested deeper than :data:`MAX_NESTING` (then the only one named),
+        fields of the wrong type or holding text UTF-8 cannot store, unknown or
         unreachable states, non-terminal dead ends, terminal states with exits or handlers,
         ambiguous (state, event) pairs, timeouts and retry waits that are not finite numbers,
         handlers and guards named but not registered.
@@ -509,11 +519,34 @@ class MachineSpec:
         handlers: Collection[str] | Mapping[str, object] | None,
         guards: Collection[str] | Mapping[str, object] | None,
     ) -> Iterator[str]:
+        if self._own_problems:
+            yield from (
+                self._own_problems if handlers is guards is None else self._all(handlers, guards)
+            )
+            return
+        given = enumerate(self.transitions) if guards is not None else ()
+        labelled = ((_transition_label(i, t), t) for i, t in given)
+        yield from registration_problems(self._walk(self.states), labelled, handlers, guards)
+
+    @functools.cached_property
+    def _own_problems(self) -> tuple[str, ...]:
+        """The problems of the spec itself, found once: it is frozen."""
+        return tuple(self._all(None, None))
+
+    def _all(
+        self,
+        handlers: Collection[str] | Mapping[str, object] | None,
+        guards: Collection[str] | Mapping[str, object] | None,
+    ) -> Iterator[str]:
+        deep = too_deep(self.states)
+        if deep is not None:  # the other checks walk the tree: one problem, before them
+            yield deep
+            return
         yield from self._type_problems()
         yield from self._state_problems(handlers)
         yield from self._transition_problems(guards)
         if self.has_state(self.initial):
-            yield from self._graph_problems()
+            yield from graph_problems(self)
 
     def _type_problems(self) -> Iterator[str]:
         """Fields of the wrong type, and text that UTF-8 (so no journal) can store."""
@@ -523,22 +556,19 @@ class MachineSpec:
         for key, event in self.status_events.items():
             yield from _text_problems(f"status_events[{key!r}]", event, kind="a str or a str enum")
 
-        def visit(states: Iterable[object], where: str) -> Iterator[str]:
-            for index, state in enumerate(states):
-                if not isinstance(state, State):
-                    yield f"{where}[{index}] is not a State: {state!r:.80}"
-                    continue
+        for state, index, parent in items(self.states, State):
+            if not isinstance(state, State):
+                where = "states" if parent is None else f"state {parent.name!r}: children"
+                yield f"{where}[{index}] is not a State: {state!r:.80}"
+            else:
                 yield from _state_type_problems(state)
-                yield from visit(state.children, f"state {state.name!r}: children")
-
-        yield from visit(self.states, "states")
         given: tuple[Any, ...] = self.transitions
         for index, transition in enumerate(given):
             if not isinstance(transition, Transition):
                 yield f"transitions[{index}] is not a Transition: {transition!r:.80}"
                 continue
-            label = _transition_label(index, transition)
-            yield from (f"{label}: {p}" for p in _transition_type_problems(transition))
+            for problem in transition_type_problems(transition):
+                yield f"{_transition_label(index, transition)}: {problem}"
 
     def _state_problems(  # noqa: PLR0912 - one flat list of independent checks reads best
         self, handlers: Collection[str] | Mapping[str, object] | None
@@ -578,13 +608,9 @@ class MachineSpec:
             if isinstance(state.retry, RetryPolicy):
                 yield from (f"state {state.name!r}: {p}" for p in state.retry.problems())
             yield from waiting.state_problems(self, state)
-            if (
-                handlers is not None
-                and isinstance(state.handler, str)
-                and state.handler
-                and state.handler not in handlers
-            ):
-                yield f"state {state.name!r} names handler {state.handler!r}, not registered"
+            unregistered = handler_problem(state, handlers)
+            if unregistered is not None:
+                yield unregistered
         if self.states and not self.has_state(self.initial):
             yield f"initial state {self.initial!r} is not a state"
         elif self.states and self.state(self.entry_leaf(self.initial)).terminal:
@@ -629,10 +655,7 @@ class MachineSpec:
                 # the engine's own interruption is that self transition (the same visit, run
                 # again); a spec's would read the same in the journal and replay differently
                 yield f"{label}: an INTERRUPTED self transition is the engine's own"
-            if guards is not None:
-                for name in transition.guards + transition.unless:
-                    if isinstance(name, str) and name not in guards:
-                        yield f"{label}: guard {name!r} is not registered"
+            yield from guard_problems(label, transition, guards)
         for (state, event), groups in self._edge_groups.items():
             # A more specific source overrides a wider one on purpose (a leaf its composite, a
             # composite the wildcard); ambiguity is within each group.
@@ -644,30 +667,15 @@ class MachineSpec:
                     f"(to {dests}) and an unguarded one is not the last"
                 )
 
-    def _graph_problems(self) -> Iterator[str]:
-        start = self.initial_leaf
-        reachable = {start}
-        queue = deque([start])
-        while queue:
-            current = queue.popleft()
-            for (source, _event), candidates in self.edges.items():
-                if source != current:
-                    continue
-                for candidate in candidates:
-                    if self.has_state(candidate.dest) and candidate.dest not in reachable:
-                        reachable.add(candidate.dest)
-                        queue.append(candidate.dest)
-        exits = {source for source, _event in self.edges}
-        for state in self.leaves:
-            if not _is_text(state.name):
-                continue  # _type_problems() names it
-            if state.name not in reachable:
-                yield f"state {state.name!r} is unreachable from {self.initial!r}"
-            if not state.terminal and state.name not in exits:
-                yield f"non-terminal state {state.name!r} is a dead end (no transition leaves it)"
-
     def to_dict(self) -> dict[str, Any]:
-        """The spec as plain data (fields equal to their default are left out)."""
+        """The spec as plain data (fields equal to their default are left out).
+
+        Raises:
+            SpecError: if sub-phases nest deeper than :data:`MAX_NESTING`.
+        """
+        deep = too_deep(self.states)
+        if deep is not None:  # cattrs writes the tree recursively
+            raise SpecError([deep], machine=self.name)
         data: dict[str, Any] = converter.unstructure(self)
         return data
 
@@ -678,6 +686,10 @@ class MachineSpec:
         Raises:
             SpecError: if the data does not describe a spec.
         """
+        deep = data_too_deep(data)
+        if deep is not None:  # cattrs reads the tree recursively
+            name = data.get("name")
+            raise SpecError([deep], machine=name if isinstance(name, str) else None)
         try:
             return converter.structure(dict(data), cls)
         except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:
@@ -698,6 +710,9 @@ class MachineSpec:
             data = json.loads(text)
         except ValueError as exc:
             raise SpecError([f"spec JSON is not valid: {exc}"]) from None
+        except RecursionError:  # the json module reads nested values recursively
+            deep = f"sub-phases may nest at most {MAX_NESTING} levels"
+            raise SpecError([f"spec JSON is nested too deep to read: {deep}"]) from None
         if not isinstance(data, dict):
             raise SpecError(["spec JSON must be an object"])
         return cls.from_dict(data)
@@ -748,16 +763,6 @@ def _state_type_problems(state: State) -> Iterator[str]:
         not isinstance(state.max_mutations, int) or isinstance(state.max_mutations, bool)
     ):
         yield f"{where}: max_mutations must be an integer, not {state.max_mutations!r:.80}"
-
-
-def _transition_type_problems(transition: Transition) -> Iterator[str]:
-    for source in transition.source:
-        yield from _text_problems("source", source)
-    yield from _text_problems("event", transition.event, kind="a str or a str enum")
-    yield from _text_problems("destination", transition.dest)
-    for guard in transition.guards + transition.unless:
-        yield from _text_problems("guard", guard)
-    yield from _text_problems("reason", transition.reason)
 
 
 def _structure_transition(data: Mapping[str, Any], _: type) -> Transition:

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from fsm_runner.diagrams.dot import IMAGE_FORMATS, ImageFormat, render_dot, render_image
-from fsm_runner.diagrams.extraction import extract
+from fsm_runner.diagrams.extraction import extract, taken_edges
 from fsm_runner.diagrams.graph import (
     HISTORY,
     Composite,
@@ -85,6 +85,7 @@ __all__ = [
     "render_image",
     "render_mermaid",
     "render_mermaid_flowchart",
+    "taken_edges",
     "wait_duration",
 ]
 

@@ -14,7 +14,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 
+from fsm_runner._nesting import too_deep, walk
 from fsm_runner.diagrams.graph import HISTORY, Composite, Edge, Graph, Node, wait_duration
+from fsm_runner.exceptions import SpecError
 from fsm_runner.records import RunRecord, TransitionRecord
 from fsm_runner.spec import RETURN, WILDCARD, MachineSpec, RunLifecycle, State, Transition
 
@@ -25,21 +27,36 @@ def _history_name(composite: str | None) -> str:
     return HISTORY if composite is None else f"{HISTORY}:{composite}"
 
 
-def _return_target(spec: MachineSpec, transition: Transition) -> str | None:
+#: Per leaf, the leaves with an edge into it, each with the position of its first such edge
+#: in ``spec.edges``: built once, so that each RETURN does not scan every edge.
+_Incoming = dict[str, dict[str, int]]
+
+
+def _incoming(spec: MachineSpec) -> _Incoming:
+    incoming: _Incoming = {}
+    for position, ((leaf, _event), candidates) in enumerate(spec.edges.items()):
+        for candidate in candidates:
+            incoming.setdefault(candidate.dest, {}).setdefault(leaf, position)
+    return incoming
+
+
+def _return_target(spec: MachineSpec, transition: Transition, incoming: _Incoming) -> str | None:
     """The innermost composite enclosing every state a run can enter ``transition``'s source from.
 
     A RETURN goes back to where the run was before it entered the returning state; when every
     way in starts inside one composite, the return lands in that composite.
     """
     sources = set(spec.expand_source(transition))
-    comers = [
-        leaf
-        for (leaf, _event), candidates in spec.edges.items()
-        if leaf not in sources and any(c.dest in sources for c in candidates)
-    ]
+    comers: dict[str, int] = {}
+    for source in sources:
+        for leaf, position in incoming.get(source, {}).items():
+            if leaf not in sources and position < comers.get(leaf, position + 1):
+                comers[leaf] = position
     if not comers:
         return None
-    common = [p for p in spec.parents(comers[0]) if all(p in spec.parents(c) for c in comers)]
+    first = min(comers, key=comers.__getitem__)  # the first in the edges' order
+    around = [set(spec.parents(leaf)) for leaf in comers]
+    common = [p for p in spec.parents(first) if all(p in chain for chain in around)]
     return common[0] if common else None
 
 
@@ -49,10 +66,9 @@ def _label(transition: Transition) -> str:
     return " ".join([transition.event, *guards])
 
 
-def _walk(states: Iterable[State], parent: str | None = None) -> Iterator[tuple[State, str | None]]:
-    for state in states:
-        yield state, parent
-        yield from _walk(state.children, state.name)
+def _walk(states: Iterable[State]) -> Iterator[tuple[State, str | None]]:
+    for state, chain in walk(states, State):
+        yield state, chain[0] if chain else None
 
 
 def _resolve(spec: MachineSpec, transition: Transition) -> Transition:
@@ -72,6 +88,7 @@ def _spec_edges(spec: MachineSpec) -> tuple[list[Edge], _Keyed, dict[str | None,
     edges: list[Edge] = []
     keyed: _Keyed = {}
     histories: dict[str | None, None] = {}  # an ordered set of history targets
+    incoming = _incoming(spec) if any(t.dest == RETURN for t in spec.transitions) else {}
 
     def add(edge: Edge, key: Transition, leaves_from: Iterable[str]) -> None:
         keyed.setdefault(key, []).append((len(edges), frozenset(leaves_from)))
@@ -82,7 +99,7 @@ def _spec_edges(spec: MachineSpec) -> tuple[list[Edge], _Keyed, dict[str | None,
         history = transition.dest == RETURN
         dest = transition.dest
         if history:
-            target = _return_target(spec, transition)
+            target = _return_target(spec, transition, incoming)
             histories[target] = None
             dest = _history_name(target)
         label = _label(transition)
@@ -165,7 +182,13 @@ def extract(
 
     Returns:
         The graph, ready for :func:`render_mermaid` or :func:`render_dot`.
+
+    Raises:
+        SpecError: if sub-phases nest deeper than ``fsm_runner.spec.MAX_NESTING``.
     """
+    deep = too_deep(spec.states)
+    if deep is not None:  # the renderers draw composites as nested blocks, recursively
+        raise SpecError([deep], machine=spec.name)
     edges, keyed, histories = _spec_edges(spec)
     edges, visited = _count_taken(spec, edges, keyed, timeline)
     current = run.state if run is not None else (timeline[-1].to_state if timeline else None)
@@ -199,6 +222,23 @@ def extract(
         has_run=run is not None or bool(timeline),
         order=order,
     )
+
+
+def taken_edges(spec: MachineSpec, timeline: Sequence[TransitionRecord]) -> list[int | None]:
+    """For each transition, the index in ``extract(spec).edges`` of the spec edge it took.
+
+    ``None`` for one that took none (an engine event, seq 0, a state the spec does not have).
+    What ``extract(spec, timeline=[record])`` counts, for many records at the cost of one.
+    """
+    _edges, keyed, _histories = _spec_edges(spec)
+    return [
+        _taken(spec, keyed, record)
+        if record.from_state is not None
+        and spec.has_state(record.from_state)
+        and spec.has_state(record.to_state)
+        else None
+        for record in timeline
+    ]
 
 
 def _count_taken(

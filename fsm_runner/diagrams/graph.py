@@ -6,6 +6,7 @@ tested on graphs built by hand.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Literal
 
@@ -178,13 +179,41 @@ class Graph:
     has_run: bool = False
     order: tuple[str, ...] = attrs.field(default=(), converter=_names)
 
+    # The renderers ask these by name for every node and edge: indexed once, so that drawing
+    # is linear in the graph (a scan per question made a 10,000-state spec take minutes).
+
+    @functools.cached_property
+    def _nodes(self) -> dict[str, Node]:
+        found: dict[str, Node] = {}
+        for node in self.nodes:
+            found.setdefault(node.name, node)  # the first of a name, as a scan finds it
+        return found
+
+    @functools.cached_property
+    def _composites(self) -> dict[str, Composite]:
+        found: dict[str, Composite] = {}
+        for composite in self.composites:
+            found.setdefault(composite.name, composite)
+        return found
+
+    @functools.cached_property
+    def _members(self) -> dict[str | None, tuple[str, ...]]:
+        ordered = set(self.order)
+        names = [*self.order]
+        names += [n.name for n in self.nodes if n.name not in ordered]
+        names += [c.name for c in self.composites if c.name not in ordered]
+        members: dict[str | None, list[str]] = {}
+        for name in names:
+            members.setdefault(self.parent(name), []).append(name)
+        return {scope: tuple(names) for scope, names in members.items()}
+
     def node(self, name: str) -> Node | None:
         """The node called ``name``, if there is one."""
-        return next((n for n in self.nodes if n.name == name), None)
+        return self._nodes.get(name)
 
     def composite(self, name: str) -> Composite | None:
         """The composite called ``name``, if there is one."""
-        return next((c for c in self.composites if c.name == name), None)
+        return self._composites.get(name)
 
     def parent(self, name: str) -> str | None:
         """The composite directly enclosing node or composite ``name`` (``None``: top level)."""
@@ -205,10 +234,7 @@ class Graph:
 
     def members(self, scope: str | None) -> tuple[str, ...]:
         """The nodes and composites directly inside ``scope`` (``None``: the top level)."""
-        names = [*self.order]
-        names += [n.name for n in self.nodes if n.name not in self.order]
-        names += [c.name for c in self.composites if c.name not in self.order]
-        return tuple(name for name in names if self.parent(name) == scope)
+        return self._members.get(scope, ())
 
     def entry_node(self, name: str) -> str:
         """A composite's first leaf (recursively); ``name`` itself for a node."""

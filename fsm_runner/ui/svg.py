@@ -107,6 +107,9 @@ class _Layout:
         self.boxes: dict[str, _Box] = {}
         self._nodes = {node.name: node for node in graph.nodes}
         self._inner: dict[str, tuple[float, float]] = {}
+        #: What each composite's layout placed (its members, theirs, ...), to move it along.
+        self._placed: dict[str | None, list[str]] = {}
+        self._scoped_links = self._all_links()
         self.width, self.height = self._scope(None)
 
     def _size(self, name: str) -> tuple[float, float]:
@@ -133,7 +136,10 @@ class _Layout:
         if not members:
             return 0.0, 0.0
         sizes = {name: self._size(name) for name in members}
-        links = self._links(scope, members)
+        placed = self._placed.setdefault(scope, [])
+        for name in members:
+            placed += [name, *self._placed.get(name, ())]
+        links = self._scoped_links.get(scope, [])
         rows = self._rows(scope, members, links)
         y = 0.0
         width = max(sum(sizes[n][0] for n in row) + _GAP_X * (len(row) - 1) for row in rows)
@@ -156,17 +162,27 @@ class _Layout:
             return
         dx = box.x + (box.w - inner[0]) / 2
         dy = box.y + _PAD + _HEADER
-        for other, other_box in list(self.boxes.items()):
-            if name in self.graph.enclosing(other):
-                self.boxes[other] = other_box.moved(dx, dy)
+        for other in self._placed.get(name, ()):
+            self.boxes[other] = self.boxes[other].moved(dx, dy)
 
-    def _links(self, scope: str | None, members: list[str]) -> list[tuple[str, str]]:
-        links: list[tuple[str, str]] = []
-        for edge in self.graph.edges:
-            source = self._member(edge.source, scope)
-            dest = self._member(edge.dest, scope)
-            if source in members and dest in members and source != dest:
-                links.append((source, dest))
+    def _all_links(self) -> dict[str | None, list[tuple[str, str]]]:
+        """Per scope, the edges between two of its members (or what holds their ends).
+
+        One pass over the edges, each end's enclosing chain walked once: asking every scope
+        about every edge made the layout quadratic.
+        """
+        graph = self.graph
+        scopes = (None, *(composite.name for composite in graph.composites))
+        members = {scope: set(graph.members(scope)) for scope in scopes}
+        links: dict[str | None, list[tuple[str, str]]] = {}
+        for edge in graph.edges:
+            sources = {graph.parent(c): c for c in (edge.source, *graph.enclosing(edge.source))}
+            for dest in (edge.dest, *graph.enclosing(edge.dest)):
+                scope = graph.parent(dest)
+                source = sources.get(scope)
+                inside = members.get(scope, set())
+                if source is not None and source != dest and source in inside and dest in inside:
+                    links.setdefault(scope, []).append((source, dest))
         return links
 
     def _rows(
@@ -178,10 +194,13 @@ class _Layout:
             rows[layer[name]].append(name)
         rows = [row for row in rows if row]
         position = {name: i for row in rows for i, name in enumerate(row)}
+        into: dict[str, list[str]] = {}
+        for source, dest in links:
+            into.setdefault(dest, []).append(source)
         for row in rows[1:]:
             mean = {}
             for name in row:
-                sources = [position[s] for s, d in links if d == name and s in position]
+                sources = [position[s] for s in into.get(name, ()) if s in position]
                 mean[name] = sum(sources) / len(sources) if sources else position[name]
             row.sort(key=lambda n: (mean[n], position[n]))
             position.update({name: i for i, name in enumerate(row)})
@@ -199,12 +218,16 @@ class _Layout:
         frontier = [start] if start in members else members[:1]
         for name in frontier:
             layer[name] = 0
-        while frontier:
+        out: dict[str, list[str]] = {}
+        for source, dest in links:
+            out.setdefault(source, []).append(dest)
+        while frontier:  # breadth first: a member's layer is its distance, whatever the order
             following = []
-            for source, dest in links:
-                if source in frontier and dest not in layer:
-                    layer[dest] = layer[source] + 1
-                    following.append(dest)
+            for source in frontier:
+                for dest in out.get(source, ()):
+                    if dest not in layer:
+                        layer[dest] = layer[source] + 1
+                        following.append(dest)
             frontier = following
         # Terminal states in the bottom row, the wildcard just above it (its edges go down to
         # the terminal states), states nothing reaches below the others.
@@ -301,6 +324,53 @@ def _overlap(box: _Box, others: Iterable[_Box]) -> float:
     )
 
 
+class _Taken:
+    """The boxes already drawn, in a grid of cells: a label is checked against its neighbours.
+
+    Checking every label against every box drawn before it was quadratic. A box that shares
+    no cell with the label does not overlap it (it adds 0.0), and the neighbours are summed
+    in the order they were taken, so the sums -- and the places chosen -- are the same.
+    """
+
+    _CELL = 128.0
+
+    def __init__(self, boxes: Iterable[_Box]) -> None:
+        self._boxes: list[_Box] = []
+        self._cells: dict[tuple[int, int], list[int]] = {}
+        for box in boxes:
+            self.add(box)
+
+    def _keys(self, box: _Box) -> Iterable[tuple[int, int]]:
+        x0, x1 = math.floor(box.x / self._CELL), math.floor((box.x + box.w) / self._CELL)
+        y0, y1 = math.floor(box.y / self._CELL), math.floor((box.y + box.h) / self._CELL)
+        return ((x, y) for x in range(x0, x1 + 1) for y in range(y0, y1 + 1))
+
+    def add(self, box: _Box) -> None:
+        """Take ``box``."""
+        for key in self._keys(box):
+            self._cells.setdefault(key, []).append(len(self._boxes))
+        self._boxes.append(box)
+
+    def overlap(self, box: _Box) -> float:
+        """How much of ``box`` the boxes taken cover (:func:`_overlap`)."""
+        near = sorted({i for key in self._keys(box) for i in self._cells.get(key, ())})
+        return _overlap(box, (self._boxes[i] for i in near))
+
+
+def _first_free(taken: _Taken, boxes: Iterable[_Box]) -> _Box:
+    """The first of ``boxes`` that nothing taken covers, else the least covered (the first)."""
+    best: _Box | None = None
+    least = math.inf
+    for box in boxes:
+        covered = taken.overlap(box)
+        if best is None or covered < least:
+            best, least = box, covered
+            if not covered:  # nothing can beat it: the places after it need not be made
+                break
+    assert best is not None  # an edge has places for its label
+    return best
+
+
 def _edge_svg(edge: Edge, path: str, label: _Box) -> str:
     classes = _classes(
         "edge",
@@ -321,7 +391,7 @@ def _edge_svg(edge: Edge, path: str, label: _Box) -> str:
 def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
     """Each edge, its label where it overlaps no state and no label placed before it."""
     seen: dict[tuple[str, str], int] = {}
-    taken = [box for name, box in layout.boxes.items() if layout.graph.node(name) is not None]
+    taken = _Taken(box for name, box in layout.boxes.items() if layout.graph.node(name) is not None)
     parts = []
     # The run's edges first: their labels get the best places.
     for edge in sorted(edges, key=lambda e: not e.count):
@@ -341,9 +411,8 @@ def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
         bend = max(28.0, 0.16 * length) if rows_apart else 0.0
         bend += 24.0 * index
         path, places = _edge_path(source, dest, 12.0 * index if loop else bend, loop=loop)
-        boxes = [_label_box(edge, at) for at in places]
-        label = min(boxes, key=lambda b: _overlap(b, taken))  # the first free, or least covered
-        taken.append(label)
+        label = _first_free(taken, (_label_box(edge, at) for at in places))
+        taken.add(label)
         parts.append(_edge_svg(edge, path, label))
     return parts
 

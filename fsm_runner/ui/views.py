@@ -10,6 +10,7 @@ Every read goes through the :class:`~fsm_runner.journal.Journal` API (``runs``, 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +20,7 @@ from urllib.parse import urlencode
 import attrs
 
 from fsm_runner.command_line import suggested_command
-from fsm_runner.diagrams import Graph, extract
+from fsm_runner.diagrams import Graph, extract, taken_edges
 from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
@@ -347,7 +348,14 @@ def _children(journal: Journal, run_id: str, depth: int = 0) -> list[dict[str, A
 
 
 def _spec(journal: Journal, run: RunRecord) -> MachineSpec:
-    return MachineSpec.from_json(journal.spec_json(run.spec_hash))
+    return _read_spec(journal.spec_json(run.spec_hash))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_spec(text: str) -> MachineSpec:
+    # Read once for every page that shows it (a spec of 10,000 states takes ~0.2 s to read),
+    # and its answers (leaves, edges) found once too: a spec is immutable.
+    return MachineSpec.from_json(text)
 
 
 def run_path(
@@ -373,12 +381,9 @@ def run_path(
     counts = [move[3] for move in moves]
     graph = extract(spec, run=run, timeline=records)
     weights = [0] * len(graph.edges)
-    for record, count in zip(records, counts, strict=True):
-        if record.from_state is not None:
-            single = extract(spec, timeline=[record]).edges
-            for index, edge in enumerate(single):
-                if edge.count and edge.kind != "engine":
-                    weights[index] += count
+    for taken, count in zip(taken_edges(spec, records), counts, strict=True):
+        if taken is not None:  # the spec edge each move took (an extract per move was slow)
+            weights[taken] += count
     engine = {(r.from_state, r.event, r.to_state): n for r, n in zip(records, counts, strict=True)}
     edges = [
         attrs.evolve(edge, count=engine.get((edge.source, edge.event, edge.dest), 0))
