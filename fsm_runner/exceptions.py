@@ -21,6 +21,7 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── RunNotFoundError              (also KeyError)    .run_id
     ├── AmbiguousRunIdError           (also LookupError) .prefix .matches
     ├── RunExistsError                                   .run_id
+    ├── InvalidRunIdError             (also ValueError)  .run_id .reason
     ├── RunTerminalError                                 .run_id .state .status
     ├── LeaseError                                       .run_id
     │   ├── LeaseHeldError                               .owner .expires_at
@@ -49,6 +50,7 @@ __all__ = [
     "EffectOutcomeUnknownError",
     "FsmRunnerError",
     "HandlerResultError",
+    "InvalidRunIdError",
     "InvalidTransitionError",
     "JournalError",
     "JournalNotFoundError",
@@ -392,6 +394,29 @@ class RunExistsError(FsmRunnerError):
     def message(self) -> str:
         """Name the duplicate run id."""
         return f"a run {self.run_id!r} already exists in the journal"
+
+
+class InvalidRunIdError(FsmRunnerError, ValueError):
+    """A run id breaks the rule of run ids (see :mod:`fsm_runner.run_ids`); nothing was written."""
+
+    #: How many characters of the id the message quotes.
+    QUOTED = 60
+
+    def __init__(self, run_id: object, reason: str) -> None:
+        self.run_id = run_id
+        self.reason = reason
+        super().__init__(run_id, reason)
+
+    @property
+    def message(self) -> str:
+        """Quote the id (escaped, on one line), say what is wrong and what the rule is."""
+        quoted = repr(self.run_id)
+        if len(quoted) > self.QUOTED:
+            quoted = quoted[: self.QUOTED - 1] + "…"
+        return (
+            f"invalid run id {quoted}: {self.reason} (a run id is 1 to 200 printable characters,"
+            " no whitespace, '/' or '\\', not '.' or '..', not starting with '-')"
+        )
 
 
 class RunTerminalError(FsmRunnerError):

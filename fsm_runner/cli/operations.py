@@ -22,6 +22,7 @@ from fsm_runner.cli.errors import (
 )
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import echo_transition, json_dump, run_standing, styled_status
+from fsm_runner.exceptions import InvalidRunIdError
 
 if TYPE_CHECKING:
     from fsm_runner.journal import Journal
@@ -312,6 +313,8 @@ def fork(
     run_id = resolve_run_id(journal, run_id)
     try:
         forked = fork_run(journal, run_id, at_seq=at_seq, new_run_id=new_run_id)
+    except InvalidRunIdError as exc:
+        fail(f"--run-id: {exc}", EXIT_USAGE)
     except ValueError as exc:
         fail(f"--at: {exc}", EXIT_USAGE)
     if as_json:
