@@ -129,7 +129,7 @@ def runs(
             str(run.seq),
             str(run.iteration),
             format_time(run.updated_at),
-            shown(run.parent_run_id or "-")[:12],
+            shown(run.parent_run_id)[:12] if run.parent_run_id else "-",
         )
         for run in found
     ]
