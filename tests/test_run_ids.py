@@ -272,3 +272,17 @@ class TestReleaseExample:
         assert list(elsewhere.iterdir()) == []
         with SqliteJournal(journal_path) as journal:
             assert "outside the workspace" in journal.load(run_id).error["message"]
+
+
+class TestPresets:
+    """A preset that makes run ids from names refuses names that would break the rule."""
+
+    def test_a_task_id_a_run_id_cannot_hold_is_a_graph_problem(self):
+        from fsm_runner.presets.coordinator import Task, TaskGraph, TaskGraphError
+
+        with pytest.raises(TaskGraphError) as info:
+            TaskGraph([Task("write tests"), Task("../up"), Task("ok")])
+        assert info.value.problems == (
+            "task 'write tests' cannot be part of its runs' ids: it holds ' ' (U+0020, whitespace)",
+            "task '../up' cannot be part of its runs' ids: it holds '/'",
+        )
