@@ -11,6 +11,7 @@ writes outside its workspace for it.
 from __future__ import annotations
 
 import html
+import json
 import sqlite3
 from urllib.parse import quote
 
@@ -211,6 +212,12 @@ class TestIdsAlreadyInAJournal:
         assert result.exit_code == 0, result.output
         assert result.output.splitlines()[0] == r"run      'bad\nid'"
         assert "\nid" not in result.output
+
+    def test_export_writes_it(self, old_journal, tmp_path):
+        result = self.invoke(old_journal, "export", "bad\nid", str(tmp_path / "out"))
+        assert result.exit_code == 0, result.output
+        exported = json.loads((tmp_path / "out" / "run.json").read_text())
+        assert exported["run"]["run_id"] == "bad\nid"
 
     def test_it_reads_and_forks_from_but_not_to(self, old_journal):
         with SqliteJournal(old_journal) as journal:
