@@ -14,22 +14,13 @@ raw SQL) stay readable; :func:`shown` is the form in which they are printed, on 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
+from fsm_runner._shown import MAX_LENGTH, shown, valid_ascii
+from fsm_runner._shown import problem as _problem
 from fsm_runner.exceptions import InvalidRunIdError
 
 __all__ = ["MAX_LENGTH", "check_run_id", "check_run_ids", "shown"]
-
-#: The most characters a run id may have.
-MAX_LENGTH = 200
-
-# The rule for ASCII ids, the ones apps use (random ids are 32 hex digits): one regex match is
-# the whole check on the journals' hot path (create_runs of thousands). Visible ASCII is 0x21-0x7E;
-# '/' (0x2F) and '\' (0x5C) are left out. Anything else goes to the full check, character by
-# character, which also says what is wrong.
-_ASCII_VALID = re.compile(r"(?!-)(?!\.\.?\Z)[!-.0-\[\]-~]{1,%d}\Z" % MAX_LENGTH)  # noqa: UP031
-_valid_ascii = _ASCII_VALID.match
 
 
 def check_run_id(run_id: object) -> str:
@@ -44,7 +35,7 @@ def check_run_id(run_id: object) -> str:
     Raises:
         InvalidRunIdError: ``run_id`` breaks the rule; ``reason`` says how.
     """
-    if type(run_id) is str and _valid_ascii(run_id) is not None:
+    if type(run_id) is str and valid_ascii(run_id) is not None:
         return run_id
     reason = _problem(run_id)
     if reason is not None:
@@ -58,37 +49,7 @@ def check_run_ids(run_ids: Iterable[object]) -> None:
     Raises:
         InvalidRunIdError: one of the ids breaks the rule.
     """
-    valid = _valid_ascii
+    valid = valid_ascii
     for run_id in run_ids:
         if type(run_id) is not str or valid(run_id) is None:
             check_run_id(run_id)
-
-
-def shown(run_id: str) -> str:
-    """The form in which ``run_id`` is printed: itself if it follows the rule, else its ``repr``.
-
-    A ``repr`` is one line whatever the id holds (a newline, a control character, a line
-    separator are escaped), and its quotes tell such an id from one that follows the rule.
-    """
-    if _valid_ascii(run_id) is not None or _problem(run_id) is None:
-        return run_id
-    return repr(run_id)
-
-
-def _problem(run_id: object) -> str | None:
-    """How ``run_id`` breaks the rule, or ``None`` when it follows it."""
-    if not isinstance(run_id, str):
-        return f"it is not a str but {type(run_id).__name__}"
-    if not 1 <= len(run_id) <= MAX_LENGTH:
-        return (
-            f"it has {len(run_id)} characters, more than {MAX_LENGTH}" if run_id else "it is empty"
-        )
-    bad = next((c for c in run_id if c in "/\\" or not c.isprintable() or c.isspace()), None)
-    if bad is not None:
-        if bad in "/\\":
-            return f"it holds {bad!r}"
-        what = "whitespace" if bad.isspace() else "not printable"
-        return f"it holds {bad!r} (U+{ord(bad):04X}, {what})"
-    if run_id in (".", ".."):
-        return f"it is {run_id!r}"
-    return "it starts with '-'" if run_id.startswith("-") else None

@@ -213,6 +213,14 @@ class TestIdsAlreadyInAJournal:
         assert result.output.splitlines()[0] == r"run      'bad\nid'"
         assert "\nid" not in result.output
 
+    def test_error_messages_name_it_escaped(self, old_journal):
+        assert self.invoke(old_journal, "abort", "bad\nid", "--reason", "x").exit_code == 0
+        result = self.invoke(old_journal, "abort", "bad\nid", "--reason", "x")  # it has ended
+        assert result.exit_code == 4, result.output
+        assert result.output.splitlines() == [
+            r"Error: run 'bad\nid' has ended (aborted in state 'canceled') and cannot be resumed or advanced"
+        ]
+
     def test_export_writes_it(self, old_journal, tmp_path):
         result = self.invoke(old_journal, "export", "bad\nid", str(tmp_path / "out"))
         assert result.exit_code == 0, result.output
