@@ -17,7 +17,7 @@ from fsm_runner.journal import Journal
 from fsm_runner.machine import Guard
 from fsm_runner.records import RunRecord, utc_now
 from fsm_runner.rules.reducer import abort_records
-from fsm_runner.run_ids import check_run_id
+from fsm_runner.run_ids import check_run_id, shown
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["abort_run", "fork_run"]
@@ -126,14 +126,15 @@ def fork_run(
     source = journal.load(run_id)
     seq = source.seq if at_seq is None else at_seq
     if not 0 <= seq <= source.seq:
-        raise ValueError(f"run {run_id} has seqs 0..{source.seq}; there is no seq {seq}")
+        raise ValueError(f"run {shown(run_id)} has seqs 0..{source.seq}; there is no seq {seq}")
     specs = journal_specs(journal)
     # The whole timeline: a spec change after ``at_seq`` tells which spec the run was under.
     timeline = journal.transitions(run_id)
     then = state_at(specs(source.spec_hash), source, timeline, seq, specs=specs)
     if then.ended:
         raise ValueError(
-            f"run {run_id} had ended at seq {seq} (state {then.state!r}); fork it at an earlier seq"
+            f"run {shown(run_id)} had ended at seq {seq} (state {then.state!r}); fork it at an "
+            "earlier seq"
         )
     fork = attrs.evolve(
         then,
