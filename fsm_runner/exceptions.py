@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fsm_runner._shown import shown
+from fsm_runner._shown import MAX_LENGTH, shown
 
 __all__ = [
     "AmbiguousRunIdError",
@@ -419,8 +419,8 @@ class InvalidRunIdError(FsmRunnerError, ValueError):
         if len(quoted) > self.QUOTED:
             quoted = quoted[: self.QUOTED - 1] + "…"
         return (
-            f"invalid run id {quoted}: {self.reason} (a run id is 1 to 200 printable characters,"
-            " no whitespace, '/' or '\\', not '.' or '..', not starting with '-')"
+            f"invalid run id {quoted}: {self.reason} (a run id is 1 to {MAX_LENGTH} printable"
+            " characters, no whitespace, '/' or '\\', not '.' or '..', not starting with '-')"
         )
 
 
