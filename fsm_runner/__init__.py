@@ -27,6 +27,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.exceptions import EffectOutcomeUnknownError as EffectOutcomeUnknownError
     from fsm_runner.exceptions import FsmRunnerError as FsmRunnerError
     from fsm_runner.exceptions import HandlerResultError as HandlerResultError
+    from fsm_runner.exceptions import InvalidRunIdError as InvalidRunIdError
     from fsm_runner.exceptions import InvalidTransitionError as InvalidTransitionError
     from fsm_runner.exceptions import JournalError as JournalError
     from fsm_runner.exceptions import JournalNotFoundError as JournalNotFoundError
@@ -67,6 +68,7 @@ if typing.TYPE_CHECKING:
     from fsm_runner.records import TransitionRecord as TransitionRecord
     from fsm_runner.records import structure as structure
     from fsm_runner.records import unstructure as unstructure
+    from fsm_runner.run_ids import check_run_id as check_run_id
     from fsm_runner.spec import RETURN as RETURN
     from fsm_runner.spec import WILDCARD as WILDCARD
     from fsm_runner.spec import MachineSpec as MachineSpec
@@ -99,6 +101,7 @@ _EXPORTS: dict[str, str] = {
     "ErrorType": "fsm_runner.records",
     "FsmRunnerError": "fsm_runner.exceptions",
     "HandlerResultError": "fsm_runner.exceptions",
+    "InvalidRunIdError": "fsm_runner.exceptions",
     "InvalidTransitionError": "fsm_runner.exceptions",
     "IterationRecord": "fsm_runner.records",
     "Journal": "fsm_runner.journal",
@@ -141,6 +144,7 @@ _EXPORTS: dict[str, str] = {
     "TransitionRecord": "fsm_runner.records",
     "Wait": "fsm_runner.spec",
     "WaitTimeoutError": "fsm_runner.exceptions",
+    "check_run_id": "fsm_runner.run_ids",
     "interrupt_on_sigterm": "fsm_runner.engine",
     "open_journal": "fsm_runner.journal",
     "structure": "fsm_runner.records",

@@ -23,6 +23,7 @@ import click
 from fsm_runner.exceptions import (
     AmbiguousRunIdError,
     FsmRunnerError,
+    InvalidRunIdError,
     JournalNotFoundError,
     LeaseError,
     RunConflictError,
@@ -106,7 +107,7 @@ def fail(message: str, exit_code: int = EXIT_FAILURE) -> NoReturn:
 def _exit_code(exc: Exception) -> int:
     if isinstance(exc, RunNotFoundError | JournalNotFoundError):
         return EXIT_NOT_FOUND
-    if isinstance(exc, AmbiguousRunIdError):
+    if isinstance(exc, AmbiguousRunIdError | InvalidRunIdError):
         return EXIT_USAGE
     if isinstance(exc, LeaseError | RunConflictError | RunExistsError | RunTerminalError):
         return EXIT_CONFLICT

@@ -21,6 +21,7 @@ to them and never leak. Each error carries structured attributes and builds its 
     ├── RunNotFoundError              (also KeyError)    .run_id
     ├── AmbiguousRunIdError           (also LookupError) .prefix .matches
     ├── RunExistsError                                   .run_id
+    ├── InvalidRunIdError             (also ValueError)  .run_id .reason
     ├── RunTerminalError                                 .run_id .state .status
     ├── LeaseError                                       .run_id
     │   ├── LeaseHeldError                               .owner .expires_at
@@ -40,6 +41,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from fsm_runner._shown import MAX_LENGTH, shown
+
 __all__ = [
     "AmbiguousRunIdError",
     "CapabilityError",
@@ -49,6 +52,7 @@ __all__ = [
     "EffectOutcomeUnknownError",
     "FsmRunnerError",
     "HandlerResultError",
+    "InvalidRunIdError",
     "InvalidTransitionError",
     "JournalError",
     "JournalNotFoundError",
@@ -148,7 +152,7 @@ class InvalidTransitionError(FsmRunnerError, ValueError):
     @property
     def message(self) -> str:
         """Name the run, state and event."""
-        where = f"run {self.run_id}: " if self.run_id else ""
+        where = f"run {shown(self.run_id)}: " if self.run_id else ""
         return f"{where}event {self.event!r} is {self.reason} in state {self.state!r}"
 
 
@@ -175,8 +179,9 @@ class PhaseError(FsmRunnerError):
         if self.error:
             detail = f" ({self.error.get('type')}: {self.error.get('message')})"
         return (
-            f"run {self.run_id}: phase {self.state!r} ended with {self.event}{detail} but the spec "
-            f"has no {self.event} transition from {self.state!r}; the run stays in {self.state!r}"
+            f"run {shown(self.run_id)}: phase {self.state!r} ended with {self.event}{detail} but "
+            f"the spec has no {self.event} transition from {self.state!r}; the run stays in "
+            f"{self.state!r}"
         )
 
 
@@ -190,7 +195,7 @@ class HandlerResultError(PhaseError, TypeError):
     @property
     def message(self) -> str:
         """Say which handler returned what."""
-        return f"run {self.run_id}: handler of state {self.state!r} {self.detail}"
+        return f"run {shown(self.run_id)}: handler of state {self.state!r} {self.detail}"
 
 
 class PayloadError(FsmRunnerError, TypeError):
@@ -200,7 +205,7 @@ class PayloadError(FsmRunnerError, TypeError):
         self.run_id = run_id
         self.what = what
         self.detail = detail
-        super().__init__(f"run {run_id}: {what} {detail}; nothing was written")
+        super().__init__(f"run {shown(run_id)}: {what} {detail}; nothing was written")
 
 
 class PhaseTimeoutError(FsmRunnerError, TimeoutError):
@@ -233,7 +238,7 @@ class RunAbortedError(FsmRunnerError):
     def __init__(self, *, run_id: str, reason: str) -> None:
         self.run_id = run_id
         self.reason = reason
-        super().__init__(f"run {run_id} was aborted: {reason}")
+        super().__init__(f"run {shown(run_id)} was aborted: {reason}")
 
 
 class JournalError(FsmRunnerError):
@@ -288,7 +293,7 @@ class SpecMismatchError(JournalError):
         self.found = found
         advice = "" if detail else "; an engine with allow_spec_change=True may resume it"
         super().__init__(
-            f"run {run_id} started with spec {expected[:12]} but the engine has spec "
+            f"run {shown(run_id)} started with spec {expected[:12]} but the engine has spec "
             f"{found[:12]}{detail}{advice}"
         )
 
@@ -319,13 +324,14 @@ class RunConflictError(JournalError):
         self.abort_reason = abort_reason
         if abort_reason is not None:
             detail = (
-                f"run {run_id} has an abort requested ({abort_reason}); only the USER_ABORTED"
-                " transition that carries it out is journaled, nothing else was written"
+                f"run {shown(run_id)} has an abort requested ({abort_reason}); only the"
+                " USER_ABORTED transition that carries it out is journaled, nothing else was"
+                " written"
             )
         else:
             detail = (
-                f"run {run_id} was advanced by another writer (expected last seq {expected_seq});"
-                " nothing was written"
+                f"run {shown(run_id)} was advanced by another writer (expected last seq"
+                f" {expected_seq}); nothing was written"
             )
         super().__init__(detail, path=path)
 
@@ -341,7 +347,8 @@ class ReplayMismatchError(JournalError):
         self.expected = expected
         self.found = found
         super().__init__(
-            f"run {run_id} at seq {seq}: replay expected {expected}, the journal has {found}",
+            f"run {shown(run_id)} at seq {seq}: replay expected {expected}, the journal has "
+            f"{found}",
             path=path,
         )
 
@@ -394,6 +401,29 @@ class RunExistsError(FsmRunnerError):
         return f"a run {self.run_id!r} already exists in the journal"
 
 
+class InvalidRunIdError(FsmRunnerError, ValueError):
+    """A run id breaks the rule of run ids (see :mod:`fsm_runner.run_ids`); nothing was written."""
+
+    #: How many characters of the id the message quotes.
+    QUOTED = 60
+
+    def __init__(self, run_id: object, reason: str) -> None:
+        self.run_id = run_id
+        self.reason = reason
+        super().__init__(run_id, reason)
+
+    @property
+    def message(self) -> str:
+        """Quote the id (escaped, on one line), say what is wrong and what the rule is."""
+        quoted = repr(self.run_id)
+        if len(quoted) > self.QUOTED:
+            quoted = quoted[: self.QUOTED - 1] + "…"
+        return (
+            f"invalid run id {quoted}: {self.reason} (a run id is 1 to {MAX_LENGTH} printable"
+            " characters, no whitespace, '/' or '\\', not '.' or '..', not starting with '-')"
+        )
+
+
 class RunTerminalError(FsmRunnerError):
     """The run has ended (terminal state or aborted) and cannot be advanced."""
 
@@ -407,8 +437,8 @@ class RunTerminalError(FsmRunnerError):
     def message(self) -> str:
         """Name the run and how it ended."""
         return (
-            f"run {self.run_id} has ended ({self.status} in state {self.state!r}) and cannot be "
-            "resumed or advanced"
+            f"run {shown(self.run_id)} has ended ({self.status} in state {self.state!r}) and "
+            "cannot be resumed or advanced"
         )
 
 
@@ -417,7 +447,7 @@ class LeaseError(FsmRunnerError):
 
     def __init__(self, run_id: str, detail: str) -> None:
         self.run_id = run_id
-        super().__init__(f"run {run_id}: {detail}")
+        super().__init__(f"run {shown(run_id)}: {detail}")
 
 
 class LeaseHeldError(LeaseError):
@@ -445,7 +475,7 @@ class EffectOutcomeUnknownError(FsmRunnerError):
         self.state = state
         self.effect = effect
         super().__init__(
-            f"run {run_id}: effect {effect!r} in state {state!r} was in flight when the "
+            f"run {shown(run_id)}: effect {effect!r} in state {state!r} was in flight when the "
             "process stopped; its outcome is unknown"
         )
 
@@ -459,7 +489,7 @@ class EffectFailedError(FsmRunnerError):
         self.error_type = error_type
         self.message_text = message
         super().__init__(
-            f"run {run_id}: effect {effect!r} failed before ({error_type}: {message}); "
+            f"run {shown(run_id)}: effect {effect!r} failed before ({error_type}: {message}); "
             "pass retry_failed=True to call it again"
         )
 
@@ -472,7 +502,7 @@ class EffectMismatchError(FsmRunnerError):
         self.state = state
         self.effect = effect
         self.detail = detail
-        super().__init__(f"run {run_id}: effect {effect!r} in state {state!r} {detail}")
+        super().__init__(f"run {shown(run_id)}: effect {effect!r} in state {state!r} {detail}")
 
 
 class CapabilityError(FsmRunnerError):

@@ -39,6 +39,7 @@ from typing import Any
 
 import attrs
 
+from fsm_runner import run_ids as _run_ids
 from fsm_runner._check_pool import Found as _Found
 from fsm_runner._check_pool import Problem as _Problem
 from fsm_runner._check_pool import check_ranges, medium_checks
@@ -201,7 +202,8 @@ def replay(
         walker.compare(steps[-1].run if steps else None)
     elif not steps or steps[-1].seq != to_seq:
         last = f"its last is {steps[-1].seq}" if steps else "it has none"
-        raise ValueError(f"run {run.run_id} has no transition seq {to_seq} ({last})")
+        shown = _run_ids.shown(run.run_id)
+        raise ValueError(f"run {shown} has no transition seq {to_seq} ({last})")
     return Replay(run=steps[-1].run, steps=steps)
 
 
@@ -467,8 +469,8 @@ def _check_range(
 def _runs_line(run_ids: Sequence[str], what: str, why: str) -> str:
     """One line for runs that cannot be checked for the same reason."""
     if len(run_ids) == 1:
-        return _one_line(f"run {run_ids[0]}: {what}: {why}")
-    shown = ", ".join(run_ids[:_SHOWN_RUNS])
+        return _one_line(f"run {_run_ids.shown(run_ids[0])}: {what}: {why}")
+    shown = ", ".join(_run_ids.shown(run_id) for run_id in run_ids[:_SHOWN_RUNS])
     more = f" and {len(run_ids) - _SHOWN_RUNS} more" if len(run_ids) > _SHOWN_RUNS else ""
     return _one_line(f"runs {shown}{more}: {what}: {why}")
 
@@ -517,7 +519,7 @@ def _check_read(
     except ReplayMismatchError as exc:
         return exc.detail
     except FsmRunnerError as exc:  # a spec it changed to cannot be read
-        return f"run {run_id}: {exc}"
+        return f"run {_run_ids.shown(run_id)}: {exc}"
     return None
 
 

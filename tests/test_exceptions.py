@@ -66,6 +66,7 @@ EXAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "RunNotFoundError": (("r1",), {}),
     "AmbiguousRunIdError": (("ab", ["abc0", "abd1"]), {}),
     "RunExistsError": (("r1",), {}),
+    "InvalidRunIdError": (("../x", "it holds '/'"), {}),
     "RunTerminalError": ((), {"run_id": "r1", "state": "done", "status": "succeeded"}),
     "LeaseError": (("r1", "no lease"), {}),
     "LeaseHeldError": (("r1",), {"owner": "worker-2", "expires_at": "2024-05-01T12:00:00+00:00"}),

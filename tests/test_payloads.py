@@ -21,7 +21,7 @@ from fsm_runner import (
     Transition,
 )
 from fsm_runner._json import MAX_JSON_DEPTH
-from fsm_runner.exceptions import HandlerResultError, JournalError, PayloadError
+from fsm_runner.exceptions import HandlerResultError, InvalidRunIdError, JournalError, PayloadError
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord, utc_now
 from tests.helpers import (
     NEXT,
@@ -195,7 +195,8 @@ class TestStandardJson:
     def test_a_run_id_holding_a_lone_surrogate_is_refused(self, journal):
         engine = engine_for(journal, lambda _ctx: NEXT)
 
-        with pytest.raises(PayloadError, match="lone surrogate"):
+        # the rule of run ids (test_run_ids.py) refuses it: not printable
+        with pytest.raises(InvalidRunIdError, match=r"'\\ud800' \(U\+D800, not printable\)"):
             engine.start(run_id="run-\ud800")
         assert journal.runs() == []
 

@@ -22,6 +22,7 @@ from fsm_runner.exceptions import (
     EffectOutcomeUnknownError,
     FsmRunnerError,
     HandlerResultError,
+    InvalidRunIdError,
     InvalidTransitionError,
     JournalError,
     JournalNotFoundError,
@@ -127,6 +128,10 @@ SAMPLES: dict[type[FsmRunnerError], tuple[FsmRunnerError, dict[str, object]]] = 
         {"prefix": "ab", "matches": ("abc0", "abd1")},
     ),
     RunExistsError: (RunExistsError("r1"), {"run_id": "r1"}),
+    InvalidRunIdError: (
+        InvalidRunIdError("r1\n", "it holds '\\n'"),
+        {"run_id": "r1\n", "reason": "it holds '\\n'"},
+    ),
     RunTerminalError: (
         RunTerminalError(run_id="r1", state="done", status="succeeded"),
         {"run_id": "r1", "state": "done", "status": "succeeded"},

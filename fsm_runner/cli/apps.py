@@ -284,4 +284,6 @@ def driving(engine: Engine, *, interrupted: str) -> Iterator[None]:
 
 def interrupted_run(run_id: str) -> str:
     """What a command says when the run it drove was interrupted."""
-    return f"run {run_id} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}"
+    from fsm_runner.run_ids import shown
+
+    return f"run {shown(run_id)} interrupted; it stays resumable: fsm-runner resume {run_id[:12]}"

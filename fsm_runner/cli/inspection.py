@@ -30,6 +30,7 @@ from fsm_runner.cli.output import (
     table,
     wrap_column,
 )
+from fsm_runner.run_ids import shown
 
 if TYPE_CHECKING:
     from fsm_runner.journal import Journal
@@ -121,14 +122,14 @@ def runs(
         return
     rows = [
         (
-            run.run_id[:12],
+            shown(run.run_id)[:12],
             run.machine,
             run.state,
             run.status.value,
             str(run.seq),
             str(run.iteration),
             format_time(run.updated_at),
-            (run.parent_run_id or "-")[:12],
+            shown(run.parent_run_id)[:12] if run.parent_run_id else "-",
         )
         for run in found
     ]
@@ -260,7 +261,7 @@ class Waiting:
         run = self.run
         waits_for = ",".join(self.accepts) or ("-" if self.by == "state" else "(a time)")
         return (
-            run.run_id[:12],
+            shown(run.run_id)[:12],
             run.machine,
             run.state if self.by == "state" else f"{run.state} (phase)",
             waits_for,
@@ -368,7 +369,7 @@ def replay(
     # Transitions, then the row: one a live writer advances meanwhile is read consistently.
     timeline, run = read_run(journal, resolve_run_id(journal, run_id), to_seq=to_seq)
     if to_seq is not None and to_seq > run.seq:
-        fail(f"--to: run {run.run_id} has seqs 0..{run.seq}", EXIT_USAGE)
+        fail(f"--to: run {shown(run.run_id)} has seqs 0..{run.seq}", EXIT_USAGE)
     specs = journal_specs(journal)
     spec = load_spec(spec_path, "--spec") if spec_path is not None else specs(run.spec_hash)
     replayed = replay_through(
@@ -425,12 +426,12 @@ def _print_replay(run: RunRecord, replayed: Replay, to_seq: int | None) -> None:
     click.echo("")
     if to_seq is None:
         click.echo(
-            f"replay of run {run.run_id} matches the journal: {len(replayed.steps)} "
+            f"replay of run {shown(run.run_id)} matches the journal: {len(replayed.steps)} "
             f"transitions, state {run.state!r} ({run.status.value})"
         )
     else:
         at = replayed.run
         click.echo(
-            f"run {run.run_id} at seq {to_seq}: state {at.state!r} ({at.status.value}), "
+            f"run {shown(run.run_id)} at seq {to_seq}: state {at.state!r} ({at.status.value}), "
             f"iteration {at.iteration}, attempt {at.attempt}"
         )

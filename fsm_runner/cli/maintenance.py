@@ -18,6 +18,7 @@ from fsm_runner.cli.errors import EXIT_FAILURE, EXIT_USAGE, FiniteFloatRange, fa
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import json_dump, plural
 from fsm_runner.cli.report import artifact_summary
+from fsm_runner.run_ids import shown
 
 #: A ``--since`` duration: a number and a unit (seconds, minutes, hours, days, weeks).
 _DURATION = re.compile(r"(?P<n>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[smhdw])", re.IGNORECASE)
@@ -208,7 +209,7 @@ def prune(state: CliState, days: float, dry_run: bool, vacuum: bool, as_json: bo
     )
     if dry_run:
         for pruned_id in report.run_ids:
-            click.echo(f"  {pruned_id}")
+            click.echo(f"  {shown(pruned_id)}")
     elif report.bytes_before is not None and report.bytes_after is not None:
         click.echo(f"journal size {report.bytes_before:,} -> {report.bytes_after:,} bytes")
 

@@ -22,6 +22,8 @@ from fsm_runner.cli.errors import (
 )
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import echo_transition, json_dump, run_standing, styled_status
+from fsm_runner.exceptions import InvalidRunIdError
+from fsm_runner.run_ids import shown
 
 if TYPE_CHECKING:
     from fsm_runner.journal import Journal
@@ -127,7 +129,7 @@ def worker(
     engine = load_app(app, journal)
     engine.listeners.append(
         lambda transition, run: click.echo(
-            f"{run.run_id[:12]} {transition.seq:>4}  {transition.from_state or '-'} "
+            f"{shown(run.run_id)[:12]} {transition.seq:>4}  {transition.from_state or '-'} "
             f"--{transition.event}--> {transition.to_state}"
         )
     )
@@ -159,10 +161,10 @@ def abort(state: CliState, run_id: str, reason: str, app: str | None) -> None:
         engine.close()
     run = abort_run(journal, run_id, reason, guards=guards)
     if run.ended:
-        click.echo(f"run {run.run_id} aborted: {run.status.value} in state {run.state!r}")
+        click.echo(f"run {shown(run.run_id)} aborted: {run.status.value} in state {run.state!r}")
     else:  # a live worker holds it: the request is journaled, the worker carries it out
         click.echo(
-            f"run {run.run_id}: abort requested; {run.lease_owner}, which holds the run, "
+            f"run {shown(run.run_id)}: abort requested; {run.lease_owner}, which holds the run, "
             "carries it out at its next step"
         )
 
@@ -254,7 +256,7 @@ def _signal_line(journal: Journal, sent: SignalRecord, *, repeated: bool) -> str
     from fsm_runner.records import SignalStatus
 
     run = journal.load(sent.run_id)
-    head = f"signal #{sent.number} {sent.name} for run {run.run_id}"
+    head = f"signal #{sent.number} {sent.name} for run {shown(run.run_id)}"
     if repeated:
         head += f" (already sent with --id {sent.signal_id}; nothing written)"
     if sent.status is SignalStatus.CONSUMED:
@@ -312,12 +314,14 @@ def fork(
     run_id = resolve_run_id(journal, run_id)
     try:
         forked = fork_run(journal, run_id, at_seq=at_seq, new_run_id=new_run_id)
+    except InvalidRunIdError as exc:
+        fail(f"--run-id: {exc}", EXIT_USAGE)
     except ValueError as exc:
         fail(f"--at: {exc}", EXIT_USAGE)
     if as_json:
         json_dump(unstructure(forked))
         return
     click.echo(
-        f"forked {forked.forked_from} as run {forked.run_id}: state {forked.state!r}, "
+        f"forked {shown(forked.forked_from or '')} as run {forked.run_id}: state {forked.state!r}, "
         f"seq {forked.seq}; continue it with: fsm-runner resume {forked.run_id[:12]} --app ..."
     )

@@ -126,4 +126,6 @@ def run_standing(run: RunRecord) -> str:
         standing = "is parked (dead_letter)"
     else:
         standing = f"has ended ({status})"
-    return f"run {run.run_id} {standing} in state {run.state!r}"
+    from fsm_runner.run_ids import shown
+
+    return f"run {shown(run.run_id)} {standing} in state {run.state!r}"

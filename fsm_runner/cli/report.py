@@ -23,6 +23,7 @@ from fsm_runner.cli.output import (
     wrap,
     wrap_column,
 )
+from fsm_runner.run_ids import shown
 from fsm_runner.visits import subphase_visits
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def artifact_summary(artifact: ArtifactRecord) -> dict[str, Any]:
 def print_summary(run: RunRecord) -> None:
     """The run's summary: one ``key value`` line each, long values wrapped under their value."""
     pairs = [
-        ("run", run.run_id),
+        ("run", shown(run.run_id)),
         ("machine", f"{run.machine} (spec {run.spec_hash[:12]})"),
         ("state", styled_status(f"{run.state} ({run.status.value})", run.status.value)),
         ("seq", f"{run.seq}   iteration {run.iteration}   attempt {run.attempt}"),
@@ -142,9 +143,9 @@ def print_summary(run: RunRecord) -> None:
         ("context", json.dumps(dict(run.context), ensure_ascii=False)),
     ]
     if run.parent_run_id:
-        pairs.append(("parent", run.parent_run_id))
+        pairs.append(("parent", shown(run.parent_run_id)))
     if run.forked_from:
-        pairs.append(("forked", run.forked_from))
+        pairs.append(("forked", shown(run.forked_from)))
     if run.abort_reason:
         pairs.append(("abort", f"requested: {run.abort_reason}"))
     if run.error:
@@ -253,7 +254,7 @@ def _print_effects(effects: Sequence[EffectRecord]) -> None:
 
 def _print_children(children: Sequence[RunRecord]) -> None:
     table(
-        [(c.run_id[:12], c.machine, c.state, c.status.value, str(c.seq)) for c in children],
+        [(shown(c.run_id)[:12], c.machine, c.state, c.status.value, str(c.seq)) for c in children],
         ("CHILD RUN", "MACHINE", "STATE", "STATUS", "SEQ"),
     )
 

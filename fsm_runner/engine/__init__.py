@@ -308,7 +308,8 @@ class Engine:
 
         Args:
             input: the run's JSON input, readable by every phase as ``ctx.input``.
-            run_id: the run's id; a new random one when not given.
+            run_id: the run's id, which must follow the rule of run ids
+                (:mod:`fsm_runner.run_ids`); a new random one when not given.
             context: the run's initial JSON context.
             parent_run_id: the run that starts this one, if any.
             claim: store the run holding this engine's lease, in the same transaction, for a
@@ -323,10 +324,10 @@ class Engine:
 
         Raises:
             RunExistsError: a run with ``run_id`` exists.
-            PayloadError: the run id is not text the journal can store, or the input or
-                context is not standard JSON (not serialisable, NaN or Infinity, nested more
-                than 255 levels, a lone surrogate) or is over ``max_payload_bytes``; nothing
-                was written.
+            InvalidRunIdError: ``run_id`` breaks the rule of run ids; nothing was written.
+            PayloadError: the input or context is not standard JSON (not serialisable, NaN or
+                Infinity, nested more than 255 levels, a lone surrogate) or is over
+                ``max_payload_bytes``; nothing was written.
             JournalError: the journal failed; nothing was written.
         """
         core = self._core

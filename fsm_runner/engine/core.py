@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 
 from fsm_runner._convert import format_utc
-from fsm_runner._json import dumps_json, error_info, storable_text
+from fsm_runner._json import dumps_json, error_info
 from fsm_runner.engine import waits
 from fsm_runner.engine.held import HeldRuns
 from fsm_runner.engine.interruption import interruption_cause
@@ -85,6 +85,7 @@ from fsm_runner.rules.reducer import (
     take,
     writes_iterations,
 )
+from fsm_runner.run_ids import check_run_id
 from fsm_runner.spec import RETURN, MachineSpec, RunLifecycle
 
 __all__ = [
@@ -222,9 +223,8 @@ class StepCore:
         Nothing is written.
         """
         initial = self.initial
-        run_id = run_id or random_ids(1)[0]
-        if not run_id.isascii():  # SQL journals store it as text: UTF-8 must hold it
-            self.check_json(storable_text(run_id), "run id", run_id)
+        # The rule of run ids refuses a lone surrogate too (not printable): UTF-8 holds the id.
+        run_id = random_ids(1)[0] if run_id is None else check_run_id(run_id)
         now = utc_now()
         iteration = 1 if initial.starts_iteration else 0
         # the journal alone reproduces the run row (invariant 8), initial context included

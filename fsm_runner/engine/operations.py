@@ -17,6 +17,7 @@ from fsm_runner.journal import Journal
 from fsm_runner.machine import Guard
 from fsm_runner.records import RunRecord, utc_now
 from fsm_runner.rules.reducer import abort_records
+from fsm_runner.run_ids import check_run_id, shown
 from fsm_runner.spec import MachineSpec
 
 __all__ = ["abort_run", "fork_run"]
@@ -104,7 +105,8 @@ def fork_run(
         journal: the journal holding the run.
         run_id: the run to fork.
         at_seq: the last seq to keep; the run's last seq when not given (an active run only).
-        new_run_id: the fork's id; a new random one when not given.
+        new_run_id: the fork's id, which must follow the rule of run ids; a new random one
+            when not given.
 
     Returns:
         The fork's run row.
@@ -112,26 +114,31 @@ def fork_run(
     Raises:
         RunNotFoundError: no such run.
         RunExistsError: a run with ``new_run_id`` exists.
+        InvalidRunIdError: ``new_run_id`` breaks the rule of run ids (:mod:`fsm_runner.run_ids`);
+            nothing was read or written.
         ValueError: there is no ``at_seq`` in the run, or the run had ended by then.
         ReplayMismatchError: the run's journal does not replay through its spec.
     """
     from fsm_runner.replay import journal_specs, state_at  # noqa: PLC0415
 
+    if new_run_id is not None:  # before anything is read: a bad id is the caller's mistake
+        check_run_id(new_run_id)
     source = journal.load(run_id)
     seq = source.seq if at_seq is None else at_seq
     if not 0 <= seq <= source.seq:
-        raise ValueError(f"run {run_id} has seqs 0..{source.seq}; there is no seq {seq}")
+        raise ValueError(f"run {shown(run_id)} has seqs 0..{source.seq}; there is no seq {seq}")
     specs = journal_specs(journal)
     # The whole timeline: a spec change after ``at_seq`` tells which spec the run was under.
     timeline = journal.transitions(run_id)
     then = state_at(specs(source.spec_hash), source, timeline, seq, specs=specs)
     if then.ended:
         raise ValueError(
-            f"run {run_id} had ended at seq {seq} (state {then.state!r}); fork it at an earlier seq"
+            f"run {shown(run_id)} had ended at seq {seq} (state {then.state!r}); fork it at an "
+            "earlier seq"
         )
     fork = attrs.evolve(
         then,
-        run_id=new_run_id or uuid.uuid4().hex,
+        run_id=uuid.uuid4().hex if new_run_id is None else new_run_id,
         forked_from=f"{run_id}@{seq}",
         parent_run_id=None,
         abort_reason=None,

@@ -41,6 +41,7 @@ from fsm_runner import (
     SqliteJournal,
     State,
     Transition,
+    check_run_id,
     interrupt_on_sigterm,
 )
 from fsm_runner.command_line import (
@@ -82,8 +83,18 @@ SPEC = MachineSpec(
 
 
 def _run_dir(ctx: PhaseContext) -> Path:
-    """This run's own directory: a fork works in its own, never in the original's."""
-    return Path(ctx.input["workspace"]) / ctx.run_id
+    """This run's own directory: a fork works in its own, never in the original's.
+
+    The run id names the directory, so it is checked here, where it becomes a path: an id that
+    breaks the rule of run ids (written before the rule, or by another writer: ``..``,
+    ``../elsewhere``) is refused (``InvalidRunIdError``, the run fails), and so is a directory
+    that resolves outside the workspace (a symbolic link): the run writes nothing outside it.
+    """
+    workspace = Path(ctx.input["workspace"])
+    run_dir = workspace / check_run_id(ctx.run_id)
+    if not run_dir.resolve().is_relative_to(workspace.resolve()):
+        raise ValueError(f"run {ctx.run_id}: its directory {run_dir} is outside the workspace")
+    return run_dir
 
 
 def _archive_path(ctx: PhaseContext) -> Path:

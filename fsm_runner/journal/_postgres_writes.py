@@ -41,6 +41,7 @@ from fsm_runner.records import (
     TransitionRecord,
     utc_now,
 )
+from fsm_runner.run_ids import check_run_id, check_run_ids
 
 __all__ = ["INSERT_RUN", "PRUNE_BATCH", "TRANSITION_COLUMNS", "PostgresWriter", "utc"]
 
@@ -223,6 +224,7 @@ class PostgresWriter:
 
         All or nothing: a run whose id exists refuses the whole batch (``RunExistsError``).
         """
+        check_run_ids([run.run_id for run, _, _ in runs])
         if not new_runs(runs):
             return
         core = self._core
@@ -427,6 +429,7 @@ class PostgresWriter:
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        check_run_id(run.run_id)
         _rows.check_fork(run, at_seq)
         row = self._core.run_params(run)
         rest = [column for column in TRANSITION_COLUMNS if column not in ("run_id", "lease_token")]

@@ -38,6 +38,7 @@ from fsm_runner.records import (
     format_utc,
     utc_now,
 )
+from fsm_runner.run_ids import check_run_id, check_run_ids
 from fsm_runner.spec import RunLifecycle
 
 __all__ = ["PUT_EFFECT", "SqliteWriter"]
@@ -284,6 +285,7 @@ class SqliteWriter:
         Past the first run, the run keys are given here (:func:`_insert_runs`), so each
         table's rows go in by one ``executemany``: no round trip per run for its key.
         """
+        check_run_ids([run.run_id for run, _, _ in runs])
         if not new_runs(runs):
             return
         core = self._core
@@ -715,6 +717,7 @@ class SqliteWriter:
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        check_run_id(run.run_id)
         _rows.check_fork(run, at_seq)
         first = self._core.run_params(attrs.evolve(run, seq=0))
         with refused_if_exists(run.run_id), self._connections.write() as conn:

@@ -45,6 +45,7 @@ from fsm_runner.records import (
     unstructure,
     utc_now,
 )
+from fsm_runner.run_ids import check_run_id, check_run_ids
 from fsm_runner.spec import RunLifecycle
 
 __all__ = ["MemoryJournal"]
@@ -243,6 +244,7 @@ class MemoryJournal:
 
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
         """Store new runs, each with its transition seq 0 and iterations: all or none."""
+        check_run_ids([run.run_id for run, _, _ in runs])
         for run, first, _ in new_runs(runs):
             _check_json(run.input, run.context, run.error, first.result)
         with self._lock:
@@ -642,6 +644,7 @@ class MemoryJournal:
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        check_run_id(run.run_id)
         _rows.check_fork(run, at_seq)
         with self._lock:
             _rows.check_fork_source(source_run_id, self.load(source_run_id).seq, at_seq)

@@ -48,7 +48,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import attrs
 
-from fsm_runner import ArtifactRecord
+from fsm_runner import ArtifactRecord, check_run_id
 from fsm_runner.presets.agent_loop import (
     AgentRequest,
     AgentResult,
@@ -747,10 +747,12 @@ class FileResultPersister:
 
         Raises:
             ValueError: ``run_id`` or ``name`` cannot be a file name (it is empty, ``.`` or
-                ``..``, or holds a path separator), or ``data`` is circular.
+                ``..``, or holds a path separator), ``run_id`` breaks the rule of run ids
+                (``InvalidRunIdError``), or ``data`` is circular.
             TypeError: ``data`` is not JSON-serialisable.
         """
         _check_component("run id", run_id)
+        check_run_id(run_id)  # the rest of the rule of run ids: no id a journal refuses
         _check_component("artifact name", name)
         body = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
         path = self.directory / run_id / f"{name}.json"

@@ -17,7 +17,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from fsm_runner import FsmRunnerError, InvalidTransitionError, Journal, RunRecord
+from fsm_runner import (
+    FsmRunnerError,
+    InvalidRunIdError,
+    InvalidTransitionError,
+    Journal,
+    RunRecord,
+    check_run_id,
+)
 
 __all__ = [
     "DEFAULT_MAX_ATTEMPTS",
@@ -160,6 +167,14 @@ def _task_tuple(value: Iterable[Task | Mapping[str, Any]]) -> tuple[Task, ...]:
     return tuple(item if isinstance(item, Task) else Task.from_dict(item) for item in value)
 
 
+def _run_id_problems(task_id: str) -> Iterator[str]:
+    """Why a task's runs, ``SESSION:ROUND:TASK``, could not have a run id with ``task_id`` in it."""
+    try:
+        check_run_id(f"s:1:{task_id}")
+    except InvalidRunIdError as exc:
+        yield f"task {task_id!r} cannot be part of its runs' ids: {exc.reason}"
+
+
 @attrs.frozen
 class TaskGraph:
     """A DAG of tasks, and the global verification that finalizes a session.
@@ -171,7 +186,8 @@ class TaskGraph:
             in the natural order of their names.
 
     Raises:
-        TaskGraphError: with every problem: no tasks, empty or duplicate ids, unknown or
+        TaskGraphError: with every problem: no tasks, empty or duplicate ids, ids a run id
+            cannot hold (whitespace, a slash; see :mod:`fsm_runner.run_ids`), unknown or
             self dependencies, cycles, ``max_attempts < 1``, empty commands.
     """
 
@@ -199,6 +215,8 @@ class TaskGraph:
         for task in self.tasks:
             if not task.id or not task.id.strip():
                 yield "a task has an empty id"
+            else:
+                yield from _run_id_problems(task.id)
             for dependency in task.depends_on:
                 if dependency == task.id:
                     yield f"task {task.id!r} depends on itself"
