@@ -45,7 +45,7 @@ def batch(runs: int):
     """``runs`` new runs' records, as ``start_many`` gives them to ``create_runs``."""
     engine = Engine(SPEC, handlers={"a": lambda _c: NEXT, "b": lambda _c: NEXT},
                     journal=MemoryJournal())  # fmt: skip
-    core = engine._core
+    core = engine._core  # private: the records start_many hands to create_runs, unwritten
     return [core.new_run({"n": n}, run_id, None, None, None)
             for n, run_id in enumerate(random_ids(runs))], core.spec_json  # fmt: skip
 
