@@ -15,11 +15,19 @@ import attrs
 import pytest
 from click.testing import CliRunner
 
-from fsm_runner import RunEvent, RunLifecycle, RunRecord, SqliteJournal, TransitionRecord
+from fsm_runner import (
+    MemoryJournal,
+    RunEvent,
+    RunLifecycle,
+    RunRecord,
+    SqliteJournal,
+    TransitionRecord,
+)
 from fsm_runner.cli import cli
 from fsm_runner.journal._digest import TRANSITION_DIGEST_COLUMNS, digest
 from fsm_runner.journal._sqlite_check import SCHEMA_VERSION
 from fsm_runner.records import ArtifactRecord, EffectRecord, IterationRecord
+from fsm_runner.replay import check_journal
 from tests.helpers import (
     NEXT,
     linear_spec,
@@ -125,6 +133,64 @@ def damage_sqlite(path, table: str, column: str, where: str, old: str, new: str)
         conn.commit()
     finally:
         conn.close()
+
+
+def _evolve(table: dict, key: Any, **changes: Any) -> None:
+    table[key] = attrs.evolve(table[key], **changes)
+
+
+def _poke_transition(journal, seq: int, **changes: Any) -> None:
+    _evolve(journal._transitions["r1"], seq, **changes)
+
+
+#: The same damages, poked into a memory journal's stored records.
+POKES = {
+    "event": lambda j: _poke_transition(j, 1, event="NEXU"),
+    "timestamp": lambda j: _poke_transition(
+        j, 2, at=j._transitions["r1"][2].at + dt.timedelta(seconds=1)
+    ),
+    "result-value": lambda j: _poke_transition(
+        j, 1, result={"version": "1.2.7", "context": {"version": "1.2.1"}}
+    ),
+    "result-key": lambda j: _poke_transition(
+        j, 2, result={"v%rsion": "1.2.2", "context": {"version": "1.2.2"}}
+    ),
+    "input": lambda j: _evolve(j._runs, "r1", input={"ref": "abd", "n": 1}),
+    "context": lambda j: _evolve(j._runs, "r1", context={"version": "1.2.3"}),
+    "iteration": lambda j: _evolve(j._iterations["r1"], 1, state="bui1ding"),
+    "effect": lambda j: _evolve(j._effects["r1"], (1, "charge"), params={"n": 6}),
+    "artifact": lambda j: _evolve(j._artifacts["r1"], "report", content={"lines": 4}),
+}
+
+
+class TestMemoryChain:
+    """The memory journal keeps the same digests, and finds a record poked in place."""
+
+    def test_the_same_digests_as_sqlite(self, tmp_path):
+        memory = MemoryJournal()
+        chained_run(memory)
+        assert memory.integrity_problems() == []
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            chained_run(journal)
+        stored = [
+            row[0] for row in sqlite_rows(path, "SELECT digest FROM transitions ORDER BY seq")
+        ]
+        assert memory._digests.chains["r1"] == stored
+        (row,) = sqlite_rows(path, "SELECT digest FROM run_rows")
+        assert memory._digests.runs["r1"] == row[0]
+
+    @pytest.mark.parametrize("damage", sorted(DAMAGES))
+    def test_a_poked_record_is_found(self, damage):
+        journal = MemoryJournal()
+        chained_run(journal)
+        chained_run(journal, "r2")
+        POKES[damage](journal)
+        problems = [p for p in journal.integrity_problems() if p.startswith("digest:")]
+        assert len(problems) == 1, problems
+        assert "run r1" in problems[0]
+        assert DAMAGES[damage][-1] in problems[0]
+        assert [p for p in check_journal(journal) if p.startswith("digest:")] == problems
 
 
 class TestSqliteChain:
