@@ -8,7 +8,9 @@ run's input or context, an iteration, effect or artifact row — is reported by 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -31,6 +33,7 @@ from fsm_runner.replay import check_journal
 from tests.helpers import (
     NEXT,
     linear_spec,
+    one_line_error,
     undo_v4,
     undo_v5,
     undo_v6,
@@ -297,3 +300,50 @@ class TestSqliteMigration:
         with SqliteJournal(tmp_path / "journal.db") as journal:
             chained_run(journal)
             assert "digests_computed" not in journal.meta()
+
+
+def documented_verify_chain():
+    """``verify_chain`` as docs/reference.md documents it, run as written there."""
+    text = (Path(__file__).parent.parent / "docs" / "reference.md").read_text()
+    start = text.index("```python\n", text.index("To verify an exported run elsewhere"))
+    block = text[start + len("```python\n") : text.index("```\n", start + 10)]
+    namespace: dict[str, Any] = {}
+    exec(block, namespace)
+    return namespace["verify_chain"]
+
+
+class TestExportAndReplay:
+    """`export` carries the digests, and the documented verification recomputes them."""
+
+    def test_an_exported_run_verifies_elsewhere(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            chained_run(journal)
+        out = tmp_path / "out"
+        result = CliRunner().invoke(cli, ["--journal", str(path), "export", "r1", str(out)])
+        assert result.exit_code == 0, result.output
+        exported = json.loads((out / "run.json").read_text())
+        stored = sqlite_rows(path, "SELECT digest FROM transitions ORDER BY seq")
+        assert exported["head_digest"] == stored[-1][0]
+        assert [t["digest"] for t in exported["transitions"]] == [row[0] for row in stored]
+        verify_chain = documented_verify_chain()
+        assert verify_chain(exported) is None
+        changed = json.loads(json.dumps(exported))
+        changed["transitions"][1]["result"]["version"] = "1.2.7"
+        assert verify_chain(changed) == 1
+        changed = json.loads(json.dumps(exported))
+        changed["head_digest"] = "0" * 32
+        assert verify_chain(changed) == "head"
+
+    def test_replay_names_the_first_seq_that_changed(self, tmp_path):
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            chained_run(journal)
+        base = ["--journal", str(path), "replay", "r1"]
+        assert CliRunner().invoke(cli, base).exit_code == 0
+        damage_sqlite(path, *DAMAGES["result-value"][:5])
+        line = one_line_error(CliRunner().invoke(cli, base))
+        assert line == (
+            "Error: run r1 at seq 1: the transition does not match its digest (changed since it"
+            " was written)"
+        )

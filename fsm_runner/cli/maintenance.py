@@ -222,21 +222,31 @@ def prune(state: CliState, days: float, dry_run: bool, vacuum: bool, as_json: bo
 def export(state: CliState, run_id: str, directory: Path) -> None:
     """Write a run to DIR as JSON files.
 
-    run.json (the run and its transitions), effects.json (its effects ledger),
-    iteration-N.json for each iteration, and one file per artifact named after it
+    run.json (the run and its transitions; from a journal that keeps digests, each
+    transition's and the head's, to verify the run's chain elsewhere), effects.json (its
+    effects ledger), iteration-N.json for each iteration, and one file per artifact named after it
     (agent-N.json, verification-N.json for agent-loop runs).
     """
+    from fsm_runner._json import dumps_json
     from fsm_runner.records import unstructure
 
     journal = state.journal()
     run = journal.load(resolve_run_id(journal, run_id))
+    transitions = journal.transitions(run.run_id)
     files: dict[str, Any] = {
         "run.json": {
             "run": unstructure(run),
-            "transitions": [unstructure(t) for t in journal.transitions(run.run_id)],
+            "transitions": [unstructure(t) for t in transitions],
         },
         "effects.json": [unstructure(e) for e in journal.effects(run.run_id)],
     }
+    if transitions and transitions[-1].digest is not None:  # a journal that keeps digests
+        files["run.json"]["head_digest"] = transitions[-1].digest
+        # What each digest covers: the result's JSON as stored (this file sorts its keys)
+        for data, transition in zip(files["run.json"]["transitions"], transitions, strict=True):
+            data["result_json"] = (
+                None if transition.result is None else dumps_json(transition.result)
+            )
     for record in journal.iterations(run.run_id):
         files[f"iteration-{record.iteration}.json"] = unstructure(record)
     for artifact in journal.artifacts(run.run_id):

@@ -22,12 +22,16 @@ Reading a row back to verify it, text columns come as bytes (SQL's
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from fsm_runner.journal import _rows
+from fsm_runner.records import TransitionRecord, format_utc
 
 __all__ = [
     "RUN_DIGEST_COLUMNS",
     "TRANSITION_DIGEST_COLUMNS",
+    "chain_break",
     "digest",
     "row_digest",
     "text",
@@ -75,6 +79,25 @@ def digest(previous: str | None, values: Iterable[Any]) -> str:
 def row_digest(values: Iterable[Any]) -> str:
     """The digest of one row's own ``values`` (an iteration, effect, artifact, run row)."""
     return digest(None, values)
+
+
+def chain_break(transitions: Sequence[TransitionRecord]) -> int | None:
+    """The first seq of a run's ``transitions`` (from seq 0, in order) whose digest is wrong.
+
+    Computed from the records as read (their JSON written again, their times formatted), so a
+    run's chain is verified wherever its transitions go (``fsm-runner replay``, an export);
+    ``check`` verifies the stored text itself. ``None``: the chain holds, or the transitions
+    carry no digests (a journal without them).
+    """
+    previous: str | None = None
+    for transition in transitions:
+        if transition.digest is None:
+            return None
+        values = _rows.transition_params(transition, format_utc)
+        if transition_digest(previous, values) != transition.digest:
+            return transition.seq
+        previous = transition.digest
+    return None
 
 
 def transition_digest(previous: str | None, values: tuple[Any, ...]) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
+
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import RUN_DIGEST_COLUMNS, row_digest, transition_digest
 from fsm_runner.records import (
@@ -26,7 +28,7 @@ from fsm_runner.records import (
 __all__ = ["MemoryDigests", "Tables"]
 
 #: A memory journal's transitions, iterations, artifacts and effects, each by run id.
-Tables = tuple[Mapping[str, Any], ...]
+Tables = tuple[Any, ...]
 
 
 def _transition(previous: str | None, transition: TransitionRecord) -> str:
@@ -58,21 +60,31 @@ class MemoryDigests:
 
     def started(
         self, run: RunRecord, first: TransitionRecord, iterations: Sequence[IterationRecord]
-    ) -> None:
-        """A new run (its id may be a pruned run's: nothing of that one is kept)."""
+    ) -> TransitionRecord:
+        """A new run (its id may be a pruned run's: nothing of that one is kept).
+
+        Returns:
+            ``first`` with its digest, as the journal stores it.
+        """
         self.forget(run.run_id)
         self.chains[run.run_id] = [_transition(None, first)]
         self.runs[run.run_id] = _run(run)
         self.stored(run.run_id, iterations)
+        return attrs.evolve(first, digest=self.chains[run.run_id][0])
 
     def committed(
         self, run: RunRecord, transition: TransitionRecord, rows: Iterable[Any] = ()
-    ) -> None:
-        """A commit: ``run`` as stored now, its transition, the iterations and artifacts."""
+    ) -> TransitionRecord:
+        """A commit: ``run`` as stored now, its transition, the iterations and artifacts.
+
+        Returns:
+            ``transition`` with its digest, as the journal stores it.
+        """
         chain = self.chains[run.run_id]
         chain.append(_transition(chain[-1] if chain else None, transition))
         self.runs[run.run_id] = _run(run)
         self.stored(run.run_id, rows)
+        return attrs.evolve(transition, digest=chain[-1])
 
     def stored(self, run_id: str, records: Iterable[Any]) -> None:
         """Iterations, effects or artifacts stored (each replacing the one of its key)."""
@@ -84,8 +96,10 @@ class MemoryDigests:
         """A fork's copies (in the journal's ``tables``): its digests, chained from seq 0."""
         self.forget(run.run_id)
         chain: list[str] = []
-        for transition in tables[0][run.run_id]:
+        copies = tables[0][run.run_id]
+        for index, transition in enumerate(copies):
             chain.append(_transition(chain[-1] if chain else None, transition))
+            copies[index] = attrs.evolve(transition, digest=chain[-1])
         self.chains[run.run_id] = chain
         self.runs[run.run_id] = _run(run)
         self.stored(run.run_id, _owned(tables, run.run_id))

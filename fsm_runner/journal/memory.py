@@ -261,9 +261,8 @@ class MemoryJournal:
             for run, first, iterations in runs:
                 self._specs.setdefault(run.spec_hash, spec_json)
                 self._runs[run.run_id] = run
-                self._transitions[run.run_id] = [first]
+                self._transitions[run.run_id] = [self._digests.started(run, first, iterations)]
                 self._iterations[run.run_id] = {record.iteration: record for record in iterations}
-                self._digests.started(run, first, iterations)
 
     def commit(
         self,
@@ -298,14 +297,17 @@ class MemoryJournal:
             if spec_json is not None:
                 self._specs.setdefault(run.spec_hash, spec_json)
             self._runs[run.run_id] = _committed(stored, run, aborting, spec_json is not None)
-            self._transitions[run.run_id].append(transition)
+            stored_run = self._runs[run.run_id]
+            rows = [*iterations, *artifacts]
+            self._transitions[run.run_id].append(
+                self._digests.committed(stored_run, transition, rows)
+            )
             for record in iterations:
                 self._iterations.setdefault(run.run_id, {})[record.iteration] = record
             for artifact in artifacts:
                 named = self._artifacts.setdefault(run.run_id, {})
                 named.pop(artifact.name, None)  # replaced by name, and ordered as committed
                 named[artifact.name] = artifact
-            self._digests.committed(self._runs[run.run_id], transition, [*iterations, *artifacts])
 
     def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
         """Store several commits; each is refused or stored on its own, as by :meth:`commit`."""
