@@ -455,8 +455,9 @@ class SqliteWriter:
                 with errors(connections.path):
                     self._write_group(commits, planned, results, stored)
             except JournalError as failure:
-                for index in stored:
+                for index in stored:  # rolled back: neither row nor head is as remembered
                     self._written.pop(commits[index].run.run_id, None)
+                    self._heads.pop(commits[index].run.run_id, None)
                 return [failure if result is None else result for result in results]
             if len(self._written) >= _REMEMBERED_RUNS:
                 self._written.clear()
