@@ -9,7 +9,8 @@ an iteration's, effect's or artifact's digest covers that row's own values.
 
 The canonical text of a row: its values joined by the unit separator (0x1F), each as text —
 a string as it is, ``None`` as the byte 0x00, an integer (a boolean as 0 or 1) in decimal, a float
-as Python's ``repr`` (one with no fractional part as the integer it is: SQLite stores an integer
+in hexadecimal, Python's ``float.hex()`` (exact, and far cheaper to write than the shortest
+decimal), or as the integer it is when it has no fractional part (SQLite stores an integer
 given to a REAL column as REAL, and a float given to an INTEGER column as INTEGER) — then
 UTF-8. The chain's text starts with the previous digest (empty at seq 0). A separator byte
 inside a value (JSON text escapes it; ids and state names do not hold it) would make two rows'
@@ -61,8 +62,8 @@ def text(value: Any) -> str:
         return value  # type: ignore[no-any-return]
     if value is None:
         return _NULL
-    if kind is float:
-        return str(int(value)) if value.is_integer() else repr(value)
+    if kind is float:  # hex: exact, and ~15x cheaper than repr's shortest decimal
+        return str(int(value)) if value.is_integer() else value.hex()
     if isinstance(value, int):  # bools too, as SQLite stores them
         return str(int(value))
     if isinstance(value, bytes | bytearray | memoryview):
@@ -120,7 +121,8 @@ def transition_digest(previous: str | None, values: tuple[Any, ...]) -> str:
         joined = (
             f"{previous or ''}\x1f{run_id}\x1f{seq}"
             f"\x1f{_NULL if from_state is None else from_state}\x1f{event}\x1f{to_state}"
-            f"\x1f{iteration}\x1f{attempt}\x1f{at}\x1f{text(ms)}"
+            f"\x1f{iteration}\x1f{attempt}\x1f{at}"
+            f"\x1f{ms.hex() if type(ms) is float and not ms.is_integer() else text(ms)}"
             f"\x1f{_NULL if result is None else result}\x1f{token}"
         )
         return _blake2b(joined.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()

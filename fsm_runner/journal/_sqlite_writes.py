@@ -591,36 +591,27 @@ class SqliteWriter:
         Chained to the run's previous one as written here (``planned``: a group's before it;
         :attr:`_heads`), else as stored (one read, off the hot path).
         """
+        run_id, seq, at = transition.run_id, transition.seq, format_utc(transition.at)
         result = None if transition.result is None else _dumps(transition.result)
-        values = (
-            transition.run_id,
-            transition.seq,
-            transition.from_state,
-            transition.event,
-            transition.to_state,
-            transition.iteration,
-            transition.attempt,
-            format_utc(transition.at),
-            transition.duration_ms,
-            result,
-            transition.lease_token,
-        )
-        key = self._keys.get(transition.run_id) or self._run_key(transition.run_id)
-        seq = transition.seq
-        run_id = transition.run_id
+        key = self._keys.get(run_id) or self._run_key(run_id)
         head = (planned and planned.get(run_id)) or self._heads.get(run_id)
         if head is not None and head[0] == seq - 1:
             previous: str | None = head[1]
         else:  # a run this journal did not write last: its head as stored
             with self._connections.read() as conn:
                 previous = stored_digest(conn, key, seq - 1)
-        return (
-            *values[:9],
-            _NO_RESULT if result is None else result,
-            values[10],
-            key,
-            transition_digest(previous, values),
+        from_state, event, to_state = transition.from_state, transition.event, transition.to_state
+        iteration, attempt, ms = transition.iteration, transition.attempt, transition.duration_ms
+        token = transition.lease_token
+        digest = transition_digest(
+            previous,
+            (run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, result, token),
         )
+        stored = _NO_RESULT if result is None else result
+        return (
+            run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, stored, token,
+            key, digest,
+        )  # fmt: skip
 
     def _savepoint(
         self,
