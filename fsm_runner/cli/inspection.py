@@ -371,6 +371,7 @@ def replay(
     timeline, run = read_run(journal, resolve_run_id(journal, run_id), to_seq=to_seq)
     if to_seq is not None and to_seq > run.seq:
         fail(f"--to: run {run.run_id} has seqs 0..{run.seq}", EXIT_USAGE)
+    specs = journal_specs(journal)
     broken = chain_break(timeline)
     if broken is not None:
         fail(
@@ -378,7 +379,6 @@ def replay(
             " (changed since it was written)",
             EXIT_FAILURE,
         )
-    specs = journal_specs(journal)
     spec = load_spec(spec_path, "--spec") if spec_path is not None else specs(run.spec_hash)
     replayed = replay_through(
         spec,
