@@ -126,6 +126,11 @@ class TransitionRecord:
         result: the phase's output, context updates and error, as JSON.
         lease_token: the lease token of the worker that wrote it (fencing: a commit is refused
             unless it is the run's current token).
+        digest: as read from a journal that keeps them (SQLite, memory), the transition's link
+            in its run's hash chain: BLAKE2b-128 (hex) of the previous transition's digest and
+            this one's content as stored (see the reference's journal schema); ``None`` as
+            written by the engine, or read from a journal without digests. Not compared:
+            two transitions are equal whatever their digests.
     """
 
     run_id: str
@@ -139,6 +144,7 @@ class TransitionRecord:
     duration_ms: float = 0.0
     result: Mapping[str, Any] | None = None
     lease_token: int = 0
+    digest: str | None = attrs.field(default=None, eq=False)
 
     @property
     def output(self) -> Any:
@@ -393,8 +399,10 @@ def positional_builder(cls: type[A]) -> Callable[..., A]:
     plain ``__setattr__`` (so each field is one specialised slot store, ~10 ns), then makes it
     a ``cls`` by ``__class__`` assignment, which Python allows between classes of one layout:
     what comes out is exactly what ``cls(...)`` builds, frozen, about 3x faster for a 24-field
-    record. It applies no defaults, so callers pass every field; a class with converters or
-    validators is refused (the builder would skip them).
+    record. It applies no defaults, so callers pass every field — but for the fields that are
+    not compared (``eq=False``) and default to ``None`` (a transition's ``digest``), which
+    may be left out; a class with converters or validators is refused (the builder would skip
+    them).
 
     Raises:
         TypeError: ``cls`` has a field with a converter or validator, or no slots.
@@ -413,7 +421,9 @@ def positional_builder(cls: type[A]) -> Callable[..., A]:
         {"__slots__": (), "__setattr__": object.__setattr__, "__delattr__": object.__delattr__},
     )
     namespace: dict[str, Any] = {"new": object.__new__, "cls": cls, "unfrozen": unfrozen}
-    lines = [f"def build({', '.join(f'v{i}' for i in range(len(fields)))}):"]
+    optional = [not f.eq and f.default is None for f in fields]
+    params = ", ".join(f"v{i}=None" if optional[i] else f"v{i}" for i in range(len(fields)))
+    lines = [f"def build({params}):"]
     lines.append("    obj = new(unfrozen)")
     lines += [f"    obj.{field.name} = v{index}" for index, field in enumerate(fields)]
     lines += ["    obj.__class__ = cls", "    return obj"]
@@ -442,6 +452,8 @@ def unstructure(record: object) -> dict[str, Any]:
     for field in attrs.fields(record_type):
         if field.name not in data:
             value = getattr(record, field.name)
+            if value is None and field.name == "digest":
+                continue  # a transition as written, or read from a journal without digests
             data[field.name] = converter.unstructure(value)
     return data
 

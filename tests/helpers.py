@@ -295,8 +295,18 @@ END"""
 RUN_COLUMNS_V8 = "run_key, " + RUN_COLUMNS_V6 + ", abort_token"
 
 
+def undo_v11(conn) -> None:
+    """Turn a journal's schema back from version 11 to 10: no digests."""
+    for table in ("transitions", "run_rows", "iterations", "effects", "artifacts"):
+        conn.execute(f"ALTER TABLE {table} DROP COLUMN digest")
+    conn.execute("DELETE FROM meta WHERE key LIKE 'digests_%'")
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0011_digests'")
+    conn.execute("UPDATE meta SET value = '10' WHERE key = 'schema_version'")
+
+
 def undo_v10(conn) -> None:
-    """Turn a journal's schema back from version 10 to 9: no signals, no wake times."""
+    """Turn a journal's schema back from version 11 to 9: no signals, no wake times."""
+    undo_v11(conn)
     conn.execute("DROP TABLE signals")  # its indexes with it
     conn.execute("DROP INDEX idx_run_rows_due")
     conn.execute("DROP INDEX idx_run_rows_ready")  # version 10's names wake_at

@@ -25,6 +25,7 @@ import pytest
 
 from fsm_runner import Engine, MachineSpec, RunLifecycle, SqliteJournal, State, Transition
 from fsm_runner.exceptions import LeaseLostError
+from fsm_runner.journal._sqlite_chain import fill_digests
 from tests.torture import (
     PHASES,
     SPEC,
@@ -282,6 +283,7 @@ class TestChecks:
         conn.execute(
             "UPDATE executions SET lease_token = lease_token + 3 WHERE run_id = ?", (run_id,)
         )
+        fill_digests(conn)  # the journal as those workers would have written it (its digests)
         # The same visit ran under three earlier tokens: w1 was killed in the phase, w2 after
         # the phase returned but before its commit, and w3 (stopped, then continued) started
         # the phase after its transition was journaled and went on: its commit was refused.
@@ -407,6 +409,7 @@ class TestBatchChecks:
                 " started_at, finished_at) VALUES (?, 'fetching', 0, 1, 'k/2', 0, 1, 2)",
                 (run_id,),
             )
+        fill_digests(conn)  # the journal as those workers would have written it (its digests)
         report = check(path, inputs, killed=["k"])
         assert report.problems == []
         assert report.re_executions == 2

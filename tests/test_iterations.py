@@ -120,9 +120,9 @@ class TestMigration:
         run_id = engine_for(journal).start()
         journal.close()
         conn = sqlite3.connect(path)  # turn it back into what version 1 wrote
+        undo_v4(conn)
         conn.execute("DROP TABLE iterations")
         conn.execute("DROP TABLE artifacts")
-        undo_v4(conn)
         for column in ("return_to", "return_attempt"):
             conn.execute(f"ALTER TABLE runs DROP COLUMN {column}")
         conn.execute("DELETE FROM _sqlite_migrations WHERE name != 'm0001_initial'")

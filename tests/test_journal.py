@@ -746,7 +746,7 @@ class TestSqliteFile:
             ]  # fmt: skip
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "10"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "11"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             engine = Engine(loop_spec(), handlers=handlers, journal=journal)
             assert engine.run(run_ids[2], max_steps=3).seq == 13
@@ -782,7 +782,7 @@ class TestSqliteFile:
             assert "run_key" not in {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "10"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "11"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             assert {run_id: journal.transitions(run_id) for run_id in run_ids} == histories
             assert [run.run_id for run in journal.runs()] == listed
@@ -817,7 +817,7 @@ class TestSqliteFile:
             conn.execute("UPDATE run_rows SET abort_reason = 'operator asked'")
 
         with SqliteJournal(path) as journal:  # migrated: the request now fences the holder
-            assert journal.meta()["schema_version"] == "10"
+            assert journal.meta()["schema_version"] == "11"
             with pytest.raises(RunConflictError) as info:
                 advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
             assert info.value.abort_reason == "operator asked"
@@ -877,6 +877,9 @@ class TestSqliteFile:
                 # and so r2, whose key it now has, seems to have moved past its row
                 "1 unleased active run(s) whose row is not their last transition's, so claims"
                 " misjudge them (first: run r2, row in 'building', head in 'verifying')",
+                # and its chain of digests is broken there (r1's seq 1 is not r2's)
+                "digest: run r2 at seq 1: the transition does not match its digest (changed"
+                " since it was written)",
             ]
 
     def test_reopen_keeps_everything(self, tmp_path):
@@ -1082,12 +1085,12 @@ class TestSqliteSchemaObjects:
         [
             (
                 "ALTER TABLE artifacts RENAME COLUMN sha256 TO sha1",
-                "schema: table artifacts differs from schema version 10 (columns sha1, sha256)",
+                "schema: table artifacts differs from schema version 11 (columns sha1, sha256)",
             ),
             ("DROP INDEX idx_artifacts_run_id_name", "schema: index idx_artifacts_run_id_name is"),
             (
                 "CREATE UNIQUE INDEX one_per_state ON transitions (to_state)",
-                "schema: index one_per_state is not part of schema version 10",
+                "schema: index one_per_state is not part of schema version 11",
             ),
         ],
     )
@@ -1148,7 +1151,7 @@ class TestSqliteSchemaObjects:
             assert isinstance(refused, JournalError)
             assert "trigger transitions_fence" in str(refused)
             assert journal.schema_problems() == [
-                "schema: trigger transitions_fence differs from schema version 10"
+                "schema: trigger transitions_fence differs from schema version 11"
                 " (damaged or edited by hand)"
             ]
         assert path.read_bytes() == before

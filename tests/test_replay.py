@@ -1080,7 +1080,9 @@ class TestCheckJournal:
         with SqliteJournal(path) as journal:
             problems = check_journal(journal)
         assert problems == [
-            f"run {bad} at seq 3: replay expected state 'verifying', the journal has state 'building'"
+            f"digest: run {bad} at seq 3: the transition does not match its digest (changed"
+            " since it was written)",
+            f"run {bad} at seq 3: replay expected state 'verifying', the journal has state 'building'",
         ]
 
     def test_a_run_whose_spec_is_missing(self, tmp_path):

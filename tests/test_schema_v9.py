@@ -26,7 +26,17 @@ from fsm_runner.journal import SCHEMA_VERSION
 from fsm_runner.journal._sqlite_claims import _claim_statements, _search_params
 from fsm_runner.journal._sqlite_prune import _SELECT as PRUNE_SELECT
 from fsm_runner.records import RunRecord, SignalRecord, TransitionRecord, format_utc, utc_now
-from tests.helpers import NEXT, undo_v4, undo_v5, undo_v6, undo_v7, undo_v8, undo_v9, undo_v10
+from tests.helpers import (
+    NEXT,
+    undo_v4,
+    undo_v5,
+    undo_v6,
+    undo_v7,
+    undo_v8,
+    undo_v9,
+    undo_v10,
+    undo_v11,
+)
 
 APPROVED = "APPROVED"
 #: ``a`` and ``b`` have handlers; ``wait`` has none (a run there waits for an operator's event).
@@ -366,6 +376,7 @@ class TestListing:
 #: Each older schema version, made from a journal of this one (see tests/helpers.py).
 UNDO: dict[int, Callable[[sqlite3.Connection], None]] = {
     3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9, 9: undo_v10,
+    10: undo_v11,
 }  # fmt: skip
 
 
@@ -391,7 +402,7 @@ class TestMigration:
             conn.close()
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "10"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "11"
             assert journal.schema_problems() == []
             assert journal.integrity_problems() == []
             assert {run_id: journal.load(run_id) for run_id in heads} == heads

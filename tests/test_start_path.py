@@ -14,7 +14,8 @@ from fsm_runner import Engine, MemoryJournal, SqliteJournal
 from fsm_runner.engine.core import StepCore, random_ids
 from fsm_runner.exceptions import JournalError, RunExistsError
 from fsm_runner.journal import _rows
-from fsm_runner.journal._sqlite_writes import _INSERT_TRANSITION, _insert_rows
+from fsm_runner.journal._sqlite_inserts import insert_rows as _insert_rows
+from fsm_runner.journal._sqlite_writes import _INSERT_TRANSITION
 from fsm_runner.records import RunLifecycle, TransitionRecord, format_utc
 from fsm_runner.rules.reducer import begin
 from tests.helpers import NEXT, linear_spec
@@ -121,15 +122,15 @@ class TestCreateRuns:
 
     def test_rows_with_nulls_in_sql_are_the_rows_bound(self, tmp_path):
         rows = [
-            ("r", 1, None, "E", "s", None, 1, "t", None, None, 0, 7),
-            ("r", 2, "s", "E", "s", 1, None, "t", 2.5, '{"a": 1}', 0, 7),
-            ("r", 3, None, "E", "s", None, 1, "t", None, None, 0, 7),
-            ("r", 4, None, "E", "s", None, 1, "t", None, None, 0, 7),
+            ("r", 1, None, "E", "s", None, 1, "t", None, None, 0, 7, "d1"),
+            ("r", 2, "s", "E", "s", 1, None, "t", 2.5, '{"a": 1}', 0, 7, "d2"),
+            ("r", 3, None, "E", "s", None, 1, "t", None, None, 0, 7, "d3"),
+            ("r", 4, None, "E", "s", None, 1, "t", None, None, 0, 7, "d4"),
         ]
         with sqlite3.connect(":memory:") as conn:
             conn.execute(
                 "CREATE TABLE transitions (run_id, seq, from_state, event, to_state, iteration,"
-                " attempt, at, duration_ms, result, lease_token, run_key)"
+                " attempt, at, duration_ms, result, lease_token, run_key, digest)"
             )
             _insert_rows(conn.cursor(), _INSERT_TRANSITION, rows)
             stored = conn.execute("SELECT *, typeof(from_state) FROM transitions").fetchall()

@@ -27,6 +27,7 @@ from fsm_runner import (
 from fsm_runner.engine import async_driver
 from fsm_runner.engine.async_driver import GroupCommitter
 from fsm_runner.engine.core import StepCore
+from fsm_runner.journal._sqlite_writes import _row_update
 from fsm_runner.journal.base import Commit
 from fsm_runner.rules.reducer import advance_plain
 from fsm_runner.spec import RunLifecycle
@@ -276,7 +277,7 @@ def noop(_ctx):
 
 
 class TestTheEndOfARun:
-    """The UPDATE of a run's end built at once is the one ``_extra_update`` builds."""
+    """The UPDATE of a run's end built at once is the one ``_row_update`` builds."""
 
     @pytest.mark.parametrize("same_time", [True, False])
     def test_same_statement(self, tmp_path, same_time):
@@ -287,7 +288,10 @@ class TestTheEndOfARun:
             if not same_time:
                 after = attrs.evolve(after, updated_at=AT + dt.timedelta(seconds=1))
             insert, rows = journal._writer._statements(after, transition, (), (), None)
-            assert rows == [journal._writer._extra_update(after, transition, insert[7], insert[11])]
+            writer = journal._writer
+            known = writer._written.get(after.run_id)
+            built = _row_update(known, {}, after, transition, at=insert[7], key=insert[11])
+            assert rows == [built]
             assert None not in rows[0][1]
             assert "lease_owner = NULL" in rows[0][0]
             assert journal.commit_many([Commit(after, transition)]) == [None]

@@ -13,6 +13,7 @@ import click
 
 from fsm_runner.cli.apps import load_spec
 from fsm_runner.cli.errors import (
+    EXIT_FAILURE,
     EXIT_USAGE,
     FiniteFloatRange,
     Int64Range,
@@ -362,6 +363,7 @@ def replay(
     transitions lead to. Prints the reconstructed timeline; on a mismatch, exits 1 naming
     the first one (seq, expected, found).
     """
+    from fsm_runner.journal._digest import chain_break
     from fsm_runner.replay import journal_specs, read_run
     from fsm_runner.replay import replay as replay_through
 
@@ -371,6 +373,13 @@ def replay(
     if to_seq is not None and to_seq > run.seq:
         fail(f"--to: run {shown(run.run_id)} has seqs 0..{run.seq}", EXIT_USAGE)
     specs = journal_specs(journal)
+    broken = chain_break(timeline)
+    if broken is not None:
+        fail(
+            f"run {run.run_id} at seq {broken}: the transition does not match its digest"
+            " (changed since it was written)",
+            EXIT_FAILURE,
+        )
     spec = load_spec(spec_path, "--spec") if spec_path is not None else specs(run.spec_hash)
     replayed = replay_through(
         spec,

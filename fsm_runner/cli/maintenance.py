@@ -93,9 +93,11 @@ def check(
 ) -> None:
     """Check the journal's integrity, and replay every run through its stored spec.
 
-    SQLite's own integrity check, the schema and dangling rows, then for every run (or those
-    --run and --since select): seqs gapless from 0 (invariant 2), the run row equal to its
-    last transition (1) and to what replaying its transitions gives (8). The runs are
+    SQLite's own integrity check, the schema and dangling rows, every run's hash chain and
+    every row's digest (the first seq, or row, whose content changed since it was written;
+    SQLite and memory journals), then for every run (or those --run and --since select):
+    seqs gapless from 0 (invariant 2), the run row equal to its last transition (1) and to
+    what replaying its transitions gives (8). The runs are
     replayed in --jobs processes, a range of runs each. Exits 1 with a list of problems, one
     per line; a progress bar on stderr when it is a terminal.
     """
@@ -223,21 +225,31 @@ def prune(state: CliState, days: float, dry_run: bool, vacuum: bool, as_json: bo
 def export(state: CliState, run_id: str, directory: Path) -> None:
     """Write a run to DIR as JSON files.
 
-    run.json (the run and its transitions), effects.json (its effects ledger),
-    iteration-N.json for each iteration, and one file per artifact named after it
+    run.json (the run and its transitions; from a journal that keeps digests, each
+    transition's and the head's, to verify the run's chain elsewhere), effects.json (its
+    effects ledger), iteration-N.json for each iteration, and one file per artifact named after it
     (agent-N.json, verification-N.json for agent-loop runs).
     """
+    from fsm_runner._json import dumps_json
     from fsm_runner.records import unstructure
 
     journal = state.journal()
     run = journal.load(resolve_run_id(journal, run_id))
+    transitions = journal.transitions(run.run_id)
     files: dict[str, Any] = {
         "run.json": {
             "run": unstructure(run),
-            "transitions": [unstructure(t) for t in journal.transitions(run.run_id)],
+            "transitions": [unstructure(t) for t in transitions],
         },
         "effects.json": [unstructure(e) for e in journal.effects(run.run_id)],
     }
+    if transitions and transitions[-1].digest is not None:  # a journal that keeps digests
+        files["run.json"]["head_digest"] = transitions[-1].digest
+        # What each digest covers: the result's JSON as stored (this file sorts its keys)
+        for data, transition in zip(files["run.json"]["transitions"], transitions, strict=True):
+            data["result_json"] = (
+                None if transition.result is None else dumps_json(transition.result)
+            )
     for record in journal.iterations(run.run_id):
         files[f"iteration-{record.iteration}.json"] = unstructure(record)
     for artifact in journal.artifacts(run.run_id):

@@ -13,6 +13,7 @@ import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
 from fsm_runner.events import USER_ABORTED
+from fsm_runner.journal._schema_v11 import m0011_digests
 from fsm_runner.journal._sqlite_errors import NO_RUN_KEY, STALE_SEQ
 
 __all__ = ["database", "migrate", "unknown_migrations"]
@@ -682,6 +683,8 @@ def m0010_waits(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE meta SET value = '10' WHERE key = 'schema_version'")
 
 
+_migrations()(m0011_digests)  # version 11: a module of its own (this one's size)
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
@@ -693,4 +696,5 @@ _MIGRATION_VERSIONS = {
     "m0008_abort_fence": 8,
     "m0009_claims_prune_pages": 9,
     "m0010_waits": 10,
+    "m0011_digests": 11,
 }

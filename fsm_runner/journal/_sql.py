@@ -25,6 +25,7 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
 )
 from fsm_runner.journal import _rows
+from fsm_runner.journal._digest import row_digest
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -95,6 +96,9 @@ class SqlDialect:
     #: by it than by ``status = 'active'`` (SQLite: the two partial indexes of its claims; its
     #: index by status holds the ended runs only).
     active_keys: str | None = None
+    #: Whether an effect's row carries a digest of its values, bound after them in
+    #: :attr:`put_effect` (SQLite's schema 11).
+    effect_digests: bool = False
 
 
 class SqlConnections(Protocol):
@@ -534,8 +538,11 @@ class SqlCore:
             RunConflictError: the run moved on (another writer advanced it); nothing written.
             LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
         """
+        values = _rows.effect_params(record, self._stamp)
+        if self.dialect.effect_digests:
+            values = (*values, row_digest(values))
         params = (
-            *_rows.effect_params(record, self._stamp),
+            *values,
             record.run_id,
             run_seq,
             lease_token,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_runner.exceptions import JournalError, SchemaVersionError
+from fsm_runner.journal._sqlite_chain import chain_problems
 
 __all__ = [
     "APPLICATION_ID",
@@ -42,7 +43,7 @@ __all__ = [
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
 #: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
 #: current schema version has them. Checked at every open; a test keeps it equal to a new
@@ -356,7 +357,9 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem.
 
     Then the schema objects that differ from the schema version's (:func:`schema_problems`).
-    Also transitions whose ``run_key`` is not the key of the run their ``run_id`` names (only
+    Then every run's hash chain and every row's digest (schema 11: see
+    :func:`~fsm_runner.journal._sqlite_chain.chain_problems`). Also transitions whose
+    ``run_key`` is not the key of the run their ``run_id`` names (only
     a hand edit makes one: the fence trigger refuses such an insert): reads go by ``run_key``,
     so such a row would show in another run's history; and signals likewise (another run's
     mailbox). A signal of no run is a dangling row, as ``foreign_key_check`` reports it.
@@ -415,7 +418,15 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
             f" so claims misjudge them (first: run {run_id}, row in {stored!r}, head in"
             f" {head!r})"
         )
+    # Schema 11: every run's hash chain and every row's own digest (a journal migrated only
+    # as far as it is read by a newer fsm_runner has no digests to verify).
+    if _has_digests(conn):
+        problems += chain_problems(conn)
     return problems
+
+
+def _has_digests(conn: sqlite3.Connection) -> bool:
+    return any(row[1] == "digest" for row in conn.execute("PRAGMA table_info(transitions)"))
 
 
 def _refuse_newer_schema(conn: sqlite3.Connection, path: str, unknown: set[str]) -> None:

@@ -16,9 +16,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import re
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -26,9 +25,18 @@ import attrs
 from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import JournalError, RunConflictError, RunNotFoundError
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._digest import transition_digest
 from fsm_runner.journal._sql import SqlCore
+from fsm_runner.journal._sqlite_chain import (
+    fill_digests,
+    row_with_digest,
+    run_digest,
+    stored_digest,
+    with_digest,
+)
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.journal._sqlite_errors import STALE_SEQ, describe, errors, refused_if_exists
+from fsm_runner.journal._sqlite_inserts import LIMIT_VARIABLE_NUMBER, insert_row, insert_rows
 from fsm_runner.journal.base import Commit, NewRun, new_runs
 from fsm_runner.records import (
     ArtifactRecord,
@@ -46,20 +54,21 @@ __all__ = ["PUT_EFFECT", "SqliteWriter"]
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 #: The dialect's INSERT (or replace) of an effect (see :class:`~._sql.SqlDialect`).
 PUT_EFFECT = (
-    f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)})"
-    f" SELECT {', '.join('?' * len(_EFFECT_COLUMNS))}"
+    f"INSERT OR REPLACE INTO effects ({', '.join(_EFFECT_COLUMNS)}, digest)"
+    f" SELECT {', '.join('?' * (len(_EFFECT_COLUMNS) + 1))}"
     " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = ? AND seq = ?"
     " AND (? IS NULL OR lease_token = ?))"
 )
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
+# Each of these rows carries a digest of its values (schema 11): the last parameter.
 _UPSERT_ITERATION = (
-    f"INSERT OR REPLACE INTO iterations ({', '.join(_ITERATION_COLUMNS)})"
-    f" VALUES ({', '.join('?' * len(_ITERATION_COLUMNS))})"
+    f"INSERT OR REPLACE INTO iterations ({', '.join(_ITERATION_COLUMNS)}, digest)"
+    f" VALUES ({', '.join('?' * (len(_ITERATION_COLUMNS) + 1))})"
 )
 _ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
 _UPSERT_ARTIFACT = (
-    f"INSERT OR REPLACE INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)})"
-    f" VALUES ({', '.join('?' * len(_ARTIFACT_COLUMNS))})"
+    f"INSERT OR REPLACE INTO artifacts ({', '.join(_ARTIFACT_COLUMNS)}, digest)"
+    f" VALUES ({', '.join('?' * (len(_ARTIFACT_COLUMNS) + 1))})"
 )
 
 #: How many runs' last written rows the journal remembers to write only changed columns.
@@ -68,16 +77,17 @@ _REMEMBERED_RUNS = 10_000
 #: ``sqlite3`` binds an ``int`` at once, but looks for an adapter of ``None`` (and formats the
 #: ``AttributeError`` of its ``__conform__``) every time, ~3k instructions a parameter. A
 #: stored result is JSON text, never that integer, so ``NULLIF`` turns only it into NULL (and
-#: a ``None`` still binds as NULL).
-_TRANSITION_VALUES = "(?, ?, ?, ?, ?, ?, ?, ?, ?, NULLIF(?, 0), ?, ?)"
+#: a ``None`` still binds as NULL). Its last value is its digest, chained to the run's
+#: previous transition's (schema 11: see :mod:`~fsm_runner.journal._digest`).
+_TRANSITION_VALUES = "(?, ?, ?, ?, ?, ?, ?, ?, ?, NULLIF(?, 0), ?, ?, ?)"
 _NO_RESULT = 0
 _INSERT_TRANSITION = (
     "INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,"
-    f" duration_ms, result, lease_token, run_key) VALUES {_TRANSITION_VALUES}"
+    f" duration_ms, result, lease_token, run_key, digest) VALUES {_TRANSITION_VALUES}"
 )
-_TRANSITION_PARAMS = 12
-_run_key_of = operator.itemgetter(_TRANSITION_PARAMS - 1)  # an INSERT's (run_key, seq) order
-_BULK_ROWS = 256  # rows per multi-row INSERT, at most (12 parameters each)
+_TRANSITION_PARAMS = 13
+_run_key_of = operator.itemgetter(11)  # an INSERT's (run_key, seq) order
+_BULK_ROWS = 256  # rows per multi-row INSERT, at most (13 parameters each)
 #: How many run ids' keys (``run_rows.run_key``) the journal remembers; a miss costs one lookup.
 _REMEMBERED_KEYS = 100_000
 
@@ -95,7 +105,10 @@ _CONSUME_SIGNAL = (
     " WHERE number = ? AND run_key = ? AND consumed_seq IS NULL"
 )
 
-_RUN_COLUMNS = _rows.RUN_COLUMNS
+#: The run row's columns as SQLite inserts them: with its digest (schema 11), last.
+_RUN_COLUMNS = (*_rows.RUN_COLUMNS, "digest")
+
+
 _INSERT_RUN = (
     f"INSERT INTO run_rows ({', '.join(_RUN_COLUMNS)})"
     f" VALUES ({', '.join('?' * len(_RUN_COLUMNS))})"
@@ -124,7 +137,7 @@ def _update_run_row(columns: Sequence[str], bound: int) -> str:
     return f"UPDATE run_rows SET {assignments} WHERE run_key = ?"
 
 
-#: The UPDATE :meth:`SqliteWriter._extra_update` writes when a plain step ends a run: the
+#: The UPDATE :func:`_row_update` writes when a plain step ends a run: the
 #: head, the status, no lease holder and no wake time.
 _END_RUN = _update_run_row(
     ("state", "seq", "iteration", "updated_at", "visit_seq", "status", *_ENDED_NULLS), 6
@@ -155,64 +168,12 @@ def _insert_runs(cursor: sqlite3.Cursor, rows: Sequence[tuple[Any, ...]]) -> ran
     The first row's key is SQLite's (AUTOINCREMENT); the write lock held, the next ones are
     those it would give next, one more each, given with the rows: no round trip per row.
     """
-    _insert_row(cursor, _INSERT_RUN, rows[0])
+    insert_row(cursor, _INSERT_RUN, rows[0])
     first = _inserted_key(cursor)
     keys = range(first, first + len(rows))
     keyed = [(*row, key) for row, key in zip(rows[1:], keys[1:], strict=True)]
-    _insert_rows(cursor, _INSERT_KEYED_RUN, keyed)
+    insert_rows(cursor, _INSERT_KEYED_RUN, keyed)
     return keys
-
-
-#: An INSERT's SQL and which of its parameters it binds, by the statement and which of its
-#: values are NULL (see :func:`_insert_rows`).
-_null_free: dict[tuple[str, tuple[bool, ...]], tuple[str, Callable[[Sequence[Any]], Any]]] = {}
-_NONES = (None,) * 64  # more than any row's values
-
-
-def _insert_rows(cursor: sqlite3.Cursor, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
-    """``executemany(sql, rows)``, in order, with each NULL written into the SQL, not bound.
-
-    Binding ``None`` costs the ``sqlite3`` module an adaptation lookup (~3k instructions, an
-    ``AttributeError`` formatted and dropped); a new run's rows hold ten or so. So the rows go
-    in runs of one pattern of NULLs each, by a statement with ``NULL`` in those places.
-    """
-    patterns = [tuple(map(operator.is_, row, _NONES)) for row in rows]
-    for pattern, group in itertools.groupby(zip(patterns, rows, strict=True), _first):
-        null_free, bound = _statement(sql, pattern)
-        cursor.executemany(null_free, [bound(row) for _, row in group])
-
-
-def _insert_row(cursor: sqlite3.Cursor, sql: str, row: tuple[Any, ...]) -> None:
-    """:func:`_insert_rows` of one row, by ``execute`` (which sets ``lastrowid``)."""
-    null_free, bound = _statement(sql, tuple(map(operator.is_, row, _NONES)))
-    cursor.execute(null_free, bound(row))
-
-
-def _statement(sql: str, pattern: tuple[bool, ...]) -> tuple[str, Callable[[Sequence[Any]], Any]]:
-    statement = _null_free.get((sql, pattern))
-    if statement is None:
-        statement = _null_free[sql, pattern] = _without_nulls(sql, pattern)
-    return statement
-
-
-_first = operator.itemgetter(0)
-_LIMIT_VARIABLE_NUMBER = 9  # sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER (Python 3.11+)
-
-
-def _without_nulls(
-    sql: str, pattern: tuple[bool, ...]
-) -> tuple[str, Callable[[Sequence[Any]], Any]]:
-    """``sql`` (one ``VALUES`` row of ``?``) with ``NULL`` where ``pattern`` is true."""
-    head, values = sql.split(" VALUES ", maxsplit=1)
-    if values.count("?") != len(pattern):  # pragma: no cover - a caller's mistake
-        raise ValueError(f"{len(pattern)} values for {values.count('?')} parameters")
-    marks = iter(["NULL" if null else "?" for null in pattern])
-    null_free = head + " VALUES " + re.sub(r"\?", lambda _: next(marks), values)
-    kept = [at for at, null in enumerate(pattern) if not null]
-    pick = operator.itemgetter(*kept)
-    if len(kept) == 1:  # pragma: no cover - every row here has two values or more
-        return null_free, lambda row: (pick(row),)
-    return null_free, pick
 
 
 #: One commit of a group, planned: its index in the group, its INSERT's parameters and the
@@ -256,6 +217,76 @@ def _insert_many(
         cursor.execute(_bulk_insert(len(chunk)), list(itertools.chain.from_iterable(chunk)))
 
 
+def _row_update(
+    known: RunRecord | None,
+    update_sql: dict[tuple[str, ...], str],
+    run: RunRecord,
+    transition: TransitionRecord,
+    *,
+    at: str,
+    key: int,
+) -> tuple[str, tuple[Any, ...]]:
+    """The UPDATE of the stored run row, when more than the run's head changed.
+
+    ``known``: the row as this journal last wrote or read it. Called off the hot path only:
+    :meth:`SqliteWriter._statements` has found that more than the head
+    changed, or that this journal does not know the row as stored at ``seq - 1``.
+
+    The head (state, seq, iteration, updated_at and a new visit) is the last transition, read
+    through the ``runs`` view, so a plain step writes no run row at all. Any other change
+    writes the head into the row too (the view then reads the row's own updated_at and
+    visit_seq). Every column assigned costs (the status index alone ~8 µs a step), so when
+    this journal knows the row as stored at ``seq - 1`` it leaves unchanged columns alone.
+    That knowledge is safe: the fence trigger refuses the commit unless the run is at
+    ``seq - 1``. ``at`` is the transition's time as the INSERT writes it: the row's
+    ``updated_at`` when it was the transition's (the engine's rows), formatted once.
+
+    The row is found by ``key``, its ``run_key`` (the rowid: no lookup in the ``run_id``
+    index). It runs only after the transition's INSERT in the same transaction, which the
+    fence trigger admits only with the ``run_key`` of that very ``run_id``.
+    """
+    if known is not None and known.seq != transition.seq - 1:
+        known = None
+    columns = ["state", "seq", "iteration", "updated_at", "visit_seq"]
+    params: list[Any] = [
+        run.state,
+        run.seq,
+        run.iteration,
+        at if run.updated_at is transition.at else format_utc(run.updated_at),
+        run.visit_seq,
+    ]
+    if known is None or run.status is not known.status:
+        columns.append("status")
+        params.append(run.status.value)
+    if known is None or run.attempt != known.attempt:
+        columns.append("attempt")
+        params.append(run.attempt)
+    if known is None or run.context is not known.context or run.error is not known.error:
+        # Rewritten with the row's digest (schema 11), which covers them
+        context, error = _dumps(run.context), _dumps(run.error)
+        columns += ["context", "error", "digest"]
+        params += [context, error, run_digest(run, context, error)]
+    if known is None or (run.return_to, run.return_attempt) != (
+        known.return_to,
+        known.return_attempt,
+    ):
+        columns += ["return_to", "return_attempt", "return_visit"]
+        params += [run.return_to, run.return_attempt, run.return_visit]
+    # Columns set to NULL are written as NULL in the SQL, not bound (see _TRANSITION_VALUES).
+    if transition.event == USER_ABORTED:
+        columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
+    if run.ended:
+        # The run ends: its lease ends with it (the token stays, as a release leaves it),
+        # and so does its wake time.
+        columns += _ENDED_NULLS
+    names = tuple(columns)
+    sql = update_sql.get(names)
+    if sql is None:
+        sql = update_sql[names] = _update_run_row(names, len(params))
+    params.append(key)
+    return sql, tuple(params)
+
+
 class SqliteWriter:
     """The fenced writes of one SQLite journal, and what it remembers of the rows it wrote.
 
@@ -271,9 +302,12 @@ class SqliteWriter:
         self._written: dict[str, RunRecord] = {}
         #: Run id -> ``run_rows.run_key``, as read or written here.
         self._keys: dict[str, int] = {}
+        #: Run id -> (seq, digest) of the run's last transition written here (its head when
+        #: the next commit is at seq + 1): a step reads no digest to chain its own to.
+        self._heads: dict[str, tuple[int, str]] = {}
         self._update_sql: dict[tuple[str, ...], str] = {}
         getlimit = getattr(connections.conn, "getlimit", None)  # Python 3.11+
-        variables = getlimit(_LIMIT_VARIABLE_NUMBER) if getlimit else 999
+        variables = getlimit(LIMIT_VARIABLE_NUMBER) if getlimit else 999
         self._bulk_rows = max(1, min(_BULK_ROWS, variables // _TRANSITION_PARAMS))
 
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
@@ -289,9 +323,12 @@ class SqliteWriter:
         if not new_runs(runs):
             return
         core = self._core
-        run_rows = [core.run_params(run) for run, _, _ in runs]
+        run_rows = [with_digest(core.run_params(run)) for run, _, _ in runs]
         transition_rows = [core.transition_params(first) for _, first, _ in runs]
-        iteration_rows = [core.iteration_params(i) for _, _, opened in runs for i in opened]
+        digests = [transition_digest(None, row) for row in transition_rows]
+        iteration_rows = [
+            row_with_digest(core.iteration_params(i)) for _, _, opened in runs for i in opened
+        ]
         spec = (runs[0][0].spec_hash, runs[0][0].machine, spec_json, format_utc(utc_now()))
         refused = runs[0][0].run_id
         try:
@@ -304,17 +341,20 @@ class SqliteWriter:
                 except sqlite3.IntegrityError:  # the rows before the refused one are in
                     refused = runs[conn.total_changes - before][0].run_id
                     raise
-                _insert_rows(
+                insert_rows(
                     cursor,
                     _INSERT_TRANSITION,
-                    [(*row, key) for row, key in zip(transition_rows, keys, strict=True)],
+                    [
+                        (*row, key, digest)
+                        for row, key, digest in zip(transition_rows, keys, digests, strict=True)
+                    ],
                 )
                 if iteration_rows:
-                    _insert_rows(cursor, _UPSERT_ITERATION, iteration_rows)
+                    insert_rows(cursor, _UPSERT_ITERATION, iteration_rows)
         except JournalError as exc:
             with refused_if_exists(refused):
                 raise exc from exc.__cause__
-        self._remember_many([run for run, _, _ in runs], keys)
+        self._remember_many([run for run, _, _ in runs], keys, digests)
 
     def commit(
         self,
@@ -358,7 +398,9 @@ class SqliteWriter:
                 raise JournalError(describe(exc), path=connections.path) from exc
             if len(written) >= _REMEMBERED_RUNS:
                 written.clear()
+                self._heads.clear()
             written[run_id] = run
+            self._heads[run_id] = (transition.seq, insert[12])
 
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
         """:meth:`commit` and mark signal ``number`` consumed by it, in ONE transaction.
@@ -382,6 +424,7 @@ class SqliteWriter:
                 path = self._connections.path
                 raise RunConflictError(run_id=run.run_id, expected_seq=run.seq - 1, path=path)
         self.remember(run)
+        self._heads[run.run_id] = (transition.seq, insert[12])
 
     def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
         """Store several commits in one ``BEGIN IMMEDIATE`` transaction (see ``Journal``).
@@ -392,15 +435,18 @@ class SqliteWriter:
         """
         results: list[Exception | None] = [None] * len(commits)
         planned = []
+        heads: dict[str, tuple[int, str]] = {}  # a run's commit chains to its one before here
         for index, item in enumerate(commits):
             try:
                 insert, rows = self._statements(
-                    item.run, item.transition, item.iterations, item.artifacts, item.spec_json
-                )
+                    item.run, item.transition, item.iterations, item.artifacts, item.spec_json,
+                    planned=heads,
+                )  # fmt: skip
             except Exception as exc:  # noqa: BLE001, PERF203 - refused alone, returned at its index
                 results[index] = exc
             else:
                 planned.append((index, insert, rows))
+                heads[item.run.run_id] = (insert[1], insert[12])
         if not planned:
             return results
         stored: list[int] = []
@@ -411,11 +457,13 @@ class SqliteWriter:
                 with errors(connections.path):
                     self._write_group(commits, planned, results, stored)
             except JournalError as failure:
-                for index in stored:
+                for index in stored:  # rolled back: neither row nor head is as remembered
                     self._written.pop(commits[index].run.run_id, None)
+                    self._heads.pop(commits[index].run.run_id, None)
                 return [failure if result is None else result for result in results]
             if len(self._written) >= _REMEMBERED_RUNS:
                 self._written.clear()
+                self._heads.clear()
         return results
 
     def _write_group(
@@ -434,7 +482,7 @@ class SqliteWriter:
         (``IntegrityError``), the transaction is rolled back and every commit is done again
         on its own, each with its statements in a SAVEPOINT: refused alone.
         """
-        written = self._written
+        written, heads = self._written, self._heads
         cursor = self._connections.cursor
         cursor.execute("BEGIN IMMEDIATE")
         try:
@@ -447,8 +495,9 @@ class SqliteWriter:
                     cursor.execute("ROLLBACK")
                     cursor.execute("BEGIN IMMEDIATE")
                 else:
-                    for index, _, _ in planned:
+                    for index, insert, _ in planned:
                         written[commits[index].run.run_id] = commits[index].run
+                        heads[commits[index].run.run_id] = (insert[1], insert[12])
                         stored.append(index)
                     planned = ()
             for index, insert, rows in planned:
@@ -465,6 +514,7 @@ class SqliteWriter:
                     )
                 else:
                     written[run.run_id] = run  # known at this seq for a later commit here
+                    heads[run.run_id] = (insert[1], insert[12])
                     stored.append(index)
             cursor.execute("COMMIT")
         except BaseException:
@@ -479,27 +529,16 @@ class SqliteWriter:
         iterations: Sequence[IterationRecord],
         artifacts: Sequence[ArtifactRecord],
         spec_json: str | None,
+        *,
+        planned: dict[str, tuple[int, str]] | None = None,
     ) -> tuple[tuple[Any, ...], list[tuple[str, tuple[Any, ...]]] | None]:
         """The INSERT of ``transition`` and, off the hot path, the other statements with it."""
         seq = transition.seq
         if run.seq != seq or run.state != transition.to_state or seq < 1:
             self._core.refuse_malformed(run, transition)
-        insert = (
-            transition.run_id,
-            seq,
-            transition.from_state,
-            transition.event,
-            transition.to_state,
-            transition.iteration,
-            transition.attempt,
-            format_utc(transition.at),
-            transition.duration_ms,
-            _NO_RESULT if transition.result is None else _dumps(transition.result),
-            transition.lease_token,
-            self._keys.get(transition.run_id) or self._run_key(transition.run_id),
-        )
+        insert = self._insert(transition, planned)
         extra: tuple[str, tuple[Any, ...]] | None
-        known = self._written.get(run.run_id)
+        known, sqls = self._written.get(run.run_id), self._update_sql
         if (
             known is not None  # a plain step: the transition is all that changed, ...
             and known.seq == seq - 1
@@ -512,21 +551,23 @@ class SqliteWriter:
         ):
             if run.status is known.status:
                 # the hot path; a run nobody holds has its row written too (what claims read)
-                extra = (
-                    None
-                    if run.lease_owner is not None
-                    else self._extra_update(run, transition, insert[7], insert[11])
-                )
+                extra = None
+                if run.lease_owner is None:
+                    extra = _row_update(known, sqls, run, transition, at=insert[7], key=insert[11])
             elif run.status is not _ACTIVE and run.return_attempt == known.return_attempt:
-                # ... but for the run's end: what _extra_update writes then, built at once
+                # ... but for the run's end: what _row_update writes then, built at once
                 at = insert[7] if run.updated_at is transition.at else format_utc(run.updated_at)
                 # _value_: the member's value as stored on it (.value is a Python property)
                 status = run.status._value_
                 extra = (_END_RUN, (run.state, seq, run.iteration, at, seq, status, insert[11]))
             else:
-                extra = self._extra_update(run, transition, insert[7], insert[11])
+                extra = _row_update(
+                    known, self._update_sql, run, transition, at=insert[7], key=insert[11]
+                )
         else:
-            extra = self._extra_update(run, transition, insert[7], insert[11])
+            extra = _row_update(
+                known, self._update_sql, run, transition, at=insert[7], key=insert[11]
+            )
         if extra is None and not iterations and not artifacts and spec_json is None:
             return insert, None
         rows = [extra] if extra is not None else []
@@ -540,9 +581,39 @@ class SqliteWriter:
                 ("UPDATE run_rows SET spec_hash = ? WHERE run_id = ?", (run.spec_hash, run.run_id)),
             ]
         core = self._core
-        rows += [(_UPSERT_ITERATION, core.iteration_params(i)) for i in iterations]
-        rows += [(_UPSERT_ARTIFACT, core.artifact_params(a)) for a in artifacts]
+        rows += [(_UPSERT_ITERATION, row_with_digest(core.iteration_params(i))) for i in iterations]
+        rows += [(_UPSERT_ARTIFACT, row_with_digest(core.artifact_params(a))) for a in artifacts]
         return insert, rows
+
+    def _insert(
+        self, transition: TransitionRecord, planned: dict[str, tuple[int, str]] | None
+    ) -> tuple[Any, ...]:
+        """The parameters of ``transition``'s INSERT, its digest last.
+
+        Chained to the run's previous one as written here (``planned``: a group's before it;
+        :attr:`_heads`), else as stored (one read, off the hot path).
+        """
+        run_id, seq, at = transition.run_id, transition.seq, format_utc(transition.at)
+        result = None if transition.result is None else _dumps(transition.result)
+        key = self._keys.get(run_id) or self._run_key(run_id)
+        head = (planned and planned.get(run_id)) or self._heads.get(run_id)
+        if head is not None and head[0] == seq - 1:
+            previous: str | None = head[1]
+        else:  # a run this journal did not write last: its head as stored
+            with self._connections.read() as conn:
+                previous = stored_digest(conn, key, seq - 1)
+        from_state, event, to_state = transition.from_state, transition.event, transition.to_state
+        iteration, attempt, ms = transition.iteration, transition.attempt, transition.duration_ms
+        token = transition.lease_token
+        digest = transition_digest(
+            previous,
+            (run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, result, token),
+        )
+        stored = _NO_RESULT if result is None else result
+        return (
+            run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, stored, token,
+            key, digest,
+        )  # fmt: skip
 
     def _savepoint(
         self,
@@ -586,70 +657,6 @@ class SqliteWriter:
                 cursor.execute("ROLLBACK")
             raise
 
-    def _extra_update(
-        self, run: RunRecord, transition: TransitionRecord, at: str, key: int
-    ) -> tuple[str, tuple[Any, ...]]:
-        """The UPDATE of the stored run row, when more than the run's head changed.
-
-        Called off the hot path only: :meth:`_statements` has found that more than the head
-        changed, or that this journal does not know the row as stored at ``seq - 1``.
-
-        The head (state, seq, iteration, updated_at and a new visit) is the last transition, read
-        through the ``runs`` view, so a plain step writes no run row at all. Any other change
-        writes the head into the row too (the view then reads the row's own updated_at and
-        visit_seq). Every column assigned costs (the status index alone ~8 µs a step), so when
-        this journal knows the row as stored at ``seq - 1`` it leaves unchanged columns alone.
-        That knowledge is safe: the fence trigger refuses the commit unless the run is at
-        ``seq - 1``. ``at`` is the transition's time as the INSERT writes it: the row's
-        ``updated_at`` when it was the transition's (the engine's rows), formatted once.
-
-        The row is found by ``key``, its ``run_key`` (the rowid: no lookup in the ``run_id``
-        index). It runs only after the transition's INSERT in the same transaction, which the
-        fence trigger admits only with the ``run_key`` of that very ``run_id``.
-        """
-        known = self._written.get(run.run_id)
-        if known is not None and known.seq != transition.seq - 1:
-            known = None
-        columns = ["state", "seq", "iteration", "updated_at", "visit_seq"]
-        params: list[Any] = [
-            run.state,
-            run.seq,
-            run.iteration,
-            at if run.updated_at is transition.at else format_utc(run.updated_at),
-            run.visit_seq,
-        ]
-        if known is None or run.status is not known.status:
-            columns.append("status")
-            params.append(run.status.value)
-        if known is None or run.attempt != known.attempt:
-            columns.append("attempt")
-            params.append(run.attempt)
-        if known is None or run.context is not known.context:
-            columns.append("context")
-            params.append(_dumps(run.context))
-        if known is None or run.error is not known.error:
-            columns.append("error")
-            params.append(_dumps(run.error))
-        if known is None or (run.return_to, run.return_attempt) != (
-            known.return_to,
-            known.return_attempt,
-        ):
-            columns += ["return_to", "return_attempt", "return_visit"]
-            params += [run.return_to, run.return_attempt, run.return_visit]
-        # Columns set to NULL are written as NULL in the SQL, not bound (see _TRANSITION_VALUES).
-        if transition.event == USER_ABORTED:
-            columns += ["abort_reason", "abort_token"]  # the abort carried out clears the request
-        if run.ended:
-            # The run ends: its lease ends with it (the token stays, as a release leaves it),
-            # and so does its wake time.
-            columns += _ENDED_NULLS
-        names = tuple(columns)
-        sql = self._update_sql.get(names)
-        if sql is None:
-            sql = self._update_sql[names] = _update_run_row(names, len(params))
-        params.append(key)
-        return sql, tuple(params)
-
     def remember(self, run: RunRecord) -> None:
         """Remember ``run`` as stored (read or written here): its next commit writes less."""
         if len(self._written) >= _REMEMBERED_RUNS:
@@ -661,23 +668,33 @@ class SqliteWriter:
         for run_id in run_ids:
             self._written.pop(run_id, None)
             self._keys.pop(run_id, None)
+            self._heads.pop(run_id, None)
 
-    def _remember_many(self, runs: Sequence[RunRecord], keys: Sequence[int]) -> None:
-        """:meth:`remember` and :meth:`remember_key` of a batch (caches cleared once, first)."""
-        written, known = self._written, self._keys
+    def _remember_many(
+        self, runs: Sequence[RunRecord], keys: Sequence[int], digests: Sequence[str]
+    ) -> None:
+        """:meth:`remember` and :meth:`remember_key` of new runs (caches cleared once, first)."""
+        written, known, heads = self._written, self._keys, self._heads
         if len(written) + len(runs) > _REMEMBERED_RUNS:
             written.clear()
+            heads.clear()
         if len(known) + len(runs) > _REMEMBERED_KEYS:
             known.clear()
-        for run, key in zip(runs, keys, strict=True):
+            heads.clear()
+        for run, key, digest in zip(runs, keys, digests, strict=True):
             written[run.run_id] = run
             known[run.run_id] = key
+            heads[run.run_id] = (0, digest)
 
     def remember_key(self, run_id: str, key: int) -> None:
         """Remember the run's ``run_key`` (read or written here)."""
-        if len(self._keys) >= _REMEMBERED_KEYS:
-            self._keys.clear()
-        self._keys[run_id] = key
+        keys = self._keys
+        if len(keys) >= _REMEMBERED_KEYS:
+            keys.clear()
+            self._heads.clear()  # a head is remembered only with its run's key
+        if keys.get(run_id) != key:  # another run under that id (pruned, made again)
+            self._heads.pop(run_id, None)
+        keys[run_id] = key
 
     def _run_key(self, run_id: str) -> int:
         """The run's ``run_key`` (when this journal has not read or written the run yet)."""
@@ -706,6 +723,7 @@ class SqliteWriter:
         if STALE_SEQ not in str(exc) and "transitions.run_key" not in str(exc):
             return JournalError(describe(exc), path=connections.path)
         self._keys.pop(run_id, None)  # read again next time, in case it was not the run's
+        self._heads.pop(run_id, None)  # and so is its head (a pruned run's id may come back)
         found = connections.conn.execute(
             "SELECT v.seq, v.lease_token, v.abort_reason, r.abort_token FROM runs AS v"
             " JOIN run_rows AS r ON r.run_key = v.run_key WHERE v.run_id = ?",
@@ -719,7 +737,7 @@ class SqliteWriter:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
         check_run_id(run.run_id)
         _rows.check_fork(run, at_seq)
-        first = self._core.run_params(attrs.evolve(run, seq=0))
+        first = with_digest(self._core.run_params(attrs.evolve(run, seq=0)))
         with refused_if_exists(run.run_id), self._connections.write() as conn:
             found = conn.execute(
                 "SELECT seq, run_key FROM runs WHERE run_id = ?", (source_run_id,)
@@ -740,7 +758,7 @@ class SqliteWriter:
             conn.execute(
                 f"UPDATE run_rows SET {assignments} WHERE run_id = ?",
                 (*self._core.run_params(run)[1:], run.run_id),
-            )
+            )  # its digest: computed below, from what it holds
             copies = (
                 ("iterations", _rows.ITERATION_COLUMNS, "iteration <= ?", run.iteration),
                 ("artifacts", _rows.ARTIFACT_COLUMNS, "seq <= ?", at_seq),
@@ -754,5 +772,8 @@ class SqliteWriter:
                     f" WHERE run_id = ? AND {condition}",
                     (run.run_id, source_run_id, bound),
                 )
+            # The copies belong to another run (and hold no lease token): their digests are
+            # the fork's own, chained from its seq 0.
+            fill_digests(conn, run_key=key, run_id=run.run_id)
         self.remember(run)
         self.remember_key(run.run_id, key)

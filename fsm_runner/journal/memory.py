@@ -25,6 +25,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._memory_chain import MemoryDigests
 from fsm_runner.journal._memory_mailbox import MemoryMailbox
 from fsm_runner.journal.base import (
     Commit,
@@ -181,6 +182,10 @@ def _prunable(runs: Collection[RunRecord], ended_before: dt.datetime) -> list[Ru
     )
 
 
+#: The memory journal's tables of runs, by attribute (each keyed by run id): prune's.
+_RUN_TABLES = ("_runs", "_transitions", "_iterations", "_artifacts", "_effects", "_abort_tokens")
+
+
 class MemoryJournal:
     """A journal held in this process's memory; gone when the process ends.
 
@@ -201,6 +206,7 @@ class MemoryJournal:
         # journal's run_rows.abort_token): commits under it may only carry the abort out
         self._abort_tokens: dict[str, int] = {}
         self._mailbox = MemoryMailbox()  # signals and wake times (see Journal.park)
+        self._digests = MemoryDigests()  # each run's chain, each row's digest (as SQLite's)
         self._closed = False
 
     def _before_fork(self) -> Callable[[], None] | None:
@@ -257,7 +263,7 @@ class MemoryJournal:
             for run, first, iterations in runs:
                 self._specs.setdefault(run.spec_hash, spec_json)
                 self._runs[run.run_id] = run
-                self._transitions[run.run_id] = [first]
+                self._transitions[run.run_id] = [self._digests.started(run, first, iterations)]
                 self._iterations[run.run_id] = {record.iteration: record for record in iterations}
 
     def commit(
@@ -293,7 +299,11 @@ class MemoryJournal:
             if spec_json is not None:
                 self._specs.setdefault(run.spec_hash, spec_json)
             self._runs[run.run_id] = _committed(stored, run, aborting, spec_json is not None)
-            self._transitions[run.run_id].append(transition)
+            stored_run = self._runs[run.run_id]
+            rows = [*iterations, *artifacts]
+            self._transitions[run.run_id].append(
+                self._digests.committed(stored_run, transition, rows)
+            )
             for record in iterations:
                 self._iterations.setdefault(run.run_id, {})[record.iteration] = record
             for artifact in artifacts:
@@ -363,8 +373,8 @@ class MemoryJournal:
             if run.seq != run_seq:
                 raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=":memory:")
             ledger = self._effects.setdefault(record.run_id, {})
-            key = (record.visit_seq, record.name)
-            ledger[key] = record
+            ledger[record.visit_seq, record.name] = record
+            self._digests.stored(record.run_id, [record])
 
     def iteration(self, run_id: str, iteration: int) -> IterationRecord | None:
         """Return the run's record of that iteration, if there is one."""
@@ -653,6 +663,7 @@ class MemoryJournal:
             self._runs[run.run_id] = run
             tables = (self._transitions, self._iterations, self._artifacts, self._effects)
             _copy_history(tables, source_run_id, run, at_seq)
+            self._digests.forked(run, tables)
 
     def prune(self, *, ended_before: dt.datetime, dry_run: bool = False) -> PruneReport:
         """Delete ended runs last updated before ``ended_before``, with all they own."""
@@ -663,21 +674,17 @@ class MemoryJournal:
             count = sum(len(self._transitions.get(run_id, ())) for run_id in ids)
             if not dry_run:
                 for run_id in ids:
-                    for table in (
-                        self._runs,
-                        self._transitions,
-                        self._iterations,
-                        self._artifacts,
-                        self._effects,
-                        self._abort_tokens,
-                    ):
-                        table.pop(run_id, None)
+                    for name in _RUN_TABLES:
+                        getattr(self, name).pop(run_id, None)
                     self._mailbox.forget(run_id)
+                    self._digests.forget(run_id)
                 used = {run.spec_hash for run in self._runs.values()}
                 self._specs = {h: text for h, text in self._specs.items() if h in used}
         return PruneReport(ids, count, dry_run=dry_run)
 
     def integrity_problems(self) -> list[str]:
-        """Nothing to check beneath the records themselves: always ``[]``."""
-        self._check_open()
-        return []
+        """The records that no longer match their digests (see ``_memory_chain``)."""
+        with self._lock:
+            self._check_open()
+            tables = (self._transitions, self._iterations, self._artifacts, self._effects)
+            return self._digests.problems(self._runs, tables)

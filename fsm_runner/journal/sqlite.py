@@ -64,6 +64,7 @@ _DIALECT = SqlDialect(
     stamp=format_utc,
     stale_bound=_stale_bound,
     list_by_created=False,
+    effect_digests=True,
     active_keys=(  # the claims' three indexes: ready, due (a wake time), leased
         "SELECT run_key FROM run_rows WHERE status = 'active' AND lease_owner IS NULL"
         " AND wake_at IS NULL UNION ALL SELECT run_key FROM run_rows WHERE status = 'active'"

@@ -50,6 +50,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "tests" / "bench"):
@@ -244,7 +245,7 @@ def floor_rate(path: Path, runs: int) -> tuple[float, float]:
                 )
             ]
             built.append(
-                (
+                _with_digests(
                     run.run_id,
                     _rows.run_params(run, _rows.RUN_COLUMNS, format_utc),
                     _rows.transition_params(first, format_utc),
@@ -274,18 +275,42 @@ def floor_rate(path: Path, runs: int) -> tuple[float, float]:
         cursor.execute(insert_spec, spec)
         cursor.execute(_sqlite_writes._INSERT_RUN, run_row)
         key = cursor.lastrowid
-        cursor.execute(_sqlite_writes._INSERT_TRANSITION, (*first, key))
+        cursor.execute(_sqlite_writes._INSERT_TRANSITION, _keyed(first, key))
         cursor.execute("COMMIT")
         for step in steps[:-1]:
-            cursor.execute(_sqlite_writes._INSERT_TRANSITION, (*step, key))
+            cursor.execute(_sqlite_writes._INSERT_TRANSITION, _keyed(step, key))
         cursor.execute("BEGIN IMMEDIATE")
-        cursor.execute(_sqlite_writes._INSERT_TRANSITION, (*steps[-1], key))
+        cursor.execute(_sqlite_writes._INSERT_TRANSITION, _keyed(steps[-1], key))
         cursor.execute(end, (steps[-1][7], run_id))
         cursor.execute("COMMIT")
     elapsed = time.perf_counter() - started
     frames = (Path(f"{path}-wal").stat().st_size - 32) / (4096 + 24)
     conn.close()
     return runs * STEPS / elapsed, frames / runs
+
+
+def _with_digests(run_id: str, run_row: Any, first: Any, steps: list[Any]) -> tuple[Any, ...]:
+    """The raw rows as this fsm_runner's INSERTs take them: with digests from schema 11 on.
+
+    Computed before the clock starts (the raw figure is the SQL's alone); an fsm_runner
+    before schema 11 (an A/B baseline) takes the rows as they are.
+    """
+    if "digest" not in _sqlite_writes._INSERT_TRANSITION:
+        return run_id, run_row, first, steps
+    from fsm_runner.journal._digest import transition_digest
+    from fsm_runner.journal._sqlite_chain import with_digest
+
+    chained, previous = [], None
+    for row in [first, *steps]:
+        previous = transition_digest(previous, row)
+        chained.append((*row, previous))
+    # the run key goes between the values and the digest: see _sqlite_writes._INSERT_TRANSITION
+    return run_id, with_digest(run_row), chained[0], chained[1:]
+
+
+def _keyed(row: tuple[Any, ...], key: int) -> tuple[Any, ...]:
+    """A transition's INSERT parameters: its values, the run key, then its digest if any."""
+    return (*row, key) if len(row) == 11 else (*row[:11], key, row[11])
 
 
 def table_ddls(directory: Path) -> list[str]:

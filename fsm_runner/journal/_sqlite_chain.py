@@ -1,0 +1,236 @@
+"""A SQLite journal's digests as stored: computed for a migration, verified for ``check``.
+
+Each run's transitions form a hash chain (:mod:`~fsm_runner.journal._digest`); its run row,
+iterations, effects and artifacts carry a digest each of their own values. The writers compute
+them from the values they bind; here they are computed from the values read back — text
+columns as bytes (``CAST(... AS BLOB)``), so a damaged byte is read as it is — which gives the
+same text for every row written as fsm_runner writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from fsm_runner.journal import _rows
+from fsm_runner.journal._digest import (
+    RUN_DIGEST_COLUMNS,
+    TRANSITION_DIGEST_COLUMNS,
+    digest,
+    row_digest,
+)
+from fsm_runner.records import RunRecord, format_utc
+
+__all__ = [
+    "MIGRATED",
+    "MIGRATED_KEYS",
+    "chain_problems",
+    "fill_digests",
+    "row_with_digest",
+    "run_digest",
+    "stored_digest",
+    "with_digest",
+]
+
+#: The ``meta`` key saying when a migration computed the digests of the rows it found.
+MIGRATED = "digests_computed"
+#: The ``meta`` key holding the highest ``run_key`` whose digests a migration computed.
+MIGRATED_KEYS = "digests_computed_to_run_key"
+
+#: The tables with a digest of each row's own values: (table, columns covered, what names a
+#: row in a problem: its columns, and how the problem reads).
+_ROW_TABLES = (
+    ("iterations", _rows.ITERATION_COLUMNS, "iteration {1}"),
+    ("effects", _rows.EFFECT_COLUMNS, "effect {2!r} of visit {1}"),
+    ("artifacts", _rows.ARTIFACT_COLUMNS, "artifact {1!r}"),
+)
+_ROW_KEYS = {
+    "iterations": ("run_id", "iteration"),
+    "effects": ("run_id", "visit_seq", "name"),
+    "artifacts": ("run_id", "name"),
+}
+
+
+#: Where :data:`~._digest.RUN_DIGEST_COLUMNS` are in a run row's parameters.
+_run_digested = operator.itemgetter(
+    *[_rows.RUN_COLUMNS.index(column) for column in RUN_DIGEST_COLUMNS]
+)
+
+
+def with_digest(params: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A run row's parameters (``_rows.RUN_COLUMNS``) with its digest."""
+    return (*params, row_digest(_run_digested(params)))
+
+
+def row_with_digest(params: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An iteration's or artifact's parameters with its digest."""
+    return (*params, row_digest(params))
+
+
+def run_digest(run: RunRecord, context: str | None, error: str | None) -> str:
+    """The digest of ``run``'s row, its ``context`` and ``error`` as written (JSON text)."""
+    return row_digest(
+        (
+            run.run_id,
+            run.machine,
+            format_utc(run.created_at),
+            run.parent_run_id,
+            run.forked_from,
+            _rows.dumps(run.input),
+            context,
+            error,
+        )
+    )
+
+
+def stored_digest(conn: sqlite3.Connection, key: int, seq: int) -> str | None:
+    """The digest of the run's transition ``seq`` as stored (``None``: there is none).
+
+    Read only when a writer did not write that transition itself (a run it has not stepped,
+    or that was stepped elsewhere since): a step chains to the head it wrote.
+    """
+    row = conn.execute(
+        "SELECT digest FROM transitions WHERE run_key = ? AND seq = ?", (key, seq)
+    ).fetchone()
+    return None if row is None else row[0]
+
+
+def _select(conn: sqlite3.Connection, table: str, columns: Sequence[str], prefix: str = "") -> str:
+    """The select list of ``columns`` as stored: text ones as their bytes."""
+    affinity = {row[1]: str(row[2]).upper() for row in conn.execute(f"PRAGMA table_info({table})")}
+    return ", ".join(
+        f"CAST({prefix}{column} AS BLOB)"
+        if any(word in affinity.get(column, "") for word in ("CHAR", "CLOB", "TEXT"))
+        else f"{prefix}{column}"
+        for column in columns
+    )
+
+
+def _transitions(conn: sqlite3.Connection, run_key: int | None = None) -> Iterator[Any]:
+    """Transitions as (run_key, seq, stored digest, values covered), by run then seq."""
+    select = _select(conn, "transitions", TRANSITION_DIGEST_COLUMNS)
+    where = "" if run_key is None else " WHERE run_key = ?"
+    return conn.execute(
+        f"SELECT run_key, seq, digest, {select} FROM transitions{where} ORDER BY run_key, seq",
+        () if run_key is None else (run_key,),
+    )
+
+
+def fill_digests(
+    conn: sqlite3.Connection, *, run_key: int | None = None, run_id: str | None = None
+) -> None:
+    """Compute and store rows' digests from their values as stored.
+
+    Every row's (a migration's), or one run's (``run_key`` and ``run_id``: a fork's copies).
+    """
+    updates: list[tuple[str, int, int]] = []
+    previous: str | None = None
+    last_key = None
+    for key, seq, _, *values in _transitions(conn, run_key):
+        if key != last_key:
+            previous, last_key = None, key
+        previous = digest(previous, values)
+        updates.append((previous, key, seq))
+    conn.executemany("UPDATE transitions SET digest = ? WHERE run_key = ? AND seq = ?", updates)
+    where = "" if run_id is None else " WHERE run_id = ?"
+    for table, columns in (("run_rows", RUN_DIGEST_COLUMNS), *_own_tables()):
+        rows = conn.execute(
+            f"SELECT rowid, {_select(conn, table, columns)} FROM {table}{where}",
+            () if run_id is None else (run_id,),
+        ).fetchall()
+        conn.executemany(
+            f"UPDATE {table} SET digest = ? WHERE rowid = ?",
+            [(row_digest(values), rowid) for rowid, *values in rows],
+        )
+
+
+def _own_tables() -> list[tuple[str, Sequence[str]]]:
+    return [(table, columns) for table, columns, _ in _ROW_TABLES]
+
+
+def chain_problems(conn: sqlite3.Connection) -> list[str]:
+    """The rows whose content no longer matches their digest: one line per run, row or table.
+
+    A run's chain is verified seq by seq against the digest each transition stores, so the
+    line names the first seq whose content (or digest) changed; a later one changed as well
+    is found once the first is repaired. A run whose digests a migration computed says so:
+    they vouch only for what the migration read.
+    """
+    try:
+        migrated_to = _migrated(conn)
+        first_bad: dict[int, int] = {}
+        expected: str | None = None
+        last_key = None
+        for key, seq, stored, *values in _transitions(conn):
+            if key != last_key:
+                expected, last_key = None, key
+            if key in first_bad:
+                continue
+            expected = digest(expected, values)
+            if stored != expected:
+                first_bad[key] = seq
+            expected = stored if isinstance(stored, str) else expected
+        names = _run_names(conn)
+        problems = [
+            f"digest: run {names.get(key, f'with run_key {key}')} at seq {seq}: the transition"
+            " does not match its digest (changed since it was written)" + _origin(key, migrated_to)
+            for key, seq in first_bad.items()
+        ]
+        problems += _row_problems(conn, migrated_to)
+    except sqlite3.Error as exc:  # a damaged table: the integrity check names it
+        return [f"digest: the digests could not be verified ({exc})"]
+    return problems
+
+
+def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None) -> list[str]:
+    """The run rows, iterations, effects and artifacts that do not match their own digest."""
+    problems = []
+    select = _select(conn, "run_rows", RUN_DIGEST_COLUMNS)
+    for key, run_id, stored, *values in conn.execute(
+        f"SELECT run_key, run_id, digest, {select} FROM run_rows ORDER BY run_key"
+    ):
+        if stored != row_digest(values):
+            problems.append(
+                f"digest: run {run_id}: its row (input, context, error) does not match its digest"
+                " (changed since it was written)" + _origin(key, migrated_to)
+            )
+    for table, columns, named in _ROW_TABLES:
+        names = _ROW_KEYS[table]
+        rows = conn.execute(
+            f"SELECT r.run_key, {', '.join('t.' + n for n in names)}, t.digest,"
+            f" {_select(conn, table, columns, 't.')}"
+            f" FROM {table} AS t LEFT JOIN run_rows AS r ON r.run_id = t.run_id"
+            " ORDER BY t.rowid"
+        )
+        for key, *rest in rows:
+            ids, stored, values = rest[: len(names)], rest[len(names)], rest[len(names) + 1 :]
+            if stored != row_digest(values):
+                problems.append(
+                    f"digest: run {ids[0]}: its {named.format(*ids)} does not match its digest"
+                    " (changed since it was written)" + _origin(key, migrated_to)
+                )
+    return problems
+
+
+def _run_names(conn: sqlite3.Connection) -> dict[int, str]:
+    return dict(conn.execute("SELECT run_key, run_id FROM run_rows"))
+
+
+def _migrated(conn: sqlite3.Connection) -> tuple[str, int] | None:
+    """When a migration computed the digests of the runs it found, and up to which run key."""
+    found = dict(
+        conn.execute("SELECT key, value FROM meta WHERE key IN (?, ?)", (MIGRATED, MIGRATED_KEYS))
+    )
+    with contextlib.suppress(KeyError, ValueError):
+        return str(found[MIGRATED]), int(found[MIGRATED_KEYS])
+    return None
+
+
+def _origin(key: Any, migrated_to: tuple[str, int] | None) -> str:
+    """What a digest vouches for, when a migration computed it (else nothing to add)."""
+    if migrated_to is None or not isinstance(key, int) or key > migrated_to[1]:
+        return ""
+    return f"; its digests were {migrated_to[0]}: they vouch only for what the migration read"
