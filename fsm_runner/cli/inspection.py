@@ -376,7 +376,7 @@ def replay(
     broken = chain_break(timeline)
     if broken is not None:
         fail(
-            f"run {run.run_id} at seq {broken}: the transition does not match its digest"
+            f"run {shown(run.run_id)} at seq {broken}: the transition does not match its digest"
             " (changed since it was written)",
             EXIT_FAILURE,
         )

@@ -713,7 +713,13 @@ class SqliteWriter:
         row = conn.execute("SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise RunNotFoundError(run_id)
-        return int(row[0])
+        if type(row[0]) is not int:  # a damaged index (or row) gave no key
+            raise JournalError(
+                f"run {run_id!r} has an unreadable key ({row[0]!r}); 'fsm-runner check' says"
+                " what is damaged",
+                path=conn.execute("PRAGMA database_list").fetchone()[2] or None,
+            )
+        return row[0]
 
     def _refusal(
         self, exc: sqlite3.IntegrityError, run_id: str, expected_seq: int, token: int
