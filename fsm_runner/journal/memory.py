@@ -51,6 +51,10 @@ from fsm_runner.spec import RunLifecycle
 
 __all__ = ["MemoryJournal"]
 
+#: A wake time given to :meth:`MemoryJournal.park` (``None``: none), and the names it accepts.
+Wake = dt.datetime | None
+Names = Collection[str]
+
 
 def _check_json(*values: Any) -> None:
     # The SQL journals' own encoder: this journal refuses exactly what they refuse.
@@ -553,15 +557,7 @@ class MemoryJournal:
             chosen = min(runnable, key=lambda run: run.created_at)
             return self.claim(chosen.run_id, owner, ttl=ttl)
 
-    def park(
-        self,
-        run_id: str,
-        owner: str,
-        token: int,
-        *,
-        wake_at: dt.datetime | None,
-        accepts: Collection[str],
-    ) -> bool:
+    def park(self, run_id: str, owner: str, token: int, *, wake_at: Wake, accepts: Names) -> bool:
         """Give up the lease and set when the run is due (now, if an accepted signal waits)."""
         with self._lock:
             if self.release(run_id, owner, token):
