@@ -576,3 +576,11 @@ def rename_run(path, old: str, new: str) -> None:
             " WHERE substr(forked_from, 1, ?) = ?",
             (new, len(old) + 1, len(old) + 1, old + "@"),
         )
+
+
+#: Each older SQLite schema version, made from a journal of this one: the undo_v* steps above,
+#: by the version they leave it at (each undoes the migrations above it, in turn).
+UNDO_TO_VERSION = {
+    3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9, 9: undo_v10,
+    10: undo_v11,
+}  # fmt: skip

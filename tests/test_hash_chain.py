@@ -32,16 +32,9 @@ from fsm_runner.records import ArtifactRecord, EffectRecord, IterationRecord
 from fsm_runner.replay import check_journal
 from tests.helpers import (
     NEXT,
+    UNDO_TO_VERSION,
     linear_spec,
     one_line_error,
-    undo_v4,
-    undo_v5,
-    undo_v6,
-    undo_v7,
-    undo_v8,
-    undo_v9,
-    undo_v10,
-    undo_v11,
 )
 
 SPEC = linear_spec("building", "verifying")
@@ -262,10 +255,7 @@ class TestSqliteChain:
 
 
 #: Each older schema version, made from a journal of this one (see tests/helpers.py).
-UNDO = {
-    3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9, 9: undo_v10,
-    10: undo_v11,
-}  # fmt: skip
+UNDO = UNDO_TO_VERSION
 
 
 class TestSqliteMigration:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,14 +28,8 @@ from fsm_runner.journal._sqlite_prune import _SELECT as PRUNE_SELECT
 from fsm_runner.records import RunRecord, SignalRecord, TransitionRecord, format_utc, utc_now
 from tests.helpers import (
     NEXT,
-    undo_v4,
-    undo_v5,
-    undo_v6,
-    undo_v7,
-    undo_v8,
+    UNDO_TO_VERSION,
     undo_v9,
-    undo_v10,
-    undo_v11,
 )
 
 APPROVED = "APPROVED"
@@ -374,10 +368,7 @@ class TestListing:
 
 
 #: Each older schema version, made from a journal of this one (see tests/helpers.py).
-UNDO: dict[int, Callable[[sqlite3.Connection], None]] = {
-    3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9, 9: undo_v10,
-    10: undo_v11,
-}  # fmt: skip
+UNDO = UNDO_TO_VERSION
 
 
 class TestMigration:
