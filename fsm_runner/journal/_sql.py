@@ -255,6 +255,12 @@ class SqlCore:
         for row in rows:
             data = dict(zip(names, row, strict=True))
             data.pop("run_key", None)  # SQLite's key of the run, not a field of the record
+            if "result" not in data:  # a damaged schema renamed the column
+                raise JournalError(
+                    "has no 'result' column in its transitions (a damaged schema); 'fsm-runner"
+                    " check' says what is damaged",
+                    path=self.location,
+                )
             data["result"] = self._loads(data["result"])
             records.append(self._structure(data, TransitionRecord))
         return records
