@@ -34,6 +34,7 @@ import pytest
 
 from fsm_runner import Engine, SignalStatus, SqliteJournal
 from fsm_runner.records import format_utc
+from tests.test_postgres_workers import wait_for
 from tests.waits_app import HANDLERS, MACHINE, spec
 
 ROOT = Path(__file__).parents[1]
@@ -51,20 +52,6 @@ pytestmark = [
     pytest.mark.xdist_group("waits-processes"),
     pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX processes and signals"),
 ]
-
-
-def wait_for(
-    check: Callable[[], T | None], what: str, *, timeout: float = TIMEOUT, poll: float = 0.02
-) -> T:
-    """Call ``check`` until it returns something true; return that."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 # -- the journal: a SQLite file or a PostgreSQL schema ---------------------------------------------
