@@ -23,6 +23,8 @@ converter = cattrs.Converter(omit_if_default=True, forbid_extra_keys=False)
 #: times with each other, its lease expiries with each other). Cleared when full.
 _seconds: dict[tuple[int, int, int, int, int, int], str] = {}
 _SECONDS_KEPT = 64
+#: ``"000"`` to ``"999"``: a microsecond's six digits are two of these.
+_DIGITS = [f"{number:03d}" for number in range(1000)]
 
 
 def format_utc(value: dt.datetime) -> str:
@@ -38,8 +40,10 @@ def format_utc(value: dt.datetime) -> str:
     if second is None:
         if len(_seconds) >= _SECONDS_KEPT:
             _seconds.clear()  # a race only costs a recomputation
-        second = _seconds[key] = "{:04d}-{:02d}-{:02d}T{:02d}:{:02d}:{:02d}".format(*key)
-    return f"{second}.{value.microsecond:06d}+00:00"
+        second = _seconds[key] = "{:04d}-{:02d}-{:02d}T{:02d}:{:02d}:{:02d}.".format(*key)
+    # The microseconds by two table lookups: a format spec (``:06d``) costs ~2,000 instructions
+    microsecond = value.microsecond
+    return second + _DIGITS[microsecond // 1000] + _DIGITS[microsecond % 1000] + "+00:00"
 
 
 def parse_utc(value: str | dt.datetime) -> dt.datetime:

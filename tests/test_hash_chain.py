@@ -16,6 +16,8 @@ from typing import Any
 import attrs
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fsm_runner import (
     MemoryJournal,
@@ -26,7 +28,7 @@ from fsm_runner import (
     TransitionRecord,
 )
 from fsm_runner.cli import cli
-from fsm_runner.journal._digest import TRANSITION_DIGEST_COLUMNS, digest
+from fsm_runner.journal._digest import TRANSITION_DIGEST_COLUMNS, digest, step_digest
 from fsm_runner.journal._sqlite_check import SCHEMA_VERSION
 from fsm_runner.records import ArtifactRecord, EffectRecord, IterationRecord
 from fsm_runner.replay import check_journal
@@ -336,4 +338,58 @@ class TestExportAndReplay:
         assert line == (
             "Error: run r1 at seq 1: the transition does not match its digest (changed since it"
             " was written)"
+        )
+
+
+_TEXTS = st.one_of(st.none(), st.text(), st.sampled_from(["a", "\udc80x", "\x1f"]))
+_NUMBERS = st.one_of(st.integers(), st.booleans(), st.floats(allow_nan=False), st.none())
+
+
+class TestStepDigest:
+    """The writers' hot path gives exactly :func:`digest` of the same values, whatever they are."""
+
+    @given(
+        previous=st.one_of(st.none(), st.text(max_size=32)),
+        run_id=st.one_of(st.text(), st.integers()),
+        seq=_NUMBERS,
+        states=st.tuples(_TEXTS, _TEXTS, _TEXTS),
+        numbers=st.tuples(_NUMBERS, _NUMBERS, _NUMBERS, _NUMBERS),
+        at=st.one_of(st.text(), st.none()),
+        result=_TEXTS,
+    )
+    def test_same_as_digest(self, previous, run_id, seq, states, numbers, at, result) -> None:
+        from_state, event, to_state = states
+        iteration, attempt, ms, token = numbers
+        values = (
+            run_id,
+            seq,
+            from_state,
+            event,
+            to_state,
+            iteration,
+            attempt,
+            at,
+            ms,
+            result,
+            token,
+        )
+        assert step_digest(previous, *values) == digest(previous, values)
+
+    def test_a_step_as_the_engine_writes_it(self) -> None:
+        values = (
+            "r1",
+            3,
+            "a",
+            "NEXT",
+            "b",
+            0,
+            1,
+            "2026-11-28T04:59:01.123456+00:00",
+            0.0123,
+            None,
+            7,
+        )
+        assert step_digest("ab" * 16, *values) == digest("ab" * 16, values)
+        assert step_digest(None, *values[:8], 2.0, '{"x": 1}', 7) == digest(
+            None, (*values[:8], 2.0, '{"x": 1}', 7)
         )

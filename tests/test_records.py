@@ -5,6 +5,8 @@ import json
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fsm_runner import RunLifecycle, RunRecord, TransitionRecord
 from fsm_runner.records import format_utc, parse_utc, structure, unstructure
@@ -281,6 +283,18 @@ class TestFormatUtc:
         assert [dt.datetime.fromisoformat(t) for t in texts][1] == base + dt.timedelta(
             microseconds=1
         )
+
+    @given(
+        st.datetimes(
+            min_value=dt.datetime(1000, 1, 1),
+            timezones=st.sampled_from([dt.timezone.utc, dt.timezone(dt.timedelta(hours=-7))]),
+        )
+    )
+    def test_is_isoformat_with_microseconds(self, value: dt.datetime) -> None:
+        from fsm_runner.records import format_utc
+
+        expected = value.astimezone(dt.timezone.utc).isoformat(timespec="microseconds")
+        assert format_utc(value) == expected
 
 
 class TestPositionalBuilder:

@@ -25,7 +25,7 @@ import attrs
 from fsm_runner.events import USER_ABORTED
 from fsm_runner.exceptions import JournalError, RunConflictError, RunNotFoundError
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._digest import transition_digest
+from fsm_runner.journal._digest import step_digest, transition_digest
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal._sqlite_chain import (
     fill_digests,
@@ -605,10 +605,10 @@ class SqliteWriter:
         from_state, event, to_state = transition.from_state, transition.event, transition.to_state
         iteration, attempt, ms = transition.iteration, transition.attempt, transition.duration_ms
         token = transition.lease_token
-        digest = transition_digest(
-            previous,
-            (run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, result, token),
-        )
+        digest = step_digest(
+            previous, run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, result,
+            token,
+        )  # fmt: skip
         stored = _NO_RESULT if result is None else result
         return (
             run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, stored, token,
