@@ -27,7 +27,8 @@ NOT_IMPORTED = (
     "asyncio",
     "concurrent.futures",
     "ssl",
-    "subprocess",
+    # attrs imports platform, which imports subprocess at once on Python 3.10 (lazily from 3.11)
+    *(("subprocess",) if sys.version_info >= (3, 11) else ()),
     "fsm_runner.journal.memory",
     "fsm_runner.journal.postgres",
     "sqlite_utils",

@@ -304,7 +304,7 @@ class SqliteConnections:
             self._tune_reading(self.conn)
             self._check_schema(self.conn)
         except sqlite3.OperationalError as exc:
-            if self._create or not no_room_for_shm(exc):
+            if self._create or not no_room_for_shm(exc, self.path):
                 raise
             self._shm_full = True
             with self._read_alone() as conn:
@@ -321,7 +321,7 @@ class SqliteConnections:
         try:
             own.execute("PRAGMA schema_version")  # a read of the file
         except sqlite3.OperationalError as exc:
-            if not no_room_for_shm(exc):
+            if not no_room_for_shm(exc, self.path):
                 raise
         else:
             self._tune_reading(own)

@@ -8,6 +8,7 @@ Also the messages of the journal's own fence trigger (written into the schema by
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from collections.abc import Iterator
 
@@ -53,16 +54,34 @@ _SQLITE_ERRORS: tuple[tuple[tuple[str, ...], str], ...] = (
 _DETAIL_CHARS = 160
 
 
-def no_room_for_shm(exc: sqlite3.Error) -> bool:
-    """Whether SQLite could not make or grow the ``-shm`` file (a full disk)."""
-    return getattr(exc, "sqlite_errorname", None) == "SQLITE_IOERR_SHMSIZE"
+def no_room_for_shm(exc: sqlite3.Error, path: str | None = None) -> bool:
+    """Whether SQLite could not make or grow the ``-shm`` file (a full disk).
+
+    Python 3.10's ``sqlite3`` gives no error code: there, a bare "disk I/O error" while the
+    directory of the journal at ``path`` has less room than a ``-shm`` file's 32 KiB is taken
+    for it.
+    """
+    name = getattr(exc, "sqlite_errorname", _NO_CODE)
+    if name is not _NO_CODE:
+        return name == "SQLITE_IOERR_SHMSIZE"
+    if path is None or str(exc) != "disk I/O error":
+        return False
+    try:
+        stat = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < _SHM_BYTES
 
 
-def describe(exc: sqlite3.Error) -> str:
-    """What ``exc`` means for the journal, in one line (the message of its ``JournalError``)."""
+_NO_CODE = object()
+_SHM_BYTES = 32 * 1024  # the -shm file's first region
+
+
+def describe(exc: sqlite3.Error, path: str | None = None) -> str:
+    """What ``exc`` means for the journal at ``path``, in one line (its ``JournalError``'s)."""
     # One line, cut: a schema that SQLite cannot parse comes back with the rest of the
     # object's SQL in the message (a corrupt view: 20 lines and more). No -shm: disk full.
-    text = "disk full" if no_room_for_shm(exc) else " ".join(str(exc).split())
+    text = "disk full" if no_room_for_shm(exc, path) else " ".join(str(exc).split())
     if len(text) > _DETAIL_CHARS:
         text = text[: _DETAIL_CHARS - 1] + "…"
     lowered = text.lower()
@@ -83,7 +102,7 @@ def errors(path: str) -> Iterator[None]:
     try:
         yield
     except sqlite3.Error as exc:
-        raise JournalError(describe(exc), path=path) from exc
+        raise JournalError(describe(exc, path), path=path) from exc
     except UnicodeDecodeError as exc:
         raise JournalError(
             f"is corrupt (it holds text that is not UTF-8: {exc}); nothing was changed"

@@ -395,7 +395,7 @@ class SqliteWriter:
                 ) from None
             except sqlite3.Error as exc:
                 written.pop(run_id, None)
-                raise JournalError(describe(exc), path=connections.path) from exc
+                raise JournalError(describe(exc, connections.path), path=connections.path) from exc
             if len(written) >= _REMEMBERED_RUNS:
                 written.clear()
                 self._heads.clear()
@@ -727,7 +727,7 @@ class SqliteWriter:
         """Why the fence trigger (or a constraint) refused a commit."""
         connections = self._connections
         if STALE_SEQ not in str(exc) and "transitions.run_key" not in str(exc):
-            return JournalError(describe(exc), path=connections.path)
+            return JournalError(describe(exc, connections.path), path=connections.path)
         self._keys.pop(run_id, None)  # read again next time, in case it was not the run's
         self._heads.pop(run_id, None)  # and so is its head (a pruned run's id may come back)
         found = connections.conn.execute(

@@ -479,9 +479,29 @@ def create_app(
         yield
         inspector.close_journal()
 
-    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts or ["*"]))]
+    middleware = [
+        Middleware(_HostInLowerCase),
+        Middleware(TrustedHostMiddleware, allowed_hosts=[host.lower() for host in hosts or ["*"]]),
+    ]
     app = Starlette(
         routes=routes, exception_handlers=handlers, lifespan=lifespan, middleware=middleware
     )
     app.state.inspector = inspector
     return app
+
+
+class _HostInLowerCase:
+    """An ASGI middleware: the request's Host header in lower case, as host names compare.
+
+    Starlette's ``TrustedHostMiddleware`` compares them case-blind in its newer releases; 1.7,
+    the newest pip installs on Python 3.10, compares them as sent (``LOCALHOST`` refused).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = [(k, v.lower() if k == b"host" else v) for k, v in scope["headers"]]
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
