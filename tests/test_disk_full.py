@@ -148,9 +148,15 @@ class App:
 
 
 def make_app(
-    path: Path, *, output_bytes: int = 2000, checkpoint_thread: bool = True, **options: Any
+    path: Path,
+    *,
+    output_bytes: int = 2000,
+    checkpoint_thread: bool = True,
+    journal: SqliteJournal | None = None,
+    **options: Any,
 ) -> App:
-    journal = SqliteJournal(path, checkpoint_thread=checkpoint_thread)
+    if journal is None:
+        journal = SqliteJournal(path, checkpoint_thread=checkpoint_thread)
     calls: collections.Counter[tuple[str, str]] = collections.Counter()
     committed: dict[str, list[Any]] = collections.defaultdict(list)
     rows: dict[str, Any] = {}
@@ -167,9 +173,9 @@ def make_app(
     return App(journal, engine, calls, committed, rows)
 
 
-def make_cli_app() -> Engine:
-    """``--app`` for the CLI: the same machine, its phases writing 2 KB each."""
-    return make_app(Path(":memory:")).engine
+def make_cli_app(journal: SqliteJournal) -> Engine:
+    """``--app`` for the CLI (given its journal): the same machine, its phases writing 2 KB each."""
+    return make_app(Path(journal.location), journal=journal).engine
 
 
 def all_ids(journal: SqliteJournal) -> list[str]:
@@ -480,7 +486,7 @@ def test_a_journal_opened_to_read_reads_between_refused_writes(small_disk):
     disk.fill()
     # A short busy timeout: a lock left behind would fail the next read ("locked").
     journal = SqliteJournal(path, create=False, busy_timeout=1.0)
-    engine = make_cli_app().with_journal(journal)
+    engine = make_cli_app(journal)
     for _ in range(2):
         with pytest.raises(JournalError) as info:
             engine.run("run-going")
@@ -491,7 +497,7 @@ def test_a_journal_opened_to_read_reads_between_refused_writes(small_disk):
     disk.free()
     assert engine.run("run-going").state == "done"
     other = SqliteJournal(path, busy_timeout=1.0)  # the file is not held: another writes
-    writer = make_cli_app().with_journal(other)
+    writer = make_cli_app(other)
     assert writer.run(writer.start(run_id="run-after")).state == "done"
     writer.close()
     other.close()

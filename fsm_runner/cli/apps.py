@@ -198,9 +198,11 @@ def load_spec(path: str, param_hint: str) -> MachineSpec:  # noqa: RET503 - fail
     if callable(target) and not isinstance(target, MachineSpec | Engine | type):
         takes_journal = _takes_journal(path, target, "a MachineSpec or an Engine")
         scratch = open_journal(":memory:") if takes_journal else None
-        target = _call_factory(path, target, *([scratch] if scratch else []))
-        if scratch is not None:
-            scratch.close()  # a journal in memory: nothing to keep
+        try:
+            target = _call_factory(path, target, *([scratch] if scratch else []))
+        finally:
+            if scratch is not None:
+                scratch.close()  # a journal in memory: nothing to keep
         if isinstance(target, Engine):
             spec = target.spec
             _discard(target, keep=None, before=before)  # only its spec is wanted

@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar, overload
 
+from fsm_runner._unclosed import watch
 from fsm_runner.engine import waits
 from fsm_runner.engine.async_driver import AsyncDriver
 from fsm_runner.engine.core import Listener, StepCore, random_ids
@@ -174,6 +175,13 @@ class Engine:
             core, self._leases, async_sleep=async_sleep, group_commit=group_commit
         )
         self._worker = Worker(core, self._leases, self._sync)
+        # The default journal is the engine's own: an engine collected unclosed closes it
+        # and says so by the engine's name (a journal passed in is the host's to close).
+        self._unclosed = (
+            watch(self, core.journal.close, f"Engine({core.spec.name!r}) (and its own journal)")
+            if self._owns_journal
+            else None
+        )
 
     spec = _Setting[MachineSpec]("_core")
     handlers = _Setting[dict[str, PhaseHandler]]("_core")
@@ -233,7 +241,8 @@ class Engine:
         self._leases.stop()
         self._async.close()
         self._sync.close()
-        if self._owns_journal:
+        if self._unclosed is not None:
+            self._unclosed.detach()
             self.journal.close()
 
     def __enter__(self) -> Engine:

@@ -53,6 +53,7 @@ from typing import Any
 
 import psycopg
 
+from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import (
     JournalError,
     RunNotFoundError,
@@ -202,6 +203,7 @@ class PostgresJournal:
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
+        self._unclosed = watch(self, functools.partial(_close, self._waits, connection), repr(self))
 
     @property
     def location(self) -> str:
@@ -219,8 +221,8 @@ class PostgresJournal:
 
     def close(self) -> None:
         """Close the connection (and the listener's); further use raises ``JournalError``."""
-        self._waits.close()
-        self._connection.close()
+        self._unclosed.detach()
+        _close(self._waits, self._connection)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
@@ -637,3 +639,9 @@ class PostgresJournal:
     def release_many(self, leases: Sequence[tuple[str, int]], owner: str) -> dict[str, str | None]:
         """Give up the ``(run_id, token)`` leases ``owner`` holds, in one write (``Journal``)."""
         return self._core.release_many(leases, owner)
+
+
+def _close(waits: PostgresWaits, connection: PostgresConnection) -> None:
+    """Close a journal's connections: its listener's, then its own."""
+    waits.close()
+    connection.close()

@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
@@ -125,6 +126,7 @@ class SqliteJournal:
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
+        self._unclosed = watch(self, self._connections.close, repr(self))
 
     @property
     def location(self) -> str:
@@ -133,6 +135,7 @@ class SqliteJournal:
 
     def close(self) -> None:
         """Close the connection; further use raises ``JournalError``."""
+        self._unclosed.detach()
         self._connections.close()
 
     def __repr__(self) -> str:
