@@ -59,6 +59,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._postgres_chain import chain_problems
 from fsm_runner.journal._postgres_claims import claim_next
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
@@ -108,13 +109,14 @@ __all__ = [
 
 _RUN_SELECT = ", ".join(_rows.RUN_COLUMNS)
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
+# The effect's digest (schema 9) is its last value.
 _PUT_EFFECT = (
-    f"INSERT INTO effects ({', '.join(_rows.EFFECT_COLUMNS)})"
-    f" SELECT {', '.join(['%s'] * len(_rows.EFFECT_COLUMNS))}"
+    f"INSERT INTO effects ({', '.join(_rows.EFFECT_COLUMNS)}, digest)"
+    f" SELECT {', '.join(['%s'] * (len(_rows.EFFECT_COLUMNS) + 1))}"
     " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = %s AND seq = %s"
     " AND (%s::bigint IS NULL OR lease_token = %s) FOR SHARE)"
     " ON CONFLICT (run_id, visit_seq, name) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _rows.EFFECT_COLUMNS[3:])
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in (*_rows.EFFECT_COLUMNS[3:], "digest"))
     + ", rowid = DEFAULT"
 )
 _DIALECT = SqlDialect(
@@ -126,7 +128,10 @@ _DIALECT = SqlDialect(
     put_effect=_PUT_EFFECT,
     stamp=utc,
     stale_bound=lambda: ("clock_timestamp()", []),
+    effect_digests=True,
 )
+#: A transition's columns as :meth:`PostgresJournal.transitions` reads them: with its digest.
+_TRANSITION_READ = (*TRANSITION_COLUMNS, "digest")
 
 
 def _server_now(conn: Connection) -> dt.datetime:
@@ -493,11 +498,15 @@ class PostgresJournal:
         return self._writer.prune(ended_before=ended_before, dry_run=dry_run, batch_size=batch_size)
 
     def integrity_problems(self) -> list[str]:
-        """Runs whose row is not their last transition's, and runs with gaps in their seqs.
+        """Runs off their transitions or with gaps, and rows that do not match their digest.
 
-        See :func:`fsm_runner.journal._postgres_schema.integrity_problems`.
+        Each run's hash chain names the first seq whose content changed. See
+        :func:`fsm_runner.journal._postgres_schema.integrity_problems` and
+        :func:`fsm_runner.journal._postgres_chain.chain_problems`.
         """
-        return self._connection.call(integrity_problems)
+        return self._connection.call(
+            lambda conn: [*integrity_problems(conn), *chain_problems(conn)]
+        )
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
@@ -535,12 +544,12 @@ class PostgresJournal:
         def work(conn: Connection) -> list[tuple[Any, ...]]:
             self._core.require_run(conn, run_id)
             return conn.execute(
-                f"SELECT {', '.join(TRANSITION_COLUMNS)} FROM transitions"
+                f"SELECT {', '.join(_TRANSITION_READ)} FROM transitions"
                 " WHERE run_id = %s AND seq >= %s AND seq <= %s ORDER BY seq",
                 (run_id, from_seq, to_seq if to_seq is not None else 2**62),
             ).fetchall()
 
-        return self._core.transition_records(TRANSITION_COLUMNS, self._connection.call(work))
+        return self._core.transition_records(_TRANSITION_READ, self._connection.call(work))
 
     # -- bulk reads (check) --------------------------------------------------------------------
 
