@@ -19,6 +19,7 @@ from psycopg import sql
 
 from fsm_runner import PostgresJournal, RunLifecycle, SqliteJournal, TransitionRecord
 from fsm_runner.cli import cli
+from fsm_runner.journal import _postgres_chain
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal.base import Commit
 from tests.helpers import NEXT, one_line_error
@@ -129,6 +130,15 @@ class TestPostgresChain:
         assert "run r1" in lines[0]
         assert names in lines[0]
         assert "r2" not in result.output
+
+    def test_rows_are_read_in_batches(self, postgres_journal, admin, monkeypatch):
+        monkeypatch.setattr(_postgres_chain, "BATCH", 2)  # each table over several reads
+        for run_id in ("r0", "r1", "r2"):
+            chained_run(postgres_journal, run_id)
+        assert postgres_journal.integrity_problems() == []
+        damage(admin, postgres_journal.schema, "timestamp")
+        problems = postgres_journal.integrity_problems()
+        assert [p[: p.index(":", 8)] for p in problems] == ["digest: run r1 at seq 2"]
 
     def test_group_commits_forks_and_claims_keep_the_chain(self, postgres_journal):
         journal = postgres_journal

@@ -11,7 +11,7 @@ statements they already run; here they are computed from the values read back: f
 9 (the rows a journal held then, once), for a fork's copies, and for ``check``.
 
 PostgreSQL has no BLAKE2b: every digest is computed in Python, the rows read and written
-back in batches (:data:`BATCH`) through a server-side cursor.
+back in batches (:data:`BATCH` rows a read, in key order).
 """
 
 from __future__ import annotations
@@ -108,16 +108,35 @@ def transition_chain_digest(previous: str | None, params: Sequence[Any]) -> str:
     return transition_digest(previous, tuple(values))
 
 
-def _batches(conn: Connection, query: str, params: Sequence[Any] = ()) -> Iterator[list[Any]]:
-    """The rows of ``query``, :data:`BATCH` at a time, through a server-side cursor.
+def _batches(
+    conn: Connection,
+    table: str,
+    select: Sequence[str],
+    *,
+    run_id: str | None = None,
+) -> Iterator[list[Any]]:
+    """The rows of ``table`` (``select``'s columns after the row's ids), :data:`BATCH` a read.
 
-    Inside a transaction (a named cursor lives in one): the caller's, or one of its own.
+    In the order of the table's ids (a key or an index), each read after the last row of the
+    one before (keyset): plain reads, no transaction or cursor held between them, so a check
+    beside live writers holds nothing up. ``run_id``: that run's rows only.
     """
-    with conn.transaction(), conn.cursor(name="fsm_runner_digests") as cursor:
-        cursor.itersize = BATCH
-        cursor.execute(query, params)
-        while rows := cursor.fetchmany(BATCH):
+    ids = _ROW_IDS.get(table, ("run_id", "seq"))
+    head = f"SELECT {', '.join((*ids, *select))} FROM {table}"
+    order = f" ORDER BY {', '.join(ids)} LIMIT {BATCH}"
+    after = f"({', '.join(ids)}) > ({', '.join(['%s'] * len(ids))})"
+    where = [] if run_id is None else ["run_id = %s"]
+    args: list[Any] = [] if run_id is None else [run_id]
+    last: Sequence[Any] = ()
+    while True:
+        conditions = [*where, after] if last else where
+        text = head + (" WHERE " + " AND ".join(conditions) if conditions else "") + order
+        rows = conn.execute(text, [*args, *last]).fetchall()
+        if rows:
             yield rows
+        if len(rows) < BATCH:
+            return
+        last = rows[-1][: len(ids)]
 
 
 def _update(conn: Connection, table: str, updates: list[tuple[Any, ...]]) -> None:
@@ -141,30 +160,21 @@ def fill_digests(conn: Connection, *, run_id: str | None = None) -> None:
 
     Every row's (migration 9), or one run's (``run_id``: a fork's copies).
     """
-    where, params = ("", ()) if run_id is None else (" WHERE run_id = %s", (run_id,))
     previous: str | None = None
     last = None
-    updates: list[tuple[Any, ...]] = []
-    for rows in _batches(
-        conn,
-        f"SELECT {', '.join(TRANSITION_DIGEST_COLUMNS)} FROM transitions{where}"
-        " ORDER BY run_id, seq",
-        params,
-    ):
+    for rows in _batches(conn, "transitions", TRANSITION_DIGEST_COLUMNS, run_id=run_id):
+        updates = []
         for row in rows:
+            values = row[2:]
             if row[0] != last:
                 previous, last = None, row[0]
-            previous = transition_digest(previous, as_text(row))
+            previous = transition_digest(previous, as_text(values))
             updates.append((previous, row[0], row[1]))
         _update(conn, "transitions", updates)
-        updates = []
     tables = [("runs", RUN_DIGEST_COLUMNS), *((t, c) for t, c, _, _ in _ROW_TABLES)]
     for table, columns in tables:
-        ids = _ROW_IDS[table]
-        for rows in _batches(
-            conn, f"SELECT {', '.join(ids)}, {', '.join(columns)} FROM {table}{where}", params
-        ):
-            n = len(ids)
+        n = len(_ROW_IDS[table])
+        for rows in _batches(conn, table, columns, run_id=run_id):
             _update(conn, table, [(row_digest(as_text(row[n:])), *row[:n]) for row in rows])
 
 
@@ -200,29 +210,22 @@ def chain_problems(conn: Connection) -> list[str]:
     first_bad: dict[str, int] = {}
     expected: str | None = None
     last = None
-    for rows in _batches(
-        conn,
-        f"SELECT digest, {', '.join(TRANSITION_DIGEST_COLUMNS)} FROM transitions"
-        " ORDER BY run_id, seq",
-    ):
-        for stored, *values in rows:
-            run_id = values[0]
+    for rows in _batches(conn, "transitions", ("digest", *TRANSITION_DIGEST_COLUMNS)):
+        for run_id, seq, stored, *values in rows:
             if run_id != last:
                 expected, last = None, run_id
             if run_id in first_bad:
                 continue
             expected = transition_digest(expected, as_text(values))
             if stored != expected:
-                first_bad[run_id] = values[1]
+                first_bad[run_id] = seq
             expected = stored if isinstance(stored, str) else expected
     problems = [
         f"digest: run {run_id} at seq {seq}: the transition does not match its digest"
         " (changed since it was written)" + _origin(rowids.get(run_id), migrated)
         for run_id, seq in first_bad.items()
     ]
-    for rows in _batches(
-        conn, f"SELECT run_id, rowid, digest, {', '.join(RUN_DIGEST_COLUMNS)} FROM runs"
-    ):
+    for rows in _batches(conn, "runs", ("rowid", "digest", *RUN_DIGEST_COLUMNS)):
         problems += [
             f"digest: run {run_id}: its row (input, context, error) does not match its digest"
             " (changed since it was written)" + _origin(rowid, migrated)
@@ -230,18 +233,13 @@ def chain_problems(conn: Connection) -> list[str]:
             if stored != row_digest(as_text(values))
         ]
     for table, columns, names, named in _ROW_TABLES:
-        order = _ROW_IDS[table]
-        for rows in _batches(
-            conn,
-            f"SELECT {', '.join(names)}, digest, {', '.join(columns)} FROM {table}"
-            f" ORDER BY {', '.join(order)}",
-        ):
-            n = len(names)
+        n, k = len(_ROW_IDS[table]), len(names)
+        for rows in _batches(conn, table, (*names, "digest", *columns)):
             problems += [
-                f"digest: run {row[0]}: its {named.format(*row[:n])} does not match its digest"
-                " (changed since it was written)" + _origin(rowids.get(row[0]), migrated)
+                f"digest: run {row[n]}: its {named.format(*row[n : n + k])} does not match its"
+                " digest (changed since it was written)" + _origin(rowids.get(row[n]), migrated)
                 for row in rows
-                if row[n] != row_digest(as_text(row[n + 1 :]))
+                if row[n + k] != row_digest(as_text(row[n + k + 1 :]))
             ]
     return problems
 
