@@ -17,7 +17,13 @@ import pytest
 from click.testing import CliRunner
 from psycopg import sql
 
-from fsm_runner import PostgresJournal, RunLifecycle, SqliteJournal, TransitionRecord
+from fsm_runner import (
+    PostgresJournal,
+    RunLifecycle,
+    RunRecord,
+    SqliteJournal,
+    TransitionRecord,
+)
 from fsm_runner.cli import cli
 from fsm_runner.journal import _postgres_chain
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
@@ -139,6 +145,27 @@ class TestPostgresChain:
         damage(admin, postgres_journal.schema, "timestamp")
         problems = postgres_journal.integrity_problems()
         assert [p[: p.index(":", 8)] for p in problems] == ["digest: run r1 at seq 2"]
+
+    def test_a_claim_brings_the_head_its_next_commit_chains_to(self, postgres_journal):
+        journal = postgres_journal
+        journal.create_run(
+            RunRecord("r1", SPEC.name, SPEC.spec_hash, "building", created_at=T0, updated_at=T0),
+            TransitionRecord("r1", 0, None, "STARTED", "building", at=T0),
+            spec_json=SPEC.to_json(),
+        )
+        (head,) = [t.digest for t in journal.transitions("r1")]
+        with PostgresJournal(journal._url, schema=journal.schema) as other:
+            claimed = other.claim("r1", "w", ttl=60)
+            assert other._writer._heads == {"r1": (0, head)}  # private: no read before a step
+            other.release("r1", "w", claimed.lease_token)
+            other._writer.forget(["r1"])
+            (again,) = other.claim_many(["r1"], "w", ttl=60)
+            assert other._writer._heads == {"r1": (0, head)}
+            other.release("r1", "w", again.lease_token)
+            other._writer.forget(["r1"])
+            found = other.claim_next("w", ttl=60, machine=SPEC.name, states=["building"])
+            assert found is not None
+            assert other._writer._heads == {"r1": (0, head)}
 
     def test_group_commits_forks_and_claims_keep_the_chain(self, postgres_journal):
         journal = postgres_journal

@@ -302,6 +302,10 @@ class PostgresWriter:
         for run_id, seq, digest in heads:
             known[run_id] = (seq, digest)
 
+    def remember_head(self, run_id: str, seq: int, digest: str) -> None:
+        """Remember the run's head as read (a claim's): its next commit here chains to it."""
+        self._remember([(run_id, seq, digest)])
+
     def forget(self, run_ids: Sequence[str]) -> None:
         """Forget the heads of these runs (pruned: their ids may come back)."""
         for run_id in run_ids:

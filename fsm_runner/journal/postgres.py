@@ -60,7 +60,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_chain import chain_problems
-from fsm_runner.journal._postgres_claims import claim_next
+from fsm_runner.journal._postgres_claims import HEAD_DIGEST, claim_next
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -108,6 +108,9 @@ __all__ = [
 ]
 
 _RUN_SELECT = ", ".join(_rows.RUN_COLUMNS)
+#: A claim's RETURNING: the run row, then its head digest (its last transition's), which the
+#: writer remembers: the claimed run's next commit chains to it without a read of its own.
+_CLAIMED = f"{_RUN_SELECT}, {HEAD_DIGEST}"
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
 # The effect's digest (schema 9) is its last value.
 _PUT_EFFECT = (
@@ -318,10 +321,10 @@ class PostgresJournal:
                 cursor = conn.execute(
                     "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
                     " lease_token = lease_token + 1, recoveries = recoveries + %s"
-                    f" WHERE run_id = %s RETURNING {_RUN_SELECT}",
+                    f" WHERE run_id = %s RETURNING {_CLAIMED}",
                     (owner, expires, int(takeover), run_id),
                 )
-                return self._run_from_row(cursor.fetchone())
+                return self._claimed(cursor.fetchone())
 
         def resolve(conn: Connection) -> RunRecord | Unresolved:
             run = self._load(conn, run_id)
@@ -345,11 +348,11 @@ class PostgresJournal:
                 " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
                 " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
                 " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
-                f" AND status = 'active' RETURNING {_RUN_SELECT}",
+                f" AND status = 'active' RETURNING {_CLAIMED}",
                 (owner, ttl, run.run_id, run.seq, run.lease_token),
             )
             row = cursor.fetchone()
-            return None if row is None else self._run_from_row(row)
+            return None if row is None else self._claimed(row)
 
         def resolve(conn: Connection) -> RunRecord | Unresolved | None:
             stored = self._load(conn, run.run_id)
@@ -392,7 +395,7 @@ class PostgresJournal:
         """
         return claim_next(
             self._connection,
-            self._run_from_row,
+            self._claimed,
             owner,
             ttl=ttl,
             machine=machine,
@@ -531,6 +534,16 @@ class PostgresJournal:
         if row is None:
             raise RunNotFoundError(run_id)
         return self._run_from_row(row)
+
+    def _claimed(self, row: Sequence[Any] | None) -> RunRecord:
+        """A claimed run from its row, its head digest after it (remembered by the writer)."""
+        assert row is not None
+        if len(row) == len(_rows.RUN_COLUMNS):  # a claim found again after a lost connection
+            return self._run_from_row(row)
+        run = self._run_from_row(row[:-1])
+        if row[-1] is not None:
+            self._writer.remember_head(run.run_id, run.seq, row[-1])
+        return run
 
     def _run_from_row(self, row: Sequence[Any] | None) -> RunRecord:
         assert row is not None
