@@ -149,6 +149,19 @@ def _server_now(conn: Connection) -> dt.datetime:
     return now
 
 
+def _claimed(
+    writer: PostgresWriter, decode: Callable[[Sequence[Any]], RunRecord], row: Sequence[Any] | None
+) -> RunRecord:
+    """A claimed run from its row, its head digest after it (remembered by the ``writer``)."""
+    assert row is not None
+    if len(row) == len(_rows.RUN_COLUMNS):  # a claim found again after a lost connection
+        return decode(row)
+    run = decode(row[:-1])
+    if row[-1] is not None:
+        writer.remember_head(run.run_id, run.seq, row[-1])
+    return run
+
+
 class PostgresJournal:
     """A journal in a PostgreSQL database, shared by every worker that connects to it.
 
@@ -207,6 +220,7 @@ class PostgresJournal:
         self._core = SqlCore(_DIALECT, connection)
         self._writer = PostgresWriter(connection, self._core)
         self._waits = PostgresWaits(connection)
+        self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -501,15 +515,11 @@ class PostgresJournal:
         return self._writer.prune(ended_before=ended_before, dry_run=dry_run, batch_size=batch_size)
 
     def integrity_problems(self) -> list[str]:
-        """Runs off their transitions or with gaps, and rows that do not match their digest.
+        """Runs off their transitions or with gaps, then rows that do not match their digest.
 
-        Each run's hash chain names the first seq whose content changed. See
-        :func:`fsm_runner.journal._postgres_schema.integrity_problems` and
-        :func:`fsm_runner.journal._postgres_chain.chain_problems`.
+        See ``_postgres_schema.integrity_problems`` and ``_postgres_chain.chain_problems``.
         """
-        return self._connection.call(
-            lambda conn: [*integrity_problems(conn), *chain_problems(conn)]
-        )
+        return self._connection.call(lambda conn: integrity_problems(conn) + chain_problems(conn))
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
@@ -534,16 +544,6 @@ class PostgresJournal:
         if row is None:
             raise RunNotFoundError(run_id)
         return self._run_from_row(row)
-
-    def _claimed(self, row: Sequence[Any] | None) -> RunRecord:
-        """A claimed run from its row, its head digest after it (remembered by the writer)."""
-        assert row is not None
-        if len(row) == len(_rows.RUN_COLUMNS):  # a claim found again after a lost connection
-            return self._run_from_row(row)
-        run = self._run_from_row(row[:-1])
-        if row[-1] is not None:
-            self._writer.remember_head(run.run_id, run.seq, row[-1])
-        return run
 
     def _run_from_row(self, row: Sequence[Any] | None) -> RunRecord:
         assert row is not None
