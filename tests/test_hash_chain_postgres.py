@@ -167,6 +167,30 @@ class TestPostgresChain:
             assert found is not None
             assert other._writer._heads == {"r1": (0, head)}
 
+    def test_a_group_with_two_steps_of_one_run_chains_them(self, postgres_journal):
+        journal = postgres_journal
+        run = RunRecord("r1", SPEC.name, SPEC.spec_hash, "building", created_at=T0, updated_at=T0)
+        journal.create_run(
+            run,
+            TransitionRecord("r1", 0, None, "STARTED", "building", at=T0),
+            spec_json=SPEC.to_json(),
+        )
+        commits = []
+        for seq, (before, to_state) in enumerate(
+            (("building", "verifying"), ("verifying", "done")), 1
+        ):
+            when = T0 + dt.timedelta(seconds=seq)
+            run = attrs.evolve(run, state=to_state, seq=seq, visit_seq=seq, updated_at=when)
+            commits.append(
+                Commit(run, TransitionRecord("r1", seq, before, NEXT, to_state, at=when))
+            )
+        refused = Commit(run, TransitionRecord("r1", 2, "building", NEXT, "done", at=T0))
+        results = journal.commit_many([*commits, refused])
+        assert results[:2] == [None, None]
+        assert results[2] is not None  # seq 2 is taken: refused alone, its head forgotten
+        assert journal.integrity_problems() == []
+        assert len({t.digest for t in journal.transitions("r1")}) == 3
+
     def test_group_commits_forks_and_claims_keep_the_chain(self, postgres_journal):
         journal = postgres_journal
         run = chained_run(journal, "r1")
