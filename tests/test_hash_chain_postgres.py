@@ -26,6 +26,7 @@ from fsm_runner import (
 )
 from fsm_runner.cli import cli
 from fsm_runner.journal import _postgres_chain
+from fsm_runner.journal._digest import row_digest, row_digest_from, row_hasher
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal.base import Commit
 from tests.helpers import NEXT, one_line_error
@@ -89,6 +90,12 @@ def sqlite_digests(path) -> dict[str, list]:
         }
     finally:
         conn.close()
+
+
+def test_a_row_digest_hashed_in_two_parts_is_the_same():
+    first = ("r1", "m", "2026-01-02T03:04:05.678901+00:00", None, "r0@1", '{"é":1.5}')
+    for rest in [("{}", None), (None, '{"error":"x"}'), ('{"a":[1,2]}', "\udcff")]:
+        assert row_digest_from(row_hasher(first), rest) == row_digest((*first, *rest))
 
 
 class TestPostgresChain:

@@ -27,6 +27,8 @@ from fsm_runner.journal._digest import (
     RUN_DIGEST_COLUMNS,
     TRANSITION_DIGEST_COLUMNS,
     row_digest,
+    row_digest_from,
+    row_hasher,
     transition_digest,
 )
 from fsm_runner.journal._postgres_connection import Connection
@@ -42,6 +44,7 @@ __all__ = [
     "m0009_fill_digests",
     "own_digest",
     "run_digest",
+    "run_hasher",
     "transition_chain_digest",
 ]
 
@@ -87,7 +90,15 @@ def run_digest(params: Sequence[Any]) -> str:
 
 def commit_run_digest(run: RunRecord, context: str | None, error: str | None) -> str:
     """The digest of ``run``'s row as a commit writes it: ``context`` and ``error`` as JSON text."""
-    return row_digest(
+    return row_digest_from(run_hasher(run), (context, error))
+
+
+def run_hasher(run: RunRecord) -> Any:
+    """The hash state of what ``run``'s row digest covers before its context (:func:`row_hasher`).
+
+    Who the run is and its input: :data:`~._digest.RUN_DIGEST_COLUMNS` but the last two.
+    """
+    return row_hasher(
         (
             run.run_id,
             run.machine,
@@ -95,8 +106,6 @@ def commit_run_digest(run: RunRecord, context: str | None, error: str | None) ->
             run.parent_run_id,
             run.forked_from,
             _rows.dumps(run.input),
-            context,
-            error,
         )
     )
 

@@ -26,11 +26,12 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._digest import row_digest_from
 from fsm_runner.journal._postgres_chain import (
-    commit_run_digest,
     fill_digests,
     own_digest,
     run_digest,
+    run_hasher,
     transition_chain_digest,
 )
 from fsm_runner.journal._postgres_connection import (
@@ -242,6 +243,9 @@ class PostgresWriter:
         #: Run id -> (seq, digest) of the run's last transition written or read here (its head
         #: when the next commit is at seq + 1): a step reads no digest to chain its own to.
         self._heads: dict[str, tuple[int, str]] = {}
+        #: Run id -> (its input, the hash state of what its row's digest covers before its
+        #: context): a step hashes its context and error only (the input is not written again).
+        self._run_hashers: dict[str, tuple[RunRecord, Any]] = {}
 
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
         """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
@@ -302,6 +306,30 @@ class PostgresWriter:
         for run_id, seq, digest in heads:
             known[run_id] = (seq, digest)
 
+    def _run_digest(self, run: RunRecord, context: str | None, error: str | None) -> str:
+        """The digest of ``run``'s row as a commit writes it (:func:`commit_run_digest`).
+
+        The values before its context (who the run is, its input) are hashed once a run and
+        writer: a commit's run has them from the run started or read (``attrs.evolve`` keeps
+        its input, the same object), so they are compared, the input by identity.
+        """
+        known = self._run_hashers.get(run.run_id)
+        if known is not None:
+            was = known[0]
+            if (
+                was.input is run.input
+                and was.created_at == run.created_at
+                and was.machine == run.machine
+                and was.parent_run_id == run.parent_run_id
+                and was.forked_from == run.forked_from
+            ):
+                return row_digest_from(known[1], (context, error))
+        if len(self._run_hashers) >= _REMEMBERED_HEADS:
+            self._run_hashers.clear()
+        hasher = run_hasher(run)
+        self._run_hashers[run.run_id] = (run, hasher)
+        return row_digest_from(hasher, (context, error))
+
     def remember_head(self, run_id: str, seq: int, digest: str) -> None:
         """Remember the run's head as read (a claim's): its next commit here chains to it."""
         self._remember([(run_id, seq, digest)])
@@ -310,6 +338,7 @@ class PostgresWriter:
         """Forget the heads of these runs (pruned: their ids may come back)."""
         for run_id in run_ids:
             self._heads.pop(run_id, None)
+            self._run_hashers.pop(run_id, None)
 
     def _previous(
         self, transition: TransitionRecord, planned: dict[str, tuple[int, str]] | None
@@ -489,7 +518,7 @@ class PostgresWriter:
             run.attempt,
             context,
             error,
-            commit_run_digest(run, context, error),
+            self._run_digest(run, context, error),
             run.return_to,
             run.return_attempt,
             run.return_visit,
