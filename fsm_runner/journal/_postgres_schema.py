@@ -8,6 +8,8 @@ Versions 1 to 5 are the SQLite journal's (:mod:`fsm_runner.journal._schema`); si
 medium numbers its own migrations (PostgreSQL's 6, the abort fence, is SQLite's 8). Both store
 the same records, so a record written by one reads back the same from the other. Migrations
 are frozen once released: a change of schema is a new migration, never an edit of an old one.
+A migration may have a step in Python (:data:`PYTHON_STEPS`), run right after its SQL: version
+9's computes the digests of the rows a journal holds (PostgreSQL has no BLAKE2b).
 Each migration runs inside the transaction that opens the journal, under an advisory lock, so
 two processes opening a new schema at once create it once. What only
 PostgreSQL's claims and prunes search (migration 7's generated columns ``ready_state`` and

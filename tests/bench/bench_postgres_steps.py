@@ -14,8 +14,10 @@ Two workloads, each in a schema of its own (``bench_pg_steps_...``, dropped afte
 
 Baseline, measured in the same run: psycopg autocommit INSERTs (prepared, one reused cursor,
 ``synchronous_commit = on`` as the journal's commits) of transition rows into a table of the
-journal's own ``transitions`` definition. Rounds are interleaved and medians reported. To
-compare two checkouts, run this file with each one's interpreter, in turns.
+journal's own ``transitions`` definition. Rounds are interleaved and medians reported. Also,
+of the one-run workload: this process's CPU a step (the client's work, which a loaded server's
+disk does not move), the share of the run row's updates that were HOT, and a transition row's
+size. To compare two checkouts, run this file with each one's interpreter, in turns.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def drop(url: str, schema: str) -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
-def one_run(url: str, steps: int) -> float:
+def one_run(url: str, steps: int) -> tuple[float, float, float, float]:
+    """Steps/s (wall), this process's CPU a step (µs), HOT share of run-row updates, bytes a row."""
     schema = f"bench_pg_steps_{uuid.uuid4().hex[:12]}"
     try:
         journal = PostgresJournal(with_schema(url, schema))
@@ -64,13 +67,27 @@ def one_run(url: str, steps: int) -> float:
         run_id = engine.start()
         engine.run(run_id, max_steps=200)  # warm up: prepared statements, compiled machine
         gc.collect()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         run = engine.run(run_id, max_steps=steps)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         assert run.seq == steps + 200, run.seq
         engine.close()
         journal.close()
-        return steps / elapsed
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("SELECT pg_stat_force_next_flush()")
+            time.sleep(0.6)  # the statistics collector's next report
+            updated, hot = conn.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+                " WHERE schemaname = %s AND relname = 'runs'",
+                (schema,),
+            ).fetchone() or (0, 0)
+            width = conn.execute(
+                sql.SQL("SELECT avg(pg_column_size(t.*)) FROM {}.transitions AS t").format(
+                    sql.Identifier(schema)
+                )
+            ).fetchone()
+        hot_share = hot / updated if updated else 0.0
+        return steps / elapsed, cpu / steps * 1e6, hot_share, float(width[0] if width else 0)
     finally:
         drop(url, schema)
 
@@ -139,8 +156,13 @@ def main() -> int:
     print(f"python {platform.python_version()}, psycopg {psycopg.__version__}")
     print(f"{args.steps} steps, {args.runs} claimed runs x {args.rounds} rounds, medians\n")
     rates: dict[str, list[float]] = {"one run": [], "claimed": [], "raw": []}
+    cpus, hots, widths = [], [], []
     for _ in range(args.rounds):
-        rates["one run"].append(one_run(args.journal, args.steps))
+        rate, cpu, hot, width = one_run(args.journal, args.steps)
+        rates["one run"].append(rate)
+        cpus.append(cpu)
+        hots.append(hot)
+        widths.append(width)
         rates["claimed"].append(claimed(args.journal, args.runs))
         rates["raw"].append(raw(args.journal, args.steps))
     base = statistics.median(rates["raw"])
@@ -150,6 +172,11 @@ def main() -> int:
             f"  {name:<8} {median:>8,.0f} {unit:<13} ({1e6 / median:7.1f} us)"
             f"  ratio to raw {median / base:.2f}"
         )
+    print(
+        f"  one run: {statistics.median(cpus):.1f} us of this process's CPU a step;"
+        f" HOT run-row updates {statistics.median(hots):.0%}; a transition row"
+        f" {statistics.median(widths):.0f} bytes"
+    )
     return 0
 
 
