@@ -27,7 +27,6 @@ from fsm_runner.journal._digest import (
     RUN_DIGEST_COLUMNS,
     TRANSITION_DIGEST_COLUMNS,
     row_digest,
-    row_digest_from,
     row_hasher,
     transition_digest,
 )
@@ -39,7 +38,6 @@ __all__ = [
     "BATCH",
     "as_text",
     "chain_problems",
-    "commit_run_digest",
     "fill_digests",
     "m0009_fill_digests",
     "own_digest",
@@ -88,15 +86,11 @@ def run_digest(params: Sequence[Any]) -> str:
     return row_digest(as_text(_run_digested(params)))
 
 
-def commit_run_digest(run: RunRecord, context: str | None, error: str | None) -> str:
-    """The digest of ``run``'s row as a commit writes it: ``context`` and ``error`` as JSON text."""
-    return row_digest_from(run_hasher(run), (context, error))
-
-
 def run_hasher(run: RunRecord) -> Any:
     """The hash state of what ``run``'s row digest covers before its context (:func:`row_hasher`).
 
-    Who the run is and its input: :data:`~._digest.RUN_DIGEST_COLUMNS` but the last two.
+    Who the run is and its input: :data:`~._digest.RUN_DIGEST_COLUMNS` but the last two, so
+    that ``row_digest_from(run_hasher(run), (context, error))`` is the run row's digest.
     """
     return row_hasher(
         (

@@ -307,7 +307,7 @@ class PostgresWriter:
             known[run_id] = (seq, digest)
 
     def _run_digest(self, run: RunRecord, context: str | None, error: str | None) -> str:
-        """The digest of ``run``'s row as a commit writes it (:func:`commit_run_digest`).
+        """The digest of ``run``'s row as a commit writes it, its context and error as JSON text.
 
         The values before its context (who the run is, its input) are hashed once a run and
         writer: a commit's run has them from the run started or read (``attrs.evolve`` keeps
