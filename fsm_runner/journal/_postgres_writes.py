@@ -243,9 +243,10 @@ class PostgresWriter:
         #: Run id -> (seq, digest) of the run's last transition written or read here (its head
         #: when the next commit is at seq + 1): a step reads no digest to chain its own to.
         self._heads: dict[str, tuple[int, str]] = {}
-        #: Run id -> (its input, the hash state of what its row's digest covers before its
-        #: context): a step hashes its context and error only (the input is not written again).
-        self._run_hashers: dict[str, tuple[RunRecord, Any]] = {}
+        #: Run id -> (the run, the hash state of what its row's digest covers before its
+        #: context, the last context and error text digested, their digest): a step hashes its
+        #: context and error only (the input is not written again), and only when they changed.
+        self._run_hashers: dict[str, tuple[RunRecord, Any, str | None, str | None, str]] = {}
 
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
         """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
@@ -315,7 +316,7 @@ class PostgresWriter:
         """
         known = self._run_hashers.get(run.run_id)
         if known is not None:
-            was = known[0]
+            was, hasher = known[0], known[1]
             if (
                 was.input is run.input
                 and was.created_at == run.created_at
@@ -323,12 +324,17 @@ class PostgresWriter:
                 and was.parent_run_id == run.parent_run_id
                 and was.forked_from == run.forked_from
             ):
-                return row_digest_from(known[1], (context, error))
-        if len(self._run_hashers) >= _REMEMBERED_HEADS:
-            self._run_hashers.clear()
-        hasher = run_hasher(run)
-        self._run_hashers[run.run_id] = (run, hasher)
-        return row_digest_from(hasher, (context, error))
+                if context == known[2] and error == known[3]:
+                    return known[4]  # a plain step: the same context and error as the last
+            else:
+                hasher = run_hasher(run)
+        else:
+            if len(self._run_hashers) >= _REMEMBERED_HEADS:
+                self._run_hashers.clear()
+            hasher = run_hasher(run)
+        digest = row_digest_from(hasher, (context, error))
+        self._run_hashers[run.run_id] = (run, hasher, context, error, digest)
+        return digest
 
     def remember_head(self, run_id: str, seq: int, digest: str) -> None:
         """Remember the run's head as read (a claim's): its next commit here chains to it."""
