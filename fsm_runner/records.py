@@ -126,11 +126,11 @@ class TransitionRecord:
         result: the phase's output, context updates and error, as JSON.
         lease_token: the lease token of the worker that wrote it (fencing: a commit is refused
             unless it is the run's current token).
-        digest: as read from a journal that keeps them (SQLite, memory), the transition's link
-            in its run's hash chain: BLAKE2b-128 (hex) of the previous transition's digest and
-            this one's content as stored (see the reference's journal schema); ``None`` as
-            written by the engine, or read from a journal without digests. Not compared:
-            two transitions are equal whatever their digests.
+        digest: as read from a journal that keeps them (SQLite, PostgreSQL, memory), the
+            transition's link in its run's hash chain: BLAKE2b-128 (hex) of the previous
+            transition's digest and this one's content as stored (see the reference's journal
+            schema); ``None`` as written by the engine, or read from a journal without
+            digests. Not compared: two transitions are equal whatever their digests.
     """
 
     run_id: str

@@ -378,9 +378,11 @@ class TestSchema:
             admin, postgres_journal.schema, "DELETE FROM transitions WHERE seq = 0 RETURNING 1"
         )
         problems = postgres_journal.integrity_problems()
-        assert len(problems) == 2
+        assert len(problems) == 3
         assert "not at their last transition (first r1)" in problems[0]
         assert "gaps" in problems[1]
+        # seq 1 no longer chains to a seq 0 (schema 9's digests)
+        assert problems[2].startswith("digest: run r1 at seq 1: ")
 
 
 def fill(journal, count: int) -> list[str]:

@@ -45,6 +45,7 @@ import pytest
 from psycopg import sql
 
 from fsm_runner import Engine, RunLifecycle
+from fsm_runner.journal._postgres_chain import fill_digests
 from fsm_runner.journal.postgres import PostgresJournal
 from tests.pg_worker_app import (
     LONG_MS,
@@ -549,6 +550,9 @@ class TestChecks:
                 ),
                 (e.run_id,),
             )
+        journal._connection.call(  # private: the run's digests (schema 9) as of this history
+            lambda conn: fill_digests(conn, run_id=e.run_id)
+        )
         # Killed inside the phase (never finished), then cut off after it (fenced out).
         self.insert(side, schema, e, finished_at=None, worker="w1", pid=1)
         self.insert(side, schema, e, lease_token=e.lease_token + 1, worker="w2", pid=2)

@@ -95,7 +95,7 @@ def check(
 
     SQLite's own integrity check, the schema and dangling rows, every run's hash chain and
     every row's digest (the first seq, or row, whose content changed since it was written;
-    SQLite and memory journals), then for every run (or those --run and --since select):
+    every journal), then for every run (or those --run and --since select):
     seqs gapless from 0 (invariant 2), the run row equal to its last transition (1) and to
     what replaying its transitions gives (8). The runs are
     replayed in --jobs processes, a range of runs each. Exits 1 with a list of problems, one

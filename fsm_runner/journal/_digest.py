@@ -35,6 +35,8 @@ __all__ = [
     "chain_break",
     "digest",
     "row_digest",
+    "row_digest_from",
+    "row_hasher",
     "step_digest",
     "text",
     "transition_digest",
@@ -83,6 +85,25 @@ def digest(previous: str | None, values: Iterable[Any]) -> str:
 def row_digest(values: Iterable[Any]) -> str:
     """The digest of one row's own ``values`` (an iteration, effect, artifact, run row)."""
     return digest(None, values)
+
+
+def row_hasher(values: Iterable[Any]) -> Any:
+    """A BLAKE2b-128 state over the canonical text of a row's first ``values``.
+
+    For a row whose first values repeat from write to write (a run row's input, say):
+    ``row_digest_from(row_hasher(first), rest)`` is ``row_digest((*first, *rest))``, the first
+    values' text built and hashed once.
+    """
+    joined = _SEPARATOR.join(["", *map(text, values)])
+    return _blake2b(joined.encode("utf-8", "surrogateescape"), digest_size=16)
+
+
+def row_digest_from(hasher: Any, rest: Iterable[Any]) -> str:
+    """:func:`row_digest` of a row whose first values ``hasher`` (:func:`row_hasher`) holds."""
+    more = hasher.copy()
+    joined = "".join([_SEPARATOR + text(value) for value in rest])
+    more.update(joined.encode("utf-8", "surrogateescape"))
+    return more.hexdigest()  # type: ignore[no-any-return]
 
 
 def chain_break(transitions: Sequence[TransitionRecord]) -> int | None:

@@ -39,7 +39,13 @@ from fsm_runner.journal._postgres_connection import (
 )
 from fsm_runner.records import RunRecord
 
-__all__ = ["claim_next", "claim_next_query"]
+__all__ = ["HEAD_DIGEST", "claim_next", "claim_next_query"]
+
+#: The claimed run's head digest (its last transition's, schema 9), returned with its row: one
+#: lookup in the transitions' primary key, in the claim's own statement.
+HEAD_DIGEST = (
+    "(SELECT t.digest FROM transitions AS t WHERE t.run_id = runs.run_id AND t.seq = runs.seq)"
+)
 
 _CANDIDATE = "SELECT run_id, lease_owner, created_at, rowid FROM runs WHERE machine = %s"
 _LOCK = " ORDER BY created_at, rowid LIMIT 1 FOR UPDATE SKIP LOCKED"
@@ -84,6 +90,7 @@ def claim_next_query(
         " recoveries = runs.recoveries + (chosen.lease_owner IS NOT NULL)::int"
         " FROM chosen WHERE runs.run_id = chosen.run_id RETURNING "
         + ", ".join(f"runs.{column}" for column in _rows.RUN_COLUMNS)
+        + f", {HEAD_DIGEST}"
     )
     wanted = sorted(set(states))
     params: list[Any] = [machine, now, wanted, now, *spec_params, wanted, machine, *spec_params]

@@ -8,6 +8,8 @@ Versions 1 to 5 are the SQLite journal's (:mod:`fsm_runner.journal._schema`); si
 medium numbers its own migrations (PostgreSQL's 6, the abort fence, is SQLite's 8). Both store
 the same records, so a record written by one reads back the same from the other. Migrations
 are frozen once released: a change of schema is a new migration, never an edit of an old one.
+A migration may have a step in Python (:data:`PYTHON_STEPS`), run right after its SQL: version
+9's computes the digests of the rows a journal holds (PostgreSQL has no BLAKE2b).
 Each migration runs inside the transaction that opens the journal, under an advisory lock, so
 two processes opening a new schema at once create it once. What only
 PostgreSQL's claims and prunes search (migration 7's generated columns ``ready_state`` and
@@ -25,7 +27,7 @@ SQLite journal stores (``jsonb`` would reorder keys and refuse what ``json.dumps
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import psycopg
@@ -33,15 +35,16 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from fsm_runner.exceptions import JournalError, SchemaVersionError
+from fsm_runner.journal._postgres_chain import m0009_fill_digests
 from fsm_runner.journal._postgres_connection import Connection
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
+__all__ = ["MIGRATIONS", "PYTHON_STEPS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
 
 #: What the ``meta`` table's ``format`` row says in every fsm_runner journal.
 _FORMAT: Final = "fsm_runner journal"
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 _M0001_INITIAL = """
 CREATE TABLE meta (key text PRIMARY KEY, value text);
@@ -256,6 +259,22 @@ CREATE UNIQUE INDEX signals_run_id_signal_id ON signals (run_id, signal_id)
 UPDATE meta SET value = '8' WHERE key = 'schema_version';
 """
 
+# A hash chain per run (issue 30; the SQLite journal's migration 11): each transition's digest
+# chains it to the run's previous one; the run row, iterations, effects and artifacts carry a
+# digest of their own values (see fsm_runner.journal._digest and ._postgres_chain). The writers
+# compute them in Python and bind them in the statements they already run; no index holds a
+# digest (a step's UPDATE of the run row, which rewrites its digest, stays a HOT update). The
+# rows a journal holds when it is migrated get theirs from the Python step of this version
+# (PYTHON_STEPS: PostgreSQL has no BLAKE2b), which records in meta when and up to which run.
+_M0009_DIGESTS = """
+ALTER TABLE transitions ADD COLUMN digest text;
+ALTER TABLE runs ADD COLUMN digest text;
+ALTER TABLE iterations ADD COLUMN digest text;
+ALTER TABLE effects ADD COLUMN digest text;
+ALTER TABLE artifacts ADD COLUMN digest text;
+UPDATE meta SET value = '9' WHERE key = 'schema_version';
+"""
+
 #: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "m0001_initial", _M0001_INITIAL),
@@ -266,8 +285,12 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (6, "m0006_abort_fence", _M0006_ABORT_FENCE),
     (7, "m0007_claim_prune_indexes", _M0007_CLAIM_PRUNE_INDEXES),
     (8, "m0008_waits", _M0008_WAITS),
+    (9, "m0009_digests", _M0009_DIGESTS),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
+#: A migration's step in Python, run right after its SQL (in the same transaction): what SQL
+#: alone cannot compute.
+PYTHON_STEPS: Mapping[int, Callable[[Connection], None]] = {9: m0009_fill_digests}
 
 
 def open_schema(conn: Connection, *, schema: str, location: str, create: bool) -> None:
@@ -306,9 +329,23 @@ def open_schema(conn: Connection, *, schema: str, location: str, create: bool) -
         version = _stored_version(conn, tables, schema=schema, location=location, create=create)
         if version > SCHEMA_VERSION:
             raise SchemaVersionError(found=version, supported=SCHEMA_VERSION, path=location)
-        pending = "".join(text for number, _name, text in MIGRATIONS if number > version)
-        if pending:
+        _migrate(conn, version)
+
+
+def _migrate(conn: Connection, version: int) -> None:
+    """Run every migration above ``version``: their SQL joined, up to each Python step."""
+    pending = ""
+    for number, _name, text in MIGRATIONS:
+        if number <= version:
+            continue
+        pending += text
+        step = PYTHON_STEPS.get(number)
+        if step is not None:
             conn.execute(pending)
+            pending = ""
+            step(conn)
+    if pending:
+        conn.execute(pending)
 
 
 def _stored_version(

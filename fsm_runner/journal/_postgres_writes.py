@@ -12,7 +12,7 @@ transition from it) in autocommit mode.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -26,6 +26,14 @@ from fsm_runner.exceptions import (
     RunNotFoundError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._digest import row_digest_from
+from fsm_runner.journal._postgres_chain import (
+    fill_digests,
+    own_digest,
+    run_digest,
+    run_hasher,
+    transition_chain_digest,
+)
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
     Connection,
@@ -45,23 +53,30 @@ from fsm_runner.run_ids import check_run_id, check_run_ids
 
 __all__ = ["INSERT_RUN", "PRUNE_BATCH", "TRANSITION_COLUMNS", "PostgresWriter", "utc"]
 
-_RUN_COLUMNS = _rows.RUN_COLUMNS
-_RUN_SELECT = ", ".join(_RUN_COLUMNS)
-INSERT_RUN = f"INSERT INTO runs ({_RUN_SELECT}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
+# Every row written carries its digest (schema 9: see ._postgres_chain), its last value.
+_RUN_COLUMNS = (*_rows.RUN_COLUMNS, "digest")
+INSERT_RUN = (
+    f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
+)
 TRANSITION_COLUMNS = _rows.TRANSITION_COLUMNS
 _INSERT_TRANSITION = (
-    f"INSERT INTO transitions ({', '.join(TRANSITION_COLUMNS)})"
-    f" VALUES ({', '.join(['%s'] * len(TRANSITION_COLUMNS))})"
+    f"INSERT INTO transitions ({', '.join(TRANSITION_COLUMNS)}, digest)"
+    f" VALUES ({', '.join(['%s'] * (len(TRANSITION_COLUMNS) + 1))})"
 )
+#: How many runs' head digests a writer remembers (a miss costs one read before a commit).
+_REMEMBERED_HEADS = 100_000
 #: The hot path, one statement: move the run row from seq N-1 to N — only if it is at N-1 and
 #: the writer holds its current lease token (fencing), and, when an abort was requested under
 #: that token, only for the USER_ABORTED that carries it out — and insert transition N from it.
 #: A transition that ends the run also ends its lease (owner and expiry; the token stays) and
 #: clears its wake time (a plain step writes ``wake_at`` as it is: no index entry changes).
+#: The run row's digest and the transition's (chained to the run's previous one) are computed
+#: by the writer and bound here (schema 9); no index holds either.
 _COMMIT_TEMPLATE = """
 WITH moved AS (
     UPDATE runs SET state = %s, seq = %s, iteration = %s, updated_at = %s, status = %s,
-                    attempt = %s, context = %s, error = %s, return_to = %s, return_attempt = %s,
+                    attempt = %s, context = %s, error = %s, digest = %s, return_to = %s,
+                    return_attempt = %s,
                     return_visit = %s, visit_seq = %s,
                     abort_reason = CASE WHEN %s THEN NULL ELSE abort_reason END,
                     abort_token = CASE WHEN %s THEN NULL ELSE abort_token END,
@@ -73,8 +88,8 @@ WITH moved AS (
     RETURNING run_id
 )
 INSERT INTO transitions (run_id, seq, from_state, event, to_state, iteration, attempt, at,
-                         duration_ms, result, lease_token)
-SELECT run_id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s FROM moved
+                         duration_ms, result, lease_token, digest)
+SELECT run_id, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s FROM moved
 """
 _COMMIT = _COMMIT_TEMPLATE.format(spec="")
 _COMMIT_WITH_SPEC = _COMMIT_TEMPLATE.format(spec=", spec_hash = %s")
@@ -99,9 +114,14 @@ def _upsert(table: str, columns: Sequence[str], *, also: str = "") -> str:
     )
 
 
-_UPSERT_ITERATION = _upsert("iterations", _rows.ITERATION_COLUMNS)
+_UPSERT_ITERATION = _upsert("iterations", (*_rows.ITERATION_COLUMNS, "digest"))
 # A replaced artifact takes a new id, so artifacts stay ordered as committed (SQLite's REPLACE).
-_UPSERT_ARTIFACT = _upsert("artifacts", _rows.ARTIFACT_COLUMNS, also=", id = DEFAULT")
+_UPSERT_ARTIFACT = _upsert("artifacts", (*_rows.ARTIFACT_COLUMNS, "digest"), also=", id = DEFAULT")
+
+
+def _with_own(params: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An iteration's or artifact's parameters with its digest."""
+    return (*params, own_digest(params))
 
 
 def _existing(exc: pg_errors.UniqueViolation, runs: Sequence[NewRun]) -> str:
@@ -148,6 +168,8 @@ class _CommitPlan:
 
     location: str
     transition: TransitionRecord
+    #: The transition's digest (the run's head once it is stored).
+    digest: str
     statement: str
     params: Sequence[Any]
     before: Sequence[tuple[str, Sequence[Any]]]
@@ -218,6 +240,13 @@ class PostgresWriter:
     def __init__(self, connection: PostgresConnection, core: SqlCore) -> None:
         self._connection = connection
         self._core = core
+        #: Run id -> (seq, digest) of the run's last transition written or read here (its head
+        #: when the next commit is at seq + 1): a step reads no digest to chain its own to.
+        self._heads: dict[str, tuple[int, str]] = {}
+        #: Run id -> (the run, the hash state of what its row's digest covers before its
+        #: context, the last context and error text digested, their digest): a step hashes its
+        #: context and error only (the input is not written again), and only when they changed.
+        self._run_hashers: dict[str, tuple[RunRecord, Any, str | None, str | None, str]] = {}
 
     def create_runs(self, runs: Sequence[NewRun], *, spec_json: str) -> None:
         """Store new runs, each with its transition seq 0 and iterations, in ONE transaction.
@@ -228,10 +257,13 @@ class PostgresWriter:
         if not new_runs(runs):
             return
         core = self._core
-        run_rows = [core.run_params(run) for run, _, _ in runs]
+        run_rows = [(*row, run_digest(row)) for row in (core.run_params(r) for r, _, _ in runs)]
         transition_rows = [core.transition_params(first) for _, first, _ in runs]
+        transition_rows = [(*row, transition_chain_digest(None, row)) for row in transition_rows]
         iteration_rows = [
-            core.iteration_params(record) for _, _, iterations in runs for record in iterations
+            _with_own(core.iteration_params(record))
+            for _, _, iterations in runs
+            for record in iterations
         ]
         last, last_first = runs[-1][0], runs[-1][1]
         spec_row = (last.spec_hash, last.machine, spec_json, utc_now())
@@ -265,6 +297,73 @@ class PostgresWriter:
             return UNRESOLVED
 
         self._connection.call(work, resolve=resolve)
+        self._remember([(row[0], 0, row[-1]) for row in transition_rows])
+
+    def _remember(self, heads: Sequence[tuple[str, int, str]]) -> None:
+        """Remember runs' heads as stored: (run id, seq, digest)."""
+        known = self._heads
+        if len(known) + len(heads) > _REMEMBERED_HEADS:
+            known.clear()
+        for run_id, seq, digest in heads:
+            known[run_id] = (seq, digest)
+
+    def _run_digest(self, run: RunRecord, context: str | None, error: str | None) -> str:
+        """The digest of ``run``'s row as a commit writes it, its context and error as JSON text.
+
+        The values before its context (who the run is, its input) are hashed once a run and
+        writer: a commit's run has them from the run started or read (``attrs.evolve`` keeps
+        its input, the same object), so they are compared, the input by identity.
+        """
+        known = self._run_hashers.get(run.run_id)
+        if known is not None:
+            was, hasher = known[0], known[1]
+            if (
+                was.input is run.input
+                and was.created_at == run.created_at
+                and was.machine == run.machine
+                and was.parent_run_id == run.parent_run_id
+                and was.forked_from == run.forked_from
+            ):
+                if context == known[2] and error == known[3]:
+                    return known[4]  # a plain step: the same context and error as the last
+            else:
+                hasher = run_hasher(run)
+        else:
+            if len(self._run_hashers) >= _REMEMBERED_HEADS:
+                self._run_hashers.clear()
+            hasher = run_hasher(run)
+        digest = row_digest_from(hasher, (context, error))
+        self._run_hashers[run.run_id] = (run, hasher, context, error, digest)
+        return digest
+
+    def remember_head(self, run_id: str, seq: int, digest: str) -> None:
+        """Remember the run's head as read (a claim's): its next commit here chains to it."""
+        self._remember([(run_id, seq, digest)])
+
+    def forget(self, run_ids: Sequence[str]) -> None:
+        """Forget the heads of these runs (pruned: their ids may come back)."""
+        for run_id in run_ids:
+            self._heads.pop(run_id, None)
+            self._run_hashers.pop(run_id, None)
+
+    def _previous(
+        self, transition: TransitionRecord, planned: dict[str, tuple[int, str]] | None
+    ) -> str | None:
+        """The digest ``transition`` chains to: the run's head as written here, else as stored.
+
+        ``planned``: the heads of a group's commits before it. A head this writer did not
+        write (a run it has not stepped, or that was stepped elsewhere since) costs one read.
+        """
+        run_id, seq = transition.run_id, transition.seq
+        head = (planned and planned.get(run_id)) or self._heads.get(run_id)
+        if head is not None and head[0] == seq - 1:
+            return head[1]
+        row = self._connection.call(
+            lambda conn: conn.execute(
+                "SELECT digest FROM transitions WHERE run_id = %s AND seq = %s", (run_id, seq - 1)
+            ).fetchone()
+        )
+        return None if row is None else row[0]
 
     def commit(
         self,
@@ -295,7 +394,17 @@ class PostgresWriter:
             except _RefusedError:  # and rolled back: nothing of it was written
                 raise plan.refusal(conn) from None
 
-        self._connection.call(work, resolve=plan.resolve)
+        self._stored(plan, work)
+
+    def _stored(self, plan: _CommitPlan, work: Callable[[Connection], None]) -> None:
+        """Run a commit's ``work``; remember its head when it is stored, forget it if not."""
+        run_id = plan.transition.run_id
+        try:
+            self._connection.call(work, resolve=plan.resolve)
+        except BaseException:
+            self._heads.pop(run_id, None)
+            raise
+        self._remember([(run_id, plan.transition.seq, plan.digest)])
 
     def commit_many(self, commits: Sequence[Commit]) -> list[Exception | None]:
         """Store several commits in one transaction (see :meth:`Journal.commit_many`).
@@ -307,15 +416,22 @@ class PostgresWriter:
         """
         results: list[Exception | None] = [None] * len(commits)
         plans: list[tuple[int, _CommitPlan]] = []
+        planned: dict[str, tuple[int, str]] = {}  # the group's heads, for a run's next commit
         for index, item in enumerate(commits):
             try:
                 plan = self._plan(
-                    item.run, item.transition, item.iterations, item.artifacts, item.spec_json
+                    item.run,
+                    item.transition,
+                    item.iterations,
+                    item.artifacts,
+                    item.spec_json,
+                    planned=planned,
                 )
             except Exception as exc:  # noqa: BLE001, PERF203 - a malformed commit is refused alone
                 results[index] = exc
             else:
                 plans.append((index, plan))
+                planned[item.run.run_id] = (item.transition.seq, plan.digest)
         if not plans:
             return results
         tries = 0
@@ -339,9 +455,18 @@ class PostgresWriter:
         try:
             refused = self._connection.call(work)
         except JournalError as failure:
+            self.forget([commit.run.run_id for commit in commits])
             return [failure if result is None else result for result in results]
         for index, refusal in refused.items():
             results[index] = refusal
+        self.forget([commits[index].run.run_id for index in refused])
+        self._remember(
+            [
+                (plan.transition.run_id, plan.transition.seq, plan.digest)
+                for index, plan in plans
+                if index not in refused
+            ]
+        )
         return results
 
     def consume_signal(self, run: RunRecord, transition: TransitionRecord, number: int) -> None:
@@ -372,7 +497,7 @@ class PostgresWriter:
             except _RefusedError:  # and rolled back: the signal is pending still
                 raise plan.refusal(conn) from None
 
-        self._connection.call(work, resolve=plan.resolve)
+        self._stored(plan, work)
 
     def _plan(
         self,
@@ -381,12 +506,15 @@ class PostgresWriter:
         iterations: Sequence[IterationRecord],
         artifacts: Sequence[ArtifactRecord],
         spec_json: str | None,
+        *,
+        planned: dict[str, tuple[int, str]] | None = None,
     ) -> _CommitPlan:
         """The statements of one commit (checked, and its payloads serialised, up front)."""
         seq = transition.seq
         if run.seq != seq or run.state != transition.to_state or seq < 1:
             self._core.refuse_malformed(run, transition)
         aborting = transition.event == USER_ABORTED
+        context, error = _dumps(run.context), _dumps(run.error)
         params: list[Any] = [
             transition.to_state,
             seq,
@@ -394,8 +522,9 @@ class PostgresWriter:
             utc(transition.at),
             run.status.value,
             run.attempt,
-            _dumps(run.context),
-            _dumps(run.error),
+            context,
+            error,
+            self._run_digest(run, context, error),
             run.return_to,
             run.return_attempt,
             run.return_visit,
@@ -413,12 +542,16 @@ class PostgresWriter:
         # ... and is the one transition taken under the token its abort was requested under
         params += [run.run_id, seq - 1, transition.lease_token, aborting]
         core = self._core
-        params += core.transition_params(transition)[1:]
-        after = [(_UPSERT_ITERATION, core.iteration_params(i)) for i in iterations]
-        after += [(_UPSERT_ARTIFACT, core.artifact_params(a)) for a in artifacts]
+        values = core.transition_params(transition)
+        digest = transition_chain_digest(self._previous(transition, planned), values)
+        params += values[1:]
+        params.append(digest)
+        after = [(_UPSERT_ITERATION, _with_own(core.iteration_params(i))) for i in iterations]
+        after += [(_UPSERT_ARTIFACT, _with_own(core.artifact_params(a))) for a in artifacts]
         return _CommitPlan(
             location=self._connection.location,
             transition=transition,
+            digest=digest,
             statement=_COMMIT if spec_json is None else _COMMIT_WITH_SPEC,
             params=params,
             before=before,
@@ -432,6 +565,7 @@ class PostgresWriter:
         check_run_id(run.run_id)
         _rows.check_fork(run, at_seq)
         row = self._core.run_params(run)
+        row = (*row, run_digest(row))
         rest = [column for column in TRANSITION_COLUMNS if column not in ("run_id", "lease_token")]
         copy_transitions = (
             f"INSERT INTO transitions (run_id, {', '.join(rest)}, lease_token)"
@@ -468,6 +602,9 @@ class PostgresWriter:
                         f" WHERE run_id = %s AND {condition} ORDER BY {order}",
                         (run.run_id, source_run_id, bound),
                     )
+                # The copies belong to another run (and hold no lease token): their digests
+                # are the fork's own, chained from its seq 0.
+                fill_digests(conn, run_id=run.run_id)
 
         def resolve(conn: Connection) -> Unresolved | None:
             found = conn.execute(
@@ -478,6 +615,7 @@ class PostgresWriter:
             return UNRESOLVED
 
         self._connection.call(work, resolve=resolve)
+        self._heads.pop(run.run_id, None)
 
     def prune(
         self, *, ended_before: dt.datetime, dry_run: bool = False, batch_size: int = PRUNE_BATCH
@@ -504,6 +642,8 @@ class PostgresWriter:
             if len(rows) < batch_size:
                 break
             after = (rows[-1][1], rows[-1][2])
+        if not dry_run:
+            self.forget(run_ids)
         if run_ids and not dry_run:
             self._connection.call(
                 lambda conn: conn.execute("VACUUM " + ", ".join((*_TABLES, "specs")))

@@ -32,6 +32,7 @@ from fsm_runner.records import (
     IterationRecord,
     RunRecord,
     TransitionRecord,
+    format_utc,
     parse_utc,
     positional_builder,
     structure,
@@ -97,7 +98,7 @@ class SqlDialect:
     #: index by status holds the ended runs only).
     active_keys: str | None = None
     #: Whether an effect's row carries a digest of its values, bound after them in
-    #: :attr:`put_effect` (SQLite's schema 11).
+    #: :attr:`put_effect` (SQLite's schema 11, PostgreSQL's 9).
     effect_digests: bool = False
 
 
@@ -545,8 +546,11 @@ class SqlCore:
             LeaseLostError: ``lease_token`` is no longer the run's; nothing written.
         """
         values = _rows.effect_params(record, self._stamp)
-        if self.dialect.effect_digests:
-            values = (*values, row_digest(values))
+        if self.dialect.effect_digests:  # over its times as text (PostgreSQL binds datetimes)
+            covered = (
+                values if self._stamp is format_utc else _rows.effect_params(record, format_utc)
+            )
+            values = (*values, row_digest(covered))
         params = (
             *values,
             record.run_id,

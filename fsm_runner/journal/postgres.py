@@ -60,7 +60,8 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
-from fsm_runner.journal._postgres_claims import claim_next
+from fsm_runner.journal._postgres_chain import chain_problems
+from fsm_runner.journal._postgres_claims import HEAD_DIGEST, claim_next
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -108,14 +109,18 @@ __all__ = [
 ]
 
 _RUN_SELECT = ", ".join(_rows.RUN_COLUMNS)
+#: A claim's RETURNING: the run row, then its head digest (its last transition's), which the
+#: writer remembers: the claimed run's next commit chains to it without a read of its own.
+_CLAIMED = f"{_RUN_SELECT}, {HEAD_DIGEST}"
 # FOR SHARE: the run row cannot move on (a commit updates it) until the effect is written.
+# The effect's digest (schema 9) is its last value.
 _PUT_EFFECT = (
-    f"INSERT INTO effects ({', '.join(_rows.EFFECT_COLUMNS)})"
-    f" SELECT {', '.join(['%s'] * len(_rows.EFFECT_COLUMNS))}"
+    f"INSERT INTO effects ({', '.join(_rows.EFFECT_COLUMNS)}, digest)"
+    f" SELECT {', '.join(['%s'] * (len(_rows.EFFECT_COLUMNS) + 1))}"
     " WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = %s AND seq = %s"
     " AND (%s::bigint IS NULL OR lease_token = %s) FOR SHARE)"
     " ON CONFLICT (run_id, visit_seq, name) DO UPDATE SET "
-    + ", ".join(f"{c} = EXCLUDED.{c}" for c in _rows.EFFECT_COLUMNS[3:])
+    + ", ".join(f"{c} = EXCLUDED.{c}" for c in (*_rows.EFFECT_COLUMNS[3:], "digest"))
     + ", rowid = DEFAULT"
 )
 _DIALECT = SqlDialect(
@@ -127,7 +132,10 @@ _DIALECT = SqlDialect(
     put_effect=_PUT_EFFECT,
     stamp=utc,
     stale_bound=lambda: ("clock_timestamp()", []),
+    effect_digests=True,
 )
+#: A transition's columns as :meth:`PostgresJournal.transitions` reads them: with its digest.
+_TRANSITION_READ = (*TRANSITION_COLUMNS, "digest")
 
 
 def _server_now(conn: Connection) -> dt.datetime:
@@ -140,6 +148,19 @@ def _server_now(conn: Connection) -> dt.datetime:
     assert row is not None
     now: dt.datetime = row[0]
     return now
+
+
+def _claimed(
+    writer: PostgresWriter, decode: Callable[[Sequence[Any]], RunRecord], row: Sequence[Any] | None
+) -> RunRecord:
+    """A claimed run from its row, its head digest after it (remembered by the ``writer``)."""
+    assert row is not None
+    if len(row) == len(_rows.RUN_COLUMNS):  # a claim found again after a lost connection
+        return decode(row)
+    run = decode(row[:-1])
+    if row[-1] is not None:
+        writer.remember_head(run.run_id, run.seq, row[-1])
+    return run
 
 
 class PostgresJournal:
@@ -200,6 +221,7 @@ class PostgresJournal:
         self._core = SqlCore(_DIALECT, connection)
         self._writer = PostgresWriter(connection, self._core)
         self._waits = PostgresWaits(connection)
+        self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -315,10 +337,10 @@ class PostgresJournal:
                 cursor = conn.execute(
                     "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
                     " lease_token = lease_token + 1, recoveries = recoveries + %s"
-                    f" WHERE run_id = %s RETURNING {_RUN_SELECT}",
+                    f" WHERE run_id = %s RETURNING {_CLAIMED}",
                     (owner, expires, int(takeover), run_id),
                 )
-                return self._run_from_row(cursor.fetchone())
+                return self._claimed(cursor.fetchone())
 
         def resolve(conn: Connection) -> RunRecord | Unresolved:
             run = self._load(conn, run_id)
@@ -342,11 +364,11 @@ class PostgresJournal:
                 " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
                 " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
                 " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
-                f" AND status = 'active' RETURNING {_RUN_SELECT}",
+                f" AND status = 'active' RETURNING {_CLAIMED}",
                 (owner, ttl, run.run_id, run.seq, run.lease_token),
             )
             row = cursor.fetchone()
-            return None if row is None else self._run_from_row(row)
+            return None if row is None else self._claimed(row)
 
         def resolve(conn: Connection) -> RunRecord | Unresolved | None:
             stored = self._load(conn, run.run_id)
@@ -389,7 +411,7 @@ class PostgresJournal:
         """
         return claim_next(
             self._connection,
-            self._run_from_row,
+            self._claimed,
             owner,
             ttl=ttl,
             machine=machine,
@@ -495,11 +517,11 @@ class PostgresJournal:
         return self._writer.prune(ended_before=ended_before, dry_run=dry_run, batch_size=batch_size)
 
     def integrity_problems(self) -> list[str]:
-        """Runs whose row is not their last transition's, and runs with gaps in their seqs.
+        """Runs off their transitions or with gaps, then rows that do not match their digest.
 
-        See :func:`fsm_runner.journal._postgres_schema.integrity_problems`.
+        See ``_postgres_schema.integrity_problems`` and ``_postgres_chain.chain_problems``.
         """
-        return self._connection.call(integrity_problems)
+        return self._connection.call(lambda conn: integrity_problems(conn) + chain_problems(conn))
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
@@ -537,12 +559,12 @@ class PostgresJournal:
         def work(conn: Connection) -> list[tuple[Any, ...]]:
             self._core.require_run(conn, run_id)
             return conn.execute(
-                f"SELECT {', '.join(TRANSITION_COLUMNS)} FROM transitions"
+                f"SELECT {', '.join(_TRANSITION_READ)} FROM transitions"
                 " WHERE run_id = %s AND seq >= %s AND seq <= %s ORDER BY seq",
                 (run_id, from_seq, to_seq if to_seq is not None else 2**62),
             ).fetchall()
 
-        return self._core.transition_records(TRANSITION_COLUMNS, self._connection.call(work))
+        return self._core.transition_records(_TRANSITION_READ, self._connection.call(work))
 
     # -- bulk reads (check) --------------------------------------------------------------------
 
