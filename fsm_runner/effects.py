@@ -14,6 +14,13 @@ recorded **failed** raises :class:`EffectFailedError` again unless the handler p
 ``retry_failed=True``; one found **in flight** — the process died during the call — raises
 :class:`EffectOutcomeUnknownError`, unless the effect was declared ``idempotent``, in which case
 it is called again with the same idempotency key.
+
+An effect caught in flight that is not idempotent waits for an operator, who finds out whether
+it happened and records the answer (:func:`settled`, ``fsm-runner settle``): **done** with its
+result (a resumed run then returns that result without calling ``fn``) or **failed** with a
+reason (a resumed run raises :class:`EffectFailedError`, as for an effect that failed). Who
+settled it and why are kept in the record's ``error`` (``settled_by``, ``reason``), beside the
+``type`` and ``message`` a failure carries.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ if TYPE_CHECKING:
     from fsm_runner.journal.base import Journal
     from fsm_runner.spec import State
 
-__all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "EffectCaller", "perform"]
+__all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "SETTLED", "EffectCaller", "perform", "settled"]
 
 #: The standard operation kinds; hosts may use their own strings.
 READ = "read"
@@ -268,3 +275,22 @@ def _fields(record: EffectRecord) -> dict[str, Any]:
         "idempotent": record.idempotent,
         "started_at": record.started_at,
     }
+
+
+#: The error ``type`` of an effect an operator settled as failed.
+SETTLED = "SettledByOperator"
+
+
+def settled(
+    record: EffectRecord, *, done: bool, result: Any = None, reason: str, by: str
+) -> EffectRecord:
+    """``record`` (caught in flight) as an operator settled it: done with ``result``, or failed.
+
+    ``by`` and ``reason`` are kept in its ``error`` (``settled_by``, ``reason``); a failed one's
+    ``type`` is :data:`SETTLED` and its ``message`` the reason, which a resumed run raises as
+    :class:`EffectFailedError`.
+    """
+    who = {"settled_by": by, "reason": reason}
+    if done:
+        return _ended(record, EffectStatus.DONE, result=result, error=who)
+    return _ended(record, EffectStatus.FAILED, error={"type": SETTLED, "message": reason, **who})

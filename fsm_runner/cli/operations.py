@@ -205,7 +205,7 @@ def _finite(text: str) -> float:
     return number
 
 
-def _json_option(option: str, text: str | None) -> Any:
+def json_option(option: str, text: str | None) -> Any:
     """The value of a JSON option (``None`` when it is not given), or a one-line usage error."""
     if text is None:
         return None
@@ -258,7 +258,7 @@ def signal(
     from fsm_runner.engine.waits import signal_run
     from fsm_runner.exceptions import InvalidTransitionError
 
-    payload = _json_option("--data", data)
+    payload = json_option("--data", data)
     journal = state.journal()
     run_id = resolve_run_id(journal, run_id)
     repeated = signal_id is not None and any(
