@@ -130,6 +130,4 @@ def settle(
         waiting[0], done=done, result=value, reason=storable_text(reason or ""), by=who
     )
     journal.put_effect(record, run_seq=run.seq)
-    click.echo(
-        f"effect {name!r} of run {shown(run_id)} settled {record.status.value} by {who}"
-    )
+    click.echo(f"effect {name!r} of run {shown(run_id)} settled {record.status.value} by {who}")
