@@ -181,7 +181,19 @@ def test_postgres_a_worker_whose_session_ended_is_taken_over_at_once(
     url = postgres_server.url
     location = f"{url}{'&' if '?' in url else '?'}schema={urllib.parse.quote(postgres_schema)}"
     with PostgresJournal(url, schema=postgres_schema) as journal:
+        settle_after_a_restart(url)
         failover(tmp_path, journal, location, ("host-a", "host-b"))
+
+
+def settle_after_a_restart(url: str) -> None:
+    """Wait until the server has been up for a lease TTL: no session is taken for gone before
+    (a restart ends them all; the live take their locks again within their heartbeat)."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT extract(epoch FROM now() - pg_postmaster_start_time())")
+        (up,) = row.fetchone()
+    time.sleep(max(0.0, LEASE_TTL + 1 - float(up)))
 
 
 def test_takeover_off_leaves_a_dead_workers_run_until_its_lease_expires(tmp_path):

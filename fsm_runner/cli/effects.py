@@ -96,8 +96,7 @@ def settle(
     """
     from fsm_runner._json import storable_text
     from fsm_runner.cli.operations import json_option
-    from fsm_runner.effects import settled
-    from fsm_runner.records import EffectStatus, format_utc, utc_now
+    from fsm_runner.effects import SettleRefusedError, settle_effect
 
     if done is None:
         fail("settle: give --done or --failed", EXIT_USAGE)
@@ -106,28 +105,19 @@ def settle(
     value = json_option("--result", result)
     journal = state.journal()
     run_id = resolve_run_id(journal, run_id)
-    run = journal.load(run_id)
-    named = [e for e in journal.effects(run_id) if e.name == name]
-    if visit is not None:
-        named = [e for e in named if e.visit_seq == visit]
-    waiting = [e for e in named if e.status is EffectStatus.IN_FLIGHT]
-    if not named:
-        fail(f"run {shown(run_id)} has no effect {name!r}", EXIT_NOT_FOUND)
-    if not waiting:
-        fail(f"effect {name!r} of run {shown(run_id)} is not in flight", EXIT_CONFLICT)
-    if len(waiting) > 1:
-        visits = ", ".join(str(e.visit_seq) for e in waiting)
-        fail(f"effect {name!r} is in flight in visits {visits}: give --visit", EXIT_USAGE)
-    expires = run.lease_expires_at
-    if run.lease_owner is not None and expires is not None and expires > utc_now():
-        fail(
-            f"run {shown(run_id)} is held by {run.lease_owner} until {format_utc(expires)}:"
-            " settle its effect once no worker holds it",
-            EXIT_CONFLICT,
-        )
     who = storable_text(by or f"{getpass.getuser()}@{socket.gethostname()}")
-    record = settled(
-        waiting[0], done=done, result=value, reason=storable_text(reason or ""), by=who
-    )
-    journal.put_effect(record, run_seq=run.seq)
+    try:
+        record = settle_effect(
+            journal,
+            run_id,
+            name,
+            done=done,
+            result=value,
+            reason=storable_text(reason or ""),
+            by=who,
+            visit_seq=visit,
+        )
+    except SettleRefusedError as exc:
+        codes = {"not_found": EXIT_NOT_FOUND, "conflict": EXIT_CONFLICT}
+        fail(str(exc).replace(": name one", ": give --visit"), codes.get(exc.reason, EXIT_USAGE))
     click.echo(f"effect {name!r} of run {shown(run_id)} settled {record.status.value} by {who}")
