@@ -186,3 +186,93 @@ class TestCli:
         result = invoke("settle", run_id, "charge", "--done")
         assert result.exit_code == 4
         assert "held by elsewhere:1:x" in result.output
+
+
+class TestInspector:
+    """The inspector's settle form (``--allow-actions``): the same answer as the CLI's."""
+
+    @pytest.fixture
+    def served(self, tmp_path):
+        from fsm_runner.ui.app import create_app
+        from tests.ui_helpers import AppServer
+
+        path = tmp_path / "journal.db"
+        journal = SqliteJournal(path)
+        run_id = caught_in_flight(journal)
+        servers = {}
+
+        def serve(actions: bool):
+            servers[actions] = AppServer(create_app(str(path), allow_actions=actions))
+            return servers[actions]
+
+        yield journal, run_id, serve
+        for server in servers.values():
+            server.stop()
+        journal.close()
+
+    def post(self, server, run_id: str, **fields: str):
+        from urllib.parse import urlencode
+
+        from tests.test_ui_waits import csrf_token
+
+        token = csrf_token(server.get(f"/runs/{run_id}").body)
+        return server.post(
+            f"/runs/{run_id}/settle", urlencode({"csrf_token": token, **fields}).encode()
+        )
+
+    def test_only_with_actions_on(self, served):
+        journal, run_id, serve = served
+        page = serve(False).get(f"/runs/{run_id}")
+        assert page.status == 200
+        assert 'class="settle"' not in page.body
+        answer = serve(False).post(
+            f"/runs/{run_id}/settle", b"csrf_token=x&name=charge&outcome=done"
+        )
+        assert answer.status == 403
+        assert journal.effects(run_id)[0].status is EffectStatus.IN_FLIGHT
+
+    def test_settled_done_then_the_run_goes_on(self, served):
+        journal, run_id, serve = served
+        server = serve(True)
+        assert 'class="settle"' in server.get(f"/runs/{run_id}").body
+        answer = self.post(
+            server,
+            run_id,
+            name="charge",
+            visit="0",
+            outcome="done",
+            result='{"charged": 5}',
+            reason="seen in the bank",
+            by="ann",
+        )
+        assert answer.status == 303, answer.body
+        page = server.get(f"/runs/{run_id}").body
+        assert "settled by ann: seen in the bank" in page
+        assert 'class="settle"' not in page  # nothing in flight any more
+        charge, seen = Charge(crash=False), []
+        run = make_engine(journal, charge, seen).resume(run_id)
+        assert (run.status, charge.calls, seen) == (RunLifecycle.SUCCEEDED, 0, [{"charged": 5}])
+
+    @pytest.mark.parametrize(
+        ("fields", "status"),
+        [
+            ({"name": "charge", "outcome": "failed"}, 400),  # no reason
+            ({"name": "charge", "outcome": "maybe"}, 400),
+            ({"name": "charge", "outcome": "done", "result": "{bad"}, 400),
+            ({"name": "nope", "outcome": "done"}, 404),
+        ],
+    )
+    def test_mistakes_write_nothing(self, served, fields, status):
+        journal, run_id, serve = served
+        answer = self.post(serve(True), run_id, **fields)
+        assert answer.status == status, answer.body
+        assert "Traceback" not in answer.body
+        assert journal.effects(run_id)[0].status is EffectStatus.IN_FLIGHT
+
+    def test_settled_twice_is_refused(self, served):
+        _, run_id, serve = served
+        server = serve(True)
+        assert self.post(server, run_id, name="charge", outcome="done").status == 303
+        again = self.post(server, run_id, name="charge", outcome="failed", reason="x")
+        assert again.status == 409
+        assert "is not in flight" in again.body
