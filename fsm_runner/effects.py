@@ -14,6 +14,13 @@ recorded **failed** raises :class:`EffectFailedError` again unless the handler p
 ``retry_failed=True``; one found **in flight** — the process died during the call — raises
 :class:`EffectOutcomeUnknownError`, unless the effect was declared ``idempotent``, in which case
 it is called again with the same idempotency key.
+
+An effect caught in flight that is not idempotent waits for an operator, who finds out whether
+it happened and records the answer (:func:`settled`, ``fsm-runner settle``): **done** with its
+result (a resumed run then returns that result without calling ``fn``) or **failed** with a
+reason (a resumed run raises :class:`EffectFailedError`, as for an effect that failed). Who
+settled it and why are kept in the record's ``error`` (``settled_by``, ``reason``), beside the
+``type`` and ``message`` a failure carries.
 """
 
 from __future__ import annotations
@@ -25,20 +32,33 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fsm_runner._json import dumps_json, exception_message
+from fsm_runner._shown import shown
 from fsm_runner.exceptions import (
     CapabilityError,
     EffectFailedError,
     EffectMismatchError,
     EffectOutcomeUnknownError,
+    LeaseHeldError,
     PayloadError,
 )
-from fsm_runner.records import EffectRecord, EffectStatus, RunRecord, utc_now
+from fsm_runner.records import EffectRecord, EffectStatus, RunRecord, format_utc, utc_now
 
 if TYPE_CHECKING:
     from fsm_runner.journal.base import Journal
     from fsm_runner.spec import State
 
-__all__ = ["MUTATE", "PEEK", "PUBLISH", "READ", "EffectCaller", "perform"]
+__all__ = [
+    "MUTATE",
+    "PEEK",
+    "PUBLISH",
+    "READ",
+    "SETTLED",
+    "EffectCaller",
+    "SettleRefusedError",
+    "perform",
+    "settle_effect",
+    "settled",
+]
 
 #: The standard operation kinds; hosts may use their own strings.
 READ = "read"
@@ -268,3 +288,76 @@ def _fields(record: EffectRecord) -> dict[str, Any]:
         "idempotent": record.idempotent,
         "started_at": record.started_at,
     }
+
+
+#: The error ``type`` of an effect an operator settled as failed.
+SETTLED = "SettledByOperator"
+
+
+def settled(
+    record: EffectRecord, *, done: bool, result: Any = None, reason: str, by: str
+) -> EffectRecord:
+    """``record`` (caught in flight) as an operator settled it: done with ``result``, or failed.
+
+    ``by`` and ``reason`` are kept in its ``error`` (``settled_by``, ``reason``); a failed one's
+    ``type`` is :data:`SETTLED` and its ``message`` the reason, which a resumed run raises as
+    :class:`EffectFailedError`.
+    """
+    who = {"settled_by": by, "reason": reason}
+    if done:
+        return _ended(record, EffectStatus.DONE, result=result, error=who)
+    return _ended(record, EffectStatus.FAILED, error={"type": SETTLED, "message": reason, **who})
+
+
+class SettleRefusedError(ValueError):
+    """:func:`settle_effect` refused: ``reason`` is ``not_found``, ``conflict`` or ``usage``."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def settle_effect(
+    journal: Journal,
+    run_id: str,
+    name: str,
+    *,
+    done: bool,
+    result: Any = None,
+    reason: str,
+    by: str,
+    visit_seq: int | None = None,
+) -> EffectRecord:
+    """Record an operator's answer for the run's effect ``name`` caught in flight (:func:`settled`).
+
+    Written through ``put_effect`` at the run's current seq (no lease token: nobody may hold
+    the run). ``visit_seq`` picks the visit when several have the effect in flight.
+
+    Raises:
+        RunNotFoundError: no such run.
+        LeaseHeldError: a live lease holds the run (a worker may be calling the effect now).
+        SettleRefusedError: no such effect (``not_found``), none in flight (``conflict``), or
+            in flight in several visits and no ``visit_seq`` (``usage``).
+    """
+    run = journal.load(run_id)
+    named = [e for e in journal.effects(run_id) if e.name == name]
+    if visit_seq is not None:
+        named = [e for e in named if e.visit_seq == visit_seq]
+    waiting = [e for e in named if e.status is EffectStatus.IN_FLIGHT]
+    if not named:
+        raise SettleRefusedError(f"run {shown(run_id)} has no effect {name!r}", "not_found")
+    if not waiting:
+        raise SettleRefusedError(
+            f"effect {name!r} of run {shown(run_id)} is not in flight", "conflict"
+        )
+    if len(waiting) > 1:
+        visits = ", ".join(str(e.visit_seq) for e in waiting)
+        raise SettleRefusedError(
+            f"effect {name!r} is in flight in visits {visits}: name one", "usage"
+        )
+    expires = run.lease_expires_at
+    if run.lease_owner is not None and expires is not None and expires > utc_now():
+        raise LeaseHeldError(run_id, owner=run.lease_owner, expires_at=format_utc(expires))
+    record = settled(waiting[0], done=done, result=result, reason=reason, by=by)
+    journal.put_effect(record, run_seq=run.seq)
+    return record

@@ -217,7 +217,7 @@ class Workers:
                 )
             self.procs.append(proc)
             self.outputs[proc.pid] = output
-            self.stop_codes[proc.pid] = 1 if cli else 0  # the CLI: "stopped" (exit 1)
+            self.stop_codes[proc.pid] = 0  # a clean stop: exit 0, the CLI too (one line)
             started.append(proc)
         pids = {proc.pid for proc in started}
         self.wait_for(

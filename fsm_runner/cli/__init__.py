@@ -31,6 +31,8 @@ import click
 from fsm_runner.cli.agent import agent_loop as agent_loop
 from fsm_runner.cli.agent import demo as demo
 from fsm_runner.cli.drawing import diagram as diagram
+from fsm_runner.cli.effects import effects as effects
+from fsm_runner.cli.effects import settle as settle
 from fsm_runner.cli.errors import (
     EXIT_CONFLICT,
     EXIT_FAILURE,
@@ -115,6 +117,8 @@ cli.add_command(recover)
 cli.add_command(worker)
 cli.add_command(abort)
 cli.add_command(signal)
+cli.add_command(effects)
+cli.add_command(settle)
 cli.add_command(export)
 cli.add_command(fork)
 cli.add_command(diagram)

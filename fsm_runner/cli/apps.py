@@ -266,12 +266,13 @@ def _same_file(file: Path, journal: Journal | None) -> bool:
 
 
 @contextlib.contextmanager
-def driving(engine: Engine, *, interrupted: str) -> Iterator[None]:
+def driving(engine: Engine, *, interrupted: str | None) -> Iterator[None]:
     """Run the block with SIGTERM taken as Ctrl-C, then close ``engine``.
 
     Args:
         engine: the app's engine, which the block drives.
-        interrupted: the one line a Ctrl-C or SIGTERM stops the command with (exit 1).
+        interrupted: the one line a Ctrl-C or SIGTERM stops the command with (exit 1);
+            ``None``: the ``KeyboardInterrupt`` goes on to the caller, once ``engine`` closed.
     """
     from fsm_runner.engine import interrupt_on_sigterm
 
@@ -279,6 +280,8 @@ def driving(engine: Engine, *, interrupted: str) -> Iterator[None]:
         with interrupt_on_sigterm():
             yield
     except KeyboardInterrupt:
+        if interrupted is None:
+            raise
         fail(interrupted)
     finally:
         engine.close()

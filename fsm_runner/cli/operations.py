@@ -115,15 +115,28 @@ def recover(state: CliState, app: str, limit: int | None) -> None:
     metavar="S",
     help="Seconds between looks for work while idle.",
 )
+@click.option(
+    "--takeover-dead/--no-takeover-dead",
+    default=True,
+    show_default=True,
+    help="Take over at once the runs of a worker that died (else when their leases expire).",
+)
 @click.pass_obj
 def worker(
-    state: CliState, app: str, max_runs: int | None, exit_when_idle: bool, idle_wait: float
+    state: CliState,
+    app: str,
+    max_runs: int | None,
+    exit_when_idle: bool,
+    idle_wait: float,
+    takeover_dead: bool,
 ) -> None:
     """Be a worker: claim the app's runnable runs one at a time and run them.
 
     Any number of workers may share one journal; each run is advanced by one worker at a time
-    (leases with fencing). Runs whose worker died are taken over once their lease expires.
-    Stops on Ctrl-C or SIGTERM, leaving the run in progress resumable.
+    (leases with fencing). Runs whose worker died are taken over at once (a process of this
+    host, or on PostgreSQL a worker whose session ended), else once their lease expires.
+    Ctrl-C or SIGTERM stops it cleanly (exit 0): the run in progress is interrupted, its lease
+    released, and the next worker takes it at once.
     """
     journal = state.journal()
     engine = load_app(app, journal)
@@ -133,9 +146,21 @@ def worker(
             f"--{transition.event}--> {transition.to_state}"
         )
     )
-    stopped = f"worker {engine.worker_id} stopped; its run in progress stays resumable"
-    with driving(engine, interrupted=stopped):
-        taken = engine.work(max_runs=max_runs, exit_when_idle=exit_when_idle, idle_wait=idle_wait)
+    try:
+        with driving(engine, interrupted=None):
+            taken = engine.work(
+                max_runs=max_runs,
+                exit_when_idle=exit_when_idle,
+                idle_wait=idle_wait,
+                takeover_dead=takeover_dead,
+            )
+    except KeyboardInterrupt as exc:
+        from fsm_runner.engine.interruption import interruption_cause
+
+        cause = interruption_cause(exc).removeprefix("by ")
+        cause = "Ctrl-C" if cause.startswith("(") else cause
+        click.echo(f"worker {engine.worker_id} stopped by {cause}; any run in progress released")
+        return
     click.echo(f"worker {engine.worker_id} ran {taken} runs")
 
 
@@ -180,7 +205,7 @@ def _finite(text: str) -> float:
     return number
 
 
-def _json_option(option: str, text: str | None) -> Any:
+def json_option(option: str, text: str | None) -> Any:
     """The value of a JSON option (``None`` when it is not given), or a one-line usage error."""
     if text is None:
         return None
@@ -233,7 +258,7 @@ def signal(
     from fsm_runner.engine.waits import signal_run
     from fsm_runner.exceptions import InvalidTransitionError
 
-    payload = _json_option("--data", data)
+    payload = json_option("--data", data)
     journal = state.journal()
     run_id = resolve_run_id(journal, run_id)
     repeated = signal_id is not None and any(

@@ -258,6 +258,7 @@ class Engine:
         stop: threading.Event | None = None,
         idle_wait: float = 0.5,
         exit_when_idle: bool = False,
+        takeover_dead: bool = True,
     ) -> int:
         """Be a worker: claim runnable runs of this machine one at a time and run each.
 
@@ -276,6 +277,9 @@ class Engine:
             idle_wait: seconds to wait when no run is runnable before looking again (less
                 when the journal tells that work may have come, ``Journal.idle``: a signal).
             exit_when_idle: return as soon as no run is runnable.
+            takeover_dead: take over at once (not when their leases expire) the runs held by
+                a worker that is gone: a process of this host that died, or on PostgreSQL a
+                worker whose database session ended. Looked at every half second at most.
 
         Returns:
             How many runs this worker took.
@@ -285,6 +289,7 @@ class Engine:
             stop=stop or threading.Event(),
             idle_wait=idle_wait,
             exit_when_idle=exit_when_idle,
+            takeover_dead=takeover_dead,
         )
 
     def recover(self, *, limit: int | None = None) -> list[RunRecord]:
@@ -398,6 +403,7 @@ class Engine:
         """The lease a run is started holding: this engine's, or none."""
         if not claim:
             return None
+        self._leases.announce()  # alive before a run holds its lease (PostgreSQL: a lock)
         return self._leases.worker_id, dt.timedelta(seconds=self._leases.lease_ttl)
 
     def step(self, run_id: str) -> TransitionRecord | None:

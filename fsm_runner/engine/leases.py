@@ -42,7 +42,14 @@ if TYPE_CHECKING:
 else:  # imported on first use: a sync run never needs it (see _lazy)
     asyncio = LazyModule("asyncio", globals())
 
-__all__ = ["GroupClaimer", "LeaseKeeper", "holder_is_dead", "new_worker_id", "unleased"]
+__all__ = [
+    "GroupClaimer",
+    "LeaseKeeper",
+    "holder_is_dead",
+    "holder_is_gone",
+    "new_worker_id",
+    "unleased",
+]
 
 _log = logging.getLogger("fsm_runner.engine")
 
@@ -217,12 +224,13 @@ class LeaseKeeper:
         self.let_go(run_id)
         return True
 
-    def claim(self, run_id: str) -> RunRecord:
+    def claim(self, run_id: str, *, take_over: str | None = None) -> RunRecord:
         """Load the run, check it may run here, and take its lease (the heartbeat renews it).
 
         A run this engine started and has not claimed since (:meth:`started`) is claimed
         without a load when the journal can (``claim_unchanged``: one conditional UPDATE) and
-        the stored run is still as written; otherwise, the usual way.
+        the stored run is still as written; otherwise, the usual way. ``take_over``: the
+        holder of its live lease, known to be gone (``takeover``).
         """
         held = self._take_fresh(run_id)
         if held is not None:
@@ -239,9 +247,9 @@ class LeaseKeeper:
         self.reserve(run_id)
         try:
             try:
-                claimed = journal.claim(run_id, worker_id, ttl=ttl)
+                claimed = journal.claim(run_id, worker_id, ttl=ttl, take_over=take_over)
             except LeaseHeldError as exc:
-                if not holder_is_dead(exc.owner):
+                if not holder_is_gone(journal, exc.owner, settled=ttl):
                     raise
                 # Its holder was a process on this host that is gone (killed): no need to
                 # wait for the lease to expire.
@@ -299,7 +307,9 @@ class LeaseKeeper:
                 # Claimed, but this task was cancelled before it resumed: give the lease back.
                 self.hold(future.result())
                 self.let_go(run_id)
-            if isinstance(exc, LeaseHeldError) and holder_is_dead(exc.owner):
+            if isinstance(exc, LeaseHeldError) and holder_is_gone(
+                self._core.journal, exc.owner, settled=self.lease_ttl
+            ):
                 return self.claim(run_id)  # its holder is gone: take the lease over now
             raise
         return self.take(claimed)
@@ -321,6 +331,16 @@ class LeaseKeeper:
         if claimed is not None:
             self.hold(claimed)
         return claimed
+
+    def announce(self) -> None:
+        """Tell the journal this engine is alive, before it stores a run holding its lease.
+
+        (PostgreSQL: its session holds the owner's advisory lock, ``hold_owner``; a claim does
+        that itself.)
+        """
+        hold_owner = getattr(getattr(self._core.journal, "liveness", None), "hold_owner", None)
+        if hold_owner is not None:
+            hold_owner(self.worker_id)
 
     def reserve(self, run_id: str) -> None:
         """Mark the run as being claimed here: one engine advances a run in one place at a time."""
@@ -562,6 +582,23 @@ def holder_is_dead(owner: str) -> bool:
     except OSError:  # alive, but someone else's
         return False
     return False
+
+
+def holder_is_gone(journal: Journal, owner: str, *, settled: float) -> bool:
+    """Whether lease ``owner`` is gone: dead on this host, or (PostgreSQL) its session ended.
+
+    ``settled``: on PostgreSQL, no session is taken for gone within that many seconds of the
+    server's start (a restart ended them all; the live take their locks again).
+    """
+    if holder_is_dead(owner):
+        return True
+    owners_gone = getattr(getattr(journal, "liveness", None), "owners_gone", None)
+    if owners_gone is None:
+        return False
+    try:
+        return owner in owners_gone([owner], settled=settled)
+    except FsmRunnerError:  # cannot tell: alive
+        return False
 
 
 def unleased(run: RunRecord) -> RunRecord:

@@ -19,6 +19,7 @@ from fsm_runner.engine.core import StepCore
 from fsm_runner.engine.leases import LeaseKeeper, unleased
 from fsm_runner.engine.operations import abort_run
 from fsm_runner.engine.sync_driver import SyncDriver
+from fsm_runner.engine.takeover import DeadOwners
 from fsm_runner.exceptions import (
     FsmRunnerError,
     LeaseHeldError,
@@ -48,23 +49,63 @@ class Worker:
         self.driver = driver
 
     def work(
-        self, *, max_runs: int | None, stop: threading.Event, idle_wait: float, exit_when_idle: bool
+        self,
+        *,
+        max_runs: int | None,
+        stop: threading.Event,
+        idle_wait: float,
+        exit_when_idle: bool,
+        takeover_dead: bool = True,
     ) -> int:
         """Claim runnable runs one at a time and run each (``Engine.work``); how many were taken."""
         spec = self.core.spec
         states = sorted(state.name for state in spec.leaves if state.handler)
+        core, leases = self.core, self.leases
+        dead = (
+            DeadOwners(
+                lambda: core.journal,
+                spec.name,
+                lambda: leases.worker_id,
+                lambda: leases.lease_ttl,
+            )
+            if takeover_dead
+            else None
+        )
         taken = 0
+        orphans: list[tuple[str, str]] = []  # runs held by a dead worker, not yet tried
         while not stop.is_set() and (max_runs is None or taken < max_runs):
-            spec_hash = None if self.core.allow_spec_change else spec.spec_hash
-            claimed = self.leases.claim_next(states=states, spec_hash=spec_hash)
+            if dead is not None and not orphans:
+                orphans = dead.due()
+            if orphans:
+                taken += self._take_over(*orphans.pop(0))
+                continue
+            spec_hash = None if core.allow_spec_change else spec.spec_hash
+            claimed = leases.claim_next(states=states, spec_hash=spec_hash)
             if claimed is None:
                 if exit_when_idle:
                     break
-                self._idle(self._idle_for(idle_wait), stop)
+                wait = self._idle_for(idle_wait)
+                if dead is not None and dead.watching:  # a worker may die meanwhile
+                    wait = min(wait, dead.interval)
+                self._idle(wait, stop)
                 continue
             taken += 1
             self._work_on(claimed)
         return taken
+
+    def _take_over(self, run_id: str, owner: str) -> bool:
+        """Take over and run (or park) a run held by ``owner``, which is gone; whether it was."""
+        try:
+            claimed = self.leases.claim(run_id, take_over=owner)
+        except (LeaseHeldError, RunTerminalError, SpecMismatchError) as exc:
+            _log.info("run %s not taken over here: %s", run_id, exc)
+            return False
+        except FsmRunnerError as exc:
+            _log.warning("run %s: could not take it over: %s", run_id, exc)
+            return False
+        _log.warning("run %s: took over the lease of %s, which is gone", run_id, owner)
+        self._work_on(claimed)
+        return True
 
     def park_started(self, run_ids: Sequence[str]) -> None:
         """Give runs that start waiting with a deadline their wake time: claim and park each.

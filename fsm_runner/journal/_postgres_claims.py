@@ -22,11 +22,22 @@ Each probe takes its run with ``FOR UPDATE SKIP LOCKED``, so concurrent workers 
 other's picks instead of waiting; the oldest of the (at most one a state, plus two) candidates
 is claimed, and the other candidates' row locks end with the statement. (Among due runs the
 earliest due is the candidate, not the oldest: a range read in the index's order, never sorted.)
+
+**Workers' liveness** (:class:`OwnerLocks`): every lease owner holds a session-level advisory
+lock keyed by its owner id (``pg_try_advisory_lock(OWNER_LOCK_CLASS, hashtext(owner))``),
+taken on the journal's connection before the first lease it sets there, and again after a
+reconnect. While the owner's session lives the lock is held; once its process died or its
+connection dropped, the server has released it. :meth:`OwnerLocks.gone` asks, for a few owners
+at once, which locks are free (taking and at once releasing each), so a worker can take over
+the leases of a worker that is gone without waiting for them to expire (fenced as any
+takeover: the claim raises the lease token). Two owners whose ids hash alike share a lock: a
+dead one may then pass for alive, and its runs wait for their leases to expire, as before.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -39,7 +50,15 @@ from fsm_runner.journal._postgres_connection import (
 )
 from fsm_runner.records import RunRecord
 
-__all__ = ["HEAD_DIGEST", "claim_next", "claim_next_query"]
+__all__ = [
+    "HEAD_DIGEST",
+    "OWNER_LOCK_CLASS",
+    "OwnerLiveness",
+    "OwnerLocks",
+    "claim_next",
+    "claim_next_query",
+    "lease_holders",
+]
 
 #: The claimed run's head digest (its last transition's, schema 9), returned with its row: one
 #: lookup in the transitions' primary key, in the claim's own statement.
@@ -107,6 +126,7 @@ def claim_next(
     machine: str,
     states: Collection[str],
     spec_hash: str | None,
+    owners: OwnerLocks | None = None,
 ) -> RunRecord | None:
     """Claim the oldest runnable run (:func:`claim_next_query`), or ``None``; ``decode``: a row.
 
@@ -117,6 +137,8 @@ def claim_next(
     select = ", ".join(_rows.RUN_COLUMNS)
 
     def work(conn: Connection) -> RunRecord | None:
+        if owners is not None:
+            owners.hold(conn, owner)
         found = conn.execute("SELECT clock_timestamp()").fetchone()
         assert found is not None
         now: dt.datetime = found[0]
@@ -142,3 +164,102 @@ def claim_next(
         return UNRESOLVED if row is None else decode(row)
 
     return connection.call(work, resolve=resolve)
+
+
+#: The first key of the advisory locks lease owners hold (``"FSMR"``); the second is
+#: ``hashtext(owner)``.
+OWNER_LOCK_CLASS = 0x46534D52
+
+
+class OwnerLocks:
+    """The advisory locks of the lease owners this journal's session holds (see the module).
+
+    Bound to one connection: a new connection (after a lost one, or in a forked child) holds
+    none, and each owner's lock is taken again at its next :meth:`hold`.
+    """
+
+    def __init__(self) -> None:
+        self._conn: Connection | None = None
+        self._held: set[str] = set()
+        #: the connection it was read on, and when the server started (this process's clock)
+        self._up_since: tuple[Connection, float] | None = None
+
+    def hold(self, conn: Connection, owner: str) -> None:
+        """Hold ``owner``'s lock on ``conn`` (one statement the first time on a connection)."""
+        if conn is not self._conn:
+            self._conn, self._held = conn, set()
+        if owner in self._held:
+            return
+        row = conn.execute(
+            "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (OWNER_LOCK_CLASS, owner)
+        ).fetchone()
+        if row is not None and row[0]:
+            self._held.add(owner)  # else another session holds it a moment: next time
+
+    def gone(self, conn: Connection, owners: Collection[str], *, settled: float) -> set[str]:
+        """Which of ``owners`` hold no lock: their sessions are gone (one statement).
+
+        Owners whose lock this session holds are alive (this process): never asked, as a
+        session may take its own lock again. None is gone within ``settled`` seconds of the
+        server's start: a restart ended every session, and a live worker takes its lock again
+        only at its next claim or renewal (within its heartbeat).
+        """
+        if conn is not self._conn:
+            self._conn, self._held = conn, set()
+        if self._up_since is None or self._up_since[0] is not conn:
+            row = conn.execute(
+                "SELECT extract(epoch FROM clock_timestamp() - pg_postmaster_start_time())"
+            ).fetchone()
+            assert row is not None
+            self._up_since = (conn, time.monotonic() - float(row[0]))
+        asked = sorted(set(owners) - self._held)
+        if not asked or time.monotonic() - self._up_since[1] < settled:
+            return set()
+        rows = conn.execute(
+            "WITH free AS MATERIALIZED (SELECT o FROM unnest(%s::text[]) AS o"
+            " WHERE pg_try_advisory_lock(%s, hashtext(o)))"
+            " SELECT o FROM free WHERE pg_advisory_unlock(%s, hashtext(o))",
+            (asked, OWNER_LOCK_CLASS, OWNER_LOCK_CLASS),
+        ).fetchall()
+        return {owner for (owner,) in rows}
+
+
+def lease_holders(connection: PostgresConnection, machine: str) -> list[tuple[str, str]]:
+    """``(run_id, owner)`` of ``machine``'s active runs someone holds (``runs_leased``)."""
+    _, rows = connection.select(
+        "SELECT run_id, lease_owner FROM runs WHERE machine = %s AND status = 'active'"
+        " AND lease_owner IS NOT NULL",
+        [machine],
+    )
+    return [(run_id, owner) for run_id, owner in rows]
+
+
+class OwnerLiveness:
+    """The PostgreSQL journal's ``liveness``: who holds its leases, and which owners are gone.
+
+    Args:
+        connection: the journal's connection (whose session holds its owners' locks).
+    """
+
+    def __init__(self, connection: PostgresConnection) -> None:
+        self._connection = connection
+        self.locks = OwnerLocks()
+
+    def hold_owner(self, owner: str) -> None:
+        """Hold ``owner``'s advisory lock on the journal's session: alive while it lives.
+
+        Every claim and renewal takes it too; call it before storing a run holding ``owner``'s
+        lease.
+        """
+        self._connection.call(lambda conn: self.locks.hold(conn, owner))
+
+    def owners_gone(self, owners: Collection[str], *, settled: float) -> set[str]:
+        """Which lease ``owners`` hold no session on the server any more (died, disconnected).
+
+        ``settled``: none within that many seconds of the server's start (:meth:`OwnerLocks.gone`).
+        """
+        return self._connection.call(lambda conn: self.locks.gone(conn, owners, settled=settled))
+
+    def lease_holders(self, *, machine: str) -> list[tuple[str, str]]:
+        """``(run_id, owner)`` of ``machine``'s active runs someone holds (one index range)."""
+        return lease_holders(self._connection, machine)

@@ -23,7 +23,7 @@ from typing import Any
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.records import RunRecord, format_utc, utc_now
 
-__all__ = ["claim_next"]
+__all__ = ["SqliteLiveness", "claim_next", "lease_holders"]
 
 #: A row of the ``runs`` view as a record: the cursor's description, the row.
 RowReader = Callable[[Any, Sequence[Any]], RunRecord]
@@ -182,3 +182,32 @@ def _claim_found(
                 cursor = conn.execute("SELECT * FROM runs WHERE run_key = ?", (key,))
                 return read_row(cursor.description, cursor.fetchone())
     return None
+
+
+def lease_holders(connections: SqliteConnections, machine: str) -> list[tuple[str, str]]:
+    """``(run_id, owner)`` of ``machine``'s active runs someone holds: a read of one index range.
+
+    (``idx_run_rows_leased``: the leased active runs, by machine.)
+    """
+    with connections.read() as conn:
+        rows = conn.execute(
+            "SELECT run_id, lease_owner FROM run_rows WHERE machine = ? AND status = 'active'"
+            " AND lease_owner IS NOT NULL",
+            (machine,),
+        ).fetchall()
+    return [(run_id, owner) for run_id, owner in rows]
+
+
+class SqliteLiveness:
+    """The SQLite journal's ``liveness``: who holds its leases (a dead owner is told by its pid).
+
+    Args:
+        connections: the journal's connections.
+    """
+
+    def __init__(self, connections: SqliteConnections) -> None:
+        self._connections = connections
+
+    def lease_holders(self, *, machine: str) -> list[tuple[str, str]]:
+        """``(run_id, owner)`` of ``machine``'s active runs someone holds (one index range)."""
+        return lease_holders(self._connections, machine)

@@ -61,7 +61,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_chain import chain_problems
-from fsm_runner.journal._postgres_claims import HEAD_DIGEST, claim_next
+from fsm_runner.journal._postgres_claims import HEAD_DIGEST, OwnerLiveness, claim_next
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -220,7 +220,7 @@ class PostgresJournal:
             raise
         self._core = SqlCore(_DIALECT, connection)
         self._writer = PostgresWriter(connection, self._core)
-        self._waits = PostgresWaits(connection)
+        self._waits, self.liveness = PostgresWaits(connection), OwnerLiveness(connection)
         self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
@@ -328,6 +328,7 @@ class PostgresJournal:
         tried: list[dt.datetime] = []  # the expiry each try set: the resolver looks for them
 
         def work(conn: Connection) -> RunRecord:
+            self.liveness.locks.hold(conn, owner)
             with conn.transaction():
                 run = self._load(conn, run_id, lock=True)
                 now = _server_now(conn)
@@ -359,6 +360,7 @@ class PostgresJournal:
         """
 
         def work(conn: Connection) -> RunRecord | None:
+            self.liveness.locks.hold(conn, owner)
             cursor = conn.execute(
                 "UPDATE runs SET lease_owner = %s,"
                 " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
@@ -417,6 +419,7 @@ class PostgresJournal:
             machine=machine,
             states=states,
             spec_hash=spec_hash,
+            owners=self.liveness.locks,
         )
 
     def renew(self, run_id: str, owner: str, token: int, *, ttl: float) -> dt.datetime:
@@ -442,6 +445,7 @@ class PostgresJournal:
         run_ids, tokens = [run_id for run_id, _ in leases], [token for _, token in leases]
 
         def work(conn: Connection) -> dict[str, Renewal]:
+            self.liveness.locks.hold(conn, owner)  # again after a reconnect
             with conn.transaction():
                 conn.execute(
                     "UPDATE runs SET lease_expires_at = %s FROM unnest(%s::text[], %s::bigint[])"

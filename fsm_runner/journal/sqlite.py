@@ -123,6 +123,7 @@ class SqliteJournal:
         self._core = SqlCore(_DIALECT, self._connections)
         self._writer = SqliteWriter(self._connections, self._core)
         self._waits = SqliteWaits(self._connections, self._core)
+        self.liveness = _sqlite_claims.SqliteLiveness(self._connections)  # who holds leases
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))

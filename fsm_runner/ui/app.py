@@ -39,6 +39,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from fsm_runner.effects import SettleRefusedError, settle_effect
 from fsm_runner.engine import abort_run, fork_run
 from fsm_runner.engine.waits import signal_run
 from fsm_runner.exceptions import (
@@ -318,7 +319,8 @@ async def _form(request: Request) -> dict[str, list[str]]:
         raise _PageError(
             403,
             "Actions are off",
-            "start the inspector with --allow-actions to abort, fork or answer a waiting run",
+            "start the inspector with --allow-actions to abort, fork, answer a waiting run or"
+            " settle an effect",
         )
     body = (await request.body()).decode("utf-8", errors="replace")
     form = parse_qs(body, keep_blank_values=True)
@@ -382,6 +384,45 @@ async def _signal(request: Request) -> Response:
     return RedirectResponse(
         f"/runs/{quote(run_id, safe='')}?signal={sent.number}#outcome", status_code=303
     )
+
+
+async def _settle(request: Request) -> Response:
+    """Settle an effect caught in flight (``settle_effect``), then show the run again.
+
+    ``outcome`` ``done`` (with ``result``, JSON, optional) or ``failed`` (with a ``reason``);
+    who settles it is ``by`` (default: ``inspector``). No such effect: 404; not in flight, or
+    a live lease holds the run: the refusal page (409).
+    """
+    form = await _form(request)
+    field = {key: (values or [""])[0].strip() for key, values in form.items()}
+    outcome, reason = field.get("outcome"), field.get("reason", "")
+    if outcome not in ("done", "failed") or (outcome == "failed" and not reason):
+        raise _PageError(400, "Bad request", "settle it done, or failed with a reason")
+    result: Any = None
+    if field.get("result"):
+        try:
+            result = json.loads(field["result"], parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            detail = f"the result is not JSON ({_one_line(exc)}); nothing was written"
+            raise _PageError(400, "The result is not JSON", detail) from None
+    inspector = _inspector(request)
+    with inspector.journal() as journal:
+        run_id = _resolve(journal, request.path_params["run_id"])
+        try:
+            settle_effect(
+                journal,
+                run_id,
+                field.get("name", ""),
+                done=outcome == "done",
+                result=result,
+                reason=reason,
+                by=field.get("by") or "inspector",
+                visit_seq=_int(field.get("visit"), "visit"),
+            )
+        except SettleRefusedError as exc:
+            status = 404 if exc.reason == "not_found" else 409
+            raise _PageError(status, "Cannot settle it", str(exc)) from None
+    return RedirectResponse(f"/runs/{quote(run_id, safe='')}#effects", status_code=303)
 
 
 def _error_page(request: Request, status: int, title: str, detail: str) -> Response:
@@ -451,6 +492,7 @@ def create_app(
         Route("/runs/{run_id:path}/abort", _abort, methods=["POST"]),
         Route("/runs/{run_id:path}/fork", _fork, methods=["POST"]),
         Route("/runs/{run_id:path}/signal", _signal, methods=["POST"]),
+        Route("/runs/{run_id:path}/settle", _settle, methods=["POST"]),
         Route("/runs/{run_id:path}", _run),
     ]
     for route in run_routes:

@@ -57,8 +57,8 @@ def is_loopback(host: str) -> bool:
     "--allow-actions",
     is_flag=True,
     help=(
-        "Offer abort, fork and a waiting run's answers (signals) on run pages (POST with a CSRF"
-        " token); off by default."
+        "Offer abort, fork, a waiting run's answers (signals) and the settling of effects caught"
+        " in flight on run pages (POST with a CSRF token); off by default."
     ),
 )
 def ui(  # noqa: PLR0917 - click passes each option by keyword
