@@ -13,22 +13,23 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 __all__ = ["watch"]
 
-if TYPE_CHECKING:  # subscriptable for the type checker only
-    #: What :func:`watch` returns (``detach()`` it when the journal is closed).
-    Watch = weakref.finalize[[Callable[[], None], str], object]
 
-
-def watch(owner: object, close: Callable[[], None], name: str) -> Watch:
+def watch(owner: object, close: Callable[[], None], name: str) -> Callable[[], None]:
     """Call ``close`` when ``owner`` is collected (or at exit) and warn that ``name`` was.
 
-    ``close`` must not hold ``owner`` (a bound method of one of its parts, not of it); call
-    :meth:`~weakref.finalize.detach` on what this returns when ``owner`` is closed.
+    ``close`` must not hold ``owner`` (a bound method of one of its parts, not of it). Returns
+    what ``owner`` calls to close itself: ``close``, the watch ended first.
     """
-    return weakref.finalize(owner, _collected, close, name)
+    finalizer = weakref.finalize(owner, _collected, close, name)
+
+    def closed() -> None:
+        finalizer.detach()
+        close()
+
+    return closed
 
 
 def _collected(close: Callable[[], None], name: str) -> None:

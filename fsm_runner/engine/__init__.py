@@ -177,7 +177,7 @@ class Engine:
         self._worker = Worker(core, self._leases, self._sync)
         # The default journal is the engine's own: an engine collected unclosed closes it
         # and says so by the engine's name (a journal passed in is the host's to close).
-        self._unclosed = (
+        self._close_journal = (
             watch(self, core.journal.close, f"Engine({core.spec.name!r}) (and its own journal)")
             if self._owns_journal
             else None
@@ -241,9 +241,8 @@ class Engine:
         self._leases.stop()
         self._async.close()
         self._sync.close()
-        if self._unclosed is not None:
-            self._unclosed.detach()
-            self.journal.close()
+        if self._close_journal is not None:
+            self._close_journal()
 
     def __enter__(self) -> Engine:
         return self

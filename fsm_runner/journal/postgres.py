@@ -225,7 +225,7 @@ class PostgresJournal:
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
-        self._unclosed = watch(self, functools.partial(_close, self._waits, connection), repr(self))
+        self._close = watch(self, functools.partial(_close, self._waits, connection), repr(self))
 
     @property
     def location(self) -> str:
@@ -243,8 +243,7 @@ class PostgresJournal:
 
     def close(self) -> None:
         """Close the connection (and the listener's); further use raises ``JournalError``."""
-        self._unclosed.detach()
-        _close(self._waits, self._connection)
+        self._close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
@@ -320,10 +319,9 @@ class PostgresJournal:
     def claim(
         self, run_id: str, owner: str, *, ttl: float, take_over: str | None = None
     ) -> RunRecord:
-        """Take the run's lease for ``ttl`` seconds; its token increases by one.
+        """Take the run's lease for ``ttl`` s (its token + 1): a free, expired or own lease.
 
-        Granted when nobody holds the lease, when it has expired (a takeover: the run's
-        ``recoveries`` count increases), or when ``owner`` holds it already.
+        Taking over an expired lease, or one whose holder is gone, adds one to ``recoveries``.
         """
         tried: list[dt.datetime] = []  # the expiry each try set: the resolver looks for them
 

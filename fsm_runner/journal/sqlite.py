@@ -127,7 +127,7 @@ class SqliteJournal:
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
-        self._unclosed = watch(self, self._connections.close, repr(self))
+        self._close = watch(self, self._connections.close, repr(self))
 
     @property
     def location(self) -> str:
@@ -136,8 +136,7 @@ class SqliteJournal:
 
     def close(self) -> None:
         """Close the connection; further use raises ``JournalError``."""
-        self._unclosed.detach()
-        self._connections.close()
+        self._close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r}, durability={self.durability!r})"
