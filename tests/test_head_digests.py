@@ -16,6 +16,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -195,6 +196,29 @@ class TestWorker:
             assert "seq 2 of run" in refused.message
             assert (claimed.run_id, claimed.lease_owner) == (sound_id, "w")
             assert journal.load(damaged_id).lease_owner is None
+
+    def test_recover_skips_it_and_recovers_the_others(self, tmp_path, caplog):
+        path = tmp_path / "journal.db"
+        damaged_id = start_release(path, tmp_path / "a", 2)
+        sound_id = start_release(path, tmp_path / "b", 2, version="1.0.0")
+        with SqliteJournal(path) as journal:  # both held by a worker that died
+            for run_id in (damaged_id, sound_id):
+                journal.claim(run_id, "gone", ttl=0.001)
+        raw_sql(path, DAMAGES["head-result"][0] + " AND run_key = 1")
+        time.sleep(0.01)  # the leases expire
+        engine = release.make_engine(str(path))
+        try:
+            with caplog.at_level(logging.ERROR, "fsm_runner"):
+                recovered = engine.recover()
+        finally:
+            engine.journal.close()
+        assert [(run.run_id, run.status) for run in recovered] == [
+            (sound_id, RunLifecycle.SUCCEEDED)
+        ]
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{refusal(path, f'seq 2 of run {damaged_id}')}; the run is skipped (not recovered)"
+        ]
+        assert stored(path, damaged_id)[:2] == (2, "gone")
 
 
 class TestWithoutDigests:

@@ -25,9 +25,17 @@ from fsm_runner._shown import problem, shown, valid_ascii
 from fsm_runner.exceptions import InvalidRunIdError, JournalError
 from fsm_runner.journal._digest import digest, row_digest
 
-__all__ = ["check_stored_id", "head_problem", "head_refusal", "verify_head", "verify_history"]
+__all__ = [
+    "check_stored_id",
+    "head_problem",
+    "head_refusal",
+    "is_head_refusal",
+    "verify_head",
+    "verify_history",
+]
 
 _CHECK = "'fsm-runner check' says what is damaged"
+_REFUSED = f" fails its digest; {_CHECK}; nothing was written"
 
 
 def head_refusal(run_id: str, seq: int | None, *, path: str | None) -> JournalError:
@@ -35,7 +43,18 @@ def head_refusal(run_id: str, seq: int | None, *, path: str | None) -> JournalEr
     what = f"the row (input, context, error) of run {shown(run_id)}"
     if seq is not None:
         what = f"seq {seq} of run {shown(run_id)}"
-    return JournalError(f"{what} fails its digest; {_CHECK}; nothing was written", path=path)
+    return JournalError(f"{what}{_REFUSED}", path=path)
+
+
+def is_head_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is a refusal to drive one run (:func:`head_refusal`'s, or its id's).
+
+    Such a run is skipped by whoever goes through many (``Engine.recover``); any other
+    ``JournalError`` (the journal closed, locked, unreadable) concerns them all.
+    """
+    if isinstance(error, InvalidRunIdError):
+        return True
+    return isinstance(error, JournalError) and error.detail.endswith(_REFUSED)
 
 
 def head_problem(
