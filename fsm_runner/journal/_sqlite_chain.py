@@ -33,6 +33,7 @@ __all__ = [
     "head_rows",
     "head_sql",
     "history_rows",
+    "load_sql",
     "row_with_digest",
     "run_digest",
     "stored_digest",
@@ -117,6 +118,28 @@ def head_sql(conn: sqlite3.Connection) -> str:
         "  AND t.seq = (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = r.run_key)"
         " LEFT JOIN transitions AS p ON p.run_key = r.run_key AND p.seq = t.seq - 1"
         " WHERE r.run_key = ?"
+    )
+
+
+#: The columns :func:`load_sql` adds to the ``runs`` view's: the run row's digest, the head
+#: transition's seq, digest and values, the previous transition's digest.
+LOAD_HEAD_COLUMNS = 4 + len(TRANSITION_DIGEST_COLUMNS)
+
+
+def load_sql(conn: sqlite3.Connection) -> str:
+    """A run's row from the ``runs`` view and its head rows, in one statement (a claim's load).
+
+    The view's columns, then :data:`LOAD_HEAD_COLUMNS`: the run row's digest, its transition at
+    the view's seq (the head), and the digest of the one before; two primary-key lookups more
+    than the view's own. Its parameter: the run id.
+    """
+    head = _select(conn, "transitions", TRANSITION_DIGEST_COLUMNS, "t.")
+    return (
+        f"SELECT v.*, r.digest, t.seq, t.digest, {head}, p.digest FROM runs AS v"
+        " JOIN run_rows AS r ON r.run_key = v.run_key"
+        " LEFT JOIN transitions AS t ON t.run_key = v.run_key AND t.seq = v.seq"
+        " LEFT JOIN transitions AS p ON p.run_key = v.run_key AND p.seq = v.seq - 1"
+        " WHERE v.run_id = ?"
     )
 
 

@@ -105,7 +105,11 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
 
 
 def _search_params(
-    machine: str, states: Sequence[str], spec_hash: str | None, now: str, wanted: int
+    machine: str,
+    states: Sequence[str],
+    spec_hash: str | None,
+    now: str,
+    wanted: int = _CLAIM_CANDIDATES,
 ) -> list[Any]:
     """The parameters of :func:`_claim_statements`' search, for ``wanted`` runs."""
     spec = [] if spec_hash is None else [spec_hash]

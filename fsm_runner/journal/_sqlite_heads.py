@@ -1,21 +1,33 @@
 """A SQLite journal's verification of the runs it is to drive (see :mod:`~._head`).
 
-:class:`SqliteHeads` reads a run's head rows (one statement, :func:`~._sqlite_chain.head_rows`)
-inside the claim's own write transaction and hands them to :func:`~._head.verify_head`; it
-keeps the keys of the runs ``claim_next`` found refused, so that a worker logs such a run once
-and looks past it from then on (nothing is written to it: no lease, no mark).
+:class:`SqliteHeads` reads a run's head rows inside the claim's own write transaction — in the
+statement that loads the run (:func:`~._sqlite_chain.load_sql`: a claim by run id), or in one
+of their own (:func:`~._sqlite_chain.head_rows`: ``claim_next``, before its UPDATE) — and hands
+them to :func:`~._head.verify_head`. It keeps the keys of the runs ``claim_next`` found
+refused, so that a worker logs such a run once and looks past it from then on (nothing is
+written to it: no lease, no mark).
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from fsm_runner.exceptions import InvalidRunIdError, JournalError
+from fsm_runner.exceptions import InvalidRunIdError, JournalError, RunNotFoundError
+from fsm_runner.journal._digest import RUN_DIGEST_COLUMNS
 from fsm_runner.journal._head import verify_head, verify_history
-from fsm_runner.journal._sqlite_chain import head_rows, head_sql, history_rows
+from fsm_runner.journal._sqlite_chain import (
+    LOAD_HEAD_COLUMNS,
+    head_rows,
+    head_sql,
+    history_rows,
+    load_sql,
+)
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.journal._sqlite_writes import SqliteWriter
+from fsm_runner.records import RunRecord
 
 __all__ = ["SqliteHeads"]
 
@@ -33,8 +45,43 @@ class SqliteHeads:
     def __init__(self, path: str) -> None:
         self.path = path
         self._sql: str | None = None  # the read of a run's head rows: made once
+        self._load_sql: str | None = None  # the load of a run with them: made once
+        self._at: tuple[list[int], int] | None = None  # where the view has what is verified
         #: The keys of runs ``claim_next`` found refused: not tried again by this journal.
         self.refused: set[int] = set()
+
+    def load(
+        self,
+        conn: sqlite3.Connection,
+        run_id: str,
+        read_row: Callable[[Any, Sequence[Any]], RunRecord],
+    ) -> RunRecord:
+        """The run's row (``read_row`` of the view's), once its head is verified (one read).
+
+        Raises:
+            RunNotFoundError: there is no such run.
+            InvalidRunIdError: the run's id breaks the rule of run ids; nothing was written.
+            JournalError: naming the seq that fails; nothing was written.
+        """
+        sql = self._load_sql
+        if sql is None:
+            sql = self._load_sql = load_sql(conn)
+        cursor = conn.execute(sql, (run_id,))
+        row = cursor.fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        split = len(row) - LOAD_HEAD_COLUMNS
+        view, description = row[:split], cursor.description[:split]
+        at = self._at
+        if at is None:
+            names = [column[0] for column in description]
+            at = self._at = ([names.index(c) for c in RUN_DIGEST_COLUMNS], names.index("seq"))
+        run_digest, head_seq, head_digest, *head = row[split:]
+        previous = head.pop()
+        run_row = (run_digest, *[view[index] for index in at[0]])
+        head_row = None if head_seq is None else (head_digest, *head)
+        verify_head(run_id, view[at[1]], head_row, previous, run_row, path=self.path)
+        return read_row(description, view)
 
     def verify(self, conn: sqlite3.Connection, key: object, run_id: str | None) -> None:
         """Refuse the run of ``key`` if its id breaks the rule or its head fails its digest.

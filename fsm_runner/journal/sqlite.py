@@ -223,15 +223,14 @@ class SqliteJournal:
 
     def _load(self, conn: sqlite3.Connection, run_id: str, *, verify: bool = False) -> RunRecord:
         """The run's row; with ``verify``, to be driven: its head verified (``SqliteHeads``)."""
-        cursor = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,))
-        row = cursor.fetchone()
-        if row is None:
-            raise RunNotFoundError(run_id)
-        run = self._run_from_row(cursor.description, row)
-        if verify:  # the view's last column is the run key
-            self._heads.verify(
-                conn, row[-1] if cursor.description[-1][0] == "run_key" else None, run_id
-            )
+        if verify:  # with its head rows, in the same statement
+            run = self._heads.load(conn, run_id, self._run_from_row)
+        else:
+            cursor = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+            row = cursor.fetchone()
+            if row is None:
+                raise RunNotFoundError(run_id)
+            run = self._run_from_row(cursor.description, row)
         self._writer.remember(run)
         return run
 
