@@ -28,6 +28,8 @@ from fsm_runner.cli import cli
 from fsm_runner.command_line import EXIT_FAILURE
 from fsm_runner.engine import fork_run
 from fsm_runner.examples import release
+from fsm_runner.journal._digest import digest
+from fsm_runner.journal._head import stored_digest
 from tests.helpers import UNDO_TO_VERSION, linear_spec, noop, one_line_error, start_release
 
 ROOT = Path(__file__).parents[1]
@@ -44,6 +46,10 @@ DAMAGES = {
     "head-time": ("UPDATE transitions SET at = replace(at, '.', ',') WHERE seq = 2", "seq 2"),
     "previous-digest": (
         "UPDATE transitions SET digest = replace(digest, substr(digest, 1, 1), 'x') WHERE seq = 1",
+        "seq 2",
+    ),
+    "head-bytes": (  # not UTF-8: hashed as the bytes stored, as check does
+        "UPDATE transitions SET result = CAST(X'FF' AS TEXT) || result WHERE seq = 2",
         "seq 2",
     ),
     "context": (
@@ -72,7 +78,12 @@ def stored(path: Path, run_id: str) -> tuple[int, str | None, int, int]:
     """The run's seq, lease owner and token, and how many transitions it has, as stored."""
     with SqliteJournal(path, create=False) as journal:
         run = journal.load(run_id)
-        return run.seq, run.lease_owner, run.lease_token, len(journal.transitions(run_id))
+    conn = sqlite3.connect(path)
+    try:  # counted, not read: a damaged result may not be text
+        (count,) = conn.execute("SELECT count(*) FROM transitions WHERE run_id = ?", (run_id,))
+    finally:
+        conn.close()
+    return run.seq, run.lease_owner, run.lease_token, count[0]
 
 
 @pytest.fixture(params=sorted(DAMAGES))
@@ -248,6 +259,20 @@ class TestWithoutDigests:
             assert engine.journal.integrity_problems() == []
         finally:
             engine.journal.close()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ("run", 3, None, "STARTED", 1.5, 2.0, True, b'{"a":"\xc3\xa9"}'),
+        (b"\xff\xfe not UTF-8", "a\udcff lone surrogate", 0, -7, 1e-300),
+        (),
+    ],
+)
+@pytest.mark.parametrize("previous", [None, "", "0123456789abcdef0123456789abcdef"])
+def test_stored_digest_is_the_chains_digest(previous, values):
+    """The claim's hash of stored values (bytes as read) is ``_digest.digest`` of them."""
+    assert stored_digest(previous, values) == digest(previous, values)
 
 
 SPEC = linear_spec("a", "b")
