@@ -12,8 +12,10 @@ rows, and its copies get digests of their own.
 Each journal reads the rows its own way and hands them here: a head row is the head
 transition's stored digest followed by its :data:`~._digest.TRANSITION_DIGEST_COLUMNS` as
 stored; a run row the run row's stored digest followed by its
-:data:`~._digest.RUN_DIGEST_COLUMNS` (SQLite reads text columns as their bytes, as ``check``
-does). A ``None`` digest (a journal, or a row, without digests) is not verified.
+:data:`~._digest.RUN_DIGEST_COLUMNS` (SQLite reads the head's text columns as their bytes, as
+``check`` does, and a claim takes the run row's from the row it loads). A ``None`` digest (a
+journal, or a row, without digests) is not verified. PostgreSQL's journal can call the same
+functions with its rows once it stores digests.
 """
 
 from __future__ import annotations
