@@ -22,7 +22,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fsm_runner.engine
-from fsm_runner import Engine, InvalidRunIdError, MemoryJournal, SqliteJournal, check_run_id
+from fsm_runner import (
+    Engine,
+    InvalidRunIdError,
+    MemoryJournal,
+    SignalRecord,
+    SqliteJournal,
+    check_run_id,
+)
 from fsm_runner.cli import cli
 from fsm_runner.command_line import EXIT_USAGE
 from fsm_runner.run_ids import MAX_LENGTH, _problem, shown
@@ -245,6 +252,12 @@ class TestIdsAlreadyInAJournal:
                 with pytest.raises(InvalidRunIdError, match="read-only, never advanced"):
                     call("bad\nid")
             assert journal.load("bad\nid").seq == 1
+
+    def test_no_signal_is_stored_for_it(self, old_journal):
+        with SqliteJournal(old_journal) as journal:
+            with pytest.raises(InvalidRunIdError, match="read-only"):
+                journal.put_signal(SignalRecord(run_id="bad\nid", number=0, name="GO", payload={}))
+            assert journal.signals("bad\nid") == []
 
     def test_a_worker_drives_the_others(self, old_journal, caplog):
         """``claim_next`` looks past it (logged once, nothing written) and claims ``child``."""

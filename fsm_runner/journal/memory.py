@@ -25,6 +25,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._head import check_stored_id
 from fsm_runner.journal._memory_chain import MemoryDigests
 from fsm_runner.journal._memory_mailbox import MemoryMailbox
 from fsm_runner.journal.base import (
@@ -578,6 +579,7 @@ class MemoryJournal:
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal pending for its run (see ``Journal.put_signal``)."""
+        check_stored_id(signal.run_id)  # a run under an id that breaks the rule is read-only
         _check_json(signal.payload)
         with self._lock:
             return self._mailbox.put(signal, self.load(signal.run_id))

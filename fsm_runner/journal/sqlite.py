@@ -26,6 +26,7 @@ from typing import Any
 
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
+from fsm_runner.journal._head import check_stored_id
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
@@ -463,6 +464,7 @@ class SqliteJournal:
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal for its run in ONE transaction (:meth:`SqliteWaits.put_signal`)."""
+        check_stored_id(signal.run_id)  # a run under an id that breaks the rule is read-only
         return self._waits.put_signal(signal)
 
     def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
