@@ -130,10 +130,14 @@ def load_sql(conn: sqlite3.Connection) -> str:
     """A run's row from the ``runs`` view and its head rows, in one statement (a claim's load).
 
     The view's columns, then :data:`LOAD_HEAD_COLUMNS`: the run row's digest, its transition at
-    the view's seq (the head), and the digest of the one before; two primary-key lookups more
-    than the view's own. Its parameter: the run id.
+    the view's seq (the head: each value as bytes, an integer's as its decimal text, but
+    ``duration_ms``), and the digest of the one before; two primary-key lookups more than the
+    view's own. Its parameter: the run id.
     """
-    head = _select(conn, "transitions", TRANSITION_DIGEST_COLUMNS, "t.")
+    head = ", ".join(  # as bytes (an integer's as its text), but for the float
+        f"t.{column}" if column == "duration_ms" else f"CAST(t.{column} AS BLOB)"
+        for column in TRANSITION_DIGEST_COLUMNS
+    )
     return (
         f"SELECT v.*, r.digest, t.seq, t.digest, {head}, p.digest FROM runs AS v"
         " JOIN run_rows AS r ON r.run_key = v.run_key"

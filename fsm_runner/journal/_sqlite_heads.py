@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fsm_runner.exceptions import InvalidRunIdError, JournalError, RunNotFoundError
-from fsm_runner.journal._digest import RUN_DIGEST_COLUMNS
+from fsm_runner.journal._digest import RUN_DIGEST_COLUMNS, TRANSITION_DIGEST_COLUMNS, text
 from fsm_runner.journal._head import verify_head, verify_history
 from fsm_runner.journal._sqlite_chain import (
     LOAD_HEAD_COLUMNS,
@@ -32,6 +32,8 @@ from fsm_runner.records import RunRecord
 __all__ = ["SqliteHeads"]
 
 _log = logging.getLogger("fsm_runner")
+#: Where ``duration_ms`` is among a head's values.
+_MS = TRANSITION_DIGEST_COLUMNS.index("duration_ms")
 stored_key = SqliteWriter.stored_key
 
 
@@ -78,6 +80,8 @@ class SqliteHeads:
             at = self._at = ([names.index(c) for c in RUN_DIGEST_COLUMNS], names.index("seq"))
         run_digest, head_seq, head_digest, *head = row[split:]
         previous = head.pop()
+        if head[_MS] is not None:  # the one number: its canonical text (a float's hex)
+            head[_MS] = text(head[_MS]).encode()
         run_row = (run_digest, *[view[index] for index in at[0]])
         head_row = None if head_seq is None else (head_digest, *head)
         verify_head(run_id, view[at[1]], head_row, previous, run_row, path=self.path)
