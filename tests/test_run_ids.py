@@ -22,11 +22,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fsm_runner.engine
-from fsm_runner import Engine, InvalidRunIdError, MemoryJournal, SqliteJournal, check_run_id
+from fsm_runner import (
+    Engine,
+    InvalidRunIdError,
+    MemoryJournal,
+    SignalRecord,
+    SqliteJournal,
+    check_run_id,
+)
 from fsm_runner.cli import cli
 from fsm_runner.command_line import EXIT_USAGE
 from fsm_runner.run_ids import MAX_LENGTH, _problem, shown
-from tests.helpers import NEXT, linear_spec, rename_run, start_release
+from tests.helpers import NEXT, linear_spec, one_line_error, rename_run, start_release
 from tests.ui_helpers import Server
 
 SPEC = linear_spec("a", "b")
@@ -213,13 +220,76 @@ class TestIdsAlreadyInAJournal:
         assert result.output.splitlines()[0] == r"run      'bad\nid'"
         assert "\nid" not in result.output
 
-    def test_error_messages_name_it_escaped(self, old_journal):
-        assert self.invoke(old_journal, "abort", "bad\nid", "--reason", "x").exit_code == 0
-        result = self.invoke(old_journal, "abort", "bad\nid", "--reason", "x")  # it has ended
-        assert result.exit_code == 4, result.output
-        assert result.output.splitlines() == [
-            r"Error: run 'bad\nid' has ended (aborted in state 'canceled') and cannot be resumed or advanced"
+    @pytest.mark.parametrize(
+        "command",
+        [
+            ["resume", "bad\nid", "--app", "tests.test_run_ids:engine_on"],
+            ["abort", "bad\nid", "--reason", "x"],
+        ],
+        ids=["resume", "abort"],
+    )
+    def test_it_is_never_advanced(self, old_journal, command):
+        """Read-only: resume and abort refuse it with the rule's message; nothing is written."""
+        result = self.invoke(old_journal, *command)
+        line = one_line_error(result, EXIT_USAGE)
+        assert line.startswith(
+            r"Error: invalid run id 'bad\nid': it holds '\n' (U+000A, whitespace); a run stored"
+            " with such an id is read-only, never advanced (a run id is 1 to 200"
+        ), line
+        with SqliteJournal(old_journal) as journal:
+            run = journal.load("bad\nid")
+            assert (run.seq, run.lease_owner, run.lease_token, run.abort_reason) == (
+                1,
+                None,
+                1,
+                None,
+            )
+
+    def test_engine_calls_refuse_it(self, old_journal):
+        with SqliteJournal(old_journal) as journal:
+            engine = engine_on(journal)
+            for call in (engine.step, engine.run, engine.resume):
+                with pytest.raises(InvalidRunIdError, match="read-only, never advanced"):
+                    call("bad\nid")
+            assert journal.load("bad\nid").seq == 1
+
+    def test_no_signal_is_stored_for_it(self, old_journal):
+        with SqliteJournal(old_journal) as journal:
+            with pytest.raises(InvalidRunIdError, match="read-only"):
+                journal.put_signal(SignalRecord(run_id="bad\nid", number=0, name="GO", payload={}))
+            assert journal.signals("bad\nid") == []
+
+    def test_a_worker_drives_the_others(self, old_journal, caplog):
+        """``claim_next`` looks past it (logged once, nothing written) and claims ``child``."""
+        with SqliteJournal(old_journal) as journal:
+            engine = engine_on(journal)
+            assert engine.work(exit_when_idle=True) == 1
+            assert journal.load("child").state == "done"
+            assert journal.claim_next("w", ttl=5, machine=SPEC.name, states=["a", "b"]) is None
+            run = journal.load("bad\nid")
+            assert (run.seq, run.lease_owner, run.lease_token) == (1, None, 1)
+        logged = [r.getMessage() for r in caplog.records if "read-only" in r.getMessage()]
+        assert len(logged) == 1, logged  # once, though claim_next looked at it twice
+        assert r"'bad\nid'" in logged[0]
+        assert logged[0].endswith("the run is skipped (not claimed)")
+
+    def test_check_warns_of_it_and_passes(self, old_journal):
+        result = self.invoke(old_journal, "check")
+        assert result.exit_code == 0, result.output
+        assert result.output.splitlines()[1:] == [
+            r"  warning: run 'bad\nid': its id breaks the rule of run ids (it holds '\n' (U+000A,"
+            r" whitespace)); the run is read-only (shown, replayed, exported, forked from; never"
+            " advanced)"
         ]
+        as_json = json.loads(self.invoke(old_journal, "check", "--json").output)
+        assert (as_json["problems"], len(as_json["warnings"])) == ([], 1)
+        assert self.invoke(old_journal, "check", "--run", "child").output.count("warning") == 0
+
+    def test_replay_prints_it_escaped(self, old_journal):
+        result = self.invoke(old_journal, "replay", "bad\nid")
+        assert result.exit_code == 0, result.output
+        assert r"replay of run 'bad\nid' matches the journal" in result.output
+        assert "bad\nid" not in result.output
 
     def test_export_writes_it(self, old_journal, tmp_path):
         result = self.invoke(old_journal, "export", "bad\nid", str(tmp_path / "out"))
@@ -266,13 +336,14 @@ class TestReleaseExample:
         result = CliRunner().invoke(
             cli, ["--journal", str(journal_path), "resume", hostile, "--app", APP]
         )
-        assert result.exit_code == 1, result.output  # the run failed
-        assert f"run {hostile!r} has ended (failed)" in result.output
+        # Read-only: refused before any phase runs; the example's own check of the id, where it
+        # becomes a directory, stays as a second line of defence.
+        line = one_line_error(result, EXIT_USAGE)
+        assert line.startswith(f"Error: invalid run id {hostile!r}: "), line
         assert {p for p in tmp_path.rglob("*") if not p.is_relative_to(base / "ws")} == outside
         assert not list(tmp_path.rglob("release-*.tar.gz"))
         with SqliteJournal(journal_path) as journal:
-            error = journal.load(hostile).error
-        assert error["type"] == "InvalidRunIdError", error
+            assert journal.load(hostile).seq == 1
 
     def test_a_run_directory_linked_outside_is_refused(self, journal_path, tmp_path):
         run_id = start_release(journal_path, tmp_path, 1)

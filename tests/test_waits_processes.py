@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import pytest
 
 from fsm_runner import Engine, SignalStatus, SqliteJournal
+from fsm_runner.journal._sqlite_chain import fill_digests
 from fsm_runner.records import format_utc
 from tests.test_postgres_workers import wait_for
 from tests.waits_app import HANDLERS, MACHINE, spec
@@ -91,6 +92,10 @@ def _age_sqlite(path: Path, journal: SqliteJournal) -> Callable[[str, dt.timedel
                 f"UPDATE run_rows SET {wake_column} = ?, updated_at = ? WHERE run_id = ?",
                 (format_utc(wake - by), format_utc(entered.at - by), run_id),
             )
+            # The aged times as if written so: the run's digests computed again (a claim
+            # verifies its head transition, whose time this moved).
+            (key,) = conn.execute("SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,))
+            fill_digests(conn, run_key=key[0], run_id=run_id)
             conn.execute("COMMIT")
         finally:
             conn.close()

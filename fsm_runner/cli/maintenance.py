@@ -8,12 +8,13 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 
+from fsm_runner._shown import problem, valid_ascii
 from fsm_runner.cli.errors import EXIT_FAILURE, EXIT_USAGE, FiniteFloatRange, fail
 from fsm_runner.cli.journals import CliState, resolve_run_id
 from fsm_runner.cli.output import json_dump, plural
@@ -99,7 +100,8 @@ def check(
     seqs gapless from 0 (invariant 2), the run row equal to its last transition (1) and to
     what replaying its transitions gives (8). The runs are
     replayed in --jobs processes, a range of runs each. Exits 1 with a list of problems, one
-    per line; a progress bar on stderr when it is a terminal.
+    per line; a progress bar on stderr when it is a terminal. A run whose id breaks the rule
+    of run ids (stored before it) is a warning line, not a problem: it is read-only.
     """
     import os
 
@@ -122,16 +124,39 @@ def check(
             progress=progress,
         )
     problems, count = list(report.problems), report.runs
+    warnings = _id_warnings(
+        journal.run_ids("", limit=sys.maxsize) if selected is None else selected
+    )
     if as_json:
-        json_dump({"journal": journal.location, "runs": count, "problems": problems})
+        json_dump(
+            {"journal": journal.location, "runs": count, "problems": problems, "warnings": warnings}
+        )
     elif problems:
         click.echo(f"journal {journal.location}: {len(problems)} problems in {count} runs")
         for problem in problems:
             click.echo(f"  {problem}")
     else:
         click.echo(f"journal {journal.location}: {count} runs checked, no problems")
+    for warning in [] if as_json else warnings:
+        click.echo(f"  warning: {warning}")
     if problems:
         sys.exit(EXIT_FAILURE)
+
+
+def _id_warnings(run_ids: Iterable[str]) -> list[str]:
+    """One line per run whose id breaks the rule of run ids (stored before it): not a problem.
+
+    Such a run is read as any other, but never advanced (``fsm_runner.run_ids``).
+    """
+    lines = []
+    for run_id in run_ids:
+        reason = None if valid_ascii(run_id) is not None else problem(run_id)
+        if reason is not None:
+            lines.append(
+                f"run {shown(run_id)}: its id breaks the rule of run ids ({reason}); the run is"
+                " read-only (shown, replayed, exported, forked from; never advanced)"
+            )
+    return lines
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
     SpecMismatchError,
 )
+from fsm_runner.journal._head import is_head_refusal
 from fsm_runner.records import RunRecord, utc_now
 
 __all__ = ["Worker"]
@@ -175,6 +176,11 @@ class Worker:
                 claimed = self.leases.claim(stale.run_id)
             except (LeaseHeldError, RunTerminalError, SpecMismatchError) as exc:
                 _log.info("run %s not recovered here: %s", stale.run_id, exc)
+                continue
+            except FsmRunnerError as exc:
+                if not is_head_refusal(exc):
+                    raise
+                _log.error("%s; the run is skipped (not recovered)", exc)  # the others proceed
                 continue
             ended: RunRecord | None = None
             try:

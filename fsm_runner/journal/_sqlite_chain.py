@@ -15,6 +15,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from fsm_runner._shown import shown
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import (
     RUN_DIGEST_COLUMNS,
@@ -29,6 +30,10 @@ __all__ = [
     "MIGRATED_KEYS",
     "chain_problems",
     "fill_digests",
+    "head_rows",
+    "head_sql",
+    "history_rows",
+    "load_sql",
     "row_with_digest",
     "run_digest",
     "stored_digest",
@@ -96,6 +101,85 @@ def stored_digest(conn: sqlite3.Connection, key: int, seq: int) -> str | None:
         "SELECT digest FROM transitions WHERE run_key = ? AND seq = ?", (key, seq)
     ).fetchone()
     return None if row is None else row[0]
+
+
+def head_sql(conn: sqlite3.Connection) -> str:
+    """The read of a run's head rows for :func:`head_rows` (its text: once per journal).
+
+    One statement of primary-key lookups: the run row, its last transition (the head: the
+    last entry of the run's range of the transitions' key) and the digest of the one before.
+    Its parameter: the run key.
+    """
+    run = _select(conn, "run_rows", RUN_DIGEST_COLUMNS, "r.")
+    head = _select(conn, "transitions", TRANSITION_DIGEST_COLUMNS, "t.")
+    return (
+        f"SELECT r.digest, {run}, t.seq, t.digest, {head}, p.digest FROM run_rows AS r"
+        " LEFT JOIN transitions AS t ON t.run_key = r.run_key"
+        "  AND t.seq = (SELECT max(m.seq) FROM transitions AS m WHERE m.run_key = r.run_key)"
+        " LEFT JOIN transitions AS p ON p.run_key = r.run_key AND p.seq = t.seq - 1"
+        " WHERE r.run_key = ?"
+    )
+
+
+#: The columns :func:`load_sql` adds to the ``runs`` view's: the run row's digest, the head
+#: transition's seq, digest and values, the previous transition's digest.
+LOAD_HEAD_COLUMNS = 4 + len(TRANSITION_DIGEST_COLUMNS)
+
+
+def load_sql(conn: sqlite3.Connection) -> str:
+    """A run's row from the ``runs`` view and its head rows, in one statement (a claim's load).
+
+    The view's columns, then :data:`LOAD_HEAD_COLUMNS`: the run row's digest, its transition at
+    the view's seq (the head: each value as bytes, an integer's as its decimal text, but
+    ``duration_ms``), and the digest of the one before; two primary-key lookups more than the
+    view's own. Its parameter: the run id.
+    """
+    head = ", ".join(  # as bytes (an integer's as its text), but for the float
+        f"t.{column}" if column == "duration_ms" else f"CAST(t.{column} AS BLOB)"
+        for column in TRANSITION_DIGEST_COLUMNS
+    )
+    return (
+        f"SELECT v.*, r.digest, t.seq, t.digest, {head}, p.digest FROM runs AS v"
+        " JOIN run_rows AS r ON r.run_key = v.run_key"
+        " LEFT JOIN transitions AS t ON t.run_key = v.run_key AND t.seq = v.seq"
+        " LEFT JOIN transitions AS p ON p.run_key = v.run_key AND p.seq = v.seq - 1"
+        " WHERE v.run_id = ?"
+    )
+
+
+def head_rows(
+    conn: sqlite3.Connection, sql: str, key: int
+) -> tuple[int | None, Sequence[Any] | None, str | None, Sequence[Any] | None]:
+    """A run's head seq and transition, its previous transition's digest, its run row.
+
+    As stored, and as :func:`~fsm_runner.journal._head.verify_head` takes them (each row's
+    digest first); ``sql``: :func:`head_sql`'s. All ``None``: no run has that key.
+    """
+    row = conn.execute(sql, (key,)).fetchone()
+    if row is None:
+        return None, None, None, None
+    runs = 1 + len(RUN_DIGEST_COLUMNS)
+    run_row, (seq, *head), previous = row[:runs], row[runs:-1], row[-1]
+    return seq, (None if seq is None else head), previous, run_row
+
+
+def history_rows(
+    conn: sqlite3.Connection, key: int, to_seq: int
+) -> tuple[list[tuple[int, str | None, list[Any]]], Sequence[Any] | None]:
+    """A run's transitions up to ``to_seq`` (seq, digest, values) and its run row, as stored.
+
+    As :func:`~fsm_runner.journal._head.verify_history` takes them.
+    """
+    select = _select(conn, "transitions", TRANSITION_DIGEST_COLUMNS)
+    rows = conn.execute(
+        f"SELECT seq, digest, {select} FROM transitions WHERE run_key = ? AND seq <= ?"
+        " ORDER BY seq",
+        (key, to_seq),
+    )
+    transitions = [(seq, stored, values) for seq, stored, *values in rows]
+    run = _select(conn, "run_rows", RUN_DIGEST_COLUMNS)
+    run_row = conn.execute(f"SELECT digest, {run} FROM run_rows WHERE run_key = ?", (key,))
+    return transitions, run_row.fetchone()
 
 
 def _select(conn: sqlite3.Connection, table: str, columns: Sequence[str], prefix: str = "") -> str:
@@ -175,7 +259,7 @@ def chain_problems(conn: sqlite3.Connection) -> list[str]:
             expected = stored if isinstance(stored, str) else expected
         names = _run_names(conn)
         problems = [
-            f"digest: run {names.get(key, f'with run_key {key}')} at seq {seq}: the transition"
+            f"digest: run {_name(names, key)} at seq {seq}: the transition"
             " does not match its digest (changed since it was written)" + _origin(key, migrated_to)
             for key, seq in first_bad.items()
         ]
@@ -194,7 +278,8 @@ def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None)
     ):
         if stored != row_digest(values):
             problems.append(
-                f"digest: run {run_id}: its row (input, context, error) does not match its digest"
+                f"digest: run {_shown_id(run_id)}: its row (input, context, error) does not match"
+                " its digest"
                 " (changed since it was written)" + _origin(key, migrated_to)
             )
     for table, columns, named in _ROW_TABLES:
@@ -209,10 +294,19 @@ def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None)
             ids, stored, values = rest[: len(names)], rest[len(names)], rest[len(names) + 1 :]
             if stored != row_digest(values):
                 problems.append(
-                    f"digest: run {ids[0]}: its {named.format(*ids)} does not match its digest"
-                    " (changed since it was written)" + _origin(key, migrated_to)
+                    f"digest: run {_shown_id(ids[0])}: its {named.format(*ids)} does not match its"
+                    " digest (changed since it was written)" + _origin(key, migrated_to)
                 )
     return problems
+
+
+def _name(names: dict[int, str], key: int) -> str:
+    """How a problem line names the run of ``key``: its id, escaped if it breaks the rule."""
+    return _shown_id(names[key]) if key in names else f"with run_key {key}"
+
+
+def _shown_id(run_id: Any) -> str:
+    return shown(run_id) if isinstance(run_id, str) else repr(run_id)
 
 
 def _run_names(conn: sqlite3.Connection) -> dict[int, str]:

@@ -17,16 +17,21 @@ again, as when nothing was runnable).
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from fsm_runner.journal import _lease
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.records import RunRecord, format_utc, utc_now
 
-__all__ = ["SqliteLiveness", "claim_next", "lease_holders"]
+__all__ = ["SqliteLiveness", "claim_next", "claim_unchanged", "lease_holders"]
 
 #: A row of the ``runs`` view as a record: the cursor's description, the row.
 RowReader = Callable[[Any, Sequence[Any]], RunRecord]
+#: Whether the run of a key may be driven (its head verified: ``SqliteJournal``'s); a run
+#: refused is not claimed, and is among the keys skipped from then on.
+HeadCheck = Callable[[sqlite3.Connection, int], bool]
 
 #: Runs one ``claim_next`` search returns, tried in order until one is still claimable.
 _CLAIM_CANDIDATES = 8
@@ -100,18 +105,22 @@ def _claim_statements(states: int, spec_hash: str | None) -> tuple[str, str]:
 
 
 def _search_params(
-    machine: str, states: Sequence[str], spec_hash: str | None, now: str
+    machine: str,
+    states: Sequence[str],
+    spec_hash: str | None,
+    now: str,
+    wanted: int = _CLAIM_CANDIDATES,
 ) -> list[Any]:
-    """The parameters of :func:`_claim_statements`' search."""
+    """The parameters of :func:`_claim_statements`' search, for ``wanted`` runs."""
     spec = [] if spec_hash is None else [spec_hash]
     params: list[Any] = []
     for state in states:
-        params += [machine, state, *spec, _CLAIM_CANDIDATES]
+        params += [machine, state, *spec, wanted]
     return [
         *params,
-        *(machine, now, *states, now, *spec, _CLAIM_CANDIDATES),
-        *(machine, now, *spec, _CLAIM_CANDIDATES),
-        _CLAIM_CANDIDATES,
+        *(machine, now, *states, now, *spec, wanted),
+        *(machine, now, *spec, wanted),
+        wanted,
     ]
 
 
@@ -124,24 +133,32 @@ def claim_next(
     machine: str,
     states: Collection[str],
     spec_hash: str | None,
+    head_check: HeadCheck,
+    skipped: Collection[int] = (),
 ) -> RunRecord | None:
-    """Claim the oldest runnable run of ``machine`` (in ``states``, or due) for ``owner``."""
+    """Claim the oldest runnable run of ``machine`` (in ``states``, or due) for ``owner``.
+
+    Each run found is verified (``head_check``) before it is claimed: one refused is not
+    claimed, nor are the runs of the keys ``skipped`` (refused before), which the search
+    looks past.
+    """
     ordered = sorted(set(states))
     search, claim = _claim_statements(len(ordered), spec_hash)
+    wanted = _CLAIM_CANDIDATES + len(skipped)
     for _ in range(_CLAIM_SEARCHES):
         with connections.read() as conn:
-            params = _search_params(machine, ordered, spec_hash, format_utc(utc_now()))
+            params = _search_params(machine, ordered, spec_hash, format_utc(utc_now()), wanted)
             found = conn.execute(search, params).fetchall()
-        if not found:
+        keys = [key for (key,) in found if key not in skipped]
+        if not keys:
             return None
-        keys = [key for (key,) in found]
         claimed = _claim_found(
             connections,
             read_row,
             keys,
             owner=owner,
             ttl=ttl,
-            claim=claim,
+            claim=(claim, head_check),
             wanted=(machine, ordered, spec_hash),
         )
         if claimed is not None:
@@ -156,7 +173,7 @@ def _claim_found(
     *,
     owner: str,
     ttl: float,
-    claim: str,
+    claim: tuple[str, HeadCheck],
     wanted: tuple[str, Sequence[str], str | None],
 ) -> RunRecord | None:
     """Claim the first of the runs ``keys`` that is still claimable, in ONE transaction.
@@ -164,10 +181,12 @@ def _claim_found(
     ``claim`` (:func:`_claim_statements`) writes only while the run still answers the search,
     as of now: a run claimed, moved or renewed since changes no row and the next one is tried.
     Under the write lock no other writer comes between its check and its write, so the lease
-    token rises once per claim; ``recoveries`` counts a takeover by the lease found at that
-    moment.
+    token rises once per claim, and the run's head verified first (``claim``'s check: one read
+    of its head rows) is the head claimed; ``recoveries`` counts a takeover by the lease found
+    at that moment.
     """
     machine, states, spec_hash = wanted
+    update, head_check = claim
     spec = [] if spec_hash is None else [spec_hash]
     with connections.write() as conn:
         # "now" once the lock is held: a lease that expired (a wake time that came) while
@@ -177,11 +196,30 @@ def _claim_found(
         stamp = format_utc(now)
         params = [machine, *states, stamp, *spec, stamp]
         for key in keys:
-            changed = conn.execute(claim, [owner, expires, key, key, *params])
+            if not head_check(conn, key):  # its head fails its digest: never claimed
+                continue
+            changed = conn.execute(update, [owner, expires, key, key, *params])
             if changed.rowcount:
                 cursor = conn.execute("SELECT * FROM runs WHERE run_key = ?", (key,))
                 return read_row(cursor.description, cursor.fetchone())
     return None
+
+
+def claim_unchanged(
+    connections: SqliteConnections, run: RunRecord, owner: str, *, ttl: float
+) -> RunRecord | None:
+    """``SqliteJournal.claim_unchanged``: one conditional UPDATE, no read; ``None``: not claimed."""
+    expires = utc_now() + dt.timedelta(seconds=ttl)
+    with connections.write() as conn:
+        changed = conn.execute(
+            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+            " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
+            " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
+            " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
+            " WHERE t.run_key = run_rows.run_key AND t.seq > ?)",
+            (owner, format_utc(expires), run.run_id, run.lease_token, run.seq),
+        ).rowcount
+    return _lease.claimed(run, owner, expires, takeover=False) if changed else None
 
 
 def lease_holders(connections: SqliteConnections, machine: str) -> list[tuple[str, str]]:

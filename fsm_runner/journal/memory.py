@@ -25,6 +25,7 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._head import check_stored_id
 from fsm_runner.journal._memory_chain import MemoryDigests
 from fsm_runner.journal._memory_mailbox import MemoryMailbox
 from fsm_runner.journal.base import (
@@ -497,6 +498,7 @@ class MemoryJournal:
         now = utc_now()
         with self._lock:
             run = self.load(run_id)
+            self._digests.verify(run, self._transitions.get(run_id, []))
             takeover = _lease.grant(run, owner, now, take_over=take_over)
             expires = now + dt.timedelta(seconds=ttl)
             claimed = self._runs[run_id] = _lease.claimed(run, owner, expires, takeover=takeover)
@@ -552,10 +554,9 @@ class MemoryJournal:
                 and (spec_hash is None or run.spec_hash == spec_hash)
                 and _lease.unheld(run, now)
             ]
-            if not runnable:
-                return None
-            chosen = min(runnable, key=lambda run: run.created_at)
-            return self.claim(chosen.run_id, owner, ttl=ttl)
+            ordered = sorted(runnable, key=lambda run: run.created_at)
+            chosen = self._digests.first_sound(ordered, self._transitions)
+            return None if chosen is None else self.claim(chosen.run_id, owner, ttl=ttl)
 
     def park(self, run_id: str, owner: str, token: int, *, wake_at: Wake, accepts: Names) -> bool:
         """Give up the lease and set when the run is due (now, if an accepted signal waits)."""
@@ -578,6 +579,7 @@ class MemoryJournal:
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal pending for its run (see ``Journal.put_signal``)."""
+        check_stored_id(signal.run_id)  # a run under an id that breaks the rule is read-only
         _check_json(signal.payload)
         with self._lock:
             return self._mailbox.put(signal, self.load(signal.run_id))
@@ -653,7 +655,9 @@ class MemoryJournal:
         check_run_id(run.run_id)
         _rows.check_fork(run, at_seq)
         with self._lock:
-            _rows.check_fork_source(source_run_id, self.load(source_run_id).seq, at_seq)
+            source = self.load(source_run_id)
+            _rows.check_fork_source(source_run_id, source.seq, at_seq)
+            self._digests.verify_source(source, self._transitions.get(source_run_id, []), at_seq)
             if run.run_id in self._runs:
                 raise RunExistsError(run.run_id)
             self._runs[run.run_id] = run

@@ -27,9 +27,11 @@ from typing import Any
 from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
+from fsm_runner.journal._head import check_stored_id
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
+from fsm_runner.journal._sqlite_heads import SqliteHeads
 from fsm_runner.journal._sqlite_waits import Names, SqliteWaits, Wake
 from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
 from fsm_runner.journal.base import Commit, Durability, NewRun, PruneReport, Renewal, renewals
@@ -124,6 +126,7 @@ class SqliteJournal:
         self._writer = SqliteWriter(self._connections, self._core)
         self._waits = SqliteWaits(self._connections, self._core)
         self.liveness = _sqlite_claims.SqliteLiveness(self._connections)  # who holds leases
+        self._heads = SqliteHeads(self.path)  # a run's head verified before it is driven
         # The hot path: the writer's own methods, bound to this journal as they are, so that
         # a step makes no call through the journal (a subclass's own override is kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -184,6 +187,7 @@ class SqliteJournal:
 
     def fork_run(self, run: RunRecord, *, source_run_id: str, at_seq: int) -> None:
         """Store ``run`` as a new run whose history is the source run's up to ``at_seq``."""
+        self._heads.verify_source(self._connections, source_run_id, at_seq)  # rows it copies
         self._writer.fork_run(run, source_run_id=source_run_id, at_seq=at_seq)
 
     def prune(
@@ -221,12 +225,16 @@ class SqliteJournal:
         with self._connections.read() as conn:
             return self._load(conn, run_id)
 
-    def _load(self, conn: sqlite3.Connection, run_id: str) -> RunRecord:
-        cursor = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,))
-        row = cursor.fetchone()
-        if row is None:
-            raise RunNotFoundError(run_id)
-        run = self._run_from_row(cursor.description, row)
+    def _load(self, conn: sqlite3.Connection, run_id: str, *, verify: bool = False) -> RunRecord:
+        """The run's row; with ``verify``, to be driven: its head verified (``SqliteHeads``)."""
+        if verify:  # with its head rows, in the same statement
+            run = self._heads.load(conn, run_id, self._run_from_row)
+        else:
+            cursor = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,))
+            row = cursor.fetchone()
+            if row is None:
+                raise RunNotFoundError(run_id)
+            run = self._run_from_row(cursor.description, row)
         self._writer.remember(run)
         return run
 
@@ -342,7 +350,7 @@ class SqliteJournal:
         check: Callable[[RunRecord], object] | None,
     ) -> RunRecord:
         """One claim inside the caller's write transaction; returns the row it wrote."""
-        run = self._load(conn, run_id)
+        run = self._load(conn, run_id, verify=True)
         if check is not None:
             check(run)
         takeover = _lease.grant(run, owner, now, take_over=take_over)
@@ -361,22 +369,12 @@ class SqliteJournal:
         One UPDATE, no read: granted only while the run is active with no abort requested, no
         lease held, the lease token ``run`` has and no transition after ``run.seq``. Then the
         stored row is ``run``'s (every write to a run moves its seq, its token or its status),
-        so the claim returns ``run`` as claimed. ``None``: nothing was written.
+        so the claim returns ``run`` as claimed. ``None``: nothing was written. Its head is not
+        verified (as :meth:`claim`'s is): the run is as this journal wrote it, a moment ago.
         """
-        expires = utc_now() + dt.timedelta(seconds=ttl)
-        with self._connections.write() as conn:
-            changed = conn.execute(
-                "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-                " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
-                " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
-                " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
-                " WHERE t.run_key = run_rows.run_key AND t.seq > ?)",
-                (owner, format_utc(expires), run.run_id, run.lease_token, run.seq),
-            ).rowcount
-        if not changed:
-            return None
-        claimed = _lease.claimed(run, owner, expires, takeover=False)
-        self._writer.remember(claimed)
+        claimed = _sqlite_claims.claim_unchanged(self._connections, run, owner, ttl=ttl)
+        if claimed is not None:
+            self._writer.remember(claimed)
         return claimed
 
     def claim_next(
@@ -403,6 +401,8 @@ class SqliteJournal:
             machine=machine,
             states=states,
             spec_hash=spec_hash,
+            head_check=self._heads.sound,
+            skipped=self._heads.refused,
         )
         if claimed is not None:
             self._writer.remember(claimed)
@@ -467,6 +467,7 @@ class SqliteJournal:
 
     def put_signal(self, signal: SignalRecord) -> SignalRecord:
         """Journal a signal for its run in ONE transaction (:meth:`SqliteWaits.put_signal`)."""
+        check_stored_id(signal.run_id)  # a run under an id that breaks the rule is read-only
         return self._waits.put_signal(signal)
 
     def signals(self, run_id: str, *, pending: bool = False) -> list[SignalRecord]:
