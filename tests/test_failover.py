@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.parse
 from pathlib import Path
@@ -25,6 +24,7 @@ from fsm_runner.exceptions import LeaseLostError
 from fsm_runner.records import utc_now
 from fsm_runner.rules.reducer import take
 from tests.failover_app import SPEC, slow
+from tests.test_postgres_workers import wait_for, worker_command
 
 ROOT = Path(__file__).parents[1]
 APP = "tests.failover_app:make_engine"
@@ -35,22 +35,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX processes and signals"),
 ]
-
-
-def wait_for(check, what: str, *, timeout: float = TIMEOUT, poll: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
-
-
-def cli_command() -> list[str]:
-    beside = Path(sys.executable).with_name("fsm-runner")
-    return [str(beside)] if beside.exists() else [sys.executable, "-m", "fsm_runner.cli"]
 
 
 class Workers:
@@ -87,7 +71,7 @@ class Workers:
         out, err = self.dir / f"worker-{index}.out", self.dir / f"worker-{index}.err"
         with out.open("wb") as stdout, err.open("wb") as stderr:
             proc = subprocess.Popen(
-                [*cli_command(), "--journal", self.journal, "worker", "--app", APP, *options],
+                [*worker_command(), "--journal", self.journal, "worker", "--app", APP, *options],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -32,6 +32,7 @@ from fsm_runner.journal._digest import (
 )
 from fsm_runner.journal._postgres_connection import Connection
 from fsm_runner.journal._sqlite_chain import MIGRATED, MIGRATED_KEYS
+from fsm_runner.journal._sqlite_chain import origin as _origin
 from fsm_runner.records import RunRecord, format_utc, utc_now
 
 __all__ = [
@@ -257,10 +258,3 @@ def _migrated(conn: Connection) -> tuple[str, int] | None:
     with contextlib.suppress(KeyError, ValueError):
         return str(found[MIGRATED]), int(found[MIGRATED_KEYS])
     return None
-
-
-def _origin(rowid: Any, migrated: tuple[str, int] | None) -> str:
-    """What a digest vouches for, when a migration computed it (else nothing to add)."""
-    if migrated is None or not isinstance(rowid, int) or rowid > migrated[1]:
-        return ""
-    return f"; its digests were {migrated[0]}: they vouch only for what the migration read"

@@ -34,6 +34,7 @@ __all__ = [
     "head_sql",
     "history_rows",
     "load_sql",
+    "origin",
     "row_with_digest",
     "run_digest",
     "stored_digest",
@@ -260,7 +261,7 @@ def chain_problems(conn: sqlite3.Connection) -> list[str]:
         names = _run_names(conn)
         problems = [
             f"digest: run {_name(names, key)} at seq {seq}: the transition"
-            " does not match its digest (changed since it was written)" + _origin(key, migrated_to)
+            " does not match its digest (changed since it was written)" + origin(key, migrated_to)
             for key, seq in first_bad.items()
         ]
         problems += _row_problems(conn, migrated_to)
@@ -280,7 +281,7 @@ def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None)
             problems.append(
                 f"digest: run {_shown_id(run_id)}: its row (input, context, error) does not match"
                 " its digest"
-                " (changed since it was written)" + _origin(key, migrated_to)
+                " (changed since it was written)" + origin(key, migrated_to)
             )
     for table, columns, named in _ROW_TABLES:
         names = _ROW_KEYS[table]
@@ -295,7 +296,7 @@ def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None)
             if stored != row_digest(values):
                 problems.append(
                     f"digest: run {_shown_id(ids[0])}: its {named.format(*ids)} does not match its"
-                    " digest (changed since it was written)" + _origin(key, migrated_to)
+                    " digest (changed since it was written)" + origin(key, migrated_to)
                 )
     return problems
 
@@ -323,7 +324,7 @@ def _migrated(conn: sqlite3.Connection) -> tuple[str, int] | None:
     return None
 
 
-def _origin(key: Any, migrated_to: tuple[str, int] | None) -> str:
+def origin(key: Any, migrated_to: tuple[str, int] | None) -> str:
     """What a digest vouches for, when a migration computed it (else nothing to add)."""
     if migrated_to is None or not isinstance(key, int) or key > migrated_to[1]:
         return ""
