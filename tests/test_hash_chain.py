@@ -87,6 +87,23 @@ def chained_run(journal, run_id: str = "r1") -> RunRecord:
     return run
 
 
+def fork_at_one(journal, run: RunRecord) -> RunRecord:
+    """Fork ``run`` (``r1``, from :func:`chained_run`) at seq 1 as ``f1``; the fork's row."""
+    forked = attrs.evolve(
+        run,
+        run_id="f1",
+        state="verifying",
+        status=RunLifecycle.ACTIVE,
+        seq=1,
+        visit_seq=1,
+        context={"version": "1.2.1"},
+        updated_at=T0 + dt.timedelta(seconds=1),
+        forked_from="r1@1",
+    )
+    journal.fork_run(forked, source_run_id="r1", at_seq=1)
+    return forked
+
+
 def sqlite_rows(path, sql: str, *params: Any) -> list[tuple[Any, ...]]:
     conn = sqlite3.connect(path)
     try:
@@ -239,18 +256,7 @@ class TestSqliteChain:
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal:
             chained_run(journal)
-            forked = attrs.evolve(
-                journal.load("r1"),
-                run_id="f1",
-                state="verifying",
-                status=RunLifecycle.ACTIVE,
-                seq=1,
-                visit_seq=1,
-                context={"version": "1.2.1"},
-                updated_at=T0 + dt.timedelta(seconds=1),
-                forked_from="r1@1",
-            )
-            journal.fork_run(forked, source_run_id="r1", at_seq=1)
+            fork_at_one(journal, journal.load("r1"))
         result = CliRunner().invoke(cli, ["--journal", str(path), "check", "--jobs", "1"])
         assert result.exit_code == 0, result.output
         assert result.output.endswith("2 runs checked, no problems\n")

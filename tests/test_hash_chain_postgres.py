@@ -37,6 +37,7 @@ from tests.test_hash_chain import (
     chained_run,
     documented_verify_chain,
     flip,
+    fork_at_one,
 )
 
 
@@ -200,19 +201,7 @@ class TestPostgresChain:
 
     def test_group_commits_forks_and_claims_keep_the_chain(self, postgres_journal):
         journal = postgres_journal
-        run = chained_run(journal, "r1")
-        forked = attrs.evolve(
-            run,
-            run_id="f1",
-            state="verifying",
-            status=RunLifecycle.ACTIVE,
-            seq=1,
-            visit_seq=1,
-            context={"version": "1.2.1"},
-            updated_at=T0 + dt.timedelta(seconds=1),
-            forked_from="r1@1",
-        )
-        journal.fork_run(forked, source_run_id="r1", at_seq=1)
+        fork_at_one(journal, chained_run(journal, "r1"))
         claimed = journal.claim("f1", "w", ttl=60)
         # another writer (this journal opened again) steps the fork: it reads the head it chains to
         with PostgresJournal(journal._url, schema=journal.schema) as other:

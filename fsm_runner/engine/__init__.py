@@ -161,7 +161,6 @@ class Engine:
             max_recoveries=max_recoveries,
             max_payload_bytes=max_payload_bytes,
         )
-        self._owns_journal = journal is None
         self._core = core
         self._leases = LeaseKeeper(
             core,
@@ -179,7 +178,7 @@ class Engine:
         # and says so by the engine's name (a journal passed in is the host's to close).
         self._close_journal = (
             watch(self, core.journal.close, f"Engine({core.spec.name!r}) (and its own journal)")
-            if self._owns_journal
+            if journal is None
             else None
         )
 

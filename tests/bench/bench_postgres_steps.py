@@ -26,27 +26,24 @@ import argparse
 import gc
 import platform
 import statistics
+import sys
 import time
 import urllib.parse
 import uuid
+from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from fsm_runner import Engine, MachineSpec, PostgresJournal, State, Transition
-from fsm_runner.records import utc_now
+for _path in (Path(__file__).resolve().parents[2], Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-NAMES = ["a", "b", "c", "d"]
-SPEC = MachineSpec(
-    "bench-loop",
-    [State(n, handler="noop") for n in NAMES],
-    [Transition(n, "NEXT", m) for n, m in zip(NAMES, NAMES[1:] + NAMES[:1], strict=True)],
-)
+from bench_engine import NAMES, SPEC, noop  # noqa: E402  - the loop the SQLite bench steps
 
-
-def noop(ctx: object) -> str:
-    return "NEXT"
+from fsm_runner import Engine, PostgresJournal  # noqa: E402
+from fsm_runner.records import utc_now  # noqa: E402
 
 
 def with_schema(url: str, schema: str) -> str:
