@@ -261,15 +261,14 @@ def open_schema(conn: sqlite3.Connection, path: str, *, create: bool) -> None:
             path=path,
         )
     _enable_wal(conn, path)
-    # sqlite-utils (schema and migrations) is imported only here: opening an up-to-date
-    # journal, as every command and worker does, does not pay its ~0.1 s import.
-    from fsm_runner.journal import _schema  # noqa: PLC0415 - lazy on purpose (see above)
-
-    db = _schema.database(conn)
     conn.execute("BEGIN IMMEDIATE")
     try:
-        _refuse_newer_schema(conn, path, _schema.unknown_migrations(db))
-        _schema.migrate(db)
+        if not tables and not _has_tables(conn):  # new (and nobody made it meanwhile)
+            from fsm_runner.journal import _schema_new  # noqa: PLC0415 - only a new journal's
+
+            _schema_new.create(conn)
+        else:
+            _migrate(conn, path)
         conn.execute(
             "INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
             (str(SCHEMA_VERSION),),
@@ -423,6 +422,20 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     if _has_digests(conn):
         problems += chain_problems(conn)
     return problems
+
+
+def _has_tables(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'").fetchone() is not None
+
+
+def _migrate(conn: sqlite3.Connection, path: str) -> None:
+    # sqlite-utils (schema and migrations) is imported only here: opening an up-to-date
+    # journal, as every command and worker does, does not pay its ~0.1 s import.
+    from fsm_runner.journal import _schema  # noqa: PLC0415 - lazy on purpose (see above)
+
+    db = _schema.database(conn)
+    _refuse_newer_schema(conn, path, _schema.unknown_migrations(db))
+    _schema.migrate(db)
 
 
 def _has_digests(conn: sqlite3.Connection) -> bool:
