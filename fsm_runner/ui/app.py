@@ -1,6 +1,10 @@
 """The run inspector's web application: Starlette routes over one journal, Jinja2 pages.
 
-Read-mostly: every page reads the journal through :mod:`fsm_runner.ui.views`. The only writes
+Read-mostly: every page reads the journal through :mod:`fsm_runner.ui.views`, in a worker
+thread with a journal of its own (:mod:`fsm_runner.ui.jobs`), never on the event loop: a slow
+page delays only itself, and one that takes longer than the server's ``read_timeout`` is
+answered with an error page. ``check`` is a job of its own in the background, its progress
+on its page, one at a time and cancellable. The only writes
 are the actions, ``abort``, ``fork`` and ``signal`` (a waiting run's answer), which exist only
 when the server was started with ``allow_actions=True``, answer only ``POST`` and only with the
 server's CSRF token (a secret made when the app is built, compared in constant time). On
@@ -25,9 +29,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote
 
+import anyio
+import anyio.to_thread
 import attrs
 import jinja2
 from starlette.applications import Starlette
@@ -51,8 +57,10 @@ from fsm_runner.exceptions import (
 from fsm_runner.journal import Journal
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.journal.locate import locate_journal, resolve_run_id
+from fsm_runner.records import RunRecord
 from fsm_runner.run_ids import shown
 from fsm_runner.ui import views
+from fsm_runner.ui.jobs import CheckJob, Readers
 
 __all__ = ["LOOPBACK_HOSTS", "Inspector", "create_app", "shown_location"]
 
@@ -60,6 +68,12 @@ _HERE = Path(__file__).parent
 _LOG = logging.getLogger("fsm_runner.ui")
 #: How often an active run's page asks for new transitions, in milliseconds.
 POLL_MS = 1000
+T = TypeVar("T")
+
+#: Seconds a page may read the journal before it is answered with an error page instead.
+READ_TIMEOUT = 30.0
+#: Pages read at once, each in a thread with a journal of its own.
+READERS = 4
 #: The Host headers a server on loopback answers (any port): a page of another site whose
 #: name it made resolve to 127.0.0.1 (DNS rebinding) sends its own name, and is refused.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
@@ -110,19 +124,29 @@ class Inspector:
     The journal is opened as every command opens it
     (:func:`~fsm_runner.journal.locate.locate_journal`): a missing or damaged journal is an
     error page, not a server that refuses to start, and it is opened again on the next request
-    once it was refused. Requests are served one at a time (a lock around each use of the
-    journal), as one CLI command would read it.
+    once it was refused. Each request reads in a worker thread (:meth:`read`), at most
+    ``readers`` at once, each with a journal of its own (:class:`~fsm_runner.ui.jobs.Readers`);
+    ``check`` runs as a job of its own (:meth:`start_check`).
     """
 
     def __init__(
-        self, location: str, *, allow_actions: bool = False, journal: Journal | None = None
+        self,
+        location: str,
+        *,
+        allow_actions: bool = False,
+        journal: Journal | None = None,
+        read_timeout: float = READ_TIMEOUT,
+        readers: int = READERS,
     ) -> None:
         self.location = location
         self.allow_actions = allow_actions
+        self.read_timeout = read_timeout
         self.csrf_token = secrets.token_urlsafe(32)
         self._given = journal
-        self._journal: Journal | None = None
-        self._lock = threading.Lock()
+        self._readers = Readers(self._open, journal)
+        self._limiter = anyio.CapacityLimiter(readers)
+        self._check_lock = threading.Lock()
+        self.check: CheckJob | None = None
         self.templates = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_HERE / "templates"),
             autoescape=True,
@@ -141,17 +165,50 @@ class Inspector:
             statuses=views.STATUSES,
         )
 
+    async def read(self, work: Callable[[Journal], T]) -> T:
+        """``work(journal)`` in a worker thread, off the event loop, within ``read_timeout``.
+
+        Raises:
+            _PageError: it took longer (503); the thread finishes on its own and its journal
+                goes back to the others then.
+        """
+        try:
+            with anyio.fail_after(self.read_timeout):
+                return await anyio.to_thread.run_sync(
+                    self._with_journal, work, limiter=self._limiter, abandon_on_cancel=True
+                )
+        except TimeoutError:
+            raise _PageError(
+                503,
+                "The journal is slow",
+                f"reading this page took longer than {self.read_timeout:g} s; try again",
+            ) from None
+
+    def _with_journal(self, work: Callable[[Journal], T]) -> T:
+        with self.journal() as journal:
+            return work(journal)
+
     @contextmanager
     def journal(self) -> Iterator[Journal]:
-        """The open journal, for one request; a journal error closes it (reopened next time)."""
-        with self._lock:
-            if self._journal is None:
-                self._journal = self._given or self._open()
-            try:
-                yield self._journal
-            except JournalError:
-                self.close_journal()
-                raise
+        """A journal for one request; a journal error closes it (opened again next time)."""
+        with self._readers.journal() as journal:
+            yield journal
+
+    def start_check(self) -> CheckJob:
+        """Start ``check`` unless it is running; the job running or started."""
+        with self._check_lock:
+            if self.check is None or self.check.state != "running":
+                self.check = CheckJob(self._check_journal)
+            return self.check
+
+    def _check_journal(self) -> tuple[Journal, bool]:
+        """The journal a check reads: one of its own, unless a memory journal was given."""
+        if self._given is None:
+            return self._open(), True
+        opener = getattr(self._given, "opener", None)
+        if self._given.location == ":memory:" or opener is None:
+            return self._given, False
+        return opener()(), True
 
     def _open(self) -> Journal:
         try:
@@ -160,11 +217,12 @@ class Inspector:
             raise _PageError(503, "The journal cannot be opened", _one_line(exc)) from None
 
     def close_journal(self) -> None:
-        """Close the journal (the server stops, or the journal was refused)."""
-        if self._journal is not None:
-            journal, self._journal = self._journal, None
-            if journal is not self._given:  # a journal given is its giver's to close
-                journal.close()
+        """Close the journals opened for reads and stop a running check (the server stops)."""
+        self._readers.close()
+        check = self.check
+        if check is not None and check.state == "running":
+            check.cancel()
+            check.wait(self.read_timeout)
 
     def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
         """Render ``template`` with ``context``."""
@@ -206,14 +264,16 @@ async def _home(request: Request) -> Response:
 async def _runs(request: Request) -> Response:
     inspector = _inspector(request)
     query = views.RunsQuery.from_params(request.query_params)
-    with inspector.journal() as journal:
-        if query.parent:
-            query = views.RunsQuery(**{**_fields(query), "parent": _resolve(journal, query.parent)})
-        if query.waiting:
-            context = views.waiting_page(journal, query)
-        else:
-            context = views.runs_page(journal, query)
-    return inspector.page("waiting.html" if query.waiting else "runs.html", **context)
+
+    def read(journal: Journal) -> Response:
+        asked = query
+        if asked.parent:
+            asked = views.RunsQuery(**{**_fields(asked), "parent": _resolve(journal, asked.parent)})
+        if asked.waiting:
+            return inspector.page("waiting.html", **views.waiting_page(journal, asked))
+        return inspector.page("runs.html", **views.runs_page(journal, asked))
+
+    return await inspector.read(read)
 
 
 def _fields(query: views.RunsQuery) -> dict[str, str]:
@@ -240,19 +300,23 @@ async def _run(request: Request) -> Response:
     inspector = _inspector(request)
     from_seq = _int(request.query_params.get("from"), "from")
     signal = _int(request.query_params.get("signal"), "signal")
-    with inspector.journal() as journal:
+
+    def read(journal: Journal) -> Response:
         run_id = _resolve(journal, request.path_params["run_id"])
         if run_id != request.path_params["run_id"]:
             return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=302)
         context = views.run_page(journal, run_id, from_seq=from_seq, signal=signal)
-    return inspector.page("run.html", **context)
+        return inspector.page("run.html", **context)
+
+    return await inspector.read(read)
 
 
 async def _live(request: Request) -> Response:
     inspector = _inspector(request)
     after = _int(request.query_params.get("after"), "after") or 0
-    with inspector.journal() as journal:
-        update = views.live_update(journal, request.path_params["run_id"], after)
+    update = await inspector.read(
+        lambda journal: views.live_update(journal, request.path_params["run_id"], after)
+    )
     run = update["run"]
     rows = inspector.templates.get_template("timeline_rows.html").render(rows=update["rows"])
     signals = inspector.templates.get_template("signals.html").render(signals=update["signals"])
@@ -278,15 +342,18 @@ async def _live(request: Request) -> Response:
 async def _artifact(request: Request) -> Response:
     inspector = _inspector(request)
     name = request.path_params["name"]
-    with inspector.journal() as journal:
-        run_id = request.path_params["run_id"]
+    run_id = request.path_params["run_id"]
+
+    def read(journal: Journal) -> list[Any]:
         found = [a for a in journal.artifacts(run_id) if a.name == name]
         if not found:
             journal.load(run_id)  # an unknown run is a 404 of its own
             raise _PageError(
                 404, "No such artifact", f"run {shown(run_id)} has no artifact {name!r}"
             )
-    artifact = found[0]
+        return found
+
+    artifact = (await inspector.read(read))[0]
     body = json.dumps(artifact.content, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     filename = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "artifact"
     return Response(
@@ -299,8 +366,7 @@ async def _artifact(request: Request) -> Response:
 async def _machine(request: Request) -> Response:
     inspector = _inspector(request)
     name = request.path_params["name"]
-    with inspector.journal() as journal:
-        context = views.machine_page(journal, name)
+    context = await inspector.read(lambda journal: views.machine_page(journal, name))
     if context is None:
         raise _PageError(404, "No such machine", f"the journal has no runs of machine {name!r}")
     return inspector.page("machine.html", **context)
@@ -308,9 +374,33 @@ async def _machine(request: Request) -> Response:
 
 async def _check(request: Request) -> Response:
     inspector = _inspector(request)
-    with inspector.journal() as journal:
-        context = views.check_page(journal)
-    return inspector.page("check.html", **context)
+    job = inspector.check
+    if job is None:
+        await inspector.read(lambda journal: None)  # one that cannot be opened: its error page
+        job = inspector.start_check()
+    return inspector.page("check.html", **views.check_page(job))
+
+
+async def _check_progress(request: Request) -> Response:
+    """The check job's progress, for its page to poll."""
+    job = _inspector(request).check
+    if job is None:
+        return _Json({"state": None})
+    return _Json({"state": job.state, "done": job.done, "total": job.total})
+
+
+async def _check_again(request: Request) -> Response:
+    """Start the check again, or cancel it (``action=cancel``); read-only: no ``allow_actions``."""
+    inspector = _inspector(request)
+    body = (await request.body()).decode("utf-8", errors="replace")
+    form = parse_qs(body, keep_blank_values=True)
+    inspector.check_csrf(form)
+    if (form.get("action") or [""])[0] == "cancel":
+        if inspector.check is not None:
+            inspector.check.cancel()
+    else:
+        inspector.start_check()
+    return RedirectResponse("/check", status_code=303)
 
 
 async def _form(request: Request) -> dict[str, list[str]]:
@@ -334,9 +424,13 @@ async def _abort(request: Request) -> Response:
     if not reason:
         raise _PageError(400, "A reason is needed", "say why the run is aborted")
     inspector = _inspector(request)
-    with inspector.journal() as journal:
+
+    def write(journal: Journal) -> str:
         run_id = _resolve(journal, request.path_params["run_id"])
         abort_run(journal, run_id, reason)
+        return run_id
+
+    run_id = await inspector.read(write)
     return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=303)
 
 
@@ -344,12 +438,15 @@ async def _fork(request: Request) -> Response:
     form = await _form(request)
     at_seq = _int((form.get("at") or [""])[0], "at")
     inspector = _inspector(request)
-    with inspector.journal() as journal:
+
+    def write(journal: Journal) -> RunRecord:
         run_id = _resolve(journal, request.path_params["run_id"])
         try:
-            forked = fork_run(journal, run_id, at_seq=at_seq)
+            return fork_run(journal, run_id, at_seq=at_seq)
         except ValueError as exc:
             raise _PageError(400, "Cannot fork there", str(exc)) from None
+
+    forked = await inspector.read(write)
     return RedirectResponse(f"/runs/{quote(forked.run_id, safe='')}", status_code=303)
 
 
@@ -378,11 +475,14 @@ async def _signal(request: Request) -> Response:
             raise _PageError(400, "The payload is not JSON", detail) from None
     signal_id = (form.get("signal_id") or [""])[0].strip() or None
     inspector = _inspector(request)
-    with inspector.journal() as journal:
+
+    def write(journal: Journal) -> tuple[str, int]:
         run_id = _resolve(journal, request.path_params["run_id"])
-        sent = signal_run(journal, run_id, name, payload, signal_id=signal_id)
+        return run_id, signal_run(journal, run_id, name, payload, signal_id=signal_id).number
+
+    run_id, number = await inspector.read(write)
     return RedirectResponse(
-        f"/runs/{quote(run_id, safe='')}?signal={sent.number}#outcome", status_code=303
+        f"/runs/{quote(run_id, safe='')}?signal={number}#outcome", status_code=303
     )
 
 
@@ -406,7 +506,8 @@ async def _settle(request: Request) -> Response:
             detail = f"the result is not JSON ({_one_line(exc)}); nothing was written"
             raise _PageError(400, "The result is not JSON", detail) from None
     inspector = _inspector(request)
-    with inspector.journal() as journal:
+
+    def write(journal: Journal) -> str:
         run_id = _resolve(journal, request.path_params["run_id"])
         try:
             settle_effect(
@@ -422,6 +523,9 @@ async def _settle(request: Request) -> Response:
         except SettleRefusedError as exc:
             status = 404 if exc.reason == "not_found" else 409
             raise _PageError(status, "Cannot settle it", str(exc)) from None
+        return run_id
+
+    run_id = await inspector.read(write)
     return RedirectResponse(f"/runs/{quote(run_id, safe='')}#effects", status_code=303)
 
 
@@ -471,6 +575,8 @@ def create_app(
     allow_actions: bool = False,
     hosts: Sequence[str] | None = None,
     journal: Journal | None = None,
+    read_timeout: float = READ_TIMEOUT,
+    readers: int = READERS,
 ) -> Starlette:
     """The inspector's ASGI app over the journal at ``location`` (a path or a PostgreSQL URL).
 
@@ -481,11 +587,19 @@ def create_app(
             ``fsm-runner ui`` on loopback gives :data:`LOOPBACK_HOSTS` and its ``--host``.
         journal: an open journal to serve instead of opening ``location`` (a memory
             journal, an app embedding the inspector); its giver closes it.
+        read_timeout: seconds a page may read before it is answered with an error page (503).
+        readers: pages read at once, each in a worker thread with a journal of its own.
 
     Returns:
         The Starlette app; its ``state.inspector`` holds the :class:`Inspector`.
     """
-    inspector = Inspector(location, allow_actions=allow_actions, journal=journal)
+    inspector = Inspector(
+        location,
+        allow_actions=allow_actions,
+        journal=journal,
+        read_timeout=read_timeout,
+        readers=readers,
+    )
     run_routes = [
         Route("/runs/{run_id:path}/live", _live),
         Route("/runs/{run_id:path}/artifacts/{name:path}", _artifact),
@@ -505,6 +619,8 @@ def create_app(
         *run_routes,
         Route("/machines/{name:path}", _machine),
         Route("/check", _check),
+        Route("/check/progress", _check_progress),
+        Route("/check", _check_again, methods=["POST"]),
         Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Any]] = {

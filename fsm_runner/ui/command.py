@@ -61,6 +61,13 @@ def is_loopback(host: str) -> bool:
         " in flight on run pages (POST with a CSRF token); off by default."
     ),
 )
+@click.option(
+    "--read-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds a page may read the journal before it is answered with an error page.",
+)
 def ui(  # noqa: PLR0917 - click passes each option by keyword
     journal_path: str,
     host: str,
@@ -68,6 +75,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     open_browser: bool,
     allow_remote: bool,
     allow_actions: bool,
+    read_timeout: float,
 ) -> None:
     """Serve the run inspector: runs, waiting runs, timelines, machines, check.
 
@@ -89,10 +97,25 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     missing = [n for n in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(n) is None]
     if missing:
         raise click.ClickException(_MISSING.format(name=", ".join(missing)))
-    _serve(journal_path, host, port, open_browser=open_browser, allow_actions=allow_actions)
+    _serve(
+        journal_path,
+        host,
+        port,
+        open_browser=open_browser,
+        allow_actions=allow_actions,
+        read_timeout=read_timeout,
+    )
 
 
-def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_actions: bool) -> None:
+def _serve(
+    location: str,
+    host: str,
+    port: int,
+    *,
+    open_browser: bool,
+    allow_actions: bool,
+    read_timeout: float,
+) -> None:
     # Imported here, not at the top: `fsm-runner --help` loads this module to list the command.
     import threading  # noqa: PLC0415
     import webbrowser  # noqa: PLC0415
@@ -104,7 +127,7 @@ def _serve(location: str, host: str, port: int, *, open_browser: bool, allow_act
     shown = f"[{host}]" if ":" in host else host
     # On loopback, only this machine's names: another site's name is DNS rebinding.
     hosts = [*LOOPBACK_HOSTS, shown.lower()] if is_loopback(host) else None
-    app = create_app(location, allow_actions=allow_actions, hosts=hosts)
+    app = create_app(location, allow_actions=allow_actions, hosts=hosts, read_timeout=read_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     url = f"http://{shown}:{port}/runs"

@@ -3,7 +3,7 @@
 Every read goes through the :class:`~fsm_runner.journal.Journal` API (``runs``, ``load``,
 ``transitions``, ``iterations``, ``effects``, ``artifacts``, ``run_counts``, ``spec_json``,
 ``signals``, ``wake_time``) and the library's own functions (:func:`fsm_runner.diagrams.extract`,
-:func:`fsm_runner.replay.check_journal`), exactly as ``fsm-runner runs``, ``show``,
+:func:`fsm_runner.replay.check_runs` in :mod:`.jobs`), exactly as ``fsm-runner runs``, ``show``,
 ``diagram --run`` and ``check`` read them. Nothing here writes, and nothing knows about HTTP.
 """
 
@@ -12,9 +12,8 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 import attrs
@@ -24,10 +23,12 @@ from fsm_runner.diagrams import Graph, extract, taken_edges
 from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
-from fsm_runner.replay import check_journal
 from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
 from fsm_runner.visits import subphase_visits
+
+if TYPE_CHECKING:
+    from fsm_runner.ui.jobs import CheckJob
 
 __all__ = [
     "EXACT_UP_TO",
@@ -510,11 +511,14 @@ def machine_page(journal: Journal, machine: str) -> dict[str, Any] | None:
     }
 
 
-def check_page(journal: Journal) -> dict[str, Any]:
-    """What ``fsm-runner check`` reports: the runs checked and every problem found."""
-    problems = check_journal(journal)
+def check_page(job: CheckJob) -> dict[str, Any]:
+    """What ``fsm-runner check`` reports, from the inspector's check job: running or ended."""
+    percent = None
+    if job.total:
+        percent = min(100, round(100 * job.done / job.total))
     return {
-        "location": journal.location,
-        "count": len(journal.run_ids("", limit=sys.maxsize)),
-        "problems": problems,
+        "job": job,
+        "percent": percent,
+        "started": _time(job.started_at),
+        "ended": _time(job.ended_at),
     }

@@ -1,4 +1,5 @@
-// fsm-runner inspector: copy buttons, and live updates of an active run's page.
+// fsm-runner inspector: copy buttons, live updates of an active run's page, and the progress
+// of the check running in the background.
 // Plain JavaScript, no build step, nothing loaded from elsewhere.
 "use strict";
 
@@ -77,7 +78,40 @@ function setupLive() {
   window.addEventListener("pagehide", () => window.clearTimeout(timer));
 }
 
+function setupCheck() {
+  const check = document.getElementById("check");
+  if (!check || check.dataset.state !== "running") {
+    return;
+  }
+  const pollMs = Number(check.dataset.pollMs) || 1000;
+  let timer = null;
+
+  async function poll() {
+    try {
+      const response = await fetch("/check/progress", { headers: { Accept: "application/json" } });
+      if (response.ok) {
+        const progress = await response.json();
+        if (progress.state !== "running") {
+          window.location.reload(); // ended: the page shows what it found
+          return;
+        }
+        document.getElementById("check-done").textContent = String(progress.done);
+        if (progress.total) {
+          const bar = document.getElementById("check-progress");
+          bar.value = Math.min(100, Math.round((100 * progress.done) / progress.total));
+        }
+      }
+    } catch (err) {
+      // the server is away for a moment: poll again
+    }
+    timer = window.setTimeout(poll, pollMs);
+  }
+  timer = window.setTimeout(poll, pollMs);
+  window.addEventListener("pagehide", () => window.clearTimeout(timer));
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   setupCopyButtons();
   setupLive();
+  setupCheck();
 });

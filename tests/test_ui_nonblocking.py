@@ -1,0 +1,165 @@
+"""The inspector never blocks: pages read off the event loop, and ``check`` runs in the background.
+
+Issue 32, point 1. A real ``fsm-runner ui`` server over a real journal: ``check`` of 40,000
+runs is a job with its progress on its page, one at a time and cancellable, and ``/runs``
+answers while it runs; a page whose read is held up (a PostgreSQL table locked by another
+session) is answered with an error page after ``--read-timeout`` while other pages answer
+meanwhile. Nothing here measures time: what it shows is the order in which things happen.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.parse
+
+import psycopg
+import pytest
+
+from fsm_runner import PostgresJournal, SqliteJournal
+from tests.helpers import two_phase_engine
+from tests.ui_helpers import Server
+
+pytestmark = pytest.mark.slow
+
+RUNS = 40_000
+
+
+@pytest.fixture(scope="module")
+def big_journal(tmp_path_factory):
+    """A journal of :data:`RUNS` started runs: its check takes a while (a second or more)."""
+    path = tmp_path_factory.mktemp("big") / "journal.db"
+    with SqliteJournal(path) as journal, two_phase_engine(journal) as engine:
+        for _ in range(RUNS // 5000):
+            engine.start_many([{}] * 5000)
+    return path
+
+
+@pytest.fixture
+def server(big_journal):
+    server = Server(str(big_journal))
+    yield server
+    _, err = server.stop()
+    assert "Traceback" not in err
+
+
+def progress(server: Server) -> dict:
+    import json
+
+    answer = server.get("/check/progress")
+    assert answer.status == 200
+    return json.loads(answer.body)
+
+
+def csrf(body: str) -> str:
+    return re.search(r'name="csrf_token" value="([^"]+)"', body).group(1)
+
+
+def post_check(server: Server, action: str, token: str):
+    data = urllib.parse.urlencode({"csrf_token": token, "action": action}).encode()
+    return server.post("/check", data)
+
+
+def wait_until_ended(server: Server) -> dict:
+    import time
+
+    deadline = time.monotonic() + 120
+    while (state := progress(server))["state"] == "running":
+        assert time.monotonic() < deadline, "the check did not end in 120 s"
+        time.sleep(0.05)
+    return state
+
+
+class TestCheckInTheBackground:
+    def test_runs_answers_while_check_runs(self, server):
+        assert progress(server) == {"state": None}
+        page = server.get("/check")
+        assert page.status == 200
+        assert "checking journal" in page.body
+        answered_while_running = 0
+        for _ in range(5):
+            before = progress(server)["state"]
+            runs = server.get("/runs")
+            after = progress(server)["state"]
+            assert runs.status == 200
+            if before == after == "running":
+                answered_while_running += 1
+        assert answered_while_running > 0, "the check ended before /runs was asked"
+        assert wait_until_ended(server)["state"] == "done"
+        done = server.get("/check")
+        assert f"{RUNS} runs checked, no problems" in done.body
+
+    def test_one_at_a_time_and_cancelled(self, server):
+        page = server.get("/check")
+        token = csrf(page.body)
+        # A second visit, and a second start while it runs, show the same job.
+        assert "checking journal" in server.get("/check").body
+        assert post_check(server, "start", token).status == 303
+        assert progress(server)["state"] == "running"
+        assert post_check(server, "cancel", token).status == 303
+        assert wait_until_ended(server)["state"] == "cancelled"
+        cancelled = server.get("/check")
+        assert "the check was cancelled after" in cancelled.body
+        assert "Check again" in cancelled.body  # started again: TestInBrowser
+
+    def test_a_form_without_the_token_is_refused(self, server):
+        assert post_check(server, "start", "wrong").status == 403
+        assert progress(server) == {"state": None}
+
+
+@pytest.fixture
+def pg_location(postgres_server, postgres_schema):
+    location = f"{postgres_server.url}?schema={postgres_schema}"
+    with (
+        PostgresJournal(postgres_server.url, schema=postgres_schema) as journal,
+        two_phase_engine(journal) as engine,
+    ):
+        run_id = engine.start({})
+    return location, postgres_schema, run_id
+
+
+def test_a_held_up_page_is_answered_after_its_timeout_and_delays_no_other(
+    postgres_server, pg_location
+):
+    location, schema, run_id = pg_location
+    server = Server(location, "--read-timeout", "2")
+    try:
+        assert server.get(f"/runs/{run_id}").status == 200
+        with psycopg.connect(postgres_server.url) as locker:
+            locker.execute(f'LOCK TABLE "{schema}".transitions IN ACCESS EXCLUSIVE MODE')
+            held: list = []
+            reader = threading.Thread(target=lambda: held.append(server.get(f"/runs/{run_id}")))
+            reader.start()
+            # While the run page waits on the lock, the list of runs and the check's progress
+            # answer: neither waits behind it.
+            others = [server.get("/runs").status, server.get("/check/progress").status]
+            still_held = reader.is_alive()
+            reader.join(timeout=60)
+            locker.rollback()
+        assert others == [200, 200]
+        assert still_held, "the held-up page answered before the others were asked"
+        assert held[0].status == 503
+        assert "The journal is slow" in held[0].body
+        assert "longer than 2 s" in held[0].body
+        # The lock gone, the same page answers again.
+        assert server.get(f"/runs/{run_id}").status == 200
+    finally:
+        _, err = server.stop()
+    assert "Traceback" not in err
+
+
+class TestInBrowser:
+    def test_progress_cancel_and_check_again(self, server, browser):
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        try:
+            page.goto(f"{server.url}/check")
+            assert page.locator("#check progress").count() == 1
+            page.get_by_role("button", name="Cancel the check").click()
+            page.wait_for_selector("p.summary.cancelled", timeout=60_000)
+            page.get_by_role("button", name="Check again").click()
+            # The page polls the job's progress and shows what it found once it ends.
+            summary = page.wait_for_selector("p.summary.ok", timeout=120_000)
+            assert summary.inner_text().endswith(f"{RUNS} runs checked, no problems")
+        finally:
+            context.close()
