@@ -195,7 +195,7 @@ class TestRunPage:
         assert page.locator("td.cost-total").inner_text() == f"{cost:.4f}"
 
         fork = page.locator("#cmd-fork").inner_text()
-        assert fork.endswith(f"fork {run_id[:12]} --at 8")
+        assert fork.endswith(f"fork {run_id[:12]} --at 7")  # an ended run's last seq but one
         with page.expect_download() as download:
             page.click("a.download >> text=agent-1")
         saved = json.loads(download.value.path().read_text())
@@ -335,7 +335,7 @@ class TestActions:
             page.wait_for_url(lambda url: source not in url)
             assert page.locator("h1 .id").inner_text() != source
             assert page.locator("#run-state").inner_text() == "verifying"
-            assert f"{source}@3" in page.locator("section.summary").inner_text()
+            assert f"{source} at seq 3" in page.locator("section.summary").inner_text()
             assert [r[0] for r in rows(page, "#timeline-rows tr")] == ["0", "1", "2", "3"]
         finally:
             server.stop()

@@ -337,8 +337,18 @@ class TestRequests:
 
     def test_unknown_params_are_ignored(self, hostile):
         server, _, _ = hostile
-        answer = server.get("/runs?limit=-1&seq=abc&page=%ff&status=%ff&before=%00&q=%25")
+        answer = server.get("/runs?limit=-1&seq=abc&page=%ff&before=%00&q=%25")
         assert answer.status == 200
+        assert_inert(answer.body)
+
+    @pytest.mark.parametrize("status", ["%ff", "bogus", "<script>"])
+    def test_a_status_that_is_none_is_refused_not_ignored(self, hostile, status):
+        server, _, _ = hostile
+        answer = server.get(f"/runs?status={status}")
+        assert answer.status == 400
+        assert (
+            "status must be one of active, succeeded, failed, aborted, dead_letter" in answer.body
+        )
         assert_inert(answer.body)
 
     @pytest.mark.parametrize("method", ["HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS",

@@ -87,7 +87,7 @@ class TestCheckInTheBackground:
         assert answered_while_running > 0, "the check ended before /runs was asked"
         assert wait_until_ended(server)["state"] == "done"
         done = server.get("/check")
-        assert f"{RUNS} runs checked, no problems" in done.body
+        assert f"{RUNS:,} runs checked, no problems" in done.body
 
     def test_one_at_a_time_and_cancelled(self, server):
         page = server.get("/check")
@@ -160,6 +160,6 @@ class TestInBrowser:
             page.get_by_role("button", name="Check again").click()
             # The page polls the job's progress and shows what it found once it ends.
             summary = page.wait_for_selector("p.summary.ok", timeout=120_000)
-            assert summary.inner_text().endswith(f"{RUNS} runs checked, no problems")
+            assert summary.inner_text().endswith(f"{RUNS:,} runs checked, no problems")
         finally:
             context.close()

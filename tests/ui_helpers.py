@@ -53,8 +53,8 @@ def fetch(url: str, *, data: bytes | None = None, method: str | None = None) -> 
 class Server:
     """`python -m fsm_runner --journal LOCATION ui --port P ...` in a process of its own."""
 
-    def __init__(self, location: str, *options: str) -> None:
-        self.port = free_port()
+    def __init__(self, location: str, *options: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fsm_runner", "--journal", location, "ui",

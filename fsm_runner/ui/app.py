@@ -20,6 +20,7 @@ server's log). Every template is autoescaped, so run data (inputs, errors, outpu
 
 from __future__ import annotations
 
+import datetime as dt
 import hmac
 import json
 import logging
@@ -111,11 +112,19 @@ class _Json(JSONResponse):
 class _PageError(Exception):
     """An error page: its HTTP status, a title and a one-line detail."""
 
-    def __init__(self, status: int, title: str, detail: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str,
+        resend: tuple[str, list[tuple[str, str]]] | None = None,
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.title = title
         self.detail = detail
+        #: A refused form to offer again: where it went, and its fields (the token aside).
+        self.resend = resend
 
 
 class Inspector:
@@ -157,6 +166,8 @@ class Inspector:
         self.templates.filters["segment"] = lambda value: quote(str(value), safe="")
         # A run id as text: escaped, on one line, if it breaks the rule of run ids.
         self.templates.filters["shown"] = shown
+        self.templates.filters["plural"] = _plural
+        self.templates.filters["when"] = _when
         self.templates.globals.update(
             allow_actions=allow_actions,
             csrf_token=self.csrf_token,
@@ -229,11 +240,34 @@ class Inspector:
         html = self.templates.get_template(template).render(**context)
         return HTMLResponse(_utf8(html), status_code=status, headers=_PAGE_HEADERS)
 
-    def check_csrf(self, form: Mapping[str, list[str]]) -> None:
-        """Refuse a form without this server's CSRF token (403)."""
+    def check_csrf(self, form: Mapping[str, list[str]], action: str) -> None:
+        """Refuse a form without this server's CSRF token (403).
+
+        The refusal page offers the form again, its fields as they were sent and this server's
+        token, to be sent with one more click: a page loaded before the server restarted (a new
+        token) loses nothing typed into it, and a form another site made the browser send is
+        shown to the user, never carried out.
+        """
         given = (form.get("csrf_token") or [""])[0]
         if not hmac.compare_digest(given.encode(), self.csrf_token.encode()):
-            raise _PageError(403, "Refused", "the form's CSRF token is missing or wrong")
+            fields = [(k, v) for k, values in form.items() if k != "csrf_token" for v in values]
+            raise _PageError(
+                403,
+                "Refused",
+                "the form's CSRF token is missing or wrong (was the page loaded before the"
+                " inspector restarted?); nothing was done",
+                resend=(action, fields),
+            )
+
+
+def _plural(count: int, noun: str) -> str:
+    """``1 run``, ``2 runs``: the count and its noun."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
+
+
+def _when(moment: dt.datetime | None) -> str:
+    """A time as the pages show it: to the second, in UTC, said so."""
+    return "-" if moment is None else f"{moment:%Y-%m-%d %H:%M:%S} UTC"
 
 
 def shown_location(location: str) -> str:
@@ -243,6 +277,12 @@ def shown_location(location: str) -> str:
 
 def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
+
+
+def _sent_to(request: Request) -> str:
+    """The path a request was sent to, as the browser wrote it (percent-encoded)."""
+    raw = request.scope.get("raw_path")
+    return raw.decode("latin-1") if raw else quote(request.url.path)
 
 
 def _resolve(journal: Journal, run_id: str) -> str:
@@ -263,7 +303,10 @@ async def _home(request: Request) -> Response:
 
 async def _runs(request: Request) -> Response:
     inspector = _inspector(request)
-    query = views.RunsQuery.from_params(request.query_params)
+    try:
+        query = views.RunsQuery.from_params(request.query_params)
+    except ValueError as exc:
+        raise _PageError(400, "Bad request", str(exc)) from None
 
     def read(journal: Journal) -> Response:
         asked = query
@@ -325,6 +368,11 @@ async def _live(request: Request) -> Response:
         waiting = inspector.templates.get_template("waiting_panel.html").render(
             run=run, waiting=update["waiting"]
         )
+    summary = commands = None
+    if update["facts"] is not None:  # ended: the page's summary and commands as they are now
+        ended = {"run": run, "page": {"is_last": True}, **update["facts"]}
+        summary = inspector.templates.get_template("run_summary.html").render(**ended)
+        commands = inspector.templates.get_template("run_commands.html").render(**ended)
     return _Json(
         {
             "seq": run.seq,
@@ -332,9 +380,12 @@ async def _live(request: Request) -> Response:
             "status": run.status.value,
             "ended": run.ended,
             "rows": rows,
+            "gap": update["gap"],
             "diagram": update["diagram"],
             "signals": signals,
             "waiting": waiting,
+            "summary": summary,
+            "commands": commands,
         }
     )
 
@@ -394,7 +445,7 @@ async def _check_again(request: Request) -> Response:
     inspector = _inspector(request)
     body = (await request.body()).decode("utf-8", errors="replace")
     form = parse_qs(body, keep_blank_values=True)
-    inspector.check_csrf(form)
+    inspector.check_csrf(form, _sent_to(request))
     if (form.get("action") or [""])[0] == "cancel":
         if inspector.check is not None:
             inspector.check.cancel()
@@ -414,7 +465,7 @@ async def _form(request: Request) -> dict[str, list[str]]:
         )
     body = (await request.body()).decode("utf-8", errors="replace")
     form = parse_qs(body, keep_blank_values=True)
-    inspector.check_csrf(form)
+    inspector.check_csrf(form, _sent_to(request))
     return form
 
 
@@ -529,16 +580,22 @@ async def _settle(request: Request) -> Response:
     return RedirectResponse(f"/runs/{quote(run_id, safe='')}#effects", status_code=303)
 
 
-def _error_page(request: Request, status: int, title: str, detail: str) -> Response:
+def _error_page(
+    request: Request,
+    status: int,
+    title: str,
+    detail: str,
+    resend: tuple[str, list[tuple[str, str]]] | None = None,
+) -> Response:
     inspector = _inspector(request)
     if request.url.path.endswith("/live"):
         return _Json({"error": title, "detail": detail}, status_code=status)
-    return inspector.page("error.html", status=status, title=title, detail=detail)
+    return inspector.page("error.html", status=status, title=title, detail=detail, resend=resend)
 
 
 async def _on_page_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, _PageError)
-    return _error_page(request, exc.status, exc.title, exc.detail)
+    return _error_page(request, exc.status, exc.title, exc.detail, exc.resend)
 
 
 async def _on_not_found(request: Request, exc: Exception) -> Response:

@@ -83,10 +83,17 @@ class RunsQuery:
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> RunsQuery:
-        """Read the filters from a query string's parameters (unknown ones are ignored)."""
+        (
+            """Read the filters from a query string's parameters (unknown ones are ignored).
+
+        Raises:
+            ValueError: a status that is not one of :data:`STATUSES`.
+        """
+            ""
+        )
         values = {f.name: params.get(f.name, "").strip() for f in attrs.fields(cls)}
-        if values["status"] not in STATUSES:
-            values["status"] = ""
+        if values["status"] and values["status"] not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}")
         values["waiting"] = "1" if values["waiting"] not in ("", "0") else ""
         return cls(**values)
 
@@ -113,7 +120,28 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
     found = found[:RUNS_PAGE]
     older = query.link(before=found[-1].run_id) if more and found else None
     newest = query.link(before="") if query.before else None
-    return {"runs": found, "query": query, "older": older, "newest": newest}
+    named = {run.run_id for run in found} | {r.parent_run_id for r in found if r.parent_run_id}
+    shorts = {run_id: short_id(journal, run_id) for run_id in named}
+    return {"runs": found, "query": query, "older": older, "newest": newest, "shorts": shorts}
+
+
+#: The fewest characters of a run id a page shows, and the longer prefixes it tries when that
+#: many name more than one run (coordinator tasks share their session's id as a prefix).
+_SHORT = (12, 20, 32, 48, 64)
+
+
+def short_id(journal: Journal, run_id: str) -> str:
+    """The shortest prefix of ``run_id`` (12 characters at least) that names it alone.
+
+    What the lists show and the offered commands take: a prefix shared with another run
+    would be refused as ambiguous. One read of the run ids' index a length tried.
+    """
+    for length in _SHORT:
+        if len(run_id) <= length:
+            return run_id
+        if journal.run_ids(run_id[:length], limit=2) == [run_id]:
+            return run_id[:length]
+    return run_id
 
 
 def _specs(journal: Journal) -> Callable[[str], MachineSpec]:
@@ -257,7 +285,7 @@ def waiting_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
     for run, spec in ordered[:RUNS_PAGE]:
         waiting = waiting_of(journal, spec, run, now=now)
         if waiting is not None:
-            rows.append({"run": run, **waiting})
+            rows.append({"run": run, "short": short_id(journal, run.run_id), **waiting})
     return {
         "waiting": rows,
         "query": query,
@@ -312,7 +340,9 @@ def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
             "iteration": t.iteration,
             "error": _error_text(t.error),
             "traceback": _clip((t.error or {}).get("traceback") or ""),
-            "output": json.dumps(t.output, ensure_ascii=False) if t.output is not None else "",
+            "output": _clip(json.dumps(t.output, ensure_ascii=False))
+            if t.output is not None
+            else "",
             "signal": _signal_number(t),
         }
         for t in timeline
@@ -402,17 +432,45 @@ def diagram(journal: Journal, run: RunRecord) -> str:
     return render_svg(run_path(journal, spec, run)[0])
 
 
-def _commands(run: RunRecord, journal_location: str) -> dict[str, str]:
+def fork_seq(run: RunRecord) -> int:
+    """The seq a fork of the run is offered at: its last, or for an ended run the one before.
+
+    A fork at an ended run's last seq would be ended too: ``fork`` refuses it.
+    """
+    return run.seq - 1 if run.ended and run.seq > 0 else run.seq
+
+
+def _commands(run: RunRecord, journal: Journal) -> dict[str, str]:
     def command(*args: str) -> str:
         # The journal always named: the page may be read far from the shell it came from.
-        return suggested_command("fsm-runner", journal_location, *args, name_journal=True)
+        return suggested_command("fsm-runner", journal.location, *args, name_journal=True)
 
-    short = run.run_id[:12]  # the app's text: quoted, as the line is pasted into a shell
+    short = short_id(journal, run.run_id)  # quoted, as the line is pasted into a shell
     app = run.input.get("app") if isinstance(run.input, Mapping) else None
-    commands = {"fork": command("fork", short, "--at", str(run.seq))}
+    commands = {"fork": command("fork", short, "--at", str(fork_seq(run)))}
     if not run.ended:
         commands["resume"] = command("resume", short, *(() if app else ("--app", "MODULE:ATTR")))
     return commands
+
+
+def _forked_from(run: RunRecord) -> tuple[str, str] | None:
+    """The run and the seq this run was forked from (``forked_from`` is ``RUN@SEQ``)."""
+    if run.forked_from is None:
+        return None
+    source, _, seq = run.forked_from.rpartition("@")
+    return (source, seq) if source and seq.isdigit() else (run.forked_from, "")
+
+
+def run_facts(journal: Journal, run: RunRecord) -> dict[str, Any]:
+    """What the run's summary and commands show beside the run: its page's, and once it ends."""
+    return {
+        "commands": _commands(run, journal),
+        "fork_seq": fork_seq(run),
+        "forked_from": _forked_from(run),
+        "error": _error_text(run.error),
+        "input": _clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
+        "context": _clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
+    }
 
 
 def run_page(
@@ -450,10 +508,8 @@ def run_page(
         "in_flight": sum(1 for e in effects if e.status.value == "in_flight"),
         "children": _children(journal, run.run_id),
         "artifacts": journal.artifacts(run.run_id),
-        "commands": _commands(run, journal.location),
-        "error": _error_text(run.error),
-        "input": _clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
-        "context": _clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
+        "page_rows": TIMELINE_PAGE,
+        **run_facts(journal, run),
         "waiting": waiting_of(journal, spec, run),
         "signals": signals,
         "sent": next((s for s in signals if s["number"] == signal), None),
@@ -465,17 +521,24 @@ def live_update(journal: Journal, run_id: str, after: int) -> dict[str, Any]:
 
     With its signals as they stand now (one arrives, or is consumed, between transitions too),
     and, when it moved, what it waits for now (``None``: it moved on; unchanged if it did not).
+    Once it has ended, its summary and commands too (``facts``): the lease, the resume line,
+    the fork's seq and the abort form change with the end.
     """
     run = journal.load(run_id)
-    new = journal.transitions(run.run_id, from_seq=after + 1) if run.seq > after else []
+    # One page of rows at most (the page keeps that many): a run that raced ahead of the
+    # page's last poll is not sent whole.
+    start = max(after + 1, run.seq - TIMELINE_PAGE + 1)
+    new = journal.transitions(run.run_id, from_seq=start) if run.seq > after else []
     spec = _spec(journal, run) if new else None
     return {
         "run": run,
         "rows": timeline_rows(new),
+        "gap": bool(new) and new[0].seq > after + 1,  # rows between were left out
         "diagram": render_svg(run_path(journal, spec, run)[0]) if spec is not None else None,
         "moved": spec is not None,
         "waiting": waiting_of(journal, spec, run) if spec is not None else None,
         "signals": signal_rows(journal.signals(run.run_id)),
+        "facts": run_facts(journal, run) if run.ended else None,
     }
 
 

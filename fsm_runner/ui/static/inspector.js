@@ -4,7 +4,8 @@
 "use strict";
 
 function setupCopyButtons() {
-  for (const button of document.querySelectorAll("button.copy")) {
+  for (const button of document.querySelectorAll("button.copy:not([data-bound])")) {
+    button.dataset.bound = "true";
     button.addEventListener("click", async () => {
       const text = document.getElementById(button.dataset.copy).textContent;
       try {
@@ -29,7 +30,15 @@ function setupLive() {
     return;
   }
   const pollMs = Number(run.dataset.pollMs) || 1000;
+  const maxRows = Number(run.dataset.pageRows) || 200;
   const url = "/runs/" + encodeURIComponent(run.dataset.runId) + "/live";
+
+  function showEarlierLink() {
+    const pages = document.querySelector("nav.pages");
+    if (pages && !pages.querySelector("a.earlier")) {
+      pages.insertAdjacentHTML("afterbegin", '<a class="earlier" href="?from=0">« first</a> ');
+    }
+  }
   let seq = Number(run.dataset.seq);
   let lastSignals = null; // the signals table as the last update gave it
   let timer = null;
@@ -41,8 +50,20 @@ function setupLive() {
         throw new Error("HTTP " + response.status);
       }
       const update = await response.json();
+      const badge = document.getElementById("live-badge");
+      badge.textContent = "live"; // answered again (after a restart of the server too)
       if (update.rows) {
-        document.getElementById("timeline-rows").insertAdjacentHTML("beforeend", update.rows);
+        const rows = document.getElementById("timeline-rows");
+        if (update.gap) {
+          rows.innerHTML = ""; // the run raced ahead: the last page alone, contiguous
+          showEarlierLink();
+        }
+        rows.insertAdjacentHTML("beforeend", update.rows);
+        // One page of rows at most: the oldest go, and the pages' links reach them.
+        while (rows.rows.length > maxRows) {
+          rows.deleteRow(0);
+          showEarlierLink();
+        }
       }
       if (update.diagram) {
         document.getElementById("diagram").innerHTML = update.diagram;
@@ -64,10 +85,14 @@ function setupLive() {
       status.textContent = update.status;
       status.className = "status " + update.status;
       if (update.ended) {
+        // The lease, the resume line, the fork's seq and the abort form end with the run: its
+        // summary and commands as the server renders them now (escaped there, as rows are).
+        document.getElementById("run-summary").innerHTML = update.summary;
+        document.getElementById("run-commands").innerHTML = update.commands;
+        setupCopyButtons();
         run.dataset.ended = "true";
         run.dataset.live = "false";
-        document.getElementById("live-badge").hidden = true;
-        return; // the run has ended: no more polling
+        return; // no more polling
       }
     } catch (err) {
       document.getElementById("live-badge").textContent = "live (retrying)";

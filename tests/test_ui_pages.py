@@ -1,0 +1,236 @@
+"""What the inspector's pages say is right, and stays right while the run moves (issue 32).
+
+The stale and wrong items operators found, each shown on a real ``fsm-runner ui`` server over a
+real SQLite journal, in Debian's chromium where the browser is what changes: the offered fork
+line of an ended run, short ids shared by coordinator tasks, a long error without spaces, the
+live timeline's length, a run that ends while its page is open, the live badge after a server
+restart, a form sent after a restart, counts in words, lease times, the "forked from" link and
+each transition's output.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+
+import pytest
+from click.testing import CliRunner
+from playwright.sync_api import expect
+
+from fsm_runner import Engine, MachineSpec, PhaseResult, SqliteJournal, State, Transition
+from fsm_runner.cli import cli
+from tests.helpers import NEXT, approval_spec, loop_spec
+from tests.ui_helpers import Server
+
+pytestmark = pytest.mark.slow
+
+LONG_WORD = "x" * 3000  # an error with no spaces: it must wrap, not widen the page
+
+OUTPUT_SPEC = MachineSpec(
+    "outputs",
+    [State("measuring", handler="measure"), State("measured", terminal=True)],
+    [Transition("measuring", NEXT, "measured")],
+)
+FAILING_SPEC = MachineSpec(
+    "failing",
+    [
+        State("parsing", handler="parse"),
+        State("parsed", terminal=True),
+        State("failed", terminal=True, outcome="failed"),
+    ],
+    [Transition("parsing", NEXT, "parsed"), Transition("parsing", "SYSTEM_ERROR", "failed")],
+)
+
+
+def _fail(_ctx):
+    raise ValueError(LONG_WORD)
+
+
+@pytest.fixture(scope="module")
+def journal_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("pages") / "journal.db"
+
+
+@pytest.fixture(scope="module")
+def ids(journal_path):
+    """The runs the tests read: ended, waiting, sharing a prefix, failed long, with an output."""
+    found = {}
+    with SqliteJournal(journal_path) as journal:
+        with Engine(approval_spec(), handlers={"draft": lambda _: NEXT,
+                                                "publish": lambda _: NEXT},
+                    journal=journal) as engine:  # fmt: skip
+            found["ended"] = engine.start({})
+            engine.run(found["ended"])
+            engine.send(found["ended"], "APPROVED")
+            engine.run(found["ended"])
+            for task in ("1:hello", "2:world"):  # a session's tasks: their first 12 alike
+                run_id = engine.start({}, run_id=f"SESSION-0123:{task}")
+                engine.run(run_id)
+                found[task] = run_id
+            found["forked"] = engine.fork(found["ended"], at_seq=1).run_id
+        with Engine(FAILING_SPEC, handlers={"parse": _fail}, journal=journal) as engine:
+            found["failed"] = engine.start({})
+            engine.run(found["failed"])
+        measure = {"measure": lambda _: PhaseResult(NEXT, output={"tokens": 1234, "ok": True})}
+        with Engine(OUTPUT_SPEC, handlers=measure, journal=journal) as engine:
+            found["output"] = engine.start({})
+            engine.run(found["output"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(journal_path, ids):
+    server = Server(str(journal_path), "--allow-actions")
+    yield server
+    _, err = server.stop()
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    yield page
+    context.close()
+
+
+def run_cli(journal_path, line: str):
+    """A command line the page offers, run as pasted (``fsm-runner --journal J ...``)."""
+    args = shlex.split(line)
+    assert args[0] == "fsm-runner"
+    return CliRunner().invoke(cli, args[1:], catch_exceptions=False)
+
+
+class TestCommands:
+    def test_an_ended_runs_fork_line_works_as_offered(self, server, page, ids, journal_path):
+        with SqliteJournal(journal_path) as journal:
+            last = journal.load(ids["ended"]).seq
+        page.goto(f"{server.url}/runs/{ids['ended']}")
+        line = page.locator("#cmd-fork").inner_text()
+        assert line.endswith(f" --at {last - 1}")  # at its last seq, the fork would be ended
+        assert page.locator("form.fork input[name=at]").input_value() == str(last - 1)
+        assert run_cli(journal_path, line.replace(f"--at {last - 1}", f"--at {last}")).exit_code
+        result = run_cli(journal_path, line)
+        assert result.exit_code == 0, result.output
+
+    def test_tasks_sharing_their_sessions_prefix_get_ids_that_name_them_alone(
+        self, server, page, ids, journal_path
+    ):
+        page.goto(f"{server.url}/runs?q=SESSION-0123")
+        shown = sorted(page.locator("table.runs td.id a").all_inner_texts())
+        assert shown == ["SESSION-0123:1:hello", "SESSION-0123:2:world"]  # 20 characters
+        page.goto(f"{server.url}/runs/{ids['1:hello']}")
+        line = page.locator("#cmd-fork").inner_text()
+        result = run_cli(journal_path, line)
+        assert result.exit_code == 0, result.output
+
+
+class TestLayout:
+    def test_a_long_error_without_spaces_wraps(self, server, page, ids):
+        for path in (f"/runs/{ids['failed']}", "/runs"):
+            page.goto(server.url + path)
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 1280, (path, width)
+
+    def test_counts_in_words_lease_times_and_the_forked_from_link(
+        self, server, page, ids, journal_path
+    ):
+        page.goto(f"{server.url}/machines/failing")
+        assert page.locator("main p").first.inner_text().startswith("1 run;")
+        with SqliteJournal(journal_path) as journal:
+            token = journal.claim(ids["forked"], "someone", ttl=3600).lease_token
+        try:
+            page.goto(f"{server.url}/runs/{ids['forked']}")
+            lease = page.locator(".summary .when").inner_text()
+            assert dt.datetime.strptime(lease, "%Y-%m-%d %H:%M:%S UTC")  # no +00:00, no µs
+            page.locator("dt:text-is('forked from') + dd a").click()
+            page.wait_for_url(lambda url: f"/runs/{ids['ended']}?from=1" in url, timeout=5000)
+            assert "forked from" not in page.locator("section.summary").inner_text()
+        finally:
+            with SqliteJournal(journal_path) as journal:
+                journal.release(ids["forked"], "someone", token)
+
+    def test_each_transitions_output_is_shown(self, server, page, ids):
+        page.goto(f"{server.url}/runs/{ids['output']}")
+        output = page.locator("#timeline-rows tr[data-seq='1'] td.output").inner_text()
+        assert json.loads(output) == {"tokens": 1234, "ok": True}
+
+
+class TestLive:
+    def test_a_run_that_ends_while_its_page_is_open(self, server, page, journal_path):
+        with SqliteJournal(journal_path) as journal, Engine(
+            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
+            journal=journal,
+        ) as engine:  # fmt: skip
+            run_id = engine.start({})
+            engine.run(run_id)  # waits for approval
+            page.goto(f"{server.url}/runs/{run_id}")
+            page.evaluate("window.notReloaded = true")
+            assert page.locator("form.abort").count() == 1
+            assert page.locator("#cmd-resume").count() == 1
+            engine.send(run_id, "APPROVED")
+            engine.run(run_id)
+            ended = journal.load(run_id)
+        page.wait_for_selector("#run-status.succeeded", timeout=5000)
+        assert page.locator("form.abort").count() == 0
+        assert page.locator("#cmd-resume").count() == 0
+        assert page.locator("#cmd-fork").inner_text().endswith(f" --at {ended.seq - 1}")
+        assert page.locator("form.fork input[name=at]").input_value() == str(ended.seq - 1)
+        assert page.locator("#live-badge").is_hidden()
+        assert page.evaluate("window.notReloaded") is True
+
+    def test_the_live_timeline_keeps_one_page(self, server, page, journal_path):
+        with (
+            SqliteJournal(journal_path) as journal,
+            Engine(loop_spec(), handlers={"noop": lambda _: NEXT}, journal=journal) as engine,
+        ):
+            run_id = engine.start({})
+            page.goto(f"{server.url}/runs/{run_id}")
+            for _ in range(3):  # three bursts, polled in between: rows pile up, then go
+                engine.run(run_id, max_steps=150)
+                seq = journal.load(run_id).seq
+                page.wait_for_selector(f"#timeline-rows tr[data-seq='{seq}']", timeout=5000)
+        shown = page.locator("#timeline-rows tr").count()
+        assert shown <= 200
+        assert page.locator("nav.pages a.earlier").count() == 1
+
+    def test_the_live_badge_comes_back_after_a_restart(self, journal_path, page):
+        with SqliteJournal(journal_path) as journal, Engine(
+            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
+            journal=journal,
+        ) as engine:  # fmt: skip
+            run_id = engine.start({})
+        first = Server(str(journal_path))
+        page.goto(f"{first.url}/runs/{run_id}")
+        first.stop()
+        page.wait_for_selector("#live-badge >> text=live (retrying)", timeout=5000)
+        again = Server(str(journal_path), port=first.port)
+        try:
+            expect(page.locator("#live-badge")).to_have_text("live", timeout=5000)
+        finally:
+            again.stop()
+
+
+def test_a_form_sent_after_a_restart_is_offered_again_with_what_was_typed(journal_path, page):
+    with SqliteJournal(journal_path) as journal, Engine(
+        approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
+        journal=journal,
+    ) as engine:  # fmt: skip
+        run_id = engine.start({})
+    first = Server(str(journal_path), "--allow-actions")
+    page.goto(f"{first.url}/runs/{run_id}")
+    first.stop()
+    again = Server(str(journal_path), "--allow-actions", port=first.port)  # a new CSRF secret
+    try:
+        page.fill("form.abort input[name=reason]", "typed before the restart")
+        page.click("form.abort button")
+        assert page.locator("h1").inner_text() == "Refused"
+        assert "typed before the restart" in page.locator("form.resend").inner_text()
+        with SqliteJournal(journal_path) as journal:
+            assert journal.load(run_id).status.value == "active"  # nothing was done
+        page.click("form.resend button")
+        page.wait_for_selector("#run-status.aborted", timeout=5000)
+        assert "typed before the restart" in page.locator("section.summary").inner_text()
+    finally:
+        again.stop()
