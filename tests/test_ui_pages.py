@@ -5,7 +5,8 @@ real SQLite journal, in Debian's chromium where the browser is what changes: the
 line of an ended run, short ids shared by coordinator tasks, a long error without spaces, the
 live timeline's length, a run that ends while its page is open, the live badge after a server
 restart, a form sent after a restart, counts in words, lease times, the "forked from" link and
-each transition's output.
+each transition's output; and for everyone: a narrow screen, dark mode, labelled fields, named
+landmarks, local times and JSON as a tree.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def ids(journal_path):
             engine.run(found["failed"])
         measure = {"measure": lambda _: PhaseResult(NEXT, output={"tokens": 1234, "ok": True})}
         with Engine(OUTPUT_SPEC, handlers=measure, journal=journal) as engine:
-            found["output"] = engine.start({})
+            found["output"] = engine.start({"order": {"id": 42, "lines": [1, 2, 3]}})
             engine.run(found["output"])
     return found
 
@@ -142,7 +143,7 @@ class TestLayout:
             token = journal.claim(ids["forked"], "someone", ttl=3600).lease_token
         try:
             page.goto(f"{server.url}/runs/{ids['forked']}")
-            lease = page.locator(".summary .when").inner_text()
+            lease = page.locator("dt:text-is('lease') + dd time").get_attribute("title")
             assert dt.datetime.strptime(lease, "%Y-%m-%d %H:%M:%S UTC")  # no +00:00, no µs
             page.locator("dt:text-is('forked from') + dd a").click()
             page.wait_for_url(lambda url: f"/runs/{ids['ended']}?from=1" in url, timeout=5000)
@@ -234,3 +235,81 @@ def test_a_form_sent_after_a_restart_is_offered_again_with_what_was_typed(journa
         assert "typed before the restart" in page.locator("section.summary").inner_text()
     finally:
         again.stop()
+
+
+#: What a form field's accessible name comes from, and which landmarks lack one (in the page).
+UNLABELLED = """() => [...document.querySelectorAll('input:not([type=hidden]), select, textarea')]
+    .filter(el => !el.labels.length && !el.getAttribute('aria-label')
+                  && !el.getAttribute('aria-labelledby'))
+    .map(el => el.outerHTML)"""
+UNNAMED = """() => [...document.querySelectorAll('nav, section, form[role=search], aside')]
+    .filter(el => !el.getAttribute('aria-label') && !el.getAttribute('aria-labelledby'))
+    .map(el => el.outerHTML.slice(0, 80))"""
+
+
+class TestForEveryone:
+    def pages(self, ids):
+        return ["/runs", f"/runs/{ids['failed']}", f"/runs/{ids['output']}", "/machines/failing",
+                "/check", "/runs?waiting=1"]  # fmt: skip
+
+    def test_a_narrow_screen_never_scrolls_sideways(self, server, browser, ids):
+        context = browser.new_context(viewport={"width": 400, "height": 800})
+        page = context.new_page()
+        try:
+            for path in self.pages(ids):
+                page.goto(server.url + path)
+                width = page.evaluate("document.documentElement.scrollWidth")
+                assert width <= 400, (path, width)
+        finally:
+            context.close()
+
+    def test_dark_mode_follows_the_system(self, server, browser, ids):
+        context = browser.new_context(color_scheme="dark")
+        page = context.new_page()
+        try:
+            page.goto(f"{server.url}/runs/{ids['output']}")
+            background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            assert background == "rgb(13, 17, 23)"
+        finally:
+            context.close()
+
+    def test_every_field_labelled_and_every_landmark_named(self, journal_path, page, ids):
+        with SqliteJournal(journal_path) as journal, Engine(
+            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
+            journal=journal,
+        ) as engine:  # fmt: skip
+            waiting = engine.start({})
+            engine.run(waiting)
+        server = Server(str(journal_path), "--allow-actions")
+        try:
+            for path in [*self.pages(ids), f"/runs/{waiting}"]:
+                page.goto(server.url + path)
+                assert page.evaluate(UNLABELLED) == [], path
+                assert page.evaluate(UNNAMED) == [], path
+        finally:
+            server.stop()
+
+    def test_times_in_the_readers_zone_with_utc_on_hover(self, server, browser, ids):
+        context = browser.new_context(timezone_id="Asia/Tokyo")  # UTC+9, no summer time
+        page = context.new_page()
+        try:
+            page.goto(f"{server.url}/runs/{ids['output']}")
+            started = page.locator(".summary time").first
+            utc = dt.datetime.strptime(started.get_attribute("title"), "%Y-%m-%d %H:%M:%S UTC")
+            local, _, rest = started.inner_text().partition(" (")
+            assert dt.datetime.strptime(local, "%Y-%m-%d %H:%M:%S") == utc + dt.timedelta(hours=9)
+            assert rest.endswith("ago)")
+        finally:
+            context.close()
+
+    def test_json_as_a_tree_with_copy(self, server, page, ids):
+        page.goto(f"{server.url}/runs/{ids['output']}")
+        page.click("details.payload > summary >> text=input")
+        tree = page.locator("details.payload .json-tree").first
+        assert tree.is_visible()
+        text = tree.inner_text()
+        assert '"order": { 2 items }' in text
+        assert '"id": 42' in text
+        assert page.locator("button.copy[data-copy=run-input]").count() == 1
+        raw = page.locator("#run-input").text_content()
+        assert json.loads(raw) == {"order": {"id": 42, "lines": [1, 2, 3]}}

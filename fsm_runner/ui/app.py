@@ -37,6 +37,7 @@ import anyio
 import anyio.to_thread
 import attrs
 import jinja2
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -168,6 +169,7 @@ class Inspector:
         self.templates.filters["shown"] = shown
         self.templates.filters["plural"] = _plural
         self.templates.filters["when"] = _when
+        self.templates.filters["time_tag"] = _time_tag
         self.templates.globals.update(
             allow_actions=allow_actions,
             csrf_token=self.csrf_token,
@@ -268,6 +270,16 @@ def _plural(count: int, noun: str) -> str:
 def _when(moment: dt.datetime | None) -> str:
     """A time as the pages show it: to the second, in UTC, said so."""
     return "-" if moment is None else f"{moment:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def _time_tag(moment: dt.datetime | None) -> Markup:
+    """A ``<time>`` element: UTC as text and on hover; the page's script shows it in local time."""
+    if moment is None:
+        return Markup("-")
+    utc = _when(moment)
+    return Markup('<time datetime="{}" title="{}">{}</time>').format(
+        moment.astimezone(dt.timezone.utc).isoformat(), utc, utc
+    )
 
 
 def shown_location(location: str) -> str:

@@ -1,5 +1,5 @@
-// fsm-runner inspector: copy buttons, live updates of an active run's page, and the progress
-// of the check running in the background.
+// fsm-runner inspector: copy buttons, local times, JSON shown as a tree, live updates of an
+// active run's page, and the progress of the check running in the background.
 // Plain JavaScript, no build step, nothing loaded from elsewhere.
 "use strict";
 
@@ -59,6 +59,7 @@ function setupLive() {
           showEarlierLink();
         }
         rows.insertAdjacentHTML("beforeend", update.rows);
+        jsonTrees(rows);
         // One page of rows at most: the oldest go, and the pages' links reach them.
         while (rows.rows.length > maxRows) {
           rows.deleteRow(0);
@@ -90,6 +91,8 @@ function setupLive() {
         document.getElementById("run-summary").innerHTML = update.summary;
         document.getElementById("run-commands").innerHTML = update.commands;
         setupCopyButtons();
+        localTimes(document);
+        jsonTrees(document);
         run.dataset.ended = "true";
         run.dataset.live = "false";
         return; // no more polling
@@ -135,8 +138,91 @@ function setupCheck() {
   window.addEventListener("pagehide", () => window.clearTimeout(timer));
 }
 
+// Times: the server writes UTC (kept on hover); shown here in the reader's own time zone, with
+// how long ago.
+function pad(number) {
+  return String(number).padStart(2, "0");
+}
+
+function ago(seconds) {
+  const units = [["day", 86400], ["h", 3600], ["min", 60], ["s", 1]];
+  const future = seconds < 0;
+  const span = Math.abs(seconds);
+  for (const [unit, size] of units) {
+    if (span >= size || unit === "s") {
+      const count = Math.floor(span / size);
+      const text = unit === "day" ? count + (count === 1 ? " day" : " days") : count + " " + unit;
+      return future ? "in " + text : text + " ago";
+    }
+  }
+  return "";
+}
+
+function localTimes(root) {
+  for (const element of root.querySelectorAll("time[datetime]:not([data-local])")) {
+    const moment = new Date(element.getAttribute("datetime"));
+    if (Number.isNaN(moment.getTime())) {
+      continue;
+    }
+    const local =
+      moment.getFullYear() + "-" + pad(moment.getMonth() + 1) + "-" + pad(moment.getDate()) +
+      " " + pad(moment.getHours()) + ":" + pad(moment.getMinutes()) + ":" + pad(moment.getSeconds());
+    element.textContent = local + " (" + ago((Date.now() - moment.getTime()) / 1000) + ")";
+    element.dataset.local = "true";
+  }
+}
+
+// JSON payloads (input, context, outputs): a tree of folds, each object and array one
+// <details>, built with text nodes only (nothing from the data is parsed as HTML). Text that
+// is not whole JSON (cut short on the page) stays as it is.
+function jsonNode(value, key) {
+  const label = key === null ? "" : JSON.stringify(key) + ": ";
+  if (value !== null && typeof value === "object") {
+    const entries = Array.isArray(value) ? value.map((v, i) => [i, v]) : Object.entries(value);
+    const fold = document.createElement("details");
+    fold.className = "json-fold";
+    fold.open = key === null || entries.length <= 5;
+    const summary = document.createElement("summary");
+    const brackets = Array.isArray(value) ? ["[", "]"] : ["{", "}"];
+    summary.textContent = label + brackets[0] + " " + entries.length + (entries.length === 1 ? " item " : " items ") + brackets[1];
+    fold.appendChild(summary);
+    const list = document.createElement("div");
+    list.className = "json-items";
+    for (const [k, v] of entries) {
+      list.appendChild(jsonNode(v, Array.isArray(value) ? null : k));
+    }
+    fold.appendChild(list);
+    return fold;
+  }
+  const leaf = document.createElement("div");
+  leaf.className = "json-leaf";
+  leaf.textContent = label + JSON.stringify(value);
+  return leaf;
+}
+
+function jsonTrees(root) {
+  for (const pre of root.querySelectorAll("pre.json:not([data-tree])")) {
+    pre.dataset.tree = "true";
+    let value;
+    try {
+      value = JSON.parse(pre.textContent);
+    } catch (err) {
+      continue;
+    }
+    if (value === null || typeof value !== "object") {
+      continue;
+    }
+    const tree = jsonNode(value, null);
+    tree.classList.add("json-tree");
+    pre.hidden = true; // kept: the copy button copies the JSON as it is
+    pre.after(tree);
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   setupCopyButtons();
+  localTimes(document);
+  jsonTrees(document);
   setupLive();
   setupCheck();
 });
