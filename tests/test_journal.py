@@ -500,6 +500,14 @@ class TestRuns:
     def test_newest_first(self, populated):
         assert self.ids(populated.runs()) == ["r4", "r3", "r2", "r1"]
 
+    def test_pages_both_ways(self, populated):
+        # after: the previous page, the runs closest to it, still newest first
+        assert self.ids(populated.runs(after="r1")) == ["r4", "r3", "r2"]
+        assert self.ids(populated.runs(after="r1", limit=2)) == ["r3", "r2"]
+        assert self.ids(populated.runs(after="r2", machine="alpha")) == ["r4", "r3"]
+        assert self.ids(populated.runs(after="r4")) == []
+        assert self.ids(populated.runs(before="r4", limit=2)) == ["r3", "r2"]
+
     def test_runs_stored_with_an_older_created_at(self, journal):
         # SQLite lists in the order runs were stored (its listing indexes are in key order);
         # the others by created_at. The same for every run the engine stores.

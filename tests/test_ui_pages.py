@@ -44,6 +44,15 @@ FAILING_SPEC = MachineSpec(
 )
 
 
+def waiting_spec(name: str) -> MachineSpec:
+    """Runs that wait for ``GO`` from their start: listed, never moving by themselves."""
+    return MachineSpec(
+        name,
+        [State("waiting"), State("done", terminal=True)],
+        [Transition("waiting", "GO", "done")],
+    )
+
+
 def _fail(_ctx):
     raise ValueError(LONG_WORD)
 
@@ -70,6 +79,9 @@ def ids(journal_path):
                 engine.run(run_id)
                 found[task] = run_id
             found["forked"] = engine.fork(found["ended"], at_seq=1).run_id
+        many = Engine(waiting_spec("many"), handlers={}, journal=journal)
+        with many:
+            found["many"] = many.start_many([{"n": n} for n in range(120)])  # 3 pages
         with Engine(FAILING_SPEC, handlers={"parse": _fail}, journal=journal) as engine:
             found["failed"] = engine.start({})
             engine.run(found["failed"])
@@ -313,3 +325,37 @@ class TestForEveryone:
         assert page.locator("button.copy[data-copy=run-input]").count() == 1
         raw = page.locator("#run-input").text_content()
         assert json.loads(raw) == {"order": {"id": 42, "lines": [1, 2, 3]}}
+
+
+class TestRunsList:
+    def test_pages_older_and_newer(self, server, page, ids):
+        newest_first = ids["many"][::-1]
+        page.goto(f"{server.url}/runs?machine=many")
+        shown = lambda: page.locator("#runs-rows tr").evaluate_all(  # noqa: E731
+            "rows => rows.map(row => row.dataset.runId)"
+        )
+        assert shown() == newest_first[:50]
+        assert page.locator("a.newer").count() == 0
+        page.click("a.older")
+        assert shown() == newest_first[50:100]
+        page.click("a.older")
+        assert shown() == newest_first[100:]
+        assert page.locator("a.older").count() == 0
+        page.click("a.newer")
+        assert shown() == newest_first[50:100]
+        page.click("a.newer")
+        assert shown() == newest_first[:50]
+        assert page.locator("a.newer").count() == 0
+
+    def test_the_newest_page_shows_new_runs_as_they_start(self, server, page, journal_path):
+        spec = waiting_spec("fresh")
+        with SqliteJournal(journal_path) as journal, Engine(
+            spec, handlers={}, journal=journal
+        ) as engine:  # fmt: skip
+            first = engine.start({})
+            page.goto(f"{server.url}/runs?machine=fresh")
+            assert page.locator("#runs-rows tr").count() == 1
+            second = engine.start({})
+        page.wait_for_selector(f"#runs-rows tr[data-run-id='{second}']", timeout=10_000)
+        rows = page.locator("#runs-rows tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
+        assert rows == [second, first]

@@ -433,6 +433,7 @@ class SqlCore:
         stale: bool = False,
         run_id_prefix: str | None = None,
         before: str | None = None,
+        after: str | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -442,7 +443,9 @@ class SqlCore:
 
         ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
         lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
-        listed after that run (a keyset page: the index is read from there, whatever page).
+        listed after that run (a keyset page: the index is read from there, whatever page);
+        ``after``: the ``limit`` runs listed just before that run (the previous page: the index
+        read the other way from there, the page then turned newest first).
         """
         m = self.dialect.mark
         where: list[str] = []
@@ -477,21 +480,39 @@ class SqlCore:
         order = [self.dialect.row_order]
         if self.dialect.list_by_created:
             order.insert(0, "created_at")
-        if before is not None:
-            key = ", ".join(order)
-            where.append(
-                f"({key}) < (SELECT {key} FROM {self.dialect.run_table} WHERE run_id = {m})"
-            )
-            params.append(before)
+        self._keyset(where, params, order, before=before, after=after)
         query = f"SELECT {self.dialect.run_select} FROM runs"
         if where:
             query += " WHERE " + " AND ".join(where)
-        query += " ORDER BY " + ", ".join(f"{column} DESC" for column in order)
+        way = "ASC" if after is not None else "DESC"
+        query += " ORDER BY " + ", ".join(f"{column} {way}" for column in order)
         if limit is not None:
             query += f" LIMIT {m}"
             params.append(int(limit))
         names, rows = self._select(query, params)
-        return [self.decode_run(dict(zip(names, row, strict=True))) for row in rows]
+        found = [self.decode_run(dict(zip(names, row, strict=True))) for row in rows]
+        if after is not None:
+            found.reverse()  # newest first, as every listing
+        return found
+
+    def _keyset(
+        self,
+        where: list[str],
+        params: list[Any],
+        order: list[str],
+        *,
+        before: str | None,
+        after: str | None,
+    ) -> None:
+        """Add a keyset page's conditions: the runs listed after ``before``, before ``after``."""
+        key = ", ".join(order)
+        for bound, sign in ((before, "<"), (after, ">")):
+            if bound is not None:
+                where.append(
+                    f"({key}) {sign} (SELECT {key} FROM {self.dialect.run_table}"
+                    f" WHERE run_id = {self.dialect.mark})"
+                )
+                params.append(bound)
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""

@@ -274,6 +274,7 @@ class Journal(Protocol):
         stale: bool = False,
         run_id_prefix: str | None = None,
         before: str | None = None,
+        after: str | None = None,
     ) -> Sequence[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -281,6 +282,8 @@ class Journal(Protocol):
         active runs whose lease has expired (their worker is gone); ``run_id_prefix`` keeps
         runs whose id starts with it. ``before`` (a run id) keeps only the runs listed after
         that run: the next page of a listing, read from an index whatever page it is.
+        ``after`` keeps only the runs listed before that run, the ``limit`` closest to it
+        (still newest first): the previous page.
         """
 
     def run_counts(self, *, machine: str) -> Mapping[tuple[str, str], int]:

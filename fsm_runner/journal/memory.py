@@ -72,6 +72,18 @@ def _check_pair(run: RunRecord, transition: TransitionRecord) -> None:
         raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
 
 
+def _keyset(runs: list[RunRecord], before: str | None, after: str | None) -> list[RunRecord]:
+    """The runs listed after ``before`` and before ``after`` (a keyset page's bounds)."""
+    for bound, later in ((before, True), (after, False)):
+        if bound is not None:
+            ids = [run.run_id for run in runs]
+            if bound not in ids:
+                return []
+            at = ids.index(bound)
+            runs = runs[at + 1 :] if later else runs[:at]
+    return runs
+
+
 def _select(
     runs: Iterable[RunRecord],
     wanted: Mapping[str, object],
@@ -423,12 +435,13 @@ class MemoryJournal:
         stale: bool = False,
         run_id_prefix: str | None = None,
         before: str | None = None,
+        after: str | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
         ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
         lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
-        listed after that run.
+        listed after that run; ``after``: the ``limit`` runs listed just before it.
         """
         with self._lock:
             self._check_open()
@@ -440,9 +453,7 @@ class MemoryJournal:
             }
         ordered.reverse()  # insertion order is creation order; newest first
         ordered.sort(key=lambda run: run.created_at, reverse=True)
-        if before is not None:
-            ids = [run.run_id for run in ordered]
-            ordered = ordered[ids.index(before) + 1 :] if before in ids else []
+        ordered = _keyset(ordered, before, after)
         wanted = {
             "machine": machine,
             "status": RunLifecycle(status) if status is not None else None,
@@ -453,7 +464,10 @@ class MemoryJournal:
         if stale:
             now = utc_now()
             selected = [run for run in selected if _stale(run, now)]
-        return selected if limit is None else selected[:limit]
+        if limit is None:
+            return selected
+        # After a run: the ones closest to it, at the end of the newest-first list.
+        return selected[max(len(selected) - limit, 0) :] if after is not None else selected[:limit]
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""

@@ -212,18 +212,16 @@ class PostgresJournal:
             ) from None
         try:
             open_schema(conn, schema=self.schema, location=connection.location, create=create)
-        except psycopg.Error as exc:
+        except BaseException as exc:
             conn.close()
-            raise JournalError(connection.describe(exc), path=connection.location) from None
-        except BaseException:
-            conn.close()
+            if isinstance(exc, psycopg.Error):
+                raise JournalError(connection.describe(exc), path=connection.location) from None
             raise
         self._core = SqlCore(_DIALECT, connection)
         self._writer = PostgresWriter(connection, self._core)
         self._waits, self.liveness = PostgresWaits(connection), OwnerLiveness(connection)
         self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
-        # The hot path: the writer's own methods, bound to this journal as they are, so that
-        # a step makes no call through the journal (a subclass's own override is kept).
+        # The hot path: the writer's own methods bound as this journal's (overrides are kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
         self._close = watch(self, functools.partial(_close, self._waits, connection), repr(self))
 
@@ -630,6 +628,7 @@ class PostgresJournal:
         stale: bool = False,
         run_id_prefix: str | None = None,
         before: str | None = None,
+        after: str | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
         return self._core.runs(
@@ -642,6 +641,7 @@ class PostgresJournal:
             stale=stale,
             run_id_prefix=run_id_prefix,
             before=before,
+            after=after,
         )
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:

@@ -127,8 +127,7 @@ class SqliteJournal:
         self._waits = SqliteWaits(self._connections, self._core)
         self.liveness = _sqlite_claims.SqliteLiveness(self._connections)  # who holds leases
         self._heads = SqliteHeads(self.path)  # a run's head verified before it is driven
-        # The hot path: the writer's own methods, bound to this journal as they are, so that
-        # a step makes no call through the journal (a subclass's own override is kept).
+        # The hot path: the writer's own methods bound as this journal's (overrides are kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
         self._close = watch(self, self._connections.close, repr(self))
 
@@ -544,6 +543,7 @@ class SqliteJournal:
         stale: bool = False,
         run_id_prefix: str | None = None,
         before: str | None = None,
+        after: str | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
         return self._core.runs(
@@ -556,6 +556,7 @@ class SqliteJournal:
             stale=stale,
             run_id_prefix=run_id_prefix,
             before=before,
+            after=after,
         )
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:

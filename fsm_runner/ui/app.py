@@ -326,6 +326,8 @@ async def _runs(request: Request) -> Response:
             asked = views.RunsQuery(**{**_fields(asked), "parent": _resolve(journal, asked.parent)})
         if asked.waiting:
             return inspector.page("waiting.html", **views.waiting_page(journal, asked))
+        if request.query_params.get("rows") == "1":  # the newest page refreshing its rows
+            return inspector.page("runs_rows.html", **views.runs_page(journal, asked))
         return inspector.page("runs.html", **views.runs_page(journal, asked))
 
     return await inspector.read(read)

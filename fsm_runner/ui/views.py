@@ -78,6 +78,8 @@ class RunsQuery:
     parent: str = ""
     q: str = ""
     before: str = ""
+    #: The previous page: the runs listed just before this one.
+    after: str = ""
     #: "1": the waiting tab (active runs standing in a waiting state of their spec).
     waiting: str = ""
 
@@ -104,7 +106,11 @@ class RunsQuery:
 
 
 def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
-    """The runs table: newest first, filtered, one page (keyset: ``before`` the last one shown)."""
+    """The runs table: newest first, filtered, one page.
+
+    Keyset pages both ways: ``before`` the last run shown (older), ``after`` the first (newer).
+    """
+    backwards = bool(query.after) and not query.before
     found = list(
         journal.runs(
             machine=query.machine or None,
@@ -113,16 +119,32 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
             parent_run_id=query.parent or None,
             run_id_prefix=query.q or None,
             before=query.before or None,
+            after=query.after if backwards else None,
             limit=RUNS_PAGE + 1,
         )
     )
     more = len(found) > RUNS_PAGE
-    found = found[:RUNS_PAGE]
-    older = query.link(before=found[-1].run_id) if more and found else None
-    newest = query.link(before="") if query.before else None
+    older: str | None
+    if backwards:  # the runs closest to ``after``: the end of the list
+        found = found[-RUNS_PAGE:]
+        older = query.link(after="", before=query.after)
+        newer = query.link(after=found[0].run_id) if more and found else None
+    else:
+        found = found[:RUNS_PAGE]
+        older = query.link(before=found[-1].run_id) if more and found else None
+        newer = query.link(before="", after=found[0].run_id) if query.before and found else None
+    newest = query.link(before="", after="") if query.before or query.after else None
     named = {run.run_id for run in found} | {r.parent_run_id for r in found if r.parent_run_id}
     shorts = {run_id: short_id(journal, run_id) for run_id in named}
-    return {"runs": found, "query": query, "older": older, "newest": newest, "shorts": shorts}
+    return {
+        "runs": found,
+        "query": query,
+        "older": older,
+        "newer": newer,
+        "newest": newest,
+        "shorts": shorts,
+        "live": not query.before and not query.after,  # the newest page refreshes itself
+    }
 
 
 #: The fewest characters of a run id a page shows, and the longer prefixes it tries when that

@@ -219,10 +219,37 @@ function jsonTrees(root) {
   }
 }
 
+// The newest page of runs refreshes its rows (new runs, states moving on) every two seconds.
+function setupRunsList() {
+  const rows = document.getElementById("runs-rows");
+  if (!rows || rows.dataset.live === undefined) {
+    return;
+  }
+  const pollMs = Number(rows.dataset.pollMs) || 5000;
+  const url = "/runs?" + (rows.dataset.live ? rows.dataset.live + "&" : "") + "rows=1";
+  let timer = null;
+
+  async function poll() {
+    try {
+      const response = await fetch(url, { headers: { Accept: "text/html" } });
+      if (response.ok) {
+        rows.innerHTML = await response.text(); // rendered (escaped) by the server
+        localTimes(rows);
+      }
+    } catch (err) {
+      // the server is away for a moment: ask again
+    }
+    timer = window.setTimeout(poll, pollMs);
+  }
+  timer = window.setTimeout(poll, pollMs);
+  window.addEventListener("pagehide", () => window.clearTimeout(timer));
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   setupCopyButtons();
   localTimes(document);
   jsonTrees(document);
+  setupRunsList();
   setupLive();
   setupCheck();
 });
