@@ -7,6 +7,7 @@ write lock; a run claimed, moved or renewed between the search and the claim is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import subprocess
@@ -118,7 +119,7 @@ def test_threads_and_processes_claim_each_run_once_a_round(tmp_path):
                 for run in stored.values():
                     assert setup.release(run.run_id, str(run.lease_owner), run.lease_token)
             else:  # expired: the next round takes each over, once
-                with sqlite3.connect(path) as conn:
+                with contextlib.closing(sqlite3.connect(path)) as conn, conn:
                     conn.execute("UPDATE run_rows SET lease_expires_at = '2000-01-01T00:00:00Z'")
                 conn.close()
         assert len(owners) > 1  # the claimers did share the runs out (any two will do)

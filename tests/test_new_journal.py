@@ -8,6 +8,7 @@ migrated as before. These tests keep the dump equal to the migrations.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import subprocess
 import sys
@@ -100,7 +101,6 @@ def test_one_new_file_opened_by_many_at_once_is_made_once(tmp_path):
     for thread in threads:
         thread.join()
     assert errors == []
-    with sqlite3.connect(path) as conn:
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         count = conn.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0]
         assert count == len(_schema_new.MIGRATIONS)
-    conn.close()

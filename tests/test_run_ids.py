@@ -10,6 +10,7 @@ writes outside its workspace for it.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import sqlite3
@@ -192,7 +193,10 @@ def old_journal(journal_path):
         engine.step(engine.start(run_id="plain"))
         engine.start(run_id="child", parent_run_id="plain")
     rename_run(journal_path, "plain", "bad\nid")
-    with sqlite3.connect(journal_path) as db:  # raw SQL wrote it: no engine would
+    with (
+        contextlib.closing(sqlite3.connect(journal_path)) as db,
+        db,
+    ):  # raw SQL wrote it: no engine would
         assert db.execute("SELECT count(*) FROM run_rows WHERE run_id = 'bad' || char(10) || 'id'")
     return journal_path
 

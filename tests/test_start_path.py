@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
 import sqlite3
@@ -43,7 +44,7 @@ def _core(journal):
 
 
 def _keys(path):
-    with sqlite3.connect(path) as conn:
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         return dict(conn.execute("SELECT run_id, run_key FROM run_rows"))
 
 
@@ -75,7 +76,10 @@ class TestCreateRuns:
             batch = engine.start_many([1, 2, 3])
             keys = _keys(path)
             assert [keys[r] for r in [first, *batch]] == [1, 2, 3, 4]
-            with sqlite3.connect(path) as conn:  # the last run gone: keys go on past the highest
+            with (
+                contextlib.closing(sqlite3.connect(path)) as conn,
+                conn,
+            ):  # the last run gone: keys go on past the highest
                 conn.execute("DELETE FROM transitions WHERE run_id = ?", (batch[-1],))
                 conn.execute("DELETE FROM run_rows WHERE run_id = ?", (batch[-1],))
             later = engine.start_many([5, 6])
@@ -127,7 +131,7 @@ class TestCreateRuns:
             ("r", 3, None, "E", "s", None, 1, "t", None, None, 0, 7, "d3"),
             ("r", 4, None, "E", "s", None, 1, "t", None, None, 0, 7, "d4"),
         ]
-        with sqlite3.connect(":memory:") as conn:
+        with contextlib.closing(sqlite3.connect(":memory:")) as conn, conn:
             conn.execute(
                 "CREATE TABLE transitions (run_id, seq, from_state, event, to_state, iteration,"
                 " attempt, at, duration_ms, result, lease_token, run_key, digest)"

@@ -16,6 +16,7 @@ update appends hostile rows to an open page (``insertAdjacentHTML``) and no scri
 
 from __future__ import annotations
 
+import contextlib
 import html
 import http.client
 import json
@@ -170,7 +171,7 @@ def hostile(tmp_path_factory):
         ids["bad_spec"] = other.start(run_id="bad-spec")
     for placeholder in ("ok", "child", "waiting", *(f"path{n}" for n in range(len(PATH_IDS)))):
         rename_run(path, placeholder, ids[placeholder])
-    with sqlite3.connect(path) as db:
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
         db.execute("UPDATE transitions SET result = '{not json' WHERE run_id = 'bad-result'")
         db.execute("UPDATE specs SET json = '{\"name\": [' WHERE machine = 'bad-spec'")
         # What another writer may leave (the engine refuses it): lone surrogates, as JSON

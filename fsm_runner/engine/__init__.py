@@ -19,7 +19,7 @@ logic is :mod:`fsm_runner.rules`.
 
 from __future__ import annotations
 
-import datetime as dt
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -28,11 +28,12 @@ from typing import Any, Generic, TypeVar, overload
 from fsm_runner._unclosed import watch
 from fsm_runner.engine import waits
 from fsm_runner.engine.async_driver import AsyncDriver
-from fsm_runner.engine.core import Listener, StepCore, random_ids
+from fsm_runner.engine.core import Listener, StepCore
 from fsm_runner.engine.held import HeldRuns
 from fsm_runner.engine.interruption import interrupt_on_sigterm
 from fsm_runner.engine.leases import LeaseKeeper
 from fsm_runner.engine.operations import abort_run, fork_run
+from fsm_runner.engine.starts import Starts
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.engine.worker import Worker
 from fsm_runner.journal import Journal
@@ -75,6 +76,14 @@ class _Setting(Generic[_T]):
 
     def __set__(self, engine: Engine, value: _T) -> None:
         setattr(getattr(engine, self._part), self._name, value)
+
+
+#: The engine's settings a copy of it keeps (:meth:`Engine.with_journal`).
+_SETTINGS = (
+    "handlers", "guards", "services", "listeners", "clock", "sleep", "async_sleep",
+    "allow_spec_change", "worker_id", "lease_ttl", "heartbeat_interval", "max_recoveries",
+    "max_payload_bytes", "group_commit",
+)  # fmt: skip
 
 
 class Engine:
@@ -174,6 +183,7 @@ class Engine:
             core, self._leases, async_sleep=async_sleep, group_commit=group_commit
         )
         self._worker = Worker(core, self._leases, self._sync)
+        self._starts = Starts(core, self._leases, self._worker)
         # The default journal is the engine's own: an engine collected unclosed closes it
         # and says so by the engine's name (a journal passed in is the host's to close).
         self._close_journal = (
@@ -209,24 +219,8 @@ class Engine:
 
     def with_journal(self, journal: Journal) -> Engine:
         """Return an engine like this one that journals to ``journal``."""
-        return Engine(
-            self.spec,
-            handlers=self.handlers,
-            journal=journal,
-            guards=self.guards,
-            services=self.services,
-            listeners=self.listeners,
-            clock=self.clock,
-            sleep=self.sleep,
-            async_sleep=self.async_sleep,
-            allow_spec_change=self.allow_spec_change,
-            worker_id=self.worker_id,
-            lease_ttl=self.lease_ttl,
-            heartbeat_interval=self.heartbeat_interval,
-            max_recoveries=self.max_recoveries,
-            max_payload_bytes=self.max_payload_bytes,
-            group_commit=self.group_commit,
-        )
+        settings = {name: getattr(self, name) for name in _SETTINGS}
+        return Engine(self.spec, journal=journal, **settings)
 
     def close(self) -> None:
         """Stop the heartbeat and close the event loop of async handlers in sync runs.
@@ -237,6 +231,7 @@ class Engine:
         here, after everything else.
         """
         self._worker.let_go_undriven()
+        self._starts.close()
         self._leases.stop()
         self._async.close()
         self._sync.close()
@@ -342,13 +337,22 @@ class Engine:
                 ``max_payload_bytes``; nothing was written.
             JournalError: the journal failed; nothing was written.
         """
-        core = self._core
-        run, first, opened = core.new_run(input, run_id, context, parent_run_id, self._lease(claim))
-        core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
-        self._leases.started([run])
-        core.notify(first, run)
-        self._worker.park_started([run.run_id])
-        return run.run_id
+        return self._starts.start(input, run_id, context, parent_run_id, claim)
+
+    async def astart(
+        self,
+        input: Any = None,  # noqa: A002 - as in start()
+        *,
+        run_id: str | None = None,
+        context: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
+        claim: bool = False,
+    ) -> str:
+        """Async :meth:`start`: written off the event loop, in one transaction with the loop turn's.
+
+        Returns once durable; what a cancelled call leaves: :mod:`fsm_runner.engine.starts`.
+        """
+        return await self._starts.astart(input, run_id, context, parent_run_id, claim)
 
     def start_many(
         self,
@@ -376,33 +380,13 @@ class Engine:
                 nothing was written.
             JournalError: the journal failed; nothing was written.
         """
-        inputs = list(inputs)
-        core = self._core
-        lease = self._lease(claim)
-        batch = [
-            core.new_run(given, run_id, None, parent_run_id, lease)
-            for given, run_id in zip(inputs, random_ids(len(inputs)), strict=True)
-        ]
-        create_runs = getattr(core.journal, "create_runs", None)
-        if create_runs is not None:
-            create_runs(batch, spec_json=core.spec_json)
-        else:
-            for run, first, opened in batch:
-                core.journal.create_run(run, first, spec_json=core.spec_json, iterations=opened)
-        self._leases.started([run for run, _, _ in batch])
-        if core.listeners:
-            for run, first, _ in batch:
-                core.notify(first, run)
-        run_ids = [run.run_id for run, _, _ in batch]
-        self._worker.park_started(run_ids)
-        return run_ids
+        return self._starts.start_many(inputs, parent_run_id, claim)
 
-    def _lease(self, claim: bool) -> tuple[str, dt.timedelta] | None:
-        """The lease a run is started holding: this engine's, or none."""
-        if not claim:
-            return None
-        self._leases.announce()  # alive before a run holds its lease (PostgreSQL: a lock)
-        return self._leases.worker_id, dt.timedelta(seconds=self._leases.lease_ttl)
+    async def astart_many(
+        self, inputs: Iterable[Any], *, parent_run_id: str | None = None, claim: bool = False
+    ) -> list[str]:
+        """Async :meth:`start_many`: one transaction, written off the event loop."""
+        return await self._starts.astart_many(inputs, parent_run_id, claim)
 
     def step(self, run_id: str) -> TransitionRecord | None:
         """Run the current state's phase once and journal where it led.
@@ -553,8 +537,9 @@ class Engine:
     async def asignal(
         self, run_id: str, name: Any, payload: Any = None, *, signal_id: str | None = None
     ) -> SignalRecord:
-        """Async :meth:`signal` (the journal's writes are short: done on the event loop)."""
-        return self.signal(run_id, name, payload, signal_id=signal_id)
+        """Async :meth:`signal`: the journal written off the event loop (:mod:`.starts`)."""
+        send = functools.partial(self.signal, run_id, name, payload, signal_id=signal_id)
+        return await self._starts.off_loop.call(send)
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """Abort a run from any non-terminal state; nothing journaled is removed.
@@ -572,3 +557,11 @@ class Engine:
             RunTerminalError: the run has already ended.
         """
         return self._worker.abort(run_id, reason)
+
+    async def aabort(self, run_id: str, reason: str) -> RunRecord:
+        """Async :meth:`abort`: the journal written off the event loop (:mod:`.starts`)."""
+        return await self._starts.off_loop.call(functools.partial(self.abort, run_id, reason))
+
+    async def aload(self, run_id: str) -> RunRecord:
+        """The run as stored now, read off the event loop (:meth:`Journal.load`)."""
+        return await self._starts.off_loop.call(functools.partial(self.journal.load, run_id))

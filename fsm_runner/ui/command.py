@@ -7,6 +7,7 @@ list the command and must stay fast; Starlette, uvicorn and Jinja2 (``pip instal
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import TYPE_CHECKING
 
@@ -139,4 +140,6 @@ def _serve(
     )
     if open_browser:
         threading.Timer(0.5, webbrowser.open, args=(url,)).start()
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn shut down, then raised it
+        server.run()
+    click.echo("fsm-runner inspector stopped", err=True)
