@@ -48,6 +48,7 @@ PRESETS: dict[str, str] = {
     "coordinator_task": "fsm_runner.presets.coordinator:TASK",
     "sandbox": "fsm_runner.presets.sandbox:SANDBOX",
     "release": "fsm_runner.examples.release:SPEC",
+    "web_service": "fsm_runner.examples.web_service:SPEC",
 }
 
 REGENERATE = (

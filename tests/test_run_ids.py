@@ -129,7 +129,7 @@ class TestEntryPoints:
 
     def test_start_many(self, journal, monkeypatch):
         # start_many makes the ids itself: an id maker gone wrong is refused all the same
-        monkeypatch.setattr(fsm_runner.engine, "random_ids", lambda n: ["ok", "../x"][:n])
+        monkeypatch.setattr(fsm_runner.engine.starts, "random_ids", lambda n: ["ok", "../x"][:n])
         with pytest.raises(InvalidRunIdError, match=r"'\.\./x'"):
             engine_on(journal).start_many([{}, {}])
         assert journal.runs() == []
