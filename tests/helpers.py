@@ -116,6 +116,14 @@ def approval_spec():
     )
 
 
+def approval_engine(journal=None) -> Engine:
+    """An engine of :func:`approval_spec` whose phases just move on (its own journal if none)."""
+    return Engine(
+        approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
+        journal=journal,
+    )  # fmt: skip
+
+
 def loop_spec() -> MachineSpec:
     """The 4-state loop used by the benchmark: a -> b -> c -> d -> a ... (never ends)."""
     names = ["a", "b", "c", "d"]

@@ -26,10 +26,10 @@ from typing import Any
 
 from click.testing import CliRunner
 
-from fsm_runner import Engine, MemoryJournal, SqliteJournal
+from fsm_runner import MemoryJournal, SqliteJournal
 from fsm_runner.cli import cli
 from fsm_runner.journal import open_journal
-from tests.helpers import NEXT, approval_spec, two_phase_engine
+from tests.helpers import approval_engine, two_phase_engine
 
 
 def journal_fds(folder: Path) -> list[str]:
@@ -57,9 +57,7 @@ def library(folder: Path, pg_url: str | None) -> None:
     with MemoryJournal() as journal, two_phase_engine(journal) as engine:
         engine.run(engine.start({}))
     os.chdir(folder)  # an engine without a journal opens ./fsm-runner.db, and closes it
-    with Engine(
-        approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT}
-    ) as e:
+    with approval_engine() as e:
         e.run(e.start({}))
     if pg_url is not None:
         from fsm_runner import PostgresJournal
@@ -84,9 +82,7 @@ def dropped(folder: Path) -> list[str]:
         journal = SqliteJournal(folder / "dropped.db")
         journal.runs()
         del journal
-        engine = Engine(
-            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT}
-        )
+        engine = approval_engine()
         del engine
         gc.collect()
     return [str(w.message) for w in caught]

@@ -17,10 +17,10 @@ import threading
 
 import pytest
 
-from fsm_runner import Engine, SqliteJournal
+from fsm_runner import SqliteJournal
 from fsm_runner.exceptions import InvalidRunIdError, PayloadError, RunExistsError
 from fsm_runner.replay import check_journal
-from tests.helpers import NEXT, approval_spec, two_phase_engine
+from tests.helpers import approval_engine, two_phase_engine
 
 
 class CountingJournal(SqliteJournal):
@@ -37,13 +37,6 @@ class CountingJournal(SqliteJournal):
     def create_run(self, run, first, *, spec_json, iterations=()):
         self.batches.append(1)
         return super().create_run(run, first, spec_json=spec_json, iterations=iterations)
-
-
-def approvals(journal) -> Engine:
-    return Engine(
-        approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
-        journal=journal,
-    )  # fmt: skip
 
 
 class TestOnEveryJournal:
@@ -77,7 +70,7 @@ class TestOnEveryJournal:
 
     def test_aabort_and_asignal(self, journal):
         async def main():
-            with approvals(journal) as engine:
+            with approval_engine(journal) as engine:
                 first, second = await engine.astart_many([{}, {}])
                 await engine.arun(first)
                 await engine.arun(second)  # both wait for approval

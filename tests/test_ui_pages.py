@@ -21,7 +21,7 @@ from playwright.sync_api import expect
 
 from fsm_runner import Engine, MachineSpec, PhaseResult, SqliteJournal, State, Transition
 from fsm_runner.cli import cli
-from tests.helpers import NEXT, approval_spec, loop_spec
+from tests.helpers import NEXT, approval_engine, loop_spec
 from tests.ui_helpers import Server
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,7 @@ def ids(journal_path):
     """The runs the tests read: ended, waiting, sharing a prefix, failed long, with an output."""
     found = {}
     with SqliteJournal(journal_path) as journal:
-        with Engine(approval_spec(), handlers={"draft": lambda _: NEXT,
-                                                "publish": lambda _: NEXT},
-                    journal=journal) as engine:  # fmt: skip
+        with approval_engine(journal) as engine:
             found["ended"] = engine.start({})
             engine.run(found["ended"])
             engine.send(found["ended"], "APPROVED")
@@ -172,10 +170,7 @@ class TestLayout:
 
 class TestLive:
     def test_a_run_that_ends_while_its_page_is_open(self, server, page, journal_path):
-        with SqliteJournal(journal_path) as journal, Engine(
-            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
-            journal=journal,
-        ) as engine:  # fmt: skip
+        with SqliteJournal(journal_path) as journal, approval_engine(journal) as engine:
             run_id = engine.start({})
             engine.run(run_id)  # waits for approval
             page.goto(f"{server.url}/runs/{run_id}")
@@ -209,10 +204,7 @@ class TestLive:
         assert page.locator("nav.pages a.earlier").count() == 1
 
     def test_the_live_badge_comes_back_after_a_restart(self, journal_path, page):
-        with SqliteJournal(journal_path) as journal, Engine(
-            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
-            journal=journal,
-        ) as engine:  # fmt: skip
+        with SqliteJournal(journal_path) as journal, approval_engine(journal) as engine:
             run_id = engine.start({})
         first = Server(str(journal_path))
         page.goto(f"{first.url}/runs/{run_id}")
@@ -226,10 +218,7 @@ class TestLive:
 
 
 def test_a_form_sent_after_a_restart_is_offered_again_with_what_was_typed(journal_path, page):
-    with SqliteJournal(journal_path) as journal, Engine(
-        approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
-        journal=journal,
-    ) as engine:  # fmt: skip
+    with SqliteJournal(journal_path) as journal, approval_engine(journal) as engine:
         run_id = engine.start({})
     first = Server(str(journal_path), "--allow-actions")
     page.goto(f"{first.url}/runs/{run_id}")
@@ -286,10 +275,7 @@ class TestForEveryone:
             context.close()
 
     def test_every_field_labelled_and_every_landmark_named(self, journal_path, page, ids):
-        with SqliteJournal(journal_path) as journal, Engine(
-            approval_spec(), handlers={"draft": lambda _: NEXT, "publish": lambda _: NEXT},
-            journal=journal,
-        ) as engine:  # fmt: skip
+        with SqliteJournal(journal_path) as journal, approval_engine(journal) as engine:
             waiting = engine.start({})
             engine.run(waiting)
         server = Server(str(journal_path), "--allow-actions")

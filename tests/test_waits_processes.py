@@ -589,7 +589,9 @@ def test_a_due_run_whose_waker_died_before_its_timeout_is_taken_over_by_work(
     try:
         run_id = engine.start()
         assert engine.run(run_id).state == "awaiting"
-        wait_for(lambda: journal.wake_time(run_id) <= dt.datetime.now(dt.timezone.utc), "its deadline")
+        wait_for(
+            lambda: journal.wake_time(run_id) <= dt.datetime.now(dt.timezone.utc), "its deadline"
+        )
         time.sleep(0.05)
         handled = ["preparing", "applying", "expiring"]
         claimed = wait_for(
@@ -597,7 +599,10 @@ def test_a_due_run_whose_waker_died_before_its_timeout_is_taken_over_by_work(
             "the waker's claim of the due run",
         )
         assert claimed.run_id == run_id  # ... and the waker dies here, holding it
-        wait_for(lambda: journal.load(run_id).lease_expires_at < dt.datetime.now(dt.timezone.utc), "expiry")
+        wait_for(
+            lambda: journal.load(run_id).lease_expires_at < dt.datetime.now(dt.timezone.utc),
+            "expiry",
+        )
         time.sleep(0.05)
         stop = threading.Event()
         threading.Timer(10, stop.set).start()  # a bound: it returns at once once it took the run
