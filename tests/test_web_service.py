@@ -56,10 +56,13 @@ def service(tmp_path):
         "FSM_RUNNER_ORDERS_DELAY": "0.03",  # each phase: the workers are busy when one is killed
     }
     port = free_port()
+    # Logs to files: a pipe nobody reads fills up with the access log and stops the server.
+    web_log = (tmp_path / "web.log").open("w")
+    worker_log = (tmp_path / "workers.log").open("w")
     web = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--factory",
          "fsm_runner.examples.web_service:create_app", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=web_log, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -78,8 +81,8 @@ def service(tmp_path):
                 [sys.executable, "-m", "fsm_runner", "worker", "--app", app],
                 cwd=ROOT,
                 env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=worker_log,
                 text=True,
             )
             for _ in range(2)
@@ -89,7 +92,9 @@ def service(tmp_path):
         for proc in (web, *workers):
             if proc.poll() is None:
                 proc.kill()
-            proc.communicate(timeout=30)
+            proc.wait(timeout=30)
+        web_log.close()
+        worker_log.close()
 
 
 def test_orders_are_taken_run_and_delivered_through_a_worker_kill(service):
@@ -124,12 +129,12 @@ def test_orders_are_taken_run_and_delivered_through_a_worker_kill(service):
 
     # Graceful stops: the service's lifespan closes its journal; the worker exits 0.
     web.send_signal(signal.SIGTERM)
-    _, web_err = web.communicate(timeout=30)
+    web.wait(timeout=30)
+    web_err = (folder / "web.log").read_text()
     assert "Application shutdown complete" in web_err
     assert "Traceback" not in web_err
     workers[1].send_signal(signal.SIGTERM)
-    _, worker_err = workers[1].communicate(timeout=30)
-    assert workers[1].returncode == 0, worker_err
+    assert workers[1].wait(timeout=30) == 0, (folder / "workers.log").read_text()
     check = subprocess.run(
         [sys.executable, "-m", "fsm_runner", "check"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
