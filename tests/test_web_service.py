@@ -26,7 +26,7 @@ from tests.ui_helpers import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
-ORDERS = 40
+ORDERS = 30
 
 
 def call(url: str, body: dict | None = None) -> tuple[int, dict]:
