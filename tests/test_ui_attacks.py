@@ -536,7 +536,7 @@ class TestExposure:
 
     def test_no_request_writes(self, hostile):
         server, path, ids = hostile
-        before = "\n".join(sqlite3.connect(path).iterdump())
+        before = dump(path)
         waiting = quote(ids["waiting"], safe="")
         for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
             for route in ("abort", "fork", "live", "artifacts/x", ""):
@@ -549,7 +549,13 @@ class TestExposure:
                 )
                 assert conn.getresponse().status < 500
                 conn.close()
-        assert "\n".join(sqlite3.connect(path).iterdump()) == before
+        assert dump(path) == before
+
+
+def dump(path) -> str:
+    """The journal's whole content as SQL (a connection of its own, closed)."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return "\n".join(conn.iterdump())
 
 
 #: Chromium on a run's page, in a process of its own (test_ui.py's Playwright may be running in
