@@ -240,7 +240,7 @@ class TestInjection:
         filters = Page(server.get(f"/runs?q={quote(ids['ok'])}&state={quote(STATE)}").body)
         values = {a.get("name"): a.get("value") for tag, a in filters.elements if tag == "input"}
         assert (values["q"], values["state"]) == (ids["ok"], STATE)
-        assert_inert(server.get("/check").body)
+        assert_inert(server.checked().body)
 
     def test_error_pages_echo_as_text(self, hostile):
         server, _, _ = hostile
@@ -435,7 +435,7 @@ class TestDamagedJournals:
             assert server.get("/runs").status == 200  # the rest of the journal still reads
         assert_clean_error(server.get("/machines/bad-spec"), 503)
         assert server.get("/machines/damaged").status == 200
-        check = server.get("/check")
+        check = server.checked()
         assert check.status == 200
         assert "bad-spec" in check.body
 

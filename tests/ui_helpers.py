@@ -50,6 +50,18 @@ def fetch(url: str, *, data: bytes | None = None, method: str | None = None) -> 
             return Response(exc.code, exc.headers, exc.read().decode())
 
 
+def wait_for_check(server, timeout: float = 60) -> Response:
+    """Start the inspector's check (its page), wait for its job to end, and read its page."""
+    import json
+
+    server.get("/check")
+    deadline = time.monotonic() + timeout
+    while json.loads(server.get("/check/progress").body).get("state") == "running":
+        assert time.monotonic() < deadline, f"the check did not end in {timeout} s"
+        time.sleep(0.05)
+    return server.get("/check")
+
+
 class Server:
     """`python -m fsm_runner --journal LOCATION ui --port P ...` in a process of its own."""
 
@@ -81,6 +93,10 @@ class Server:
 
     def post(self, path: str, data: bytes) -> Response:
         return fetch(self.url + path, data=data, method="POST")
+
+    def checked(self, timeout: float = 60) -> Response:
+        """The check page once its background job has ended (the first visit starts it)."""
+        return wait_for_check(self, timeout)
 
     def stop(self) -> tuple[str, str]:
         if self.proc.poll() is None:
