@@ -52,12 +52,12 @@ SEED = int(os.environ.get("FSM_TORTURE_SEED") or random.SystemRandom().randrange
     # Stopping workers past their lease is what makes them try to commit under a lost lease:
     # those commits must be fenced out (a killed worker never writes again). Async workers
     # drive many runs at once (group commit) and start batches of their own (start_many).
-    # The suite's share (kills every 0.2 s: ~6 s each; the seed differs each run, so CI runs
+    # The suite's share (kills every 0.2 s: ~4 s each; the seed differs each run, so CI runs
     # add up to many sessions); tests/bench/bench_torture.py runs the long ones (--kills 1000).
     [
-        pytest.param(30, 0, "sync", id="kills"),
-        pytest.param(14, 7, "sync", id="kills+stops"),
-        pytest.param(20, 6, "async", id="async-kills+stops"),
+        pytest.param(20, 0, "sync", id="kills"),
+        pytest.param(10, 5, "sync", id="kills+stops"),
+        pytest.param(14, 4, "async", id="async-kills+stops"),
     ],
 )
 def test_crash_torture(tmp_path, kills, pauses, drive):

@@ -398,7 +398,12 @@ def stop_server(postgres_server, postgres_schema) -> Iterator[Callable[[str, flo
 
 @pytest.mark.slow
 @pytest.mark.alone  # it stops the shared server: no other test may use it meanwhile
-@pytest.mark.parametrize("mode", ["fast", "immediate"])
+# The suite restarts the server the crash's way (``immediate``: sessions cut, recovery on
+# start); FSM_RUNNER_TEST_RESTART_MODES=fast,immediate adds the clean one (it idles the other
+# worker meanwhile: the suite's budget).
+@pytest.mark.parametrize(
+    "mode", os.environ.get("FSM_RUNNER_TEST_RESTART_MODES", "immediate").split(",")
+)
 def test_workers_go_on_through_a_server_restart(
     mode, postgres_server, postgres_schema, pg_journal, side, stop_server, tmp_path
 ):

@@ -85,7 +85,7 @@ from tests.strategies import (
 
 settings.register_profile(
     "fsm-properties",
-    max_examples=int(os.environ.get("FSM_PROPERTIES_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("FSM_PROPERTIES_EXAMPLES", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -963,7 +963,7 @@ NOT_DERIVED = frozenset(
     }
 )
 DERIVED = tuple(field.name for field in attrs.fields(RunRecord) if field.name not in NOT_DERIVED)
-REDUCER_EXAMPLES = int(os.environ.get("FSM_PROPERTIES_EXAMPLES", "40"))
+REDUCER_EXAMPLES = int(os.environ.get("FSM_PROPERTIES_EXAMPLES", "30"))
 
 
 def derived(row: RunRecord) -> dict[str, Any]:
