@@ -24,7 +24,9 @@ from tests.conftest import NO_PLUGIN_AUTOLOAD
 from tests.ui_helpers import ARTIFACTS, ROOT, Server
 from tests.ui_journals import SCRIPT
 
-pytestmark = pytest.mark.slow
+#: One worker runs the module: its module fixtures (journals, a server) are built once, not
+#: once on each pytest-xdist worker that would otherwise take some of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui")]
 
 
 @pytest.fixture(scope="session")

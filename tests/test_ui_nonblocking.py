@@ -20,7 +20,9 @@ from fsm_runner import PostgresJournal, SqliteJournal
 from tests.helpers import two_phase_engine
 from tests.ui_helpers import Server
 
-pytestmark = pytest.mark.slow
+#: One worker runs the module: its module fixtures (journals, a server) are built once, not
+#: once on each pytest-xdist worker that would otherwise take some of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-nonblocking")]
 
 RUNS = 20_000  # a multiple of the fixture's batches of 5,000
 

@@ -24,7 +24,9 @@ from fsm_runner.cli import cli
 from tests.helpers import NEXT, approval_engine, loop_spec
 from tests.ui_helpers import Server
 
-pytestmark = pytest.mark.slow
+#: One worker runs the module: its module fixtures (journals, a server) are built once, not
+#: once on each pytest-xdist worker that would otherwise take some of its tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-pages")]
 
 LONG_WORD = "x" * 3000  # an error with no spaces: it must wrap, not widen the page
 

@@ -65,7 +65,10 @@ def wait_for_check(server, timeout: float = 60) -> Response:
 class Server:
     """`python -m fsm_runner --journal LOCATION ui --port P ...` in a process of its own."""
 
-    def __init__(self, location: str, *options: str, port: int | None = None) -> None:
+    def __init__(
+        self, location: str, *options: str, port: int | None = None, env: dict | None = None
+    ) -> None:
+        """``env``: variables set for the server over this process's own."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
@@ -76,6 +79,7 @@ class Server:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )  # fmt: skip
         deadline = time.monotonic() + 20
         while True:

@@ -50,7 +50,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from fsm_runner.diagrams.dot import IMAGE_FORMATS, ImageFormat, render_dot, render_image
+from fsm_runner.diagrams.dot import (
+    IMAGE_FORMATS,
+    ImageFormat,
+    dot_edge_ends,
+    dot_quote,
+    render_dot,
+    render_image,
+)
 from fsm_runner.diagrams.extraction import extract, taken_edges
 from fsm_runner.diagrams.graph import (
     HISTORY,
@@ -79,6 +86,8 @@ __all__ = [
     "Node",
     "NodeKind",
     "TextFormat",
+    "dot_edge_ends",
+    "dot_quote",
     "extract",
     "render",
     "render_dot",

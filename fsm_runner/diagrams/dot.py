@@ -21,18 +21,19 @@ _NO_DOT = (
     "Graphviz `dot` is not installed; install it (apt-get install graphviz, brew install "
     "graphviz) or use --format mermaid|dot"
 )
-_INITIAL = "$initial"
+#: The point the initial state is pointed at from.
+INITIAL = "$initial"
 #: The outline of waiting states.
 _WAITING = "#6a1b9a"
 
 
-def _q(text: str) -> str:
+def dot_quote(text: str) -> str:
     """A quoted DOT identifier or string."""
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def _attrs(**values: str) -> str:
-    return "[" + ", ".join(f"{key}={_q(value)}" for key, value in values.items()) + "]"
+    return "[" + ", ".join(f"{key}={dot_quote(value)}" for key, value in values.items()) + "]"
 
 
 def _dot_node(node: Node) -> str:
@@ -62,18 +63,27 @@ def _dot_node(node: Node) -> str:
         tooltip = f"{tooltip} (run {node.outcome.value})" if tooltip else f"run {node.outcome}"
     if tooltip:
         values["tooltip"] = tooltip
-    return f"{_q(node.name)} {_attrs(**values)}"
+    return f"{dot_quote(node.name)} {_attrs(**values)}"
 
 
-def _dot_edge(graph: Graph, edge: Edge, *, plain: bool = False) -> str:
-    # An edge from or to a composite ends at its cluster's border (compound=true); it is laid
-    # out from the composite's last sub-phase and to its first, the way runs go through it.
+def dot_edge_ends(graph: Graph, edge: Edge) -> tuple[str, str, dict[str, str]]:
+    """The nodes an edge joins in DOT, and its ``ltail``/``lhead`` (``compound=true``).
+
+    An edge from or to a composite ends at its cluster's border; it is laid out from the
+    composite's last sub-phase and to its first, the way runs go through it.
+    """
     tail, head = graph.exit_node(edge.source), graph.entry_node(edge.dest)
-    values = {"label": edge.counted_label}
+    values = {}
     if graph.composite(edge.source) and edge.source not in graph.enclosing(head):
         values["ltail"] = f"cluster_{edge.source}"
     if graph.composite(edge.dest) and edge.dest not in graph.enclosing(tail):
         values["lhead"] = f"cluster_{edge.dest}"
+    return tail, head, values
+
+
+def _dot_edge(graph: Graph, edge: Edge, *, plain: bool = False) -> str:
+    tail, head, ends = dot_edge_ends(graph, edge)
+    values = {"label": edge.counted_label, **ends}
     if edge.kind == "engine":
         values["style"] = "dotted"
     elif edge.wildcard or edge.history:
@@ -82,7 +92,7 @@ def _dot_edge(graph: Graph, edge: Edge, *, plain: bool = False) -> str:
         values.update(penwidth="2.5", color=TRAVERSED, fontcolor=TRAVERSED)
     elif graph.has_run and not plain:
         values.update(color=UNTRAVERSED, fontcolor=UNTRAVERSED)
-    return f"{_q(tail)} -> {_q(head)} {_attrs(**values)}"
+    return f"{dot_quote(tail)} -> {dot_quote(head)} {_attrs(**values)}"
 
 
 def render_dot(graph: Graph) -> str:
@@ -104,7 +114,7 @@ def render_dot(graph: Graph) -> str:
         label=graph.title, labelloc="t", fontname="Helvetica", compound="true", rankdir="LR"
     )
     lines = [
-        f"digraph {_q(graph.title)} {{",
+        f"digraph {dot_quote(graph.title)} {{",
         f"    graph {header}",
         f"    node {_attrs(fontname='Helvetica', fontsize='12')}",
         f"    edge {_attrs(fontname='Helvetica', fontsize='10')}",
@@ -121,16 +131,16 @@ def render_dot(graph: Graph) -> str:
             values = {"label": name, "style": "rounded"}
             if composite.description:
                 values["tooltip"] = composite.description
-            lines.append(f"{indent}subgraph {_q(f'cluster_{name}')} {{")
+            lines.append(f"{indent}subgraph {dot_quote(f'cluster_{name}')} {{")
             lines.append(f"{indent}    graph {_attrs(**values)}")
             block(name, indent + "    ")
             lines.append(f"{indent}}}")
 
     if graph.initial:
-        lines.append(f"    {_q(_INITIAL)} {_attrs(label='', shape='point', width='0.15')}")
+        lines.append(f"    {dot_quote(INITIAL)} {_attrs(label='', shape='point', width='0.15')}")
     block(None, "    ")
     if graph.initial:
-        initial = Edge(_INITIAL, "", graph.initial, label="")
+        initial = Edge(INITIAL, "", graph.initial, label="")
         lines.append(f"    {_dot_edge(graph, initial, plain=True)}")
     lines.extend(f"    {_dot_edge(graph, edge)}" for edge in graph.edges)
     lines.append("}")

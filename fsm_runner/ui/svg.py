@@ -27,16 +27,26 @@ import math
 from collections.abc import Iterable, Mapping
 from html import escape
 
-import attrs
-
 from fsm_runner.diagrams import Edge, Graph, Node
+from fsm_runner.ui import dot_layout
+from fsm_runner.ui.geometry import (
+    BADGE_H,
+    HEADER,
+    LABEL_H,
+    NODE_H,
+    Box,
+    Drawing,
+    Point,
+    badge_text,
+    badge_width,
+    label_width,
+    node_size,
+    title_width,
+)
 
 __all__ = ["render_svg"]
 
-_CHAR = 7.2  # width of a character of the 12px monospace labels
-_NODE_H = 32.0
 _PAD = 14.0  # inside a composite box
-_HEADER = 20.0  # a composite's title
 _GAP_X = 56.0
 _GAP_Y = 62.0
 _MARGIN = 30.0
@@ -59,52 +69,18 @@ _STYLE = """
 .fsm .edge.traversed text{fill:#0d47a1;font-weight:bold}
 .fsm .edge rect{fill:#fff;opacity:.85}
 .fsm .start{fill:#1f2328}
-.fsm .badge circle{fill:#8250df}
+.fsm .badge rect{fill:#8250df}
 .fsm .badge text{fill:#fff;font-size:10px;font-weight:bold}
 """
-
-
-_Point = tuple[float, float]
-
-
-@attrs.define
-class _Box:
-    """Where a member (node or composite) of the drawing sits: its top-left corner and size."""
-
-    x: float
-    y: float
-    w: float
-    h: float
-
-    @property
-    def cx(self) -> float:
-        return self.x + self.w / 2
-
-    @property
-    def cy(self) -> float:
-        return self.y + self.h / 2
-
-    def moved(self, dx: float, dy: float) -> _Box:
-        return _Box(self.x + dx, self.y + dy, self.w, self.h)
-
-    def clip(self, tx: float, ty: float) -> tuple[float, float]:
-        """Where the segment from the centre towards (tx, ty) leaves the box."""
-        dx, dy = tx - self.cx, ty - self.cy
-        if dx == 0 and dy == 0:
-            return self.cx, self.cy
-        scale = min(
-            (self.w / 2) / abs(dx) if dx else math.inf,
-            (self.h / 2) / abs(dy) if dy else math.inf,
-        )
-        return self.cx + dx * scale, self.cy + dy * scale
 
 
 class _Layout:
     """Boxes for every node and composite of a graph, laid out scope by scope."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, counts: Mapping[str, int]) -> None:
         self.graph = graph
-        self.boxes: dict[str, _Box] = {}
+        self.counts = counts
+        self.boxes: dict[str, Box] = {}
         self._nodes = {node.name: node for node in graph.nodes}
         self._inner: dict[str, tuple[float, float]] = {}
         #: What each composite's layout placed (its members, theirs, ...), to move it along.
@@ -115,13 +91,11 @@ class _Layout:
     def _size(self, name: str) -> tuple[float, float]:
         node = self._nodes.get(name)
         if node is not None:
-            if node.kind != "state":
-                return _NODE_H, _NODE_H
-            return max(64.0, len(node.label) * _CHAR + 28), _NODE_H
+            return node_size(node, self.counts.get(name))
         width, height = self._scope(name)
         self._inner[name] = (width, height)
-        title = len(name) * _CHAR + 2 * _PAD
-        return max(width + 2 * _PAD, title), height + 2 * _PAD + _HEADER
+        title = title_width(name) + 2 * _PAD
+        return max(width + 2 * _PAD, title), height + 2 * _PAD + HEADER
 
     def _member(self, name: str, scope: str | None) -> str | None:
         """The member of ``scope`` that is or holds ``name`` (``None``: not inside ``scope``)."""
@@ -149,19 +123,19 @@ class _Layout:
             x = (width - row_w) / 2
             for name in row:
                 w, h = sizes[name]
-                self._place(name, _Box(x, y + (row_h - h) / 2, w, h))
+                self._place(name, Box(x, y + (row_h - h) / 2, w, h))
                 x += w + _GAP_X
             y += row_h + _GAP_Y
         return width, y - _GAP_Y
 
-    def _place(self, name: str, box: _Box) -> None:
+    def _place(self, name: str, box: Box) -> None:
         """Put ``name`` at ``box`` (relative to its scope), moving what is inside it along."""
         self.boxes[name] = box
         inner = self._inner.get(name)
         if inner is None:
             return
         dx = box.x + (box.w - inner[0]) / 2
-        dy = box.y + _PAD + _HEADER
+        dy = box.y + _PAD + HEADER
         for other in self._placed.get(name, ()):
             self.boxes[other] = self.boxes[other].moved(dx, dy)
 
@@ -250,7 +224,12 @@ def _classes(*names: str | None) -> str:
     return " ".join(name for name in names if name)
 
 
-def _node_svg(node: Node, box: _Box) -> str:
+def _node_svg(node: Node, box: Box, count: int | None) -> str:
+    """A state (its box, or a circle for ``*`` and ``H*``), its label, and its badge if counted.
+
+    A terminal state's box holds a second, inner one; a badge sits inside the box at its
+    right end, the label centred in what is left: nothing drawn leaves the box.
+    """
     classes = _classes(
         "node",
         node.kind,
@@ -265,34 +244,54 @@ def _node_svg(node: Node, box: _Box) -> str:
     if node.kind != "state":
         shape = f'<circle cx="{box.cx:.1f}" cy="{box.cy:.1f}" r="{box.h / 2 - 2:.1f}"/>'
     else:
+        inner = Box(box.x + 3, box.y + 3, box.w - 6, box.h - 6) if node.terminal else box
         shape = (
-            f'<rect x="{box.x:.1f}" y="{box.y:.1f}" width="{box.w:.1f}" height="{box.h:.1f}"'
-            ' rx="8"/>'
+            f'<rect x="{inner.x:.1f}" y="{inner.y:.1f}" width="{inner.w:.1f}"'
+            f' height="{inner.h:.1f}" rx="8"/>'
         )
         if node.terminal:
             shape += (
-                f'<rect class="outer" x="{box.x - 3:.1f}" y="{box.y - 3:.1f}"'
-                f' width="{box.w + 6:.1f}" height="{box.h + 6:.1f}" rx="10"/>'
+                f'<rect class="outer" x="{box.x:.1f}" y="{box.y:.1f}"'
+                f' width="{box.w:.1f}" height="{box.h:.1f}" rx="10"/>'
             )
+    middle = box.cx
+    badge = ""
+    if count is not None and node.kind == "state":
+        width = badge_width(count)
+        left = box.x + box.w - width - 6
+        middle = box.x + (box.w - width - 6) / 2
+        badge = (
+            f'<g class="badge" data-state="{escape(node.name)}">'
+            f'<rect x="{left:.1f}" y="{box.cy - BADGE_H / 2:.1f}" width="{width:.1f}"'
+            f' height="{BADGE_H:.1f}" rx="8"/><text x="{left + width / 2:.1f}"'
+            f' y="{box.cy + 3.5:.1f}" text-anchor="middle">{badge_text(count)}</text></g>'
+        )
     label = (
-        f'<text x="{box.cx:.1f}" y="{box.cy + 4:.1f}" text-anchor="middle">'
+        f'<text x="{middle:.1f}" y="{box.cy + 4:.1f}" text-anchor="middle">'
         f"{escape(node.label)}</text>"
     )
-    return f"{head}{shape}{label}</g>"
+    return f"{head}{shape}{label}</g>{badge}"
 
 
 #: Where along an edge its label may sit, in order of preference (0: source, 1: destination).
 _LABEL_AT = (0.5, 0.38, 0.62, 0.27, 0.73, 0.18, 0.82)
 
 
-def _edge_path(source: _Box, dest: _Box, bend: float, *, loop: bool) -> tuple[str, list[_Point]]:
-    """The path of an edge and the places its label may go (best first)."""
+def _edge_path(
+    source: Box, dest: Box, bend: float, *, loop: bool, label_w: float
+) -> tuple[str, list[Point]]:
+    """The path of an edge and the places its label's centre may go (best first).
+
+    A loop's label sits beside the loop, at its height or a line above or below; another
+    edge's label on the curve or beside it, nearer the middle first.
+    """
     if loop:
         x, y = source.x + source.w, source.cy
         r = 14 + bend
         path = f"M{x:.1f},{y - 6:.1f} C{x + 2 * r:.1f},{y - 2 * r:.1f} {x + 2 * r:.1f},"
         path += f"{y + 2 * r:.1f} {x:.1f},{y + 6:.1f}"
-        return path, [(x + 2 * r, y)]
+        beside = x + 1.5 * r + 4 + label_w / 2  # the loop reaches 1.5 r to the right
+        return path, [(beside, y + k * LABEL_H) for k in (0, -1, 1, -2, 2, -3, 3)]
     mx, my = (source.cx + dest.cx) / 2, (source.cy + dest.cy) / 2
     dx, dy = dest.cx - source.cx, dest.cy - source.cy
     length = math.hypot(dx, dy) or 1.0
@@ -300,22 +299,28 @@ def _edge_path(source: _Box, dest: _Box, bend: float, *, loop: bool) -> tuple[st
     x1, y1 = source.clip(cx, cy)
     x2, y2 = dest.clip(cx, cy)
     path = f"M{x1:.1f},{y1:.1f} Q{cx:.1f},{cy:.1f} {x2:.1f},{y2:.1f}"
-    places = [
+    on_curve = [
         (
             (1 - t) ** 2 * x1 + 2 * (1 - t) * t * cx + t**2 * x2,
             (1 - t) ** 2 * y1 + 2 * (1 - t) * t * cy + t**2 * y2,
         )
         for t in _LABEL_AT
     ]
+    # Beside the curve: off it sideways (as far as the label is wide, for an upright edge).
+    nx, ny = -dy / length, dx / length
+    reach = (label_w / 2 + 4) * abs(nx) + (LABEL_H / 2 + 4) * abs(ny)
+    places = list(on_curve)
+    for side in (1, -1, 2, -2):
+        places += [(px + side * nx * reach, py + side * ny * reach) for px, py in on_curve]
     return path, places
 
 
-def _label_box(edge: Edge, at: _Point) -> _Box:
-    width = len(edge.counted_label) * 6.0 + 4
-    return _Box(at[0] - width / 2, at[1] - 8, width, 12)
+def _label_box(edge: Edge, at: Point) -> Box:
+    width = label_width(edge)
+    return Box(at[0] - width / 2, at[1] - LABEL_H / 2, width, LABEL_H)
 
 
-def _overlap(box: _Box, others: Iterable[_Box]) -> float:
+def _overlap(box: Box, others: Iterable[Box]) -> float:
     """How much of ``box`` the ``others`` cover (areas added up)."""
     return sum(
         max(0.0, min(box.x + box.w, o.x + o.w) - max(box.x, o.x))
@@ -334,32 +339,32 @@ class _Taken:
 
     _CELL = 128.0
 
-    def __init__(self, boxes: Iterable[_Box]) -> None:
-        self._boxes: list[_Box] = []
+    def __init__(self, boxes: Iterable[Box]) -> None:
+        self._boxes: list[Box] = []
         self._cells: dict[tuple[int, int], list[int]] = {}
         for box in boxes:
             self.add(box)
 
-    def _keys(self, box: _Box) -> Iterable[tuple[int, int]]:
+    def _keys(self, box: Box) -> Iterable[tuple[int, int]]:
         x0, x1 = math.floor(box.x / self._CELL), math.floor((box.x + box.w) / self._CELL)
         y0, y1 = math.floor(box.y / self._CELL), math.floor((box.y + box.h) / self._CELL)
         return ((x, y) for x in range(x0, x1 + 1) for y in range(y0, y1 + 1))
 
-    def add(self, box: _Box) -> None:
+    def add(self, box: Box) -> None:
         """Take ``box``."""
         for key in self._keys(box):
             self._cells.setdefault(key, []).append(len(self._boxes))
         self._boxes.append(box)
 
-    def overlap(self, box: _Box) -> float:
+    def overlap(self, box: Box) -> float:
         """How much of ``box`` the boxes taken cover (:func:`_overlap`)."""
         near = sorted({i for key in self._keys(box) for i in self._cells.get(key, ())})
         return _overlap(box, (self._boxes[i] for i in near))
 
 
-def _first_free(taken: _Taken, boxes: Iterable[_Box]) -> _Box:
+def _first_free(taken: _Taken, boxes: Iterable[Box]) -> Box:
     """The first of ``boxes`` that nothing taken covers, else the least covered (the first)."""
-    best: _Box | None = None
+    best: Box | None = None
     least = math.inf
     for box in boxes:
         covered = taken.overlap(box)
@@ -371,7 +376,7 @@ def _first_free(taken: _Taken, boxes: Iterable[_Box]) -> _Box:
     return best
 
 
-def _edge_svg(edge: Edge, path: str, label: _Box) -> str:
+def _edge_svg(edge: Edge, path: str, label: Box) -> str:
     classes = _classes(
         "edge",
         edge.kind,
@@ -382,19 +387,20 @@ def _edge_svg(edge: Edge, path: str, label: _Box) -> str:
         f'<g class="{classes}" data-event="{escape(edge.event)}"'
         f' data-source="{escape(edge.source)}" data-dest="{escape(edge.dest)}">'
         f'<path d="{path}" marker-end="url(#arrow{"-on" if edge.count else ""})"/>'
-        f'<rect x="{label.x:.1f}" y="{label.y:.1f}" width="{label.w:.1f}" height="12"/>'
-        f'<text x="{label.cx:.1f}" y="{label.y + 9:.1f}" text-anchor="middle">'
+        f'<rect x="{label.x:.1f}" y="{label.y:.1f}" width="{label.w:.1f}"'
+        f' height="{label.h:.1f}"/>'
+        f'<text x="{label.cx:.1f}" y="{label.cy + 3.5:.1f}" text-anchor="middle">'
         f"{escape(edge.counted_label)}</text></g>"
     )
 
 
-def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
+def _builtin_edges(layout: _Layout) -> list[tuple[Edge, str, Box]]:
     """Each edge, its label where it overlaps no state and no label placed before it."""
     seen: dict[tuple[str, str], int] = {}
     taken = _Taken(box for name, box in layout.boxes.items() if layout.graph.node(name) is not None)
-    parts = []
+    placed = []
     # The run's edges first: their labels get the best places.
-    for edge in sorted(edges, key=lambda e: not e.count):
+    for edge in sorted(layout.graph.edges, key=lambda e: not e.count):
         source = layout.boxes.get(edge.source)
         dest = layout.boxes.get(edge.dest)
         if source is None or dest is None:
@@ -406,36 +412,60 @@ def _edges_svg(layout: _Layout, edges: Iterable[Edge]) -> list[str]:
         # Straight between adjacent rows; otherwise bowed, more the longer the edge: edges
         # going down bow to the left, edges going back up to the right, so a loop's way back
         # does not lie on its way there.
-        rows_apart = abs(dest.cy - source.cy) > _NODE_H + _GAP_Y + 1 or dest.cy == source.cy
+        rows_apart = abs(dest.cy - source.cy) > NODE_H + _GAP_Y + 1 or dest.cy == source.cy
         length = math.hypot(dest.cx - source.cx, dest.cy - source.cy)
         bend = max(28.0, 0.16 * length) if rows_apart else 0.0
         bend += 24.0 * index
-        path, places = _edge_path(source, dest, 12.0 * index if loop else bend, loop=loop)
+        path, places = _edge_path(
+            source, dest, 12.0 * index if loop else bend, loop=loop, label_w=label_width(edge)
+        )
         label = _first_free(taken, (_label_box(edge, at) for at in places))
         taken.add(label)
-        parts.append(_edge_svg(edge, path, label))
-    return parts
+        placed.append((edge, path, label))
+    return placed
+
+
+def _builtin(graph: Graph, counts: Mapping[str, int]) -> Drawing:
+    """The layout in rows of :class:`_Layout`, for when Graphviz is not there (see the module)."""
+    layout = _Layout(graph, counts)
+    for name, box in list(layout.boxes.items()):
+        layout.boxes[name] = box.moved(_MARGIN, _MARGIN)
+    start = layout.boxes.get(graph.entry_node(graph.initial)) if graph.initial else None
+    initial = None
+    if start is not None:
+        path = f"M{start.x - 17:.1f},{start.cy:.1f} L{start.x - 1:.1f},{start.cy:.1f}"
+        initial = ((start.x - 22, start.cy), path)
+    return Drawing(
+        width=layout.width + 2 * _MARGIN + 60,  # room for self-loops and start points
+        height=layout.height + 2 * _MARGIN,
+        boxes=layout.boxes,
+        edges=_builtin_edges(layout),
+        start=initial,
+        engine="builtin",
+    )
 
 
 def render_svg(graph: Graph, *, counts: Mapping[str, int] | None = None) -> str:
     """Draw ``graph`` (with its run's path, if it has one) as a standalone SVG document.
 
+    Laid out by Graphviz ``dot`` when it is installed and the graph is not too big
+    (:mod:`fsm_runner.ui.dot_layout`), else by the built-in layout (see the module).
+
     Args:
         graph: what :func:`fsm_runner.diagrams.extract` returns.
-        counts: a number to show on a state's corner (how many runs are there now).
+        counts: a number to show in a state's badge (how many runs are there now).
 
     Returns:
-        The SVG text: ``<svg class="fsm" ...>`` with one ``g.node`` per state
-        (``data-state``), one ``g.composite`` per composite and one ``g.edge`` per edge.
+        The SVG text: ``<svg class="fsm" data-layout="graphviz|builtin" ...>`` with one
+        ``g.node`` per state (``data-state``), one ``g.composite`` per composite, one
+        ``g.edge`` per edge and one ``g.badge`` per count.
     """
-    layout = _Layout(graph)
-    width = layout.width + 2 * _MARGIN + 60  # room for self-loops and start points
-    height = layout.height + 2 * _MARGIN
-    top = _MARGIN
-    for name, box in list(layout.boxes.items()):
-        layout.boxes[name] = box.moved(_MARGIN, top)
+    counts = counts or {}
+    drawing = dot_layout.lay_out(graph, counts) or _builtin(graph, counts)
+    width, height = drawing.width, drawing.height
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="fsm" role="img"'
+        f' data-layout="{drawing.engine}"'
         f' width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}"'
         f' aria-label="{escape(graph.title)}"><title>{escape(graph.title)}</title>'
         f"<style>{_STYLE}</style><defs>"
@@ -448,7 +478,9 @@ def render_svg(graph: Graph, *, counts: Mapping[str, int] | None = None) -> str:
     ]
     visited = {node.parent for node in graph.nodes if node.visited}
     for composite in graph.composites:  # outer before inner: inner boxes drawn on top
-        box = layout.boxes[composite.name]
+        box = drawing.boxes.get(composite.name)
+        if box is None:
+            continue
         classes = _classes("composite", "visited" if composite.name in visited else None)
         parts.append(
             f'<g class="{classes}" data-state="{escape(composite.name)}">'
@@ -458,23 +490,17 @@ def render_svg(graph: Graph, *, counts: Mapping[str, int] | None = None) -> str:
             f'<text x="{box.x + _PAD:.1f}" y="{box.y + 16:.1f}">{escape(composite.name)}</text>'
             "</g>"
         )
-    start = layout.boxes.get(graph.entry_node(graph.initial)) if graph.initial else None
-    if start is not None:
+    if drawing.start is not None:
+        (x, y), path = drawing.start
         parts.append(
-            f'<g class="initial"><circle class="start" cx="{start.x - 22:.1f}"'
-            f' cy="{start.cy:.1f}" r="5"/><path d="M{start.x - 17:.1f},{start.cy:.1f}'
-            f' L{start.x - 1:.1f},{start.cy:.1f}" stroke="#1f2328" marker-end="url(#arrow)"/>'
-            "</g>"
+            f'<g class="initial"><circle class="start" cx="{x:.1f}" cy="{y:.1f}" r="5"/>'
+            f'<path d="{path}" stroke="#1f2328" fill="none" marker-end="url(#arrow)"/></g>'
         )
-    parts += _edges_svg(layout, graph.edges)
-    parts += [_node_svg(node, layout.boxes[node.name]) for node in graph.nodes]
-    for name, count in (counts or {}).items():
-        at = layout.boxes.get(name)
-        if at is not None and graph.node(name) is not None:
-            parts.append(
-                f'<g class="badge" data-state="{escape(name)}"><circle cx="{at.x + at.w:.1f}"'
-                f' cy="{at.y:.1f}" r="11"/><text x="{at.x + at.w:.1f}" y="{at.y + 4:.1f}"'
-                f' text-anchor="middle">{count}</text></g>'
-            )
+    parts += [_edge_svg(edge, path, label) for edge, path, label in drawing.edges]
+    parts += [
+        _node_svg(node, drawing.boxes[node.name], counts.get(node.name))
+        for node in graph.nodes
+        if node.name in drawing.boxes
+    ]
     parts.append("</svg>")
     return "".join(parts)
