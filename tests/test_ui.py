@@ -21,6 +21,7 @@ import pytest
 
 from fsm_runner.journal import open_journal
 from tests.conftest import NO_PLUGIN_AUTOLOAD
+from tests.test_ui_diagram import MEASURE, problems
 from tests.ui_helpers import ARTIFACTS, ROOT, Server
 from tests.ui_journals import SCRIPT
 
@@ -159,6 +160,8 @@ class TestRunsPage:
         assert counts == {"parsing": "1", "parsed": "0", "failed": "1", "canceled": "0"}
         badges = page.locator("svg.fsm g.badge")
         assert sorted(b.get_attribute("data-state") for b in badges.all()) == ["failed", "parsing"]
+        drawn = page.evaluate(MEASURE)
+        assert (drawn["layout"], problems(drawn)) == ("graphviz", [])
 
 
 class TestRunPage:
@@ -187,6 +190,8 @@ class TestRunPage:
                            "succeeded"}  # fmt: skip
         loop = svg.locator("g.edge.traversed[data-event='FEEDBACK_READY'] text").text_content()
         assert loop.endswith("×1")  # noqa: RUF001 - the diagram's own multiplication sign
+        drawn = page.evaluate(MEASURE)
+        assert (drawn["layout"], problems(drawn)) == ("graphviz", [])
 
         with site.journal() as journal:
             iterations = journal.iterations(run_id)

@@ -22,7 +22,7 @@ from fsm_runner.ui.geometry import Box
 from fsm_runner.ui.svg import _builtin
 from tests.big_specs import big_spec
 from tests.test_diagrams_golden import PRESETS, load_spec
-from tests.ui_helpers import Server
+from tests.ui_helpers import ARTIFACTS, Server
 
 #: One worker runs the module: its module fixtures (journals, a server) are built once, not
 #: once on each pytest-xdist worker that would otherwise take some of its tests.
@@ -164,6 +164,8 @@ def test_machine_and_run_pages_have_nothing_drawn_over_a_label(server, journal, 
     assert problems(run) == []
     if stem == "agent_loop":
         assert f"{MANY:,}" in {badge["count"] for badge in machine["badges"]}
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"run-of-{stem}.png"), full_page=True)
 
 
 def test_the_checks_find_what_they_look_for():
