@@ -20,6 +20,7 @@ server's log). Every template is autoescaped, so run data (inputs, errors, outpu
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import hmac
 import json
@@ -55,6 +56,7 @@ from fsm_runner.exceptions import (
     FsmRunnerError,
     JournalError,
     RunNotFoundError,
+    RunTerminalError,
 )
 from fsm_runner.journal import Journal
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
@@ -457,9 +459,7 @@ async def _check_progress(request: Request) -> Response:
 async def _check_again(request: Request) -> Response:
     """Start the check again, or cancel it (``action=cancel``); read-only: no ``allow_actions``."""
     inspector = _inspector(request)
-    body = (await request.body()).decode("utf-8", errors="replace")
-    form = parse_qs(body, keep_blank_values=True)
-    inspector.check_csrf(form, _sent_to(request))
+    form = await _posted(request)
     if (form.get("action") or [""])[0] == "cancel":
         if inspector.check is not None:
             inspector.check.cancel()
@@ -468,19 +468,71 @@ async def _check_again(request: Request) -> Response:
     return RedirectResponse("/check", status_code=303)
 
 
-async def _form(request: Request) -> dict[str, list[str]]:
-    inspector = _inspector(request)
-    if not inspector.allow_actions:
+async def _posted(request: Request) -> dict[str, list[str]]:
+    """A form sent with this server's CSRF token (else a 403 that offers it again)."""
+    body = (await request.body()).decode("utf-8", errors="replace")
+    form = parse_qs(body, keep_blank_values=True)
+    _inspector(request).check_csrf(form, _sent_to(request))
+    return form
+
+
+def _actions_on(request: Request) -> None:
+    if not _inspector(request).allow_actions:
         raise _PageError(
             403,
             "Actions are off",
             "start the inspector with --allow-actions to abort, fork, answer a waiting run or"
             " settle an effect",
         )
-    body = (await request.body()).decode("utf-8", errors="replace")
-    form = parse_qs(body, keep_blank_values=True)
-    inspector.check_csrf(form, _sent_to(request))
-    return form
+
+
+async def _form(request: Request) -> dict[str, list[str]]:
+    """An action's form: actions on (``--allow-actions``) and the CSRF token right."""
+    _actions_on(request)
+    return await _posted(request)
+
+
+async def _bulk_abort(request: Request) -> Response:
+    """Abort the active runs the runs list's filters show: a confirm page, then the POST."""
+    _actions_on(request)
+    inspector = _inspector(request)
+    if request.method == "POST":
+        form = await _form(request)
+        params = {name: values[0] for name, values in form.items()}
+    else:
+        form, params = {}, dict(request.query_params)
+    try:
+        query = views.RunsQuery.from_params(params)
+    except ValueError as exc:
+        raise _PageError(400, "Bad request", str(exc)) from None
+    reason = params.get("reason", "").strip()
+    if form and not reason:
+        raise _PageError(400, "A reason is needed", "say why the runs are aborted")
+    filters = [(k, v) for k, v in attrs.asdict(query).items() if v and k in views.BULK_FILTERS]
+
+    def work(journal: Journal) -> Response:
+        parent = _resolve(journal, query.parent) if query.parent else ""
+        targets, more = views.bulk_targets(journal, attrs.evolve(query, parent=parent))
+        if not form:
+            return inspector.page(
+                "bulk_abort.html", query=query, targets=targets, more=more, filters=filters
+            )
+        tally = collections.Counter(_abort_one(journal, run_id, reason) for run_id in targets)
+        ended, held, gone = tally["ended"], tally["held"], tally["gone"]
+        return inspector.page(
+            "bulk_abort.html", query=query, done=ended + held, ended=ended, held=held, gone=gone
+        )
+
+    return await inspector.read(work)
+
+
+def _abort_one(journal: Journal, run_id: str, reason: str) -> str:
+    """Abort a run of a bulk abort: ``ended`` at once, ``held`` by a worker, or ``gone``."""
+    try:
+        run = abort_run(journal, run_id, reason)
+    except (RunTerminalError, RunNotFoundError):
+        return "gone"  # it ended (or was pruned) since the list was read
+    return "held" if run.lease_owner and not run.ended else "ended"
 
 
 async def _abort(request: Request) -> Response:
@@ -687,6 +739,7 @@ def create_app(
     routes = [
         Route("/", _home),
         Route("/runs", _runs),
+        Route("/bulk-abort", _bulk_abort, methods=["GET", "POST"]),
         *run_routes,
         Route("/machines/{name:path}", _machine),
         Route("/check", _check),

@@ -147,6 +147,32 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
     }
 
 
+#: The filters a bulk abort takes from the runs list (its page and tab are not filters).
+BULK_FILTERS = ("machine", "state", "status", "parent", "q")
+#: The most runs one bulk abort asks to end (the confirm page says when more match).
+BULK_LIMIT = 1_000
+
+
+def bulk_targets(journal: Journal, query: RunsQuery) -> tuple[list[str], bool]:
+    """The active runs the runs list's filters show (at most :data:`BULK_LIMIT`), newest first.
+
+    What a bulk abort ends: the filters as the list applies them, its page ignored, ended runs
+    left out (a status filter other than ``active`` matches none). The flag: more match.
+    """
+    if query.status not in ("", "active"):
+        return [], False
+    found = journal.runs(
+        machine=query.machine or None,
+        state=query.state or None,
+        status="active",
+        parent_run_id=query.parent or None,
+        run_id_prefix=query.q or None,
+        limit=BULK_LIMIT + 1,
+    )
+    ids = [run.run_id for run in found]
+    return ids[:BULK_LIMIT], len(ids) > BULK_LIMIT
+
+
 #: The fewest characters of a run id a page shows, and the longer prefixes it tries when that
 #: many name more than one run (coordinator tasks share their session's id as a prefix).
 _SHORT = (12, 20, 32, 48, 64)
