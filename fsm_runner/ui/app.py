@@ -21,30 +21,21 @@ server's log). Every template is autoescaped, so run data (inputs, errors, outpu
 from __future__ import annotations
 
 import collections
-import datetime as dt
-import hmac
 import json
 import logging
 import re
-import secrets
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import parse_qs, quote
 
-import anyio
-import anyio.to_thread
 import attrs
-import jinja2
-from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -59,238 +50,35 @@ from fsm_runner.exceptions import (
     RunTerminalError,
 )
 from fsm_runner.journal import Journal
-from fsm_runner.journal._postgres_url import is_postgres_url, redact
-from fsm_runner.journal.locate import locate_journal, resolve_run_id
+from fsm_runner.journal.locate import resolve_run_id
 from fsm_runner.records import RunRecord
 from fsm_runner.run_ids import shown
 from fsm_runner.ui import views
-from fsm_runner.ui.jobs import CheckJob, Readers
+from fsm_runner.ui.inspector import (
+    HERE,
+    READ_TIMEOUT,
+    READERS,
+    Inspector,
+    PageError,
+    one_line,
+    shown_location,
+    utf8,
+)
 
 __all__ = ["LOOPBACK_HOSTS", "Inspector", "create_app", "shown_location"]
 
-_HERE = Path(__file__).parent
 _LOG = logging.getLogger("fsm_runner.ui")
-#: How often an active run's page asks for new transitions, in milliseconds.
-POLL_MS = 1000
-T = TypeVar("T")
 
-#: Seconds a page may read the journal before it is answered with an error page instead.
-READ_TIMEOUT = 30.0
-#: Pages read at once, each in a thread with a journal of its own.
-READERS = 4
 #: The Host headers a server on loopback answers (any port): a page of another site whose
 #: name it made resolve to 127.0.0.1 (DNS rebinding) sends its own name, and is refused.
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
-#: Sent with every page, behind the escaping: no inline script or eval (the page's own script
-#: is /static/inspector.js), no plugin, and no other site may frame a page (and so trick a
-#: click on Abort or Fork); styles inline, as the SVG diagram carries its own.
-_PAGE_HEADERS = {
-    "Content-Security-Policy": (
-        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline';"
-        " img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self';"
-        " frame-ancestors 'none'"
-    ),
-    "X-Content-Type-Options": "nosniff",
-}
-
-
-def _utf8(text: str) -> bytes:
-    r"""``text`` as UTF-8, a lone surrogate as its escape ``\udXXX``.
-
-    The engine refuses lone surrogates, but JSON allows ``"\ud800"`` and another writer (an
-    older version, a hand-edited row) may leave one in the journal: UTF-8 cannot carry it,
-    and the page would be a 500. Escaped it shows as what it is, and inside a JSON string
-    (the live update, an artifact) the escape is the same JSON.
-    """
-    return text.encode("utf-8", "backslashreplace")
 
 
 class _Json(JSONResponse):
-    """A JSON response whose lone surrogates are escaped (see :func:`_utf8`)."""
+    """A JSON response whose lone surrogates are escaped (see :func:`utf8`)."""
 
     def render(self, content: Any) -> bytes:
-        return _utf8(json.dumps(content, ensure_ascii=False, separators=(",", ":")))
-
-
-class _PageError(Exception):
-    """An error page: its HTTP status, a title and a one-line detail."""
-
-    def __init__(
-        self,
-        status: int,
-        title: str,
-        detail: str,
-        resend: tuple[str, list[tuple[str, str]]] | None = None,
-    ) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.title = title
-        self.detail = detail
-        #: A refused form to offer again: where it went, and its fields (the token aside).
-        self.resend = resend
-
-
-class Inspector:
-    """One journal, opened on first use, and what the pages share (templates, CSRF secret).
-
-    The journal is opened as every command opens it
-    (:func:`~fsm_runner.journal.locate.locate_journal`): a missing or damaged journal is an
-    error page, not a server that refuses to start, and it is opened again on the next request
-    once it was refused. Each request reads in a worker thread (:meth:`read`), at most
-    ``readers`` at once, each with a journal of its own (:class:`~fsm_runner.ui.jobs.Readers`);
-    ``check`` runs as a job of its own (:meth:`start_check`).
-    """
-
-    def __init__(
-        self,
-        location: str,
-        *,
-        allow_actions: bool = False,
-        journal: Journal | None = None,
-        read_timeout: float = READ_TIMEOUT,
-        readers: int = READERS,
-    ) -> None:
-        self.location = location
-        self.allow_actions = allow_actions
-        self.read_timeout = read_timeout
-        self.csrf_token = secrets.token_urlsafe(32)
-        self._given = journal
-        self._readers = Readers(self._open, journal)
-        self._limiter = anyio.CapacityLimiter(readers)
-        self._check_lock = threading.Lock()
-        self.check: CheckJob | None = None
-        self.templates = jinja2.Environment(
-            loader=jinja2.FileSystemLoader(_HERE / "templates"),
-            autoescape=True,
-            undefined=jinja2.StrictUndefined,
-        )
-        # A run id, machine or artifact name as one path segment: its "/" and ".." kept
-        # from making the link another page's (Jinja's urlencode leaves "/" as it is).
-        self.templates.filters["segment"] = lambda value: quote(str(value), safe="")
-        # A run id as text: escaped, on one line, if it breaks the rule of run ids.
-        self.templates.filters["shown"] = shown
-        self.templates.filters["plural"] = _plural
-        self.templates.filters["when"] = _when
-        self.templates.filters["time_tag"] = _time_tag
-        self.templates.globals.update(
-            allow_actions=allow_actions,
-            csrf_token=self.csrf_token,
-            location=shown_location(location),
-            poll_ms=POLL_MS,
-            statuses=views.STATUSES,
-        )
-
-    async def read(self, work: Callable[[Journal], T]) -> T:
-        """``work(journal)`` in a worker thread, off the event loop, within ``read_timeout``.
-
-        Raises:
-            _PageError: it took longer (503); the thread finishes on its own and its journal
-                goes back to the others then.
-        """
-        try:
-            with anyio.fail_after(self.read_timeout):
-                return await anyio.to_thread.run_sync(
-                    self._with_journal, work, limiter=self._limiter, abandon_on_cancel=True
-                )
-        except TimeoutError:
-            raise _PageError(
-                503,
-                "The journal is slow",
-                f"reading this page took longer than {self.read_timeout:g} s; try again",
-            ) from None
-
-    def _with_journal(self, work: Callable[[Journal], T]) -> T:
-        with self.journal() as journal:
-            return work(journal)
-
-    @contextmanager
-    def journal(self) -> Iterator[Journal]:
-        """A journal for one request; a journal error closes it (opened again next time)."""
-        with self._readers.journal() as journal:
-            yield journal
-
-    def start_check(self) -> CheckJob:
-        """Start ``check`` unless it is running; the job running or started."""
-        with self._check_lock:
-            if self.check is None or self.check.state != "running":
-                self.check = CheckJob(self._check_journal)
-            return self.check
-
-    def _check_journal(self) -> tuple[Journal, bool]:
-        """The journal a check reads: one of its own, unless a memory journal was given."""
-        if self._given is None:
-            return self._open(), True
-        opener = getattr(self._given, "opener", None)
-        if self._given.location == ":memory:" or opener is None:
-            return self._given, False
-        return opener()(), True
-
-    def _open(self) -> Journal:
-        try:
-            return locate_journal(self.location)
-        except JournalError as exc:  # none there; or damaged, foreign, its server unreachable
-            raise _PageError(503, "The journal cannot be opened", _one_line(exc)) from None
-
-    def close_journal(self) -> None:
-        """Close the journals opened for reads and stop a running check (the server stops)."""
-        self._readers.close()
-        check = self.check
-        if check is not None and check.state == "running":
-            check.cancel()
-            check.wait(self.read_timeout)
-
-    def page(self, template: str, status: int = 200, **context: Any) -> HTMLResponse:
-        """Render ``template`` with ``context``."""
-        html = self.templates.get_template(template).render(**context)
-        return HTMLResponse(_utf8(html), status_code=status, headers=_PAGE_HEADERS)
-
-    def check_csrf(self, form: Mapping[str, list[str]], action: str) -> None:
-        """Refuse a form without this server's CSRF token (403).
-
-        The refusal page offers the form again, its fields as they were sent and this server's
-        token, to be sent with one more click: a page loaded before the server restarted (a new
-        token) loses nothing typed into it, and a form another site made the browser send is
-        shown to the user, never carried out.
-        """
-        given = (form.get("csrf_token") or [""])[0]
-        if not hmac.compare_digest(given.encode(), self.csrf_token.encode()):
-            fields = [(k, v) for k, values in form.items() if k != "csrf_token" for v in values]
-            raise _PageError(
-                403,
-                "Refused",
-                "the form's CSRF token is missing or wrong (was the page loaded before the"
-                " inspector restarted?); nothing was done",
-                resend=(action, fields),
-            )
-
-
-def _plural(count: int, noun: str) -> str:
-    """``1 run``, ``2 runs``: the count and its noun."""
-    return f"{count:,} {noun}" + ("" if count == 1 else "s")
-
-
-def _when(moment: dt.datetime | None) -> str:
-    """A time as the pages show it: to the second, in UTC, said so."""
-    return "-" if moment is None else f"{moment:%Y-%m-%d %H:%M:%S} UTC"
-
-
-def _time_tag(moment: dt.datetime | None) -> Markup:
-    """A ``<time>`` element: UTC as text and on hover; the page's script shows it in local time."""
-    if moment is None:
-        return Markup("-")
-    utc = _when(moment)
-    return Markup('<time datetime="{}" title="{}">{}</time>').format(
-        moment.astimezone(dt.timezone.utc).isoformat(), utc, utc
-    )
-
-
-def shown_location(location: str) -> str:
-    """The journal's location as pages and messages show it: a URL's password hidden."""
-    return redact(location) if is_postgres_url(location) else location
-
-
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())
+        return utf8(json.dumps(content, ensure_ascii=False, separators=(",", ":")))
 
 
 def _sent_to(request: Request) -> str:
@@ -303,7 +91,7 @@ def _resolve(journal: Journal, run_id: str) -> str:
     try:
         return resolve_run_id(journal, run_id)
     except AmbiguousRunIdError as exc:
-        raise _PageError(400, "Ambiguous run id", _one_line(exc)) from None
+        raise PageError(400, "Ambiguous run id", one_line(exc)) from None
 
 
 def _inspector(request: Request) -> Inspector:
@@ -320,7 +108,7 @@ async def _runs(request: Request) -> Response:
     try:
         query = views.RunsQuery.from_params(request.query_params)
     except ValueError as exc:
-        raise _PageError(400, "Bad request", str(exc)) from None
+        raise PageError(400, "Bad request", str(exc)) from None
 
     def read(journal: Journal) -> Response:
         asked = query
@@ -349,9 +137,9 @@ def _int(value: str | None, name: str) -> int | None:
     try:
         number = int(value)
     except ValueError:
-        raise _PageError(400, "Bad request", f"{name} must be a whole number") from None
+        raise PageError(400, "Bad request", f"{name} must be a whole number") from None
     if number not in _SEQ_RANGE:  # the journal's SQL cannot bind it
-        raise _PageError(400, "Bad request", f"{name} is out of range")
+        raise PageError(400, "Bad request", f"{name} is out of range")
     return number
 
 
@@ -415,7 +203,7 @@ async def _artifact(request: Request) -> Response:
         found = [a for a in journal.artifacts(run_id) if a.name == name]
         if not found:
             journal.load(run_id)  # an unknown run is a 404 of its own
-            raise _PageError(
+            raise PageError(
                 404, "No such artifact", f"run {shown(run_id)} has no artifact {name!r}"
             )
         return found
@@ -424,7 +212,7 @@ async def _artifact(request: Request) -> Response:
     body = json.dumps(artifact.content, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     filename = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "artifact"
     return Response(
-        _utf8(body),
+        utf8(body),
         media_type="application/json",
         headers={"Content-Disposition": f'attachment; filename="{filename}.json"'},
     )
@@ -435,7 +223,7 @@ async def _machine(request: Request) -> Response:
     name = request.path_params["name"]
     context = await inspector.read(lambda journal: views.machine_page(journal, name))
     if context is None:
-        raise _PageError(404, "No such machine", f"the journal has no runs of machine {name!r}")
+        raise PageError(404, "No such machine", f"the journal has no runs of machine {name!r}")
     return inspector.page("machine.html", **context)
 
 
@@ -478,7 +266,7 @@ async def _posted(request: Request) -> dict[str, list[str]]:
 
 def _actions_on(request: Request) -> None:
     if not _inspector(request).allow_actions:
-        raise _PageError(
+        raise PageError(
             403,
             "Actions are off",
             "start the inspector with --allow-actions to abort, fork, answer a waiting run or"
@@ -504,10 +292,10 @@ async def _bulk_abort(request: Request) -> Response:
     try:
         query = views.RunsQuery.from_params(params)
     except ValueError as exc:
-        raise _PageError(400, "Bad request", str(exc)) from None
+        raise PageError(400, "Bad request", str(exc)) from None
     reason = params.get("reason", "").strip()
     if form and not reason:
-        raise _PageError(400, "A reason is needed", "say why the runs are aborted")
+        raise PageError(400, "A reason is needed", "say why the runs are aborted")
     filters = [(k, v) for k, v in attrs.asdict(query).items() if v and k in views.BULK_FILTERS]
 
     def work(journal: Journal) -> Response:
@@ -539,7 +327,7 @@ async def _abort(request: Request) -> Response:
     form = await _form(request)
     reason = (form.get("reason") or [""])[0].strip()
     if not reason:
-        raise _PageError(400, "A reason is needed", "say why the run is aborted")
+        raise PageError(400, "A reason is needed", "say why the run is aborted")
     inspector = _inspector(request)
 
     def write(journal: Journal) -> str:
@@ -561,7 +349,7 @@ async def _fork(request: Request) -> Response:
         try:
             return fork_run(journal, run_id, at_seq=at_seq)
         except ValueError as exc:
-            raise _PageError(400, "Cannot fork there", str(exc)) from None
+            raise PageError(400, "Cannot fork there", str(exc)) from None
 
     forked = await inspector.read(write)
     return RedirectResponse(f"/runs/{quote(forked.run_id, safe='')}", status_code=303)
@@ -581,15 +369,15 @@ async def _signal(request: Request) -> Response:
     form = await _form(request)
     name = (form.get("name") or [""])[0].strip()
     if not name:
-        raise _PageError(400, "A signal is needed", "name the signal to send")
+        raise PageError(400, "A signal is needed", "name the signal to send")
     text = (form.get("payload") or [""])[0].strip()
     payload: Any = None
     if text:
         try:
             payload = json.loads(text, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:
-            detail = f"the payload is not JSON ({_one_line(exc)}); nothing was sent"
-            raise _PageError(400, "The payload is not JSON", detail) from None
+            detail = f"the payload is not JSON ({one_line(exc)}); nothing was sent"
+            raise PageError(400, "The payload is not JSON", detail) from None
     signal_id = (form.get("signal_id") or [""])[0].strip() or None
     inspector = _inspector(request)
 
@@ -614,14 +402,14 @@ async def _settle(request: Request) -> Response:
     field = {key: (values or [""])[0].strip() for key, values in form.items()}
     outcome, reason = field.get("outcome"), field.get("reason", "")
     if outcome not in ("done", "failed") or (outcome == "failed" and not reason):
-        raise _PageError(400, "Bad request", "settle it done, or failed with a reason")
+        raise PageError(400, "Bad request", "settle it done, or failed with a reason")
     result: Any = None
     if field.get("result"):
         try:
             result = json.loads(field["result"], parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:
-            detail = f"the result is not JSON ({_one_line(exc)}); nothing was written"
-            raise _PageError(400, "The result is not JSON", detail) from None
+            detail = f"the result is not JSON ({one_line(exc)}); nothing was written"
+            raise PageError(400, "The result is not JSON", detail) from None
     inspector = _inspector(request)
 
     def write(journal: Journal) -> str:
@@ -639,7 +427,7 @@ async def _settle(request: Request) -> Response:
             )
         except SettleRefusedError as exc:
             status = 404 if exc.reason == "not_found" else 409
-            raise _PageError(status, "Cannot settle it", str(exc)) from None
+            raise PageError(status, "Cannot settle it", str(exc)) from None
         return run_id
 
     run_id = await inspector.read(write)
@@ -660,7 +448,7 @@ def _error_page(
 
 
 async def _on_page_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, _PageError)
+    assert isinstance(exc, PageError)
     return _error_page(request, exc.status, exc.title, exc.detail, exc.resend)
 
 
@@ -745,10 +533,10 @@ def create_app(
         Route("/check", _check),
         Route("/check/progress", _check_progress),
         Route("/check", _check_again, methods=["POST"]),
-        Mount("/static", StaticFiles(directory=_HERE / "static"), name="static"),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
     handlers: dict[Any, Callable[[Request, Exception], Any]] = {
-        _PageError: _on_page_error,
+        PageError: _on_page_error,
         RunNotFoundError: _on_not_found,
         JournalError: _on_journal_error,
         FsmRunnerError: _on_refused,
