@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import parse_qs, quote
 
+import anyio.to_thread
 import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,7 +41,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from fsm_runner.effects import SettleRefusedError, settle_effect
-from fsm_runner.engine import abort_run, fork_run
+from fsm_runner.engine import Engine, abort_run, fork_run
 from fsm_runner.engine.waits import signal_run
 from fsm_runner.exceptions import (
     AmbiguousRunIdError,
@@ -53,7 +54,9 @@ from fsm_runner.journal import Journal
 from fsm_runner.journal.locate import resolve_run_id
 from fsm_runner.records import RunRecord
 from fsm_runner.run_ids import shown
+from fsm_runner.spec import RunLifecycle
 from fsm_runner.ui import views
+from fsm_runner.ui.drives import Drives
 from fsm_runner.ui.inspector import (
     HERE,
     READ_TIMEOUT,
@@ -355,6 +358,46 @@ async def _fork(request: Request) -> Response:
     return RedirectResponse(f"/runs/{quote(forked.run_id, safe='')}", status_code=303)
 
 
+def _drives(request: Request) -> Drives:
+    drives = _inspector(request).drives
+    if drives is None:
+        raise PageError(
+            403,
+            "Resume is off",
+            "start the inspector with --allow-actions and --app MODULE:ATTR (the host app, as"
+            " `fsm-runner resume` takes it) to resume or retry runs from their page",
+        )
+    return drives
+
+
+#: How long Resume and Retry wait for their drive before showing the run's page: long enough
+#: that a drive refused at once (the run held by a worker) says so on the page it opens.
+_DRIVE_GRACE = 0.5
+
+
+async def _resume(request: Request) -> Response:
+    """Resume a run in a thread of the server (``--app``); Retry: fork a failed run, resume it."""
+    await _form(request)
+    drives = _drives(request)
+    retry = request.url.path.endswith("/retry")
+
+    def write(journal: Journal) -> str:
+        run_id = _resolve(journal, request.path_params["run_id"])
+        run = journal.load(run_id)
+        if retry:
+            if run.status is not RunLifecycle.FAILED:
+                raise PageError(400, "Cannot retry", f"the run is {run.status.value}, not failed")
+            return fork_run(journal, run_id, at_seq=views.fork_seq(run)).run_id
+        if run.ended:
+            raise PageError(400, "Cannot resume", f"the run has ended ({run.status.value})")
+        return run_id
+
+    run_id = await _inspector(request).read(write)
+    drive = drives.start(run_id)
+    await anyio.to_thread.run_sync(drive.wait, _DRIVE_GRACE)
+    return RedirectResponse(f"/runs/{quote(run_id, safe='')}", status_code=303)
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -480,6 +523,36 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     )
 
 
+def _routes() -> list[Route | Mount]:
+    """Every page, form and file the inspector answers."""
+    run_routes = [
+        Route("/runs/{run_id:path}/live", _live),
+        Route("/runs/{run_id:path}/artifacts/{name:path}", _artifact),
+        Route("/runs/{run_id:path}/abort", _abort, methods=["POST"]),
+        Route("/runs/{run_id:path}/fork", _fork, methods=["POST"]),
+        Route("/runs/{run_id:path}/resume", _resume, methods=["POST"]),
+        Route("/runs/{run_id:path}/retry", _resume, methods=["POST"]),
+        Route("/runs/{run_id:path}/signal", _signal, methods=["POST"]),
+        Route("/runs/{run_id:path}/settle", _settle, methods=["POST"]),
+        Route("/runs/{run_id:path}", _run),
+    ]
+    for route in run_routes:
+        # The path convertor's ``.*`` stops at a newline, which a run id written before the
+        # rule of run ids may hold (its link quotes it as %0A): such a run's page answers too.
+        route.path_regex = re.compile(route.path_regex.pattern, re.DOTALL)
+    return [
+        Route("/", _home),
+        Route("/runs", _runs),
+        Route("/bulk-abort", _bulk_abort, methods=["GET", "POST"]),
+        *run_routes,
+        Route("/machines/{name:path}", _machine),
+        Route("/check", _check),
+        Route("/check/progress", _check_progress),
+        Route("/check", _check_again, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+
+
 def create_app(
     location: str,
     *,
@@ -488,6 +561,7 @@ def create_app(
     journal: Journal | None = None,
     read_timeout: float = READ_TIMEOUT,
     readers: int = READERS,
+    engine_of: Callable[[Journal], Engine] | None = None,
 ) -> Starlette:
     """The inspector's ASGI app over the journal at ``location`` (a path or a PostgreSQL URL).
 
@@ -500,6 +574,8 @@ def create_app(
             journal, an app embedding the inspector); its giver closes it.
         read_timeout: seconds a page may read before it is answered with an error page (503).
         readers: pages read at once, each in a worker thread with a journal of its own.
+        engine_of: the host app's engine on a journal (``fsm-runner ui --app``): with
+            ``allow_actions``, run pages offer Resume and, on failed runs, Retry.
 
     Returns:
         The Starlette app; its ``state.inspector`` holds the :class:`Inspector`.
@@ -510,31 +586,9 @@ def create_app(
         journal=journal,
         read_timeout=read_timeout,
         readers=readers,
+        engine_of=engine_of,
     )
-    run_routes = [
-        Route("/runs/{run_id:path}/live", _live),
-        Route("/runs/{run_id:path}/artifacts/{name:path}", _artifact),
-        Route("/runs/{run_id:path}/abort", _abort, methods=["POST"]),
-        Route("/runs/{run_id:path}/fork", _fork, methods=["POST"]),
-        Route("/runs/{run_id:path}/signal", _signal, methods=["POST"]),
-        Route("/runs/{run_id:path}/settle", _settle, methods=["POST"]),
-        Route("/runs/{run_id:path}", _run),
-    ]
-    for route in run_routes:
-        # The path convertor's ``.*`` stops at a newline, which a run id written before the
-        # rule of run ids may hold (its link quotes it as %0A): such a run's page answers too.
-        route.path_regex = re.compile(route.path_regex.pattern, re.DOTALL)
-    routes = [
-        Route("/", _home),
-        Route("/runs", _runs),
-        Route("/bulk-abort", _bulk_abort, methods=["GET", "POST"]),
-        *run_routes,
-        Route("/machines/{name:path}", _machine),
-        Route("/check", _check),
-        Route("/check/progress", _check_progress),
-        Route("/check", _check_again, methods=["POST"]),
-        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-    ]
+    routes = _routes()
     handlers: dict[Any, Callable[[Request, Exception], Any]] = {
         PageError: _on_page_error,
         RunNotFoundError: _on_not_found,

@@ -8,7 +8,9 @@ list the command and must stay fast; Starlette, uvicorn and Jinja2 (``pip instal
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
@@ -19,6 +21,9 @@ from fsm_runner.command_line import journal_option
 if TYPE_CHECKING:
     import ipaddress
     import socket
+
+    from fsm_runner.engine import Engine
+    from fsm_runner.journal import Journal
 else:  # imported when the command runs, not by --help
     ipaddress = LazyModule("ipaddress", globals())
     socket = LazyModule("socket", globals())
@@ -63,6 +68,14 @@ def is_loopback(host: str) -> bool:
     ),
 )
 @click.option(
+    "--app",
+    metavar="MODULE:ATTR",
+    help=(
+        "The host app (an Engine or a factory, as `fsm-runner resume` takes it): run pages offer"
+        " Resume, and Retry for failed runs, driven in the server. Needs --allow-actions."
+    ),
+)
+@click.option(
     "--read-timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=30.0,
@@ -76,13 +89,17 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     open_browser: bool,
     allow_remote: bool,
     allow_actions: bool,
+    app: str | None,
     read_timeout: float,
 ) -> None:
     """Serve the run inspector: runs, waiting runs, timelines, machines, check.
 
-    Read-only unless --allow-actions. Listens on 127.0.0.1 unless --host names another
-    address together with --allow-remote. Stop it with Ctrl-C.
+    Read-only unless --allow-actions; with --app too, run pages resume and retry runs. Listens
+    on 127.0.0.1 unless --host names another address together with --allow-remote. Stop it
+    with Ctrl-C.
     """
+    if app is not None and not allow_actions:
+        raise click.UsageError("--app resumes runs from their pages: it needs --allow-actions")
     if not is_loopback(host):
         if not allow_remote:
             raise click.UsageError(
@@ -105,7 +122,21 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
         open_browser=open_browser,
         allow_actions=allow_actions,
         read_timeout=read_timeout,
+        engine_of=_engine_of(app) if app is not None else None,
     )
+
+
+def _engine_of(app: str) -> Callable[[Journal], Engine]:
+    """The host app's engine on a given journal; imported once now, so a bad --app fails here."""
+    from fsm_runner.cli.apps import load_app  # noqa: PLC0415
+    from fsm_runner.journal import open_journal  # noqa: PLC0415
+
+    scratch = open_journal(":memory:")
+    try:
+        load_app(app, scratch).close()  # an import error, or no Engine: one line, exit 2
+    finally:
+        scratch.close()
+    return functools.partial(load_app, app)
 
 
 def _serve(
@@ -116,6 +147,7 @@ def _serve(
     open_browser: bool,
     allow_actions: bool,
     read_timeout: float,
+    engine_of: Callable[[Journal], Engine] | None,
 ) -> None:
     # Imported here, not at the top: `fsm-runner --help` loads this module to list the command.
     import threading  # noqa: PLC0415
@@ -128,13 +160,20 @@ def _serve(
     shown = f"[{host}]" if ":" in host else host
     # On loopback, only this machine's names: another site's name is DNS rebinding.
     hosts = [*LOOPBACK_HOSTS, shown.lower()] if is_loopback(host) else None
-    app = create_app(location, allow_actions=allow_actions, hosts=hosts, read_timeout=read_timeout)
+    app = create_app(
+        location,
+        allow_actions=allow_actions,
+        hosts=hosts,
+        read_timeout=read_timeout,
+        engine_of=engine_of,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     url = f"http://{shown}:{port}/runs"
     click.echo(
         f"fsm-runner inspector on {url} (journal {shown_location(location)}"
         + (", actions on" if allow_actions else "")
+        + (", resume and retry on" if engine_of is not None else "")
         + "); Ctrl-C stops it",
         err=True,
     )

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -28,7 +28,11 @@ from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.journal.locate import locate_journal
 from fsm_runner.run_ids import shown
 from fsm_runner.ui import views
+from fsm_runner.ui.drives import Drives
 from fsm_runner.ui.jobs import CheckJob, Readers
+
+if TYPE_CHECKING:
+    from fsm_runner.engine import Engine
 
 __all__ = [
     "PAGE_HEADERS",
@@ -113,9 +117,14 @@ class Inspector:
         journal: Journal | None = None,
         read_timeout: float = READ_TIMEOUT,
         readers: int = READERS,
+        engine_of: Callable[[Journal], Engine] | None = None,
     ) -> None:
         self.location = location
         self.allow_actions = allow_actions
+        #: Resume and Retry from run pages: with actions on and the host app given.
+        self.drives = (
+            Drives(self._check_journal, engine_of) if engine_of and allow_actions else None
+        )
         self.read_timeout = read_timeout
         self.csrf_token = secrets.token_urlsafe(32)
         self._given = journal
@@ -142,6 +151,8 @@ class Inspector:
             location=shown_location(location),
             poll_ms=POLL_MS,
             statuses=views.STATUSES,
+            drive_of=self.drives.of if self.drives else lambda _run_id: None,
+            drives_on=self.drives is not None,
         )
 
     async def read(self, work: Callable[[Journal], T]) -> T:
@@ -181,7 +192,10 @@ class Inspector:
             return self.check
 
     def _check_journal(self) -> tuple[Journal, bool]:
-        """The journal a check reads: one of its own, unless a memory journal was given."""
+        """The journal a check or a drive uses, and whether it is its own to close after.
+
+        One of its own, unless a memory journal was given (shared, never closed by them).
+        """
         if self._given is None:
             return self._open(), True
         opener = getattr(self._given, "opener", None)
