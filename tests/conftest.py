@@ -38,6 +38,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist named the groups
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse to run a session whose groups do not hold (a pytest that pytest-xdist misreads).
+
+    pytest-xdist's ``--dist loadgroup`` sends a group's tests to one worker by renaming each
+    ``TEST@GROUP``; a pytest that ignores the new name (9.2 with pytest-xdist 3.8) spreads them
+    over every worker, silently: module fixtures built once per worker, the process-heavy
+    tests beside each other.
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid
+    ]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup does not group {lost[0]} (this pytest, "
+            f"{pytest.__version__}, ignores its renaming); install the test extra's pytest"
+        )
+
+
 class SuiteLock:
     """Lets a test marked ``alone`` run while no other worker of the session runs a test.
 

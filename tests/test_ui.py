@@ -25,9 +25,7 @@ from tests.test_ui_diagram import MEASURE, problems
 from tests.ui_helpers import ARTIFACTS, ROOT, Server
 from tests.ui_journals import SCRIPT
 
-#: One worker runs the module: its module fixtures (journals, a server) are built once, not
-#: once on each pytest-xdist worker that would otherwise take some of its tests.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui")]
+pytestmark = pytest.mark.slow  # one worker runs it: conftest's PROCESS_MODULES
 
 
 @pytest.fixture(scope="session")
