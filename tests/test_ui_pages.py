@@ -347,3 +347,39 @@ class TestRunsList:
         page.wait_for_selector(f"#runs-rows tr[data-run-id='{second}']", timeout=10_000)
         rows = page.locator("#runs-rows tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
         assert rows == [second, first]
+
+    def test_search_by_input_days_and_the_total(self, server, page, ids):
+        """Search box, start days and "N runs match", filled in as an operator would."""
+        page.goto(f"{server.url}/runs")
+        page.fill("input[name=where]", "input.order.id = 42")
+        page.click("form.filters button[type=submit]")
+        rows = page.locator("#runs-rows tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
+        assert rows == [ids["output"]]
+        assert page.locator("p.total").inner_text() == "1 run matches."
+        assert page.locator("input[name=where]").input_value() == "input.order.id = 42"
+
+        page.goto(f"{server.url}/runs?machine=many&where=input.n+%3D+7")  # n is a number
+        assert page.locator("#runs-rows tr").count() == 1
+        page.goto(f"{server.url}/runs?machine=many&where=input.n+%3D+%227%22")  # "7": a string
+        assert page.locator("p.empty").inner_text() == "No runs match."
+
+        today = dt.datetime.now(dt.timezone.utc).date()
+        page.goto(f"{server.url}/runs?machine=many")
+        assert page.locator("p.total").inner_text() == "120 runs match."
+        page.fill("input[name=since]", today.isoformat())
+        page.fill("input[name=until]", today.isoformat())
+        page.click("form.filters button[type=submit]")
+        assert page.locator("p.total").inner_text() == "120 runs match."
+        yesterday = (today - dt.timedelta(days=1)).isoformat()
+        page.goto(f"{server.url}/runs?machine=many&until={yesterday}")
+        assert page.locator("p.total").inner_text() == "0 runs match."
+
+    def test_a_search_the_box_does_not_take_is_one_line(self, server, page):
+        for query, said in (
+            ("where=order.id+%3D+42", "search as input.KEY = VALUE"),
+            ("where=input.a+%3D+%5B1%5D", "compares a string, a number"),
+            ("since=yesterday", "since must be a day as YYYY-MM-DD"),
+        ):
+            response = page.goto(f"{server.url}/runs?{query}")
+            assert response.status == 400
+            assert said in page.locator("p.detail").inner_text()

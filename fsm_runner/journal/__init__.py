@@ -23,6 +23,7 @@ import typing
 
 from fsm_runner.exceptions import JournalError
 from fsm_runner.journal.base import Durability, Journal, PruneReport
+from fsm_runner.journal.search import JsonMatch, RunSearch
 from fsm_runner.journal.sqlite import DEFAULT_PATH, SCHEMA_VERSION, SqliteJournal
 
 if typing.TYPE_CHECKING:
@@ -34,8 +35,10 @@ __all__ = [
     "SCHEMA_VERSION",
     "Durability",
     "Journal",
+    "JsonMatch",
     "MemoryJournal",
     "PruneReport",
+    "RunSearch",
     "SqliteJournal",
     "open_journal",
 ]

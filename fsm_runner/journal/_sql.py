@@ -26,6 +26,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import row_digest
+from fsm_runner.journal.search import JsonMatch, RunSearch
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -89,6 +90,9 @@ class SqlDialect:
     stamp: Callable[[dt.datetime], Any]
     #: The SQL (and its parameters) of "now" that an expired lease is older than.
     stale_bound: Callable[[], tuple[str, list[Any]]]
+    #: The condition (and its parameters) that a run's input or context holds a value at a
+    #: path: SQLite's ``json_extract``/``json_type``, PostgreSQL's ``jsonb``.
+    json_match: Callable[[JsonMatch], tuple[str, list[Any]]]
     #: Listing's order (newest first): ``created_at`` then :attr:`row_order`, or (``False``)
     #: :attr:`row_order` alone, the order runs were stored in (SQLite: the run key, which its
     #: listing indexes are ordered by).
@@ -434,6 +438,7 @@ class SqlCore:
         run_id_prefix: str | None = None,
         before: str | None = None,
         after: str | None = None,
+        search: RunSearch | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -445,8 +450,78 @@ class SqlCore:
         lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
         listed after that run (a keyset page: the index is read from there, whatever page);
         ``after``: the ``limit`` runs listed just before that run (the previous page: the index
-        read the other way from there, the page then turned newest first).
+        read the other way from there, the page then turned newest first); ``search``: runs
+        started in a time range, or holding a value in their input or context.
         """
+        m = self.dialect.mark
+        where, params = self._run_filters(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            effect_in_flight=effect_in_flight,
+            state=state,
+            stale=stale,
+            run_id_prefix=run_id_prefix,
+            search=search,
+        )
+        order = [self.dialect.row_order]
+        if self.dialect.list_by_created:
+            order.insert(0, "created_at")
+        self._keyset(where, params, order, before=before, after=after)
+        query = f"SELECT {self.dialect.run_select} FROM runs"
+        if where:
+            query += " WHERE " + " AND ".join(where)
+        way = "ASC" if after is not None else "DESC"
+        query += " ORDER BY " + ", ".join(f"{column} {way}" for column in order)
+        if limit is not None:
+            query += f" LIMIT {m}"
+            params.append(int(limit))
+        names, rows = self._select(query, params)
+        found = [self.decode_run(dict(zip(names, row, strict=True))) for row in rows]
+        if after is not None:
+            found.reverse()  # newest first, as every listing
+        return found
+
+    def count_runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunLifecycle | str | None = None,
+        parent_run_id: str | None = None,
+        state: str | None = None,
+        run_id_prefix: str | None = None,
+        search: RunSearch | None = None,
+        at_most: int | None = None,
+    ) -> int:
+        """How many runs :meth:`runs` would list with these filters (at most ``at_most``)."""
+        where, params = self._run_filters(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            state=state,
+            run_id_prefix=run_id_prefix,
+            search=search,
+        )
+        query = "SELECT 1 FROM runs" + (" WHERE " + " AND ".join(where) if where else "")
+        if at_most is not None:
+            query += f" LIMIT {self.dialect.mark}"
+            params.append(int(at_most))
+        _, rows = self._select(f"SELECT count(*) FROM ({query}) AS counted", params)
+        return int(rows[0][0])
+
+    def _run_filters(
+        self,
+        *,
+        machine: str | None,
+        status: RunLifecycle | str | None,
+        parent_run_id: str | None,
+        state: str | None,
+        run_id_prefix: str | None,
+        search: RunSearch | None,
+        effect_in_flight: bool = False,
+        stale: bool = False,
+    ) -> tuple[list[str], list[Any]]:
+        """The WHERE conditions of a listing, and their parameters."""
         m = self.dialect.mark
         where: list[str] = []
         params: list[Any] = []
@@ -477,23 +552,19 @@ class SqlCore:
         if run_id_prefix:
             where.append(f"run_id >= {m} AND run_id < {m}")
             params += [run_id_prefix, run_id_prefix + "\U0010ffff"]
-        order = [self.dialect.row_order]
-        if self.dialect.list_by_created:
-            order.insert(0, "created_at")
-        self._keyset(where, params, order, before=before, after=after)
-        query = f"SELECT {self.dialect.run_select} FROM runs"
-        if where:
-            query += " WHERE " + " AND ".join(where)
-        way = "ASC" if after is not None else "DESC"
-        query += " ORDER BY " + ", ".join(f"{column} {way}" for column in order)
-        if limit is not None:
-            query += f" LIMIT {m}"
-            params.append(int(limit))
-        names, rows = self._select(query, params)
-        found = [self.decode_run(dict(zip(names, row, strict=True))) for row in rows]
-        if after is not None:
-            found.reverse()  # newest first, as every listing
-        return found
+        if search is not None:
+            for column, bound, sign in (
+                ("created_at", search.created_from, ">="),
+                ("created_at", search.created_before, "<"),
+            ):
+                if bound is not None:
+                    where.append(f"{column} {sign} {m}")
+                    params.append(self._stamp(bound))
+            if search.json is not None:
+                condition, values = self.dialect.json_match(search.json)
+                where.append(condition)
+                params += values
+        return where, params
 
     def _keyset(
         self,

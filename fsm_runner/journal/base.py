@@ -25,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
+from fsm_runner.journal.search import RunSearch
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -275,6 +276,7 @@ class Journal(Protocol):
         run_id_prefix: str | None = None,
         before: str | None = None,
         after: str | None = None,
+        search: RunSearch | None = None,
     ) -> Sequence[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -283,7 +285,25 @@ class Journal(Protocol):
         runs whose id starts with it. ``before`` (a run id) keeps only the runs listed after
         that run: the next page of a listing, read from an index whatever page it is.
         ``after`` keeps only the runs listed before that run, the ``limit`` closest to it
-        (still newest first): the previous page.
+        (still newest first): the previous page. ``search`` keeps runs started in a range of
+        time, or whose input or context holds a value at a path
+        (:class:`~fsm_runner.journal.search.RunSearch`).
+        """
+
+    def count_runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunLifecycle | str | None = None,
+        parent_run_id: str | None = None,
+        state: str | None = None,
+        run_id_prefix: str | None = None,
+        search: RunSearch | None = None,
+        at_most: int | None = None,
+    ) -> int:
+        """Return how many runs :meth:`runs` would list with these filters.
+
+        ``at_most``: stop counting there (a count of a big journal reads every run it counts).
         """
 
     def run_counts(self, *, machine: str) -> Mapping[tuple[str, str], int]:

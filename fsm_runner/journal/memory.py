@@ -37,6 +37,7 @@ from fsm_runner.journal.base import (
     new_runs,
     renewals,
 )
+from fsm_runner.journal.search import RunSearch
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -436,6 +437,7 @@ class MemoryJournal:
         run_id_prefix: str | None = None,
         before: str | None = None,
         after: str | None = None,
+        search: RunSearch | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -461,6 +463,8 @@ class MemoryJournal:
             "state": state,
         }
         selected = _select(ordered, wanted, run_id_prefix, in_flight if effect_in_flight else None)
+        if search is not None:
+            selected = [r for r in selected if search.admits(r.created_at, r.input, r.context)]
         if stale:
             now = utc_now()
             selected = [run for run in selected if _stale(run, now)]
@@ -468,6 +472,28 @@ class MemoryJournal:
             return selected
         # After a run: the ones closest to it, at the end of the newest-first list.
         return selected[max(len(selected) - limit, 0) :] if after is not None else selected[:limit]
+
+    def count_runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunLifecycle | str | None = None,
+        parent_run_id: str | None = None,
+        state: str | None = None,
+        run_id_prefix: str | None = None,
+        search: RunSearch | None = None,
+        at_most: int | None = None,
+    ) -> int:
+        """How many runs :meth:`runs` would list with these filters (at most ``at_most``)."""
+        found = self.runs(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            state=state,
+            run_id_prefix=run_id_prefix,
+            search=search,
+        )
+        return len(found) if at_most is None else min(len(found), at_most)
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""

@@ -89,6 +89,7 @@ from fsm_runner.journal.base import (
     claim_each,
     renewals,
 )
+from fsm_runner.journal.search import RunSearch, postgres_json_match
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -132,6 +133,7 @@ _DIALECT = SqlDialect(
     put_effect=_PUT_EFFECT,
     stamp=utc,
     stale_bound=lambda: ("clock_timestamp()", []),
+    json_match=postgres_json_match,
     effect_digests=True,
 )
 #: A transition's columns as :meth:`PostgresJournal.transitions` reads them: with its digest.
@@ -629,6 +631,7 @@ class PostgresJournal:
         run_id_prefix: str | None = None,
         before: str | None = None,
         after: str | None = None,
+        search: RunSearch | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
         return self._core.runs(
@@ -642,6 +645,29 @@ class PostgresJournal:
             run_id_prefix=run_id_prefix,
             before=before,
             after=after,
+            search=search,
+        )
+
+    def count_runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunLifecycle | str | None = None,
+        parent_run_id: str | None = None,
+        state: str | None = None,
+        run_id_prefix: str | None = None,
+        search: RunSearch | None = None,
+        at_most: int | None = None,
+    ) -> int:
+        """How many runs :meth:`runs` would list with these filters (``Journal``)."""
+        return self._core.count_runs(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            state=state,
+            run_id_prefix=run_id_prefix,
+            search=search,
+            at_most=at_most,
         )
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:

@@ -35,6 +35,7 @@ from fsm_runner.journal._sqlite_heads import SqliteHeads
 from fsm_runner.journal._sqlite_waits import Names, SqliteWaits, Wake
 from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
 from fsm_runner.journal.base import Commit, Durability, NewRun, PruneReport, Renewal, renewals
+from fsm_runner.journal.search import RunSearch, sqlite_json_match
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -66,6 +67,7 @@ _DIALECT = SqlDialect(
     put_effect=PUT_EFFECT,
     stamp=format_utc,
     stale_bound=_stale_bound,
+    json_match=sqlite_json_match,
     list_by_created=False,
     effect_digests=True,
     active_keys=(  # the claims' three indexes: ready, due (a wake time), leased
@@ -544,6 +546,7 @@ class SqliteJournal:
         run_id_prefix: str | None = None,
         before: str | None = None,
         after: str | None = None,
+        search: RunSearch | None = None,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
         return self._core.runs(
@@ -557,6 +560,29 @@ class SqliteJournal:
             run_id_prefix=run_id_prefix,
             before=before,
             after=after,
+            search=search,
+        )
+
+    def count_runs(
+        self,
+        *,
+        machine: str | None = None,
+        status: RunLifecycle | str | None = None,
+        parent_run_id: str | None = None,
+        state: str | None = None,
+        run_id_prefix: str | None = None,
+        search: RunSearch | None = None,
+        at_most: int | None = None,
+    ) -> int:
+        """How many runs :meth:`runs` would list with these filters (``Journal``)."""
+        return self._core.count_runs(
+            machine=machine,
+            status=status,
+            parent_run_id=parent_run_id,
+            state=state,
+            run_id_prefix=run_id_prefix,
+            search=search,
+            at_most=at_most,
         )
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:

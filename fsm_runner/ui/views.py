@@ -22,6 +22,7 @@ from fsm_runner.command_line import suggested_command
 from fsm_runner.diagrams import Graph, extract, taken_edges
 from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
+from fsm_runner.journal.search import JsonMatch, RunSearch
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
 from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
@@ -82,27 +83,56 @@ class RunsQuery:
     after: str = ""
     #: "1": the waiting tab (active runs standing in a waiting state of their spec).
     waiting: str = ""
+    #: A value in the runs' input or context: ``input.order.id = 42`` (:class:`JsonMatch`).
+    where: str = ""
+    #: Runs started on or after this day (``YYYY-MM-DD``, UTC), and on or before this one.
+    since: str = ""
+    until: str = ""
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> RunsQuery:
-        (
-            """Read the filters from a query string's parameters (unknown ones are ignored).
+        """Read the filters from a query string's parameters (unknown ones are ignored).
 
         Raises:
-            ValueError: a status that is not one of :data:`STATUSES`.
+            ValueError: a status not in :data:`STATUSES`, a search the box does not take, a
+                day that is not ``YYYY-MM-DD``.
         """
-            ""
-        )
         values = {f.name: params.get(f.name, "").strip() for f in attrs.fields(cls)}
         if values["status"] and values["status"] not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}")
         values["waiting"] = "1" if values["waiting"] not in ("", "0") else ""
-        return cls(**values)
+        query = cls(**values)
+        query.search()  # refused here, once: a page reads a query it took
+        return query
+
+    def search(self) -> RunSearch | None:
+        """What the search box and the days ask (``None``: nothing)."""
+        if not (self.where or self.since or self.until):
+            return None
+        until = _day(self.until, "until") + dt.timedelta(days=1) if self.until else None
+        return RunSearch(
+            created_from=_day(self.since, "since") if self.since else None,
+            created_before=until,
+            json=JsonMatch.parse(self.where) if self.where else None,
+        )
 
     def link(self, **changes: str) -> str:
         """The query string of these filters with ``changes``, leaving out empty ones."""
         values = attrs.asdict(self) | changes
         return urlencode({k: v for k, v in values.items() if v})
+
+
+def _day(text: str, name: str) -> dt.datetime:
+    """A ``YYYY-MM-DD`` day's start, in UTC."""
+    try:
+        day = dt.date.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a day as YYYY-MM-DD, not {text!r}") from None
+    return dt.datetime(day.year, day.month, day.day, tzinfo=dt.timezone.utc)
+
+
+#: The most runs a listing counts ("10,000+ runs" beyond): a count reads every run it counts.
+COUNT_CAP = 10_000
 
 
 def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
@@ -121,7 +151,17 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
             before=query.before or None,
             after=query.after if backwards else None,
             limit=RUNS_PAGE + 1,
+            search=query.search(),
         )
+    )
+    total = journal.count_runs(
+        machine=query.machine or None,
+        state=query.state or None,
+        status=query.status or None,
+        parent_run_id=query.parent or None,
+        run_id_prefix=query.q or None,
+        search=query.search(),
+        at_most=COUNT_CAP + 1,
     )
     more = len(found) > RUNS_PAGE
     older: str | None
@@ -144,11 +184,13 @@ def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
         "newest": newest,
         "shorts": shorts,
         "live": not query.before and not query.after,  # the newest page refreshes itself
+        "total": total,
+        "count_cap": COUNT_CAP,
     }
 
 
 #: The filters a bulk abort takes from the runs list (its page and tab are not filters).
-BULK_FILTERS = ("machine", "state", "status", "parent", "q")
+BULK_FILTERS = ("machine", "state", "status", "parent", "q", "where", "since", "until")
 #: The most runs one bulk abort asks to end (the confirm page says when more match).
 BULK_LIMIT = 1_000
 
@@ -168,6 +210,7 @@ def bulk_targets(journal: Journal, query: RunsQuery) -> tuple[list[str], bool]:
         parent_run_id=query.parent or None,
         run_id_prefix=query.q or None,
         limit=BULK_LIMIT + 1,
+        search=query.search(),
     )
     ids = [run.run_id for run in found]
     return ids[:BULK_LIMIT], len(ids) > BULK_LIMIT
