@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 
@@ -26,6 +26,7 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import row_digest
+from fsm_runner.journal.base import RunFilters
 from fsm_runner.journal.search import JsonMatch, RunSearch
 from fsm_runner.records import (
     ArtifactRecord,
@@ -39,6 +40,9 @@ from fsm_runner.records import (
     structure,
 )
 from fsm_runner.spec import RunLifecycle
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["RunRead", "SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
 
@@ -127,6 +131,51 @@ class SqlConnections(Protocol):
         SQLite: inside one ``BEGIN IMMEDIATE`` transaction; PostgreSQL: in autocommit mode,
         getting a lost connection back and trying again.
         """
+
+
+def _run_filters(
+    dialect: SqlDialect,
+    *,
+    machine: str | None = None,
+    status: RunLifecycle | str | None = None,
+    parent_run_id: str | None = None,
+    state: str | None = None,
+    run_id_prefix: str | None = None,
+    search: RunSearch | None = None,
+) -> tuple[list[str], list[Any]]:
+    """The WHERE conditions of a listing by :class:`~fsm_runner.journal.base.RunFilters`."""
+    m = dialect.mark
+    where: list[str] = []
+    params: list[Any] = []
+    status = RunLifecycle(status).value if status is not None else None
+    if status is not None and dialect.active_keys is not None:
+        if status == RunLifecycle.ACTIVE.value:
+            where.append(f"{dialect.row_order} IN ({dialect.active_keys})")
+            status = None
+        else:  # the index of the ended runs by status is partial: say this is one
+            where.append("status != 'active'")
+    for column, value in (
+        ("machine", machine),
+        ("status", status),
+        ("parent_run_id", parent_run_id),
+        ("state", state),
+    ):
+        if value is not None:
+            where.append(f"{column} = {m}")
+            params.append(value)
+    if run_id_prefix:
+        where.append(f"run_id >= {m} AND run_id < {m}")
+        params += [run_id_prefix, run_id_prefix + "\U0010ffff"]
+    if search is not None:
+        for bound, sign in ((search.created_from, ">="), (search.created_before, "<")):
+            if bound is not None:
+                where.append(f"created_at {sign} {m}")
+                params.append(dialect.stamp(bound))
+        if search.json is not None:
+            condition, values = dialect.json_match(search.json)
+            where.append(condition)
+            params += values
+    return where, params
 
 
 class SqlCore:
@@ -428,17 +477,12 @@ class SqlCore:
     def runs(
         self,
         *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
         limit: int | None = None,
         effect_in_flight: bool = False,
-        state: str | None = None,
         stale: bool = False,
-        run_id_prefix: str | None = None,
         before: str | None = None,
         after: str | None = None,
-        search: RunSearch | None = None,
+        **filters: Unpack[RunFilters],
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -454,16 +498,15 @@ class SqlCore:
         started in a time range, or holding a value in their input or context.
         """
         m = self.dialect.mark
-        where, params = self._run_filters(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            effect_in_flight=effect_in_flight,
-            state=state,
-            stale=stale,
-            run_id_prefix=run_id_prefix,
-            search=search,
-        )
+        where, params = _run_filters(self.dialect, **filters)
+        if effect_in_flight:
+            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
+        if stale:
+            now, now_params = self.dialect.stale_bound()
+            where.append(
+                f"status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < {now}"
+            )
+            params += now_params
         order = [self.dialect.row_order]
         if self.dialect.list_by_created:
             order.insert(0, "created_at")
@@ -482,89 +525,15 @@ class SqlCore:
             found.reverse()  # newest first, as every listing
         return found
 
-    def count_runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
-        state: str | None = None,
-        run_id_prefix: str | None = None,
-        search: RunSearch | None = None,
-        at_most: int | None = None,
-    ) -> int:
+    def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:
         """How many runs :meth:`runs` would list with these filters (at most ``at_most``)."""
-        where, params = self._run_filters(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            state=state,
-            run_id_prefix=run_id_prefix,
-            search=search,
-        )
+        where, params = _run_filters(self.dialect, **filters)
         query = "SELECT 1 FROM runs" + (" WHERE " + " AND ".join(where) if where else "")
         if at_most is not None:
             query += f" LIMIT {self.dialect.mark}"
             params.append(int(at_most))
         _, rows = self._select(f"SELECT count(*) FROM ({query}) AS counted", params)
         return int(rows[0][0])
-
-    def _run_filters(
-        self,
-        *,
-        machine: str | None,
-        status: RunLifecycle | str | None,
-        parent_run_id: str | None,
-        state: str | None,
-        run_id_prefix: str | None,
-        search: RunSearch | None,
-        effect_in_flight: bool = False,
-        stale: bool = False,
-    ) -> tuple[list[str], list[Any]]:
-        """The WHERE conditions of a listing, and their parameters."""
-        m = self.dialect.mark
-        where: list[str] = []
-        params: list[Any] = []
-        if effect_in_flight:
-            where.append("run_id IN (SELECT run_id FROM effects WHERE status = 'in_flight')")
-        if stale:
-            now, now_params = self.dialect.stale_bound()
-            where.append(
-                f"status = 'active' AND lease_owner IS NOT NULL AND lease_expires_at < {now}"
-            )
-            params += now_params
-        status = RunLifecycle(status).value if status is not None else None
-        if status is not None and self.dialect.active_keys is not None:
-            if status == RunLifecycle.ACTIVE.value:
-                where.append(f"{self.dialect.row_order} IN ({self.dialect.active_keys})")
-                status = None
-            else:  # the index of the ended runs by status is partial: say this is one
-                where.append("status != 'active'")
-        for column, value in (
-            ("machine", machine),
-            ("status", status),
-            ("parent_run_id", parent_run_id),
-            ("state", state),
-        ):
-            if value is not None:
-                where.append(f"{column} = {m}")
-                params.append(value)
-        if run_id_prefix:
-            where.append(f"run_id >= {m} AND run_id < {m}")
-            params += [run_id_prefix, run_id_prefix + "\U0010ffff"]
-        if search is not None:
-            for column, bound, sign in (
-                ("created_at", search.created_from, ">="),
-                ("created_at", search.created_before, "<"),
-            ):
-                if bound is not None:
-                    where.append(f"{column} {sign} {m}")
-                    params.append(self._stamp(bound))
-            if search.json is not None:
-                condition, values = self.dialect.json_match(search.json)
-                where.append(condition)
-                params += values
-        return where, params
 
     def _keyset(
         self,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypedDict, runtime_checkable
 
 import attrs
 
@@ -40,9 +40,11 @@ __all__ = [
     "Commit",
     "Durability",
     "Journal",
+    "ListFilters",
     "NewRun",
     "PruneReport",
     "Renewal",
+    "RunFilters",
     "claim_each",
     "new_runs",
     "renewals",
@@ -51,6 +53,27 @@ __all__ = [
 #: ``process``: a commit survives the process being killed (SQLite synchronous=NORMAL in WAL);
 #: ``power``: it also survives power loss (synchronous=FULL).
 Durability = Literal["process", "power"]
+
+
+class RunFilters(TypedDict, total=False):
+    """The filters :meth:`Journal.runs` and :meth:`Journal.count_runs` share (as keywords)."""
+
+    machine: str | None
+    status: RunLifecycle | str | None
+    parent_run_id: str | None
+    state: str | None
+    run_id_prefix: str | None
+    search: RunSearch | None
+
+
+class ListFilters(RunFilters, total=False):
+    """:meth:`Journal.runs`'s keywords: the shared filters, and its own."""
+
+    limit: int | None
+    effect_in_flight: bool
+    stale: bool
+    before: str | None
+    after: str | None
 
 
 @attrs.frozen

@@ -7,9 +7,10 @@ write exactly as the SQLite journal checks them, so code that passes here passes
 from __future__ import annotations
 
 import datetime as dt
+import sys
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -33,6 +34,7 @@ from fsm_runner.journal.base import (
     NewRun,
     PruneReport,
     Renewal,
+    RunFilters,
     claim_each,
     new_runs,
     renewals,
@@ -50,6 +52,10 @@ from fsm_runner.records import (
 )
 from fsm_runner.run_ids import check_run_id, check_run_ids
 from fsm_runner.spec import RunLifecycle
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 __all__ = ["MemoryJournal"]
 
@@ -103,6 +109,13 @@ def _select(
         and (not run_id_prefix or run.run_id.startswith(run_id_prefix))
         and (in_flight is None or run.run_id in in_flight)
     ]
+
+
+def _searched(runs: list[RunRecord], search: RunSearch | None) -> list[RunRecord]:
+    """The ``runs`` a search finds (all of them without one)."""
+    if search is None:
+        return runs
+    return [run for run in runs if search.admits(run.created_at, run.input, run.context)]
 
 
 def _stale(run: RunRecord, now: dt.datetime) -> bool:
@@ -439,12 +452,7 @@ class MemoryJournal:
         after: str | None = None,
         search: RunSearch | None = None,
     ) -> list[RunRecord]:
-        """Return runs, newest first, filtered by machine, status, parent and state.
-
-        ``effect_in_flight``: runs with an effect caught in flight; ``stale``: active runs whose
-        lease has expired; ``run_id_prefix``: ids that start with it; ``before``: the runs
-        listed after that run; ``after``: the ``limit`` runs listed just before it.
-        """
+        """Return runs, newest first, filtered (:meth:`Journal.runs`)."""
         with self._lock:
             self._check_open()
             ordered = list(self._runs.values())
@@ -463,8 +471,7 @@ class MemoryJournal:
             "state": state,
         }
         selected = _select(ordered, wanted, run_id_prefix, in_flight if effect_in_flight else None)
-        if search is not None:
-            selected = [r for r in selected if search.admits(r.created_at, r.input, r.context)]
+        selected = _searched(selected, search)
         if stale:
             now = utc_now()
             selected = [run for run in selected if _stale(run, now)]
@@ -473,27 +480,9 @@ class MemoryJournal:
         # After a run: the ones closest to it, at the end of the newest-first list.
         return selected[max(len(selected) - limit, 0) :] if after is not None else selected[:limit]
 
-    def count_runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
-        state: str | None = None,
-        run_id_prefix: str | None = None,
-        search: RunSearch | None = None,
-        at_most: int | None = None,
-    ) -> int:
+    def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:
         """How many runs :meth:`runs` would list with these filters (at most ``at_most``)."""
-        found = self.runs(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            state=state,
-            run_id_prefix=run_id_prefix,
-            search=search,
-        )
-        return len(found) if at_most is None else min(len(found), at_most)
+        return min(len(self.runs(**filters)), sys.maxsize if at_most is None else at_most)
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""

@@ -49,7 +49,7 @@ import datetime as dt
 import functools
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -83,13 +83,15 @@ from fsm_runner.journal._sql import RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal.base import (
     Commit,
     Durability,
+    ListFilters,
     NewRun,
     PruneReport,
     Renewal,
+    RunFilters,
     claim_each,
     renewals,
 )
-from fsm_runner.journal.search import RunSearch, postgres_json_match
+from fsm_runner.journal.search import postgres_json_match
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -98,7 +100,10 @@ from fsm_runner.records import (
     SignalRecord,
     TransitionRecord,
 )
-from fsm_runner.spec import RunLifecycle
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 __all__ = [
     "DEFAULT_RETRY_FOR",
@@ -618,57 +623,13 @@ class PostgresJournal:
         """Return the run's artifacts, in the order they were committed."""
         return self._core.artifacts(run_id)
 
-    def runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
-        limit: int | None = None,
-        effect_in_flight: bool = False,
-        state: str | None = None,
-        stale: bool = False,
-        run_id_prefix: str | None = None,
-        before: str | None = None,
-        after: str | None = None,
-        search: RunSearch | None = None,
-    ) -> list[RunRecord]:
+    def runs(self, **filters: Unpack[ListFilters]) -> list[RunRecord]:
         """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
-        return self._core.runs(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            limit=limit,
-            effect_in_flight=effect_in_flight,
-            state=state,
-            stale=stale,
-            run_id_prefix=run_id_prefix,
-            before=before,
-            after=after,
-            search=search,
-        )
+        return self._core.runs(**filters)
 
-    def count_runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
-        state: str | None = None,
-        run_id_prefix: str | None = None,
-        search: RunSearch | None = None,
-        at_most: int | None = None,
-    ) -> int:
+    def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:
         """How many runs :meth:`runs` would list with these filters (``Journal``)."""
-        return self._core.count_runs(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            state=state,
-            run_id_prefix=run_id_prefix,
-            search=search,
-            at_most=at_most,
-        )
+        return self._core.count_runs(at_most=at_most, **filters)
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""

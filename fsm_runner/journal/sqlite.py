@@ -22,7 +22,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
@@ -34,8 +34,17 @@ from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
 from fsm_runner.journal._sqlite_heads import SqliteHeads
 from fsm_runner.journal._sqlite_waits import Names, SqliteWaits, Wake
 from fsm_runner.journal._sqlite_writes import PUT_EFFECT, SqliteWriter
-from fsm_runner.journal.base import Commit, Durability, NewRun, PruneReport, Renewal, renewals
-from fsm_runner.journal.search import RunSearch, sqlite_json_match
+from fsm_runner.journal.base import (
+    Commit,
+    Durability,
+    ListFilters,
+    NewRun,
+    PruneReport,
+    Renewal,
+    RunFilters,
+    renewals,
+)
+from fsm_runner.journal.search import sqlite_json_match
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -46,7 +55,10 @@ from fsm_runner.records import (
     format_utc,
     utc_now,
 )
-from fsm_runner.spec import RunLifecycle
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 __all__ = ["APPLICATION_ID", "DEFAULT_PATH", "SCHEMA_VERSION", "TUNING", "SqliteJournal"]
 
@@ -533,57 +545,13 @@ class SqliteJournal:
         """Return the run's artifacts, in the order they were committed."""
         return self._core.artifacts(run_id)
 
-    def runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
-        limit: int | None = None,
-        effect_in_flight: bool = False,
-        state: str | None = None,
-        stale: bool = False,
-        run_id_prefix: str | None = None,
-        before: str | None = None,
-        after: str | None = None,
-        search: RunSearch | None = None,
-    ) -> list[RunRecord]:
+    def runs(self, **filters: Unpack[ListFilters]) -> list[RunRecord]:
         """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
-        return self._core.runs(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            limit=limit,
-            effect_in_flight=effect_in_flight,
-            state=state,
-            stale=stale,
-            run_id_prefix=run_id_prefix,
-            before=before,
-            after=after,
-            search=search,
-        )
+        return self._core.runs(**filters)
 
-    def count_runs(
-        self,
-        *,
-        machine: str | None = None,
-        status: RunLifecycle | str | None = None,
-        parent_run_id: str | None = None,
-        state: str | None = None,
-        run_id_prefix: str | None = None,
-        search: RunSearch | None = None,
-        at_most: int | None = None,
-    ) -> int:
+    def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:
         """How many runs :meth:`runs` would list with these filters (``Journal``)."""
-        return self._core.count_runs(
-            machine=machine,
-            status=status,
-            parent_run_id=parent_run_id,
-            state=state,
-            run_id_prefix=run_id_prefix,
-            search=search,
-            at_most=at_most,
-        )
+        return self._core.count_runs(at_most=at_most, **filters)
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""
