@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 #: Rounds of the eight-process race (the issue's acceptance: 50).
-ROUNDS = int(os.environ.get("FSM_SHARED_FILE_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("FSM_SHARED_FILE_ROUNDS", "4"))
 
 # The child: two journals on one file, then (told by the test) one more commit, then SIGKILL.
 CHILD = textwrap.dedent(

@@ -32,6 +32,8 @@ SPECS = {stem: load_spec(path) for stem, path in PRESETS.items()}
 SPECS["forty_states"] = big_spec(45, name="forty-states")  # 48 states, 121 transitions
 #: Runs parked in the agent loop's first state: a badge of five characters.
 MANY = 1_234
+#: The run pages saved as screenshots for CI (each costs the browser more than the page).
+SHOTS = ("agent_loop", "coordinator_session")
 
 #: What the browser drew, as boxes in page pixels: texts by role, and the shapes they sit in.
 MEASURE = """
@@ -165,7 +167,8 @@ def test_machine_and_run_pages_have_nothing_drawn_over_a_label(server, journal, 
     if stem == "agent_loop":
         assert f"{MANY:,}" in {badge["count"] for badge in machine["badges"]}
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"run-of-{stem}.png"), full_page=True)
+    if stem in SHOTS:
+        page.screenshot(path=str(ARTIFACTS / f"run-of-{stem}.png"), full_page=True)
 
 
 def test_the_checks_find_what_they_look_for():
