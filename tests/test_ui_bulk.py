@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+import uuid
 
 import pytest
 
 from fsm_runner import Engine, RunLifecycle
 from fsm_runner.journal import open_journal
 from tests.test_ui_pages import waiting_spec
-from tests.ui_helpers import Server
+from tests.ui_helpers import Server, journal_location
 
 #: One worker runs the module: its journals and servers are made once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-bulk")]
@@ -31,13 +32,11 @@ def site(request, tmp_path_factory):
 
     One per module: only the first test aborts, and only runs of ``bulk``.
     """
-    postgres = schema = None
-    if request.param == "sqlite":
-        location = str(tmp_path_factory.mktemp("bulk") / "journal.db")
-    else:
-        postgres = request.getfixturevalue("postgres_server")
-        schema = postgres.take()
-        location = f"{postgres.url}?schema={schema}"
+    with journal_location(request, request.param, tmp_path_factory.mktemp("bulk")) as location:
+        yield from _site(location)
+
+
+def _site(location):
     journal = open_journal(location)
     with Engine(waiting_spec("bulk"), handlers={}, journal=journal) as engine:
         ids = list(engine.start_many([{"n": n} for n in range(WAITING + 2)]))
@@ -46,13 +45,11 @@ def site(request, tmp_path_factory):
     with Engine(waiting_spec("other"), handlers={}, journal=journal) as engine:
         others = engine.start_many([{}] * 5)
     held = ids[2]
-    journal.claim(held, "worker-elsewhere", ttl=600)
+    journal.claim(held, f"worker-elsewhere-{uuid.uuid4().hex[:8]}", ttl=600)
     server = Server(location, "--allow-actions")
     yield server, journal, ids, others, held
     server.stop()
     journal.close()
-    if postgres is not None:
-        postgres.give_back(schema)
 
 
 def test_abort_what_the_filters_show_after_a_confirm(site, page):

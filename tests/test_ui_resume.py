@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,15 @@ from playwright.sync_api import expect
 from fsm_runner import Engine, MachineSpec, RunLifecycle, State, Transition
 from fsm_runner.journal import open_journal
 from tests.helpers import NEXT
-from tests.ui_helpers import Server
+from tests.ui_helpers import Server, journal_location
 
 #: One worker runs the module: its journals and servers are made once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-resume")]
 
 APP = f"{__name__}:make_engine"
+#: Another worker's name, its own: on PostgreSQL a lease owner's liveness is an advisory lock
+#: of the database, and two modules' fake owners of one name would share it.
+ELSEWHERE = f"worker-elsewhere-{uuid.uuid4().hex[:8]}"
 
 SPEC = MachineSpec(
     "resumable",
@@ -60,13 +64,11 @@ def make_engine(journal):
 def site(request, tmp_path_factory):
     """A stopped run, a failed one (its marker then removed), one held by another worker."""
     work = tmp_path_factory.mktemp("resume")
-    postgres = schema = None
-    if request.param == "sqlite":
-        location = str(work / "journal.db")
-    else:
-        postgres = request.getfixturevalue("postgres_server")
-        schema = postgres.take()
-        location = f"{postgres.url}?schema={schema}"
+    with journal_location(request, request.param, work) as location:
+        yield from _site(work, location)
+
+
+def _site(work, location):
     marker = work / "flaky"
     marker.touch()
     journal = open_journal(location)
@@ -77,14 +79,12 @@ def site(request, tmp_path_factory):
         ids["failed"] = engine.start({"marker": str(marker)})
         engine.run(ids["failed"])
         ids["held"] = engine.start({"marker": str(work / "never")})
-    journal.claim(ids["held"], "worker-elsewhere", ttl=600)
+    journal.claim(ids["held"], ELSEWHERE, ttl=600)
     marker.unlink()  # the flake is gone: a retry passes
     server = Server(location, "--allow-actions", "--app", APP)
     yield server, journal, ids
     server.stop()
     journal.close()
-    if postgres is not None:
-        postgres.give_back(schema)
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_a_run_another_worker_holds_is_refused_and_the_page_says_so(site, page):
     page.click("form.resume button")
     expect(page.locator("p.drive")).to_contain_text("Resuming from this page failed: LeaseHeld")
     run = journal.load(ids["held"])
-    assert (run.state, run.lease_owner) == ("fetching", "worker-elsewhere")
+    assert (run.state, run.lease_owner) == ("fetching", ELSEWHERE)
 
 
 def test_without_app_nothing_resumes(site):

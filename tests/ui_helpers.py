@@ -148,3 +148,18 @@ class AppServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         return "", ""
+
+
+@contextlib.contextmanager
+def journal_location(request, backend: str, directory):
+    """Where a journal of ``backend`` lives for a test: a SQLite file in ``directory``, or a
+    PostgreSQL schema of the pool (given back, emptied, when the test is done with it)."""
+    if backend == "sqlite":
+        yield str(directory / "journal.db")
+        return
+    postgres = request.getfixturevalue("postgres_server")
+    schema = postgres.take()
+    try:
+        yield f"{postgres.url}?schema={schema}"
+    finally:
+        postgres.give_back(schema)
