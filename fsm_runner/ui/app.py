@@ -120,7 +120,8 @@ async def _runs(request: Request) -> Response:
         if asked.waiting:
             return inspector.page("waiting.html", **views.waiting_page(journal, asked))
         if request.query_params.get("rows") == "1":  # the newest page refreshing its rows
-            return inspector.page("runs_rows.html", **views.runs_page(journal, asked))
+            rows = views.runs_page(journal, asked, counted=False)
+            return inspector.page("runs_rows.html", **rows)
         return inspector.page("runs.html", **views.runs_page(journal, asked))
 
     return await inspector.read(read)

@@ -22,6 +22,7 @@ from fsm_runner.command_line import suggested_command
 from fsm_runner.diagrams import Graph, extract, taken_edges
 from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
+from fsm_runner.journal.base import RunFilters
 from fsm_runner.journal.search import JsonMatch, RunSearch
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
 from fsm_runner.spec import MachineSpec
@@ -105,6 +106,17 @@ class RunsQuery:
         query.search()  # refused here, once: a page reads a query it took
         return query
 
+    def filters(self) -> RunFilters:
+        """The journal's filters these ask for (``Journal.runs``/``count_runs`` keywords)."""
+        return RunFilters(
+            machine=self.machine or None,
+            state=self.state or None,
+            status=self.status or None,
+            parent_run_id=self.parent or None,
+            run_id_prefix=self.q or None,
+            search=self.search(),
+        )
+
     def search(self) -> RunSearch | None:
         """What the search box and the days ask (``None``: nothing)."""
         if not (self.where or self.since or self.until):
@@ -135,34 +147,23 @@ def _day(text: str, name: str) -> dt.datetime:
 COUNT_CAP = 10_000
 
 
-def runs_page(journal: Journal, query: RunsQuery) -> dict[str, Any]:
+def runs_page(journal: Journal, query: RunsQuery, *, counted: bool = True) -> dict[str, Any]:
     """The runs table: newest first, filtered, one page.
 
     Keyset pages both ways: ``before`` the last run shown (older), ``after`` the first (newer).
+    ``counted``: how many runs match, too (``total``; the refreshed rows alone show none).
     """
     backwards = bool(query.after) and not query.before
+    filters = query.filters()
     found = list(
         journal.runs(
-            machine=query.machine or None,
-            state=query.state or None,
-            status=query.status or None,
-            parent_run_id=query.parent or None,
-            run_id_prefix=query.q or None,
             before=query.before or None,
             after=query.after if backwards else None,
             limit=RUNS_PAGE + 1,
-            search=query.search(),
+            **filters,
         )
     )
-    total = journal.count_runs(
-        machine=query.machine or None,
-        state=query.state or None,
-        status=query.status or None,
-        parent_run_id=query.parent or None,
-        run_id_prefix=query.q or None,
-        search=query.search(),
-        at_most=COUNT_CAP + 1,
-    )
+    total = journal.count_runs(at_most=COUNT_CAP + 1, **filters) if counted else None
     more = len(found) > RUNS_PAGE
     older: str | None
     if backwards:  # the runs closest to ``after``: the end of the list
@@ -203,15 +204,9 @@ def bulk_targets(journal: Journal, query: RunsQuery) -> tuple[list[str], bool]:
     """
     if query.status not in ("", "active"):
         return [], False
-    found = journal.runs(
-        machine=query.machine or None,
-        state=query.state or None,
-        status="active",
-        parent_run_id=query.parent or None,
-        run_id_prefix=query.q or None,
-        limit=BULK_LIMIT + 1,
-        search=query.search(),
-    )
+    filters = query.filters()
+    filters["status"] = "active"
+    found = journal.runs(limit=BULK_LIMIT + 1, **filters)
     ids = [run.run_id for run in found]
     return ids[:BULK_LIMIT], len(ids) > BULK_LIMIT
 
