@@ -112,6 +112,43 @@ class TestPages:
         assert server.get("/runs/nope/live").status == 404
 
 
+class TestAMovingRun:
+    """A run that moves between the page's reads: no row past the seq the answer reports.
+
+    The run page and ``/live`` load the run, then read its rows (no snapshot spans the two). A
+    row past the reported seq would come again from the next poll: the browser showed it twice.
+    """
+
+    class StaleLoads:
+        """A journal whose ``load`` answers the run as it was when the page loaded it."""
+
+        def __init__(self, journal, stale):
+            self._journal, self._stale = journal, stale
+
+        def load(self, run_id):
+            return self._stale
+
+        def __getattr__(self, name):
+            return getattr(self._journal, name)
+
+    def test_rows_stop_at_the_loaded_seq(self, tmp_path):
+        with SqliteJournal(tmp_path / "journal.db") as journal:
+            handlers = {p: (lambda ctx: NEXT) for p in "abc"}
+            engine = Engine(linear_spec("a", "b", "c"), handlers=handlers, journal=journal)
+            run_id = engine.start({})
+            engine.step(run_id)
+            stale = journal.load(run_id)
+            engine.run(run_id)  # it moves on after the page loaded it
+            assert journal.load(run_id).seq > stale.seq
+            moving = self.StaleLoads(journal, stale)
+
+            page = views.run_page(moving, run_id, from_seq=None)
+            assert [row["seq"] for row in page["timeline"]] == list(range(stale.seq + 1))
+            update = views.live_update(moving, run_id, after=0)
+            assert [row["seq"] for row in update["rows"]] == list(range(1, stale.seq + 1))
+            assert update["run"].seq == stale.seq
+
+
 class TestBrokenJournals:
     """A missing, foreign or damaged journal is a clear error page, never a stack trace."""
 

@@ -488,7 +488,7 @@ def run_path(
     """
     limit = EXACT_UP_TO if exact_up_to is None else exact_up_to
     if run.seq < limit:
-        whole = journal.transitions(run.run_id)
+        whole = journal.transitions(run.run_id, to_seq=run.seq)  # as the record has it
         return extract(spec, run=run, timeline=whole), subphase_visits(spec, whole)
     moves = journal.transition_counts(run.run_id)
     records = [
@@ -570,7 +570,10 @@ def run_page(
     spec = _spec(journal, run)
     last = max(run.seq - TIMELINE_PAGE + 1, 0)
     start = last if from_seq is None else min(max(from_seq, 0), last)
-    timeline = journal.transitions(run.run_id, from_seq=start, to_seq=start + TIMELINE_PAGE - 1)
+    # Rows up to the run's own seq, never past it: the run may move on between the two reads
+    # (no snapshot spans them), and a row past the page's seq would come again from ``/live``.
+    end = min(start + TIMELINE_PAGE - 1, run.seq)
+    timeline = journal.transitions(run.run_id, from_seq=start, to_seq=end)
     graph, visits = run_path(journal, spec, run)
     iterations = journal.iterations(run.run_id)
     effects = journal.effects(run.run_id)
@@ -614,7 +617,9 @@ def live_update(journal: Journal, run_id: str, after: int) -> dict[str, Any]:
     # One page of rows at most (the page keeps that many): a run that raced ahead of the
     # page's last poll is not sent whole.
     start = max(after + 1, run.seq - TIMELINE_PAGE + 1)
-    new = journal.transitions(run.run_id, from_seq=start) if run.seq > after else []
+    # Up to the seq this answer reports (the run may have moved since it was loaded): the rows
+    # past it come with the next poll, once.
+    new = journal.transitions(run.run_id, from_seq=start, to_seq=run.seq) if run.seq > after else []
     spec = _spec(journal, run) if new else None
     return {
         "run": run,
