@@ -304,8 +304,16 @@ END"""
 RUN_COLUMNS_V8 = "run_key, " + RUN_COLUMNS_V6 + ", abort_token"
 
 
+def undo_v12(conn) -> None:
+    """Turn a journal's schema back from version 12 to 11: no index of the ended runs' states."""
+    conn.execute("DROP INDEX idx_run_rows_outcomes")
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0012_outcomes'")
+    conn.execute("UPDATE meta SET value = '11' WHERE key = 'schema_version'")
+
+
 def undo_v11(conn) -> None:
-    """Turn a journal's schema back from version 11 to 10: no digests."""
+    """Turn a journal's schema back from version 12 to 10: no digests."""
+    undo_v12(conn)
     for table in ("transitions", "run_rows", "iterations", "effects", "artifacts"):
         conn.execute(f"ALTER TABLE {table} DROP COLUMN digest")
     conn.execute("DELETE FROM meta WHERE key LIKE 'digests_%'")
@@ -594,5 +602,5 @@ def rename_run(path, old: str, new: str) -> None:
 #: by the version they leave it at (each undoes the migrations above it, in turn).
 UNDO_TO_VERSION = {
     3: undo_v4, 4: undo_v5, 5: undo_v6, 6: undo_v7, 7: undo_v8, 8: undo_v9, 9: undo_v10,
-    10: undo_v11,
+    10: undo_v11, 11: undo_v12,
 }  # fmt: skip

@@ -969,16 +969,16 @@ def index_dropped(tmp_path: Path) -> Scene:
     [
         (
             fence_damaged,
-            ["schema: trigger transitions_fence differs from schema version 11"],
+            ["schema: trigger transitions_fence differs from schema version 12"],
             False,
         ),
         (fence_dropped, ["schema: trigger transitions_fence is missing"], False),
-        (extra_trigger, ["schema: trigger forget is not part of schema version 11"], False),
+        (extra_trigger, ["schema: trigger forget is not part of schema version 12"], False),
         (index_dropped, ["schema: index idx_run_rows_ready is missing"], True),
         (
             view_not_utf8,
             [
-                "schema: view runs differs from schema version 11",
+                "schema: view runs differs from schema version 12",
                 f"runs {DONE_RUN}, {RUN}: cannot be read: journal ",
             ],
             False,

@@ -754,7 +754,7 @@ class TestSqliteFile:
             ]  # fmt: skip
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "11"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "12"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             engine = Engine(loop_spec(), handlers=handlers, journal=journal)
             assert engine.run(run_ids[2], max_steps=3).seq == 13
@@ -790,7 +790,7 @@ class TestSqliteFile:
             assert "run_key" not in {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "11"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "12"
             assert {run_id: journal.load(run_id) for run_id in run_ids} == heads
             assert {run_id: journal.transitions(run_id) for run_id in run_ids} == histories
             assert [run.run_id for run in journal.runs()] == listed
@@ -825,7 +825,7 @@ class TestSqliteFile:
             conn.execute("UPDATE run_rows SET abort_reason = 'operator asked'")
 
         with SqliteJournal(path) as journal:  # migrated: the request now fences the holder
-            assert journal.meta()["schema_version"] == "11"
+            assert journal.meta()["schema_version"] == "12"
             with pytest.raises(RunConflictError) as info:
                 advance(journal, run, "done", status=RunLifecycle.SUCCEEDED)
             assert info.value.abort_reason == "operator asked"
@@ -1093,12 +1093,12 @@ class TestSqliteSchemaObjects:
         [
             (
                 "ALTER TABLE artifacts RENAME COLUMN sha256 TO sha1",
-                "schema: table artifacts differs from schema version 11 (columns sha1, sha256)",
+                "schema: table artifacts differs from schema version 12 (columns sha1, sha256)",
             ),
             ("DROP INDEX idx_artifacts_run_id_name", "schema: index idx_artifacts_run_id_name is"),
             (
                 "CREATE UNIQUE INDEX one_per_state ON transitions (to_state)",
-                "schema: index one_per_state is not part of schema version 11",
+                "schema: index one_per_state is not part of schema version 12",
             ),
         ],
     )
@@ -1159,7 +1159,7 @@ class TestSqliteSchemaObjects:
             assert isinstance(refused, JournalError)
             assert "trigger transitions_fence" in str(refused)
             assert journal.schema_problems() == [
-                "schema: trigger transitions_fence differs from schema version 11"
+                "schema: trigger transitions_fence differs from schema version 12"
                 " (damaged or edited by hand)"
             ]
         assert path.read_bytes() == before

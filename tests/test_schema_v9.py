@@ -393,7 +393,7 @@ class TestMigration:
             conn.close()
 
         with SqliteJournal(path) as journal:
-            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "11"
+            assert journal.meta()["schema_version"] == str(SCHEMA_VERSION) == "12"
             assert journal.schema_problems() == []
             assert journal.integrity_problems() == []
             assert {run_id: journal.load(run_id) for run_id in heads} == heads

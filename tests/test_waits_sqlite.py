@@ -108,7 +108,7 @@ def plan(journal: SqliteJournal, query: str, params: Any) -> list[str]:
 
 class TestSchema:
     def test_version_10_objects(self, journal):
-        assert journal.meta()["schema_version"] == "11"
+        assert journal.meta()["schema_version"] == "12"
         assert journal.schema_problems() == []
         columns = [r[1] for r in rows(journal, "SELECT * FROM pragma_table_info('signals')")]
         assert columns == [

@@ -44,7 +44,7 @@ __all__ = ["MIGRATIONS", "PYTHON_STEPS", "SCHEMA_VERSION", "integrity_problems",
 _FORMAT: Final = "fsm_runner journal"
 
 #: The schema version this fsm_runner writes; a schema with a higher one is refused.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 _M0001_INITIAL = """
 CREATE TABLE meta (key text PRIMARY KEY, value text);
@@ -275,6 +275,20 @@ ALTER TABLE artifacts ADD COLUMN digest text;
 UPDATE meta SET value = '9' WHERE key = 'schema_version';
 """
 
+# How many runs stand in each state, and which (issue 32; the SQLite journal's migration 12).
+# ``ended_state``: an ended run's state, a generated column NULL while the run is active (a plain
+# step changes neither it nor any other indexed column: it stays a HOT update), under an index of
+# the ended runs by state, machine and status: a listing by state reads one range of it and of
+# the claims' indexes (``runs_ready`` holds the state of the active runs nobody holds; the few
+# due or leased runs are read from theirs) instead of every run, and a machine's counts per state
+# and status read those indexes alone (this one whole: PostgreSQL before 18 has no skip scan).
+_M0010_OUTCOMES = """
+ALTER TABLE runs ADD COLUMN ended_state text GENERATED ALWAYS AS
+    (CASE WHEN status <> 'active' THEN state END) STORED;
+CREATE INDEX runs_outcomes ON runs (ended_state, machine, status) WHERE ended_state IS NOT NULL;
+UPDATE meta SET value = '10' WHERE key = 'schema_version';
+"""
+
 #: ``(version, name, SQL)``, in order; a journal at version N lacks every migration above N.
 MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (1, "m0001_initial", _M0001_INITIAL),
@@ -286,6 +300,7 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
     (7, "m0007_claim_prune_indexes", _M0007_CLAIM_PRUNE_INDEXES),
     (8, "m0008_waits", _M0008_WAITS),
     (9, "m0009_digests", _M0009_DIGESTS),
+    (10, "m0010_outcomes", _M0010_OUTCOMES),
 )
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 #: A migration's step in Python, run right after its SQL (in the same transaction): what SQL

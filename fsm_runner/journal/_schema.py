@@ -685,6 +685,28 @@ def m0010_waits(db: sqlite_utils.Database) -> None:
 
 _migrations()(m0011_digests)  # version 11: a module of its own (this one's size)
 
+#: The ended runs by machine, state and status (schema version 12).
+_OUTCOMES_V12 = (
+    "CREATE INDEX idx_run_rows_outcomes ON run_rows (machine, state, status)"
+    " WHERE status != 'active'"
+)
+
+
+@_migrations()
+def m0012_outcomes(db: sqlite_utils.Database) -> None:
+    """Version 12: how many runs stand in each state, and which, from indexes (issue 32).
+
+    ``idx_run_rows_outcomes``: the ended runs by machine, state and status, partial to them
+    (an ended run's row no longer changes: the entry is written once, when the run ends, and
+    never by a step). A machine's counts per state and status are then ranges of it and of
+    the claims' indexes (the active runs nobody holds: their rows are their heads), with the
+    leased runs alone read through the ``runs`` view; a listing by state reads the same
+    indexes (the ended runs' covering) instead of every run through the view.
+    """
+    db.execute(_OUTCOMES_V12)
+    db.execute("UPDATE meta SET value = '12' WHERE key = 'schema_version'")
+
+
 _MIGRATION_VERSIONS = {
     "m0001_initial": 1,
     "m0002_iterations_artifacts": 2,
@@ -697,4 +719,5 @@ _MIGRATION_VERSIONS = {
     "m0009_claims_prune_pages": 9,
     "m0010_waits": 10,
     "m0011_digests": 11,
+    "m0012_outcomes": 12,
 }

@@ -17,7 +17,7 @@ __all__ = ["SCHEMA_VERSION", "create"]
 
 
 #: The schema version these objects are.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: ``PRAGMA application_id`` (set by the caller).
 APPLICATION_ID = 0x46534D52
 #: The migrations these objects are the result of, in order.
@@ -33,10 +33,11 @@ MIGRATIONS = (
     "m0009_claims_prune_pages",
     "m0010_waits",
     "m0011_digests",
+    "m0012_outcomes",
 )
 #: The ``meta`` rows the migrations write.
 META = (
-    ("schema_version", "11"),
+    ("schema_version", "12"),
     ("format", "fsm_runner journal"),
 )
 #: The schema objects, in the order SQLite holds them.
@@ -223,6 +224,7 @@ SELECT r.run_id, r.machine, r.spec_hash,
     """CREATE INDEX idx_run_rows_due ON run_rows (machine, wake_at) WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL""",
     """CREATE INDEX idx_signals_run ON signals (run_key, number)""",
     """CREATE UNIQUE INDEX idx_signals_id ON signals (run_key, signal_id) WHERE signal_id IS NOT NULL""",
+    """CREATE INDEX idx_run_rows_outcomes ON run_rows (machine, state, status) WHERE status != 'active'""",
 )
 
 

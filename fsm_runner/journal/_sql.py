@@ -108,6 +108,13 @@ class SqlDialect:
     #: Whether an effect's row carries a digest of its values, bound after them in
     #: :attr:`put_effect` (SQLite's schema 11, PostgreSQL's 9).
     effect_digests: bool = False
+    #: The keys of the runs standing in a state, as a subquery whose every parameter is that
+    #: state, when a listing by state is better served by it than by ``state = ?`` on the
+    #: ``runs`` view (SQLite: the ended runs' index and the claims', instead of every run).
+    state_keys: str | None = None
+    #: A machine's runs counted per ``(state, status)``, as rows that may name a pair more than
+    #: once (summed), whose every parameter is the machine; ``None``: grouped from ``runs``.
+    state_counts: str | None = None
 
 
 class SqlConnections(Protocol):
@@ -148,6 +155,10 @@ def _run_filters(
     where: list[str] = []
     params: list[Any] = []
     status = RunLifecycle(status).value if status is not None else None
+    if state is not None and dialect.state_keys is not None:
+        where.append(f"{dialect.row_order} IN ({dialect.state_keys})")
+        params += [state] * dialect.state_keys.count(m)
+        state = None
     if status is not None and dialect.active_keys is not None:
         if status == RunLifecycle.ACTIVE.value:
             where.append(f"{dialect.row_order} IN ({dialect.active_keys})")
@@ -556,12 +567,16 @@ class SqlCore:
 
     def run_counts(self, *, machine: str) -> dict[tuple[str, str], int]:
         """Return how many runs of ``machine`` there are per (state, status), now."""
-        _, rows = self._select(
-            f"SELECT state, status, count(*) FROM runs WHERE machine = {self.dialect.mark}"
-            " GROUP BY state, status",
-            (machine,),
-        )
-        return {(str(state), str(status)): int(count) for state, status, count in rows}
+        m, query = self.dialect.mark, self.dialect.state_counts
+        if query is None:
+            query = f"SELECT state, status, count(*) FROM runs WHERE machine = {m}"
+            query += " GROUP BY state, status"
+        _, rows = self._select(query, [machine] * query.count(m))
+        counts: dict[tuple[str, str], int] = {}
+        for state, status, count in rows:
+            key = (str(state), str(status))
+            counts[key] = counts.get(key, 0) + int(count)
+        return counts
 
     def transition_counts(self, run_id: str) -> list[tuple[str | None, str, str, int, int]]:
         """How often the run took each move: ``(from, event, to, count, last seq)``, by last seq."""

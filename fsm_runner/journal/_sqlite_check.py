@@ -43,7 +43,7 @@ __all__ = [
 #: ``PRAGMA application_id`` of every fsm_runner journal ("FSMR"): tells ours from foreign files.
 APPLICATION_ID = 0x46534D52
 #: The schema version this fsm_runner writes; a journal with a higher one is refused.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: The schema objects whose SQL is fsm_runner's own text — the ``runs`` view and the triggers —
 #: by (type, name): their table, and a digest of their SQL with whitespace normalised, as the
 #: current schema version has them. Checked at every open; a test keeps it equal to a new

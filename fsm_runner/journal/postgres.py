@@ -129,6 +129,10 @@ _PUT_EFFECT = (
     + ", ".join(f"{c} = EXCLUDED.{c}" for c in (*_rows.EFFECT_COLUMNS[3:], "digest"))
     + ", rowid = DEFAULT"
 )
+# The active runs the partial indexes ``runs_due`` and ``runs_leased`` hold (as their predicates).
+_DUE = "status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL"
+_LEASED = "status = 'active' AND lease_owner IS NOT NULL"
+
 _DIALECT = SqlDialect(
     mark="%s",
     run_table="runs",
@@ -140,6 +144,23 @@ _DIALECT = SqlDialect(
     stale_bound=lambda: ("clock_timestamp()", []),
     json_match=postgres_json_match,
     effect_digests=True,
+    # The ended runs' index, the claims' (ready: its state; due, leased: few runs), as SQLite's.
+    state_keys=(
+        "SELECT rowid FROM runs WHERE ended_state = %s UNION ALL"
+        " SELECT rowid FROM runs WHERE ready_state = %s UNION ALL"
+        f" SELECT rowid FROM runs WHERE {_DUE} AND state = %s UNION ALL"
+        f" SELECT rowid FROM runs WHERE {_LEASED} AND state = %s"
+    ),
+    state_counts=(
+        "SELECT ended_state, status, count(*) FROM runs WHERE machine = %s"
+        " AND ended_state IS NOT NULL GROUP BY ended_state, status UNION ALL"
+        " SELECT ready_state, 'active', count(*) FROM runs WHERE machine = %s"
+        " AND ready_state IS NOT NULL GROUP BY ready_state UNION ALL"
+        f" SELECT state, status, count(*) FROM runs WHERE machine = %s AND {_DUE}"
+        " GROUP BY state, status UNION ALL"
+        f" SELECT state, status, count(*) FROM runs WHERE machine = %s AND {_LEASED}"
+        " GROUP BY state, status"
+    ),
 )
 #: A transition's columns as :meth:`PostgresJournal.transitions` reads them: with its digest.
 _TRANSITION_READ = (*TRANSITION_COLUMNS, "digest")

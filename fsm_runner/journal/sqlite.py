@@ -70,6 +70,14 @@ def _stale_bound() -> tuple[str, list[Any]]:
     return "?", [format_utc(utc_now())]
 
 
+# The active runs, in the three parts the claims' partial indexes hold: nobody holds them and
+# they have no wake time (idx_run_rows_ready), or one (idx_run_rows_due); or leased
+# (idx_run_rows_leased). The rows of the first two are their heads; a leased run's is its
+# head only through the ``runs`` view (its steps write transitions alone until it is released).
+_READY = "status = 'active' AND lease_owner IS NULL AND wake_at IS NULL"
+_DUE = "status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL"
+_LEASED = "status = 'active' AND lease_owner IS NOT NULL"
+
 _DIALECT = SqlDialect(
     mark="?",
     run_table="run_rows",
@@ -83,11 +91,28 @@ _DIALECT = SqlDialect(
     list_by_created=False,
     effect_digests=True,
     active_keys=(  # the claims' three indexes: ready, due (a wake time), leased
-        "SELECT run_key FROM run_rows WHERE status = 'active' AND lease_owner IS NULL"
-        " AND wake_at IS NULL UNION ALL SELECT run_key FROM run_rows WHERE status = 'active'"
-        " AND lease_owner IS NULL AND wake_at IS NOT NULL"
-        " UNION ALL SELECT run_key FROM run_rows WHERE status = 'active'"
-        " AND lease_owner IS NOT NULL"
+        f"SELECT run_key FROM run_rows WHERE {_READY} UNION ALL"
+        f" SELECT run_key FROM run_rows WHERE {_DUE} UNION ALL"
+        f" SELECT run_key FROM run_rows WHERE {_LEASED}"
+    ),
+    # The ended runs' index (covering: their rows are their heads), the claims' indexes of
+    # the active runs nobody holds (so are theirs), and the few leased runs through the view.
+    state_keys=(
+        "SELECT run_key FROM run_rows WHERE status != 'active' AND state = ? UNION ALL"
+        f" SELECT run_key FROM run_rows WHERE {_READY} AND state = ? UNION ALL"
+        f" SELECT run_key FROM run_rows WHERE {_DUE} AND state = ? UNION ALL"
+        f" SELECT run_key FROM runs WHERE run_key IN (SELECT run_key FROM run_rows WHERE {_LEASED})"
+        " AND state = ?"
+    ),
+    state_counts=(
+        "SELECT state, status, count(*) FROM run_rows WHERE machine = ? AND status != 'active'"
+        " GROUP BY state, status UNION ALL"
+        f" SELECT state, 'active', count(*) FROM run_rows WHERE machine = ? AND {_READY}"
+        " GROUP BY state UNION ALL"
+        f" SELECT state, 'active', count(*) FROM run_rows WHERE machine = ? AND {_DUE}"
+        " GROUP BY state UNION ALL"
+        " SELECT state, status, count(*) FROM runs WHERE run_key IN"
+        f" (SELECT run_key FROM run_rows WHERE machine = ? AND {_LEASED}) GROUP BY state, status"
     ),
 )
 

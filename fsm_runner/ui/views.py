@@ -163,8 +163,11 @@ def runs_page(journal: Journal, query: RunsQuery, *, counted: bool = True) -> di
             **filters,
         )
     )
-    total = journal.count_runs(at_most=COUNT_CAP + 1, **filters) if counted else None
     more = len(found) > RUNS_PAGE
+    total = None
+    if counted:  # the first page's rows, when they are all: no second read (a search's scan)
+        whole = not (query.before or query.after or more)
+        total = len(found) if whole else journal.count_runs(at_most=COUNT_CAP + 1, **filters)
     older: str | None
     if backwards:  # the runs closest to ``after``: the end of the list
         found = found[-RUNS_PAGE:]

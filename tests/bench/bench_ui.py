@@ -4,6 +4,7 @@ Run from the repository root::
 
     python tests/bench/bench_ui.py [--runs 100000] [--transitions 10000] [--repeat 15]
     python tests/bench/bench_ui.py --journal postgresql://root@127.0.0.1/test   # a schema of its own
+    python tests/bench/bench_ui.py --scale [--runs 1000000] [--small 10000]
 
 Fills a journal (SQLite by default) with ``--runs`` runs of a three-phase machine (a third of
 them finished) and one run of a four-state loop with ``--transitions`` transitions. Then, in the
@@ -12,12 +13,18 @@ directly: routing, the journal's reads, the page's rendering; no network), and, 
 baseline, the equivalent `fsm-runner runs` / `show` command run in-process (click's runner:
 opening the journal, the same reads, printing; no interpreter start-up). Prints the ratio and
 PASS/FAIL against the targets: at most 2x the CLI's time and under 100 ms.
+
+``--scale``: the same pages (every filter of the runs list, page 50, the machine page, the run
+page of a 20,000-transition run) on a small journal and a big one (1,000,000 runs by default,
+built by SQL: :func:`~tests.bench.scale_journals.build_ui_journal`), interleaved; prints each
+page's median server time on both, the ratio, and PASS/FAIL against 300 ms on the big one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import os
 import platform
 import statistics
@@ -38,8 +45,10 @@ from click.testing import CliRunner  # noqa: E402 - after the path set-up
 from fsm_runner import Engine  # noqa: E402
 from fsm_runner.cli import cli  # noqa: E402
 from fsm_runner.journal import open_journal  # noqa: E402
+from fsm_runner.records import utc_now  # noqa: E402
 from fsm_runner.ui.app import create_app  # noqa: E402
 from tests.bench.bench_cli import add_runs  # noqa: E402
+from tests.bench.scale_journals import build_ui_journal  # noqa: E402
 from tests.helpers import NEXT, loop_spec  # noqa: E402
 
 TARGET_RATIO = 2.0
@@ -170,13 +179,112 @@ def measure(location: str, long_run: str, repeat: int) -> bool:
     return ok
 
 
+#: ``--scale``: the most server time a page may take on the big journal.
+SCALE_TARGET_MS = 300.0
+
+
+def scale_journal(path: Path, runs: int, transitions: int) -> str:
+    """``runs`` runs built by SQL (:func:`build_ui_journal`), then one long loop run."""
+    build_ui_journal(path, runs)
+    with open_journal(str(path)) as journal:
+        looping = Engine(loop_spec(), handlers={"noop": lambda _ctx: NEXT}, journal=journal)
+        long_run = looping.start({"long": True})
+        looping.run(long_run, max_steps=transitions - 1)
+        looping.close()
+    return long_run
+
+
+def scale_pages(location: str, long_run: str) -> list[tuple[str, str, str]]:
+    """Every page of the runs list's filters, page 50, the machine page and the long run's."""
+    with open_journal(location, create=False) as journal:
+        newest = journal.runs(limit=2_500)
+        failed = journal.runs(status="failed", limit=1)[0]
+    some = newest[5].run_id
+    week = (utc_now() - dt.timedelta(days=7)).date().isoformat()
+    month = (utc_now() - dt.timedelta(days=20)).date().isoformat()
+    return [
+        ("runs page (newest 50)", "/runs", 'class="run'),
+        ("runs page 50 (keyset)", f"/runs?before={newest[-51].run_id}", 'class="run'),
+        ("machine=bench", "/runs?machine=bench", 'class="run'),
+        ("status=active", "/runs?status=active", 'class="run'),
+        ("status=failed", "/runs?status=failed", 'class="run'),
+        ("state=b", "/runs?state=b", 'class="run'),
+        ("state=nowhere (no run)", "/runs?state=nowhere", "No runs"),
+        ("machine=bench&state=done", "/runs?machine=bench&state=done", 'class="run'),
+        ("id prefix", f"/runs?q={some[:6]}", some[:12]),
+        ("since a week ago", f"/runs?since={week}", 'class="run'),
+        ("until 20 days ago", f"/runs?until={month}", 'class="run'),
+        ("since a week ago, input.n = (a failed run's)",
+         f"/runs?since={week}&where=input.n+%3D+{failed.input['n']}", failed.run_id[:12]),
+        ("machine page, bench (counts of every run)", "/machines/bench", "badge"),
+        ("run page, 20,000 transitions", f"/runs/{long_run}", 'data-seq="'),
+        ("live update of the long run (nothing new)", f"/runs/{long_run}/live?after=99999999",
+         '"seq"'),
+    ]  # fmt: skip
+
+
+def scale(args: argparse.Namespace) -> bool:
+    """The same pages on a small journal and a big one: server time, ratio, PASS under 300 ms."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sites = {}
+        for label, runs in (("small", args.small), ("big", args.runs)):
+            path = Path(tmp) / f"{label}.db"
+            started = time.perf_counter()
+            long_run = scale_journal(path, runs, args.transitions)
+            print(f"{label} journal: {runs:,} runs + one of {args.transitions:,} transitions"
+                  f" ({time.perf_counter() - started:.1f} s to build)")  # fmt: skip
+            sites[label] = (Asgi(str(path)), scale_pages(str(path), long_run))
+        print(
+            f"\n  {'page':<46} {'small':>9} {'big':>9}  big/small  big < {SCALE_TARGET_MS:.0f} ms"
+        )
+        ok = True
+        rows = zip(sites["small"][1], sites["big"][1], strict=True)
+        for (label, small_path, small_holds), (_, big_path, big_holds) in rows:
+            times = {}
+            for _round in range(args.repeat):  # interleaved: small, big, small, big ...
+                for name, path, holds in (("small", small_path, small_holds),
+                                          ("big", big_path, big_holds)):  # fmt: skip
+                    call = page_call(sites[name][0], path, holds)
+                    if name not in times:
+                        call()  # warm
+                        times[name] = []
+                    started = time.perf_counter()
+                    call()
+                    times[name].append((time.perf_counter() - started) * 1000)
+            small_ms, big_ms = (statistics.median(times[n]) for n in ("small", "big"))
+            passed = big_ms < SCALE_TARGET_MS
+            ok &= passed
+            print(f"  {label:<46} {small_ms:7.1f}ms {big_ms:7.1f}ms  {big_ms / small_ms:8.2f}x"
+                  f"  {'PASS' if passed else 'FAIL'}")  # fmt: skip
+        for asgi, _ in sites.values():
+            asgi.app.state.inspector.close_journal()
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=100_000)
-    parser.add_argument("--transitions", type=int, default=10_000)
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--transitions", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--journal", help="a PostgreSQL URL (a schema of its own is made)")
+    parser.add_argument(
+        "--scale", action="store_true",
+        help="small against big SQLite journals built by SQL (--small, --runs: 1,000,000)",
+    )  # fmt: skip
+    parser.add_argument("--small", type=int, default=10_000)
     args = parser.parse_args()
+    if args.scale:
+        args.runs = args.runs or 1_000_000
+        args.transitions = args.transitions or 20_000
+        print(
+            f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cores;"
+            f" median of {args.repeat} requests each, interleaved, in-process\n"
+        )
+        ok = scale(args)
+        print("\nPASS" if ok else "\nFAIL")
+        return 0 if ok else 1
+    args.runs = args.runs or 100_000
+    args.transitions = args.transitions or 10_000
     print(
         f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cores; "
         f"median of {args.repeat} requests / commands each, in-process\n"

@@ -95,3 +95,81 @@ def build_check_journal(path: Path, runs: int, *, spread: dt.timedelta | None = 
 def run_id_of(n: int) -> str:
     """A run id as random in key order as uuid4's, but the same in every build."""
     return hashlib.md5(f"run {n}".encode(), usedforsecurity=False).hexdigest()
+
+
+#: What the inspector's journal holds, run ``i`` by ``i % 6``: a third done, a sixth failed, half
+#: active (waiting in its first or second phase, unleased: what a worker would claim next).
+UI_KINDS = ("done", "a", "b", "done", "a", "failed")
+
+
+def build_ui_journal(path: Path, runs: int, *, days: float = 30.0) -> None:
+    """``runs`` runs of bench_ui's 3-phase machine ``bench``, built fast for the inspector's bench.
+
+    One run of each kind (:data:`UI_KINDS`) is made by the engine; run ``i`` (``0 <= i < runs``)
+    is a copy of its kind's, with id :func:`run_id_of` ``(i)``, input ``{"n": i}`` and its own
+    times: created in key order over the last ``days`` days, updated a second later. (The copies'
+    digests are their templates': the inspector's pages do not verify them, ``check`` would.)
+    """
+
+    def failing(_ctx: object) -> str:
+        raise RuntimeError("the bench's failed run")
+
+    spec = MachineSpec(
+        "bench",
+        [State(p, handler=p) for p in "abc"]
+        + [State("done", terminal=True), State("failed", terminal=True, outcome="failed")],
+        [Transition(p, NEXT, q) for p, q in zip("abc", ["b", "c", "done"], strict=True)]
+        + [Transition("*", "SYSTEM_ERROR", "failed")],
+    )
+    with SqliteJournal(path) as journal:
+        ok = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
+        bad = Engine(spec, handlers={"a": failing, "b": failing, "c": failing}, journal=journal)
+        made = {"done": ok.start({}), "a": ok.start({}), "b": ok.start({}), "failed": bad.start({})}
+        ok.run(made["done"])
+        ok.step(made["b"])
+        bad.run(made["failed"])
+        ok.close()
+        bad.close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.create_function("run_id_of", 1, run_id_of, deterministic=True)
+    keys = {kind: conn.execute("SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()[0]
+            for kind, run_id in made.items()}  # fmt: skip
+    (base,) = conn.execute("SELECT max(run_key) + 1 FROM run_rows").fetchone()
+    conn.execute("CREATE TEMP TABLE kinds (mod INTEGER PRIMARY KEY, template INTEGER)")
+    conn.executemany(
+        "INSERT INTO kinds VALUES (?, ?)", [(i, keys[k]) for i, k in enumerate(UI_KINDS)]
+    )
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(run_rows)")]
+    copied = [
+        c for c in columns if c not in ("run_key", "run_id", "input", "created_at", "updated_at")
+    ]
+    tcolumns = [row[1] for row in conn.execute("PRAGMA table_info(transitions)")]
+    tcopied = [c for c in tcolumns if c not in ("run_key", "run_id")]
+    oldest = (utc_now() - dt.timedelta(days=days)).timestamp()
+    step = days * 86400 / max(runs, 1)
+    stamp = (
+        "strftime('%Y-%m-%dT%H:%M:%f', :oldest + n.i * :step + {back}, 'unixepoch') || '000+00:00'"
+    )
+    for start in range(0, runs, _BATCH):
+        end = min(start + _BATCH, runs) - 1
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT :first UNION ALL SELECT i + 1 FROM n WHERE i < :last)"
+            f" INSERT INTO run_rows (run_key, run_id, input, created_at, updated_at, {', '.join(copied)})"
+            f" SELECT :base + n.i, run_id_of(n.i), json_object('n', n.i), {stamp.format(back=0)},"
+            f" {stamp.format(back=1)}, {', '.join('t.' + c for c in copied)}"
+            f" FROM n JOIN kinds AS k ON k.mod = n.i % {len(UI_KINDS)}"
+            " JOIN run_rows AS t ON t.run_key = k.template ORDER BY n.i",
+            {"first": start, "last": end, "base": base, "oldest": oldest, "step": step},
+        )
+        conn.execute(
+            f"INSERT INTO transitions (run_key, run_id, {', '.join(tcopied)})"
+            f" SELECT r.run_key, r.run_id, {', '.join('t.' + c for c in tcopied)}"
+            f" FROM run_rows AS r JOIN kinds AS k ON k.mod = (r.run_key - :base) % {len(UI_KINDS)}"
+            " JOIN transitions AS t ON t.run_key = k.template"
+            " WHERE r.run_key BETWEEN :base + :first AND :base + :last ORDER BY r.run_key, t.seq",
+            {"first": start, "last": end, "base": base},
+        )
+        conn.execute("COMMIT")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
