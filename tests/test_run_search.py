@@ -105,6 +105,29 @@ def test_counts_with_the_same_filters_capped(journal, runs):
     assert journal.count_runs(state="waiting") == 8
 
 
+def test_the_last_updated_first_with_its_pages(journal, runs):
+    with Engine(waiting_spec("orders"), handlers={}, journal=journal) as engine:
+        for index in (3, 0):
+            engine.abort(runs[index], reason="moved on")  # updated now, in this order
+    with Engine(waiting_spec("other"), handlers={}, journal=journal) as engine:
+        engine.abort(runs[6], reason="moved on")
+    untouched = [run_id for run_id in reversed(runs) if run_id not in (runs[3], runs[0], runs[6])]
+    expected = [runs[6], runs[0], runs[3], *untouched]
+    listed = journal.runs(by_update=True)
+    assert [run.run_id for run in listed] == expected
+    stamps = [run.updated_at for run in listed]
+    assert stamps == sorted(stamps, reverse=True)
+    first = journal.runs(by_update=True, limit=3)
+    assert [run.run_id for run in first] == expected[:3]
+    second = journal.runs(by_update=True, limit=3, before=first[-1].run_id)
+    assert [run.run_id for run in second] == expected[3:6]
+    back = journal.runs(by_update=True, limit=3, after=second[0].run_id)
+    assert [run.run_id for run in back] == expected[:3]
+    mine = journal.runs(by_update=True, machine="orders", status="aborted")
+    assert [run.run_id for run in mine] == [runs[0], runs[3]]
+    assert [run.run_id for run in journal.runs()][:3] == list(reversed(runs))[:3]  # as before
+
+
 @pytest.mark.parametrize(
     "text",
     [

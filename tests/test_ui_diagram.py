@@ -206,14 +206,39 @@ def _overlaps(a: Box, b: Box) -> bool:
     return overlap((a.x, a.y, a.w, a.h), (b.x, b.y, b.w, b.h))
 
 
-def test_a_host_without_dot_gets_the_builtin_layout(journal, tmp_path):
-    """``dot`` not on PATH: the page is drawn all the same, by the built-in layout."""
-    bare = tmp_path / "bin"  # sys.executable runs the server: it needs nothing on PATH
-    bare.mkdir()
+@pytest.fixture(scope="module")
+def server_without_dot(journal, tmp_path_factory):
+    """A server on a host without Graphviz: ``dot`` is not on its PATH."""
+    bare = tmp_path_factory.mktemp("bin")  # sys.executable runs the server: it needs no PATH
     server = Server(str(journal[0]), env={"PATH": str(bare)})
-    try:
-        body = server.get(f"/machines/{SPECS['agent_loop'].name}").body
-    finally:
-        server.stop()
-    assert 'data-layout="builtin"' in body
+    yield server
+    server.stop()
+
+
+def test_a_host_without_dot_gets_the_builtin_layout_and_the_dot_for_the_page(server_without_dot):
+    """``dot`` not on PATH: the server draws its built-in layout, and gives the page the DOT."""
+    body = server_without_dot.get(f"/machines/{SPECS['agent_loop'].name}").body
+    assert 'data-layout="builtin" data-dot="digraph layout {' in body
     assert '<g class="badge" data-state="queued">' in body
+    assert 'data-layout-id="e0" data-stack="0 1"' in body
+    viz = server_without_dot.get("/static/viz-global.js")
+    assert viz.status == 200
+    assert viz.body.startswith("/*!\nViz.js 3.31.0")
+
+
+@pytest.mark.parametrize("stem", sorted(SPECS))
+def test_without_dot_the_page_lays_it_out_with_graphviz_in_webassembly(
+    server_without_dot, journal, page, stem
+):
+    """Viz.js in the page: the same Graphviz layout, nothing drawn over a label."""
+    spec = SPECS[stem]
+    url = f"{server_without_dot.url}/runs/{journal[1][stem]}"
+    if stem == "agent_loop":  # its machine page: the badges move with their states
+        url = f"{server_without_dot.url}/machines/{spec.name}"
+    page.goto(url)
+    page.wait_for_selector("svg.fsm[data-layout='viz'] g.node", timeout=20_000)
+    drawn = page.evaluate(MEASURE)
+    assert drawn["layout"] == "viz"
+    assert problems(drawn) == []
+    if stem == "agent_loop":
+        assert f"{MANY:,}" in {badge["count"] for badge in drawn["badges"]}

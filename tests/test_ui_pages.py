@@ -374,6 +374,29 @@ class TestRunsList:
         page.goto(f"{server.url}/runs?machine=many&until={yesterday}")
         assert page.locator("p.total").inner_text() == "0 runs match."
 
+    def test_sorted_by_last_update_page_after_page(self, server, page, journal_path):
+        spec = waiting_spec("sorted")
+        with SqliteJournal(journal_path) as journal, Engine(
+            spec, handlers={}, journal=journal
+        ) as engine:  # fmt: skip
+            started = engine.start_many([{"n": n} for n in range(60)])
+            engine.abort(started[0], reason="the oldest, updated last")
+        shown = lambda: page.locator("#runs-rows tr").evaluate_all(  # noqa: E731
+            "rows => rows.map(row => row.dataset.runId)"
+        )
+        page.goto(f"{server.url}/runs?machine=sorted")
+        assert shown()[0] == started[-1]  # newest started first
+        page.select_option("select[name=sort]", "updated")
+        page.click("form.filters button[type=submit]")
+        by_update = [started[0], *started[:0:-1]]
+        assert shown() == by_update[:50]
+        assert page.locator("select[name=sort]").input_value() == "updated"
+        page.click("a.older")
+        assert shown() == by_update[50:]
+        page.click("a.newer")
+        assert shown() == by_update[:50]
+        assert page.locator("#unsorted").count() == 0
+
     def test_a_search_the_box_does_not_take_is_one_line(self, server, page):
         for query, said in (
             ("where=order.id+%3D+42", "search as input.KEY = VALUE"),

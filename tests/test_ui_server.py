@@ -149,6 +149,23 @@ class TestAMovingRun:
             assert update["run"].seq == stale.seq
 
 
+def test_too_many_runs_to_sort_by_update_are_listed_newest_first(tmp_path, monkeypatch):
+    with SqliteJournal(tmp_path / "journal.db") as journal:
+        engine = Engine(linear_spec("a"), handlers={"a": lambda ctx: NEXT}, journal=journal)
+        ids = [engine.start({}) for _ in range(3)]
+        engine.run(ids[0])  # updated last
+        query = views.RunsQuery.from_params({"sort": "updated"})
+        page = views.runs_page(journal, query)
+        assert [run.run_id for run in page["runs"]] == [ids[0], ids[2], ids[1]]
+        assert not page["unsorted"]
+        monkeypatch.setattr(views, "COUNT_CAP", 2)  # more runs match than a page sorts
+        page = views.runs_page(journal, query)
+        assert [run.run_id for run in page["runs"]] == ids[::-1]
+        assert page["unsorted"]
+        with pytest.raises(ValueError, match="sort must be one of updated"):
+            views.RunsQuery.from_params({"sort": "name"})
+
+
 class TestBrokenJournals:
     """A missing, foreign or damaged journal is a clear error page, never a stack trace."""
 

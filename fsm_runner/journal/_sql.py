@@ -493,6 +493,7 @@ class SqlCore:
         stale: bool = False,
         before: str | None = None,
         after: str | None = None,
+        by_update: bool = False,
         **filters: Unpack[RunFilters],
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
@@ -506,7 +507,9 @@ class SqlCore:
         listed after that run (a keyset page: the index is read from there, whatever page);
         ``after``: the ``limit`` runs listed just before that run (the previous page: the index
         read the other way from there, the page then turned newest first); ``search``: runs
-        started in a time range, or holding a value in their input or context.
+        started in a time range, or holding a value in their input or context; ``by_update``:
+        the last updated first instead (sorted: no index holds every run's last update, which
+        moves with each step; meant for a filtered few).
         """
         m = self.dialect.mark
         where, params = _run_filters(self.dialect, **filters)
@@ -519,9 +522,11 @@ class SqlCore:
             )
             params += now_params
         order = [self.dialect.row_order]
-        if self.dialect.list_by_created:
+        if by_update:
+            order.insert(0, "updated_at")
+        elif self.dialect.list_by_created:
             order.insert(0, "created_at")
-        self._keyset(where, params, order, before=before, after=after)
+        self._keyset(where, params, order, before=before, after=after, view=by_update)
         query = f"SELECT {self.dialect.run_select} FROM runs"
         if where:
             query += " WHERE " + " AND ".join(where)
@@ -554,14 +559,19 @@ class SqlCore:
         *,
         before: str | None,
         after: str | None,
+        view: bool = False,
     ) -> None:
-        """Add a keyset page's conditions: the runs listed after ``before``, before ``after``."""
+        """Add a keyset page's conditions: the runs listed after ``before``, before ``after``.
+
+        ``view``: the bound run's key read through the ``runs`` view (its ``updated_at`` is
+        its head's there), not from the run rows alone.
+        """
         key = ", ".join(order)
+        table = "runs" if view else self.dialect.run_table
         for bound, sign in ((before, "<"), (after, ">")):
             if bound is not None:
                 where.append(
-                    f"({key}) {sign} (SELECT {key} FROM {self.dialect.run_table}"
-                    f" WHERE run_id = {self.dialect.mark})"
+                    f"({key}) {sign} (SELECT {key} FROM {table} WHERE run_id = {self.dialect.mark})"
                 )
                 params.append(bound)
 

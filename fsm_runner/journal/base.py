@@ -74,6 +74,7 @@ class ListFilters(RunFilters, total=False):
     stale: bool
     before: str | None
     after: str | None
+    by_update: bool
 
 
 @attrs.frozen
@@ -300,6 +301,7 @@ class Journal(Protocol):
         before: str | None = None,
         after: str | None = None,
         search: RunSearch | None = None,
+        by_update: bool = False,
     ) -> Sequence[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
 
@@ -310,7 +312,10 @@ class Journal(Protocol):
         ``after`` keeps only the runs listed before that run, the ``limit`` closest to it
         (still newest first): the previous page. ``search`` keeps runs started in a range of
         time, or whose input or context holds a value at a path
-        (:class:`~fsm_runner.journal.search.RunSearch`).
+        (:class:`~fsm_runner.journal.search.RunSearch`). ``by_update``: the runs updated last
+        first (then newest first), pages by ``before``/``after`` alike; sorted as they are read
+        (no index holds every run's last update: it moves with each step), so for a
+        filtered few.
         """
 
     def count_runs(

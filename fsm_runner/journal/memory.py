@@ -79,6 +79,15 @@ def _check_pair(run: RunRecord, transition: TransitionRecord) -> None:
         raise ValueError("run.seq and run.state must equal the transition's seq and to_state")
 
 
+def _listed(runs: list[RunRecord], by_update: bool) -> list[RunRecord]:
+    """The runs (in insertion order) newest first, or (``by_update``) updated last first."""
+    ordered = runs[::-1]  # insertion order is creation order
+    ordered.sort(key=lambda run: run.created_at, reverse=True)
+    if by_update:  # stable: runs updated at once stay newest first
+        ordered.sort(key=lambda run: run.updated_at, reverse=True)
+    return ordered
+
+
 def _keyset(runs: list[RunRecord], before: str | None, after: str | None) -> list[RunRecord]:
     """The runs listed after ``before`` and before ``after`` (a keyset page's bounds)."""
     for bound, later in ((before, True), (after, False)):
@@ -451,6 +460,7 @@ class MemoryJournal:
         before: str | None = None,
         after: str | None = None,
         search: RunSearch | None = None,
+        by_update: bool = False,
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered (:meth:`Journal.runs`)."""
         with self._lock:
@@ -461,9 +471,7 @@ class MemoryJournal:
                 for run_id, ledger in self._effects.items()
                 if any(e.status.value == "in_flight" for e in ledger.values())
             }
-        ordered.reverse()  # insertion order is creation order; newest first
-        ordered.sort(key=lambda run: run.created_at, reverse=True)
-        ordered = _keyset(ordered, before, after)
+        ordered = _keyset(_listed(ordered, by_update), before, after)
         wanted = {
             "machine": machine,
             "status": RunLifecycle(status) if status is not None else None,

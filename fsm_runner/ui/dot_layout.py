@@ -38,7 +38,7 @@ from fsm_runner.ui.geometry import (
     title_width,
 )
 
-__all__ = ["MAX_NODES", "lay_out"]
+__all__ = ["MAX_NODES", "browser_dot", "edge_places", "lay_out"]
 
 #: Graphs with more nodes than this get the built-in layout (``dot`` takes seconds on them).
 MAX_NODES = 300
@@ -173,6 +173,33 @@ class _Flip:
         if end is not None:
             parts.append(f"L{end[0]:.1f},{end[1]:.1f}")
         return " ".join(parts)
+
+
+def browser_dot(graph: Graph, counts: Mapping[str, int]) -> str | None:
+    """The DOT the page lays out itself when ``dot`` did not (``None``: too big for a page).
+
+    The inspector serves Viz.js (Graphviz compiled to WebAssembly) with its pages; the
+    browser lays this text out with it and moves what the built-in layout drew to where
+    Graphviz puts it (``relayoutDiagrams`` in ``static/inspector.js``), as :func:`lay_out`
+    would have placed it here.
+    """
+    if len(graph.nodes) + len(graph.composites) > MAX_NODES:
+        return None
+    return layout_dot(graph, counts)
+
+
+def edge_places(graph: Graph) -> list[tuple[str, int, int]]:
+    """Each edge's DOT id in :func:`layout_dot`, and its label's place in the stack there.
+
+    ``(id, k, n)``: the edge is laid out as ``id``, its label the ``k``-th of ``n`` stacked
+    in the place kept for them (a state's loops share one; every other edge is ``k=0, n=1``).
+    """
+    loops = _loops(graph)
+    places = []
+    for index, edge in enumerate(graph.edges):
+        together = loops.get(edge.source, [index]) if edge.source == edge.dest else [index]
+        places.append((f"e{together[0]}", together.index(index), len(together)))
+    return places
 
 
 def lay_out(graph: Graph, counts: Mapping[str, int]) -> Drawing | None:

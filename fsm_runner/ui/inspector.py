@@ -61,7 +61,9 @@ READERS = 4
 #: click on Abort or Fork); styles inline, as the SVG diagram carries its own.
 PAGE_HEADERS = {
     "Content-Security-Policy": (
-        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline';"
+        # wasm-unsafe-eval: Viz.js compiles its WebAssembly (no JavaScript eval is allowed)
+        "default-src 'self'; script-src 'self' 'wasm-unsafe-eval';"
+        " style-src 'self' 'unsafe-inline';"
         " img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self';"
         " frame-ancestors 'none'"
     ),

@@ -376,16 +376,18 @@ def _first_free(taken: _Taken, boxes: Iterable[Box]) -> Box:
     return best
 
 
-def _edge_svg(edge: Edge, path: str, label: Box) -> str:
+def _edge_svg(edge: Edge, path: str, label: Box, place: tuple[str, int, int] | None) -> str:
     classes = _classes(
         "edge",
         edge.kind,
         "traversed" if edge.count else None,
         "wildcard" if edge.wildcard else None,
     )
+    # For the page's own layout (no ``dot`` here): which DOT edge it is, its label's place.
+    layout = f' data-layout-id="{place[0]}" data-stack="{place[1]} {place[2]}"' if place else ""
     return (
         f'<g class="{classes}" data-event="{escape(edge.event)}"'
-        f' data-source="{escape(edge.source)}" data-dest="{escape(edge.dest)}">'
+        f' data-source="{escape(edge.source)}" data-dest="{escape(edge.dest)}"{layout}>'
         f'<path d="{path}" marker-end="url(#arrow{"-on" if edge.count else ""})"/>'
         f'<rect x="{label.x:.1f}" y="{label.y:.1f}" width="{label.w:.1f}"'
         f' height="{label.h:.1f}"/>'
@@ -461,12 +463,17 @@ def render_svg(graph: Graph, *, counts: Mapping[str, int] | None = None) -> str:
         ``g.edge`` per edge and one ``g.badge`` per count.
     """
     counts = counts or {}
-    drawing = dot_layout.lay_out(graph, counts) or _builtin(graph, counts)
+    drawing = dot_layout.lay_out(graph, counts)
+    dot = None  # the DOT the page lays out itself, when Graphviz did not here
+    if drawing is None:
+        drawing = _builtin(graph, counts)
+        dot = dot_layout.browser_dot(graph, counts)
     width, height = drawing.width, drawing.height
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="fsm" role="img"'
         f' data-layout="{drawing.engine}"'
-        f' width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}"'
+        + (f' data-dot="{escape(dot)}"' if dot is not None else "")
+        + f' width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}"'
         f' aria-label="{escape(graph.title)}"><title>{escape(graph.title)}</title>'
         f"<style>{_STYLE}</style><defs>"
         '<marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7"'
@@ -496,7 +503,11 @@ def render_svg(graph: Graph, *, counts: Mapping[str, int] | None = None) -> str:
             f'<g class="initial"><circle class="start" cx="{x:.1f}" cy="{y:.1f}" r="5"/>'
             f'<path d="{path}" stroke="#1f2328" fill="none" marker-end="url(#arrow)"/></g>'
         )
-    parts += [_edge_svg(edge, path, label) for edge, path, label in drawing.edges]
+    places = dict(zip(map(id, graph.edges), dot_layout.edge_places(graph), strict=True))
+    parts += [
+        _edge_svg(edge, path, label, places[id(edge)] if dot is not None else None)
+        for edge, path, label in drawing.edges
+    ]
     parts += [
         _node_svg(node, drawing.boxes[node.name], counts.get(node.name))
         for node in graph.nodes

@@ -89,6 +89,8 @@ class RunsQuery:
     #: Runs started on or after this day (``YYYY-MM-DD``, UTC), and on or before this one.
     since: str = ""
     until: str = ""
+    #: "updated": the runs updated last first (when at most :data:`COUNT_CAP` runs match).
+    sort: str = ""
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> RunsQuery:
@@ -101,6 +103,8 @@ class RunsQuery:
         values = {f.name: params.get(f.name, "").strip() for f in attrs.fields(cls)}
         if values["status"] and values["status"] not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}")
+        if values["sort"] not in SORTS:
+            raise ValueError(f"sort must be one of {', '.join(s for s in SORTS if s)}")
         values["waiting"] = "1" if values["waiting"] not in ("", "0") else ""
         query = cls(**values)
         query.search()  # refused here, once: a page reads a query it took
@@ -145,6 +149,8 @@ def _day(text: str, name: str) -> dt.datetime:
 
 #: The most runs a listing counts ("10,000+ runs" beyond): a count reads every run it counts.
 COUNT_CAP = 10_000
+#: The runs list's orders: newest started first (""), or last updated first.
+SORTS = ("", "updated")
 
 
 def runs_page(journal: Journal, query: RunsQuery, *, counted: bool = True) -> dict[str, Any]:
@@ -155,17 +161,22 @@ def runs_page(journal: Journal, query: RunsQuery, *, counted: bool = True) -> di
     """
     backwards = bool(query.after) and not query.before
     filters = query.filters()
+    total = None
+    by_update = query.sort == "updated"
+    if by_update:  # sorted as read: only where few runs match (their count says)
+        total = journal.count_runs(at_most=COUNT_CAP + 1, **filters)
+        by_update = total <= COUNT_CAP
     found = list(
         journal.runs(
             before=query.before or None,
             after=query.after if backwards else None,
             limit=RUNS_PAGE + 1,
+            by_update=by_update,
             **filters,
         )
     )
     more = len(found) > RUNS_PAGE
-    total = None
-    if counted:  # the first page's rows, when they are all: no second read (a search's scan)
+    if counted and total is None:  # the first page's rows when they are all: no second read
         whole = not (query.before or query.after or more)
         total = len(found) if whole else journal.count_runs(at_most=COUNT_CAP + 1, **filters)
     older: str | None
@@ -190,6 +201,8 @@ def runs_page(journal: Journal, query: RunsQuery, *, counted: bool = True) -> di
         "live": not query.before and not query.after,  # the newest page refreshes itself
         "total": total,
         "count_cap": COUNT_CAP,
+        "sorts": SORTS,
+        "unsorted": query.sort == "updated" and not by_update,  # too many runs to sort
     }
 
 

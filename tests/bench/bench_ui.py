@@ -216,6 +216,8 @@ def scale_pages(location: str, long_run: str) -> list[tuple[str, str, str]]:
         ("until 20 days ago", f"/runs?until={month}", 'class="run'),
         ("since a week ago, input.n = (a failed run's)",
          f"/runs?since={week}&where=input.n+%3D+{failed.input['n']}", failed.run_id[:12]),
+        ("sort=updated (too many: newest started first)", "/runs?sort=updated", 'id="unsorted"'),
+        ("id prefix, sort=updated", f"/runs?q={some[:4]}&sort=updated", some[:12]),
         ("machine page, bench (counts of every run)", "/machines/bench", "badge"),
         ("run page, 20,000 transitions", f"/runs/{long_run}", 'data-seq="'),
         ("live update of the long run (nothing new)", f"/runs/{long_run}/live?after=99999999",

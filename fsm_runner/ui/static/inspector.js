@@ -67,7 +67,9 @@ function setupLive() {
         }
       }
       if (update.diagram) {
-        document.getElementById("diagram").innerHTML = update.diagram;
+        const diagram = document.getElementById("diagram");
+        diagram.innerHTML = update.diagram;
+        relayoutDiagrams(diagram);
       }
       const signals = document.getElementById("signals");
       if (signals && typeof update.signals === "string" && update.signals !== lastSignals) {
@@ -245,7 +247,176 @@ function setupRunsList() {
   window.addEventListener("pagehide", () => window.clearTimeout(timer));
 }
 
+// Diagrams the server could not lay out with Graphviz (no `dot` there): it drew its built-in
+// layout and gave the DOT Graphviz would have laid out (data-dot). Viz.js, Graphviz compiled to
+// WebAssembly and served from here, lays that out in the page, and what was drawn moves to
+// where Graphviz puts it, as fsm_runner/ui/dot_layout.py places it from `dot -Tjson`.
+const LAYOUT_MARGIN = 24; // dot_layout._MARGIN
+const LABEL_H = 14; // geometry.LABEL_H
+const COMPOSITE_PAD = 14; // svg._PAD
+const INITIAL = "$initial"; // diagrams.dot.INITIAL
+let vizReady = null;
+const layouts = new Map(); // DOT text -> Graphviz's answer (a live run's diagram repeats)
+
+function loadViz() {
+  if (vizReady === null) {
+    vizReady = new Promise((resolve, reject) => {
+      const script = document.createElement("script");
+      script.src = "/static/viz-global.js";
+      script.onload = () => window.Viz.instance().then(resolve, reject);
+      script.onerror = reject;
+      document.head.appendChild(script);
+    });
+  }
+  return vizReady;
+}
+
+function numbers(text) {
+  return text.split(",").map(Number);
+}
+
+// The moves of one diagram to Graphviz's places: computed whole before any is made, so an
+// answer not as expected leaves the built-in layout as it was.
+function layoutMoves(svg, answer) {
+  const [, , width, height] = numbers(answer.bb);
+  const point = (text) => {
+    const [x, y] = numbers(text);
+    return [x + LAYOUT_MARGIN, height - y + LAYOUT_MARGIN];
+  };
+  const f = (n) => n.toFixed(1);
+  const path = (spline) => {
+    let end = null;
+    const points = [];
+    for (const token of spline.split(";")[0].trim().split(/\s+/)) {
+      if (token.startsWith("e,")) {
+        end = point(token.slice(2));
+      } else if (!token.startsWith("s,")) {
+        points.push(point(token));
+      }
+    }
+    const parts = ["M" + f(points[0][0]) + "," + f(points[0][1])];
+    for (let i = 1; i < points.length - 2; i += 3) {
+      const [a, b, c] = points.slice(i, i + 3);
+      parts.push("C" + [a, b, c].map((p) => f(p[0]) + "," + f(p[1])).join(" "));
+    }
+    if (end !== null) {
+      parts.push("L" + f(end[0]) + "," + f(end[1]));
+    }
+    return parts.join(" ");
+  };
+  const centres = new Map();
+  const clusters = new Map();
+  let start = null;
+  for (const item of answer.objects || []) {
+    if (item.bb && item.name.startsWith("cluster_")) {
+      const [x0, y0, x1, y1] = numbers(item.bb);
+      clusters.set(item.name.slice(8), [x0 + LAYOUT_MARGIN, height - y1 + LAYOUT_MARGIN, x1 - x0, y1 - y0]);
+    } else if (item.name === INITIAL && item.pos) {
+      start = point(item.pos);
+    } else if (item.pos) {
+      centres.set(item.name, point(item.pos));
+    }
+  }
+  const edges = new Map((answer.edges || []).filter((e) => e.id).map((e) => [e.id, e]));
+  const attr = (el, name) => Number(el.getAttribute(name));
+  const moves = [];
+  for (const g of svg.querySelectorAll("g.node")) {
+    const centre = centres.get(g.dataset.state);
+    const shape = g.querySelector("rect.outer") || g.querySelector("rect, circle");
+    const [x, y] = shape.tagName === "circle"
+      ? [attr(shape, "cx"), attr(shape, "cy")]
+      : [attr(shape, "x") + attr(shape, "width") / 2, attr(shape, "y") + attr(shape, "height") / 2];
+    const shift = "translate(" + f(centre[0] - x) + "," + f(centre[1] - y) + ")";
+    const badge = svg.querySelector('g.badge[data-state="' + CSS.escape(g.dataset.state) + '"]');
+    moves.push(() => g.setAttribute("transform", shift));
+    if (badge) {
+      moves.push(() => badge.setAttribute("transform", shift));
+    }
+  }
+  for (const g of svg.querySelectorAll("g.composite")) {
+    const [x, y, w, h] = clusters.get(g.dataset.state);
+    const rect = g.querySelector("rect");
+    const title = g.querySelector("text");
+    moves.push(() => {
+      rect.setAttribute("x", f(x));
+      rect.setAttribute("y", f(y));
+      rect.setAttribute("width", f(w));
+      rect.setAttribute("height", f(h));
+      title.setAttribute("x", f(x + COMPOSITE_PAD));
+      title.setAttribute("y", f(y + 16));
+    });
+  }
+  const widest = new Map(); // a state's loops: their labels stacked, left-aligned
+  for (const g of svg.querySelectorAll("g.edge[data-layout-id]")) {
+    const w = attr(g.querySelector("rect"), "width");
+    widest.set(g.dataset.layoutId, Math.max(w, widest.get(g.dataset.layoutId) || 0));
+  }
+  for (const g of svg.querySelectorAll("g.edge[data-layout-id]")) {
+    const edge = edges.get(g.dataset.layoutId);
+    const [k, n] = g.dataset.stack.split(" ").map(Number);
+    const [x, y] = point(edge.lp);
+    const left = x - widest.get(g.dataset.layoutId) / 2;
+    const top = y - (LABEL_H * n) / 2 + LABEL_H * k;
+    const d = path(edge.pos);
+    const rect = g.querySelector("rect");
+    const text = g.querySelector("text");
+    const w = attr(rect, "width");
+    moves.push(() => {
+      g.querySelector("path").setAttribute("d", d);
+      rect.setAttribute("x", f(left));
+      rect.setAttribute("y", f(top));
+      text.setAttribute("x", f(left + w / 2));
+      text.setAttribute("y", f(top + LABEL_H / 2 + 3.5));
+    });
+  }
+  const initial = svg.querySelector("g.initial");
+  if (initial && start !== null && edges.has("initial")) {
+    const d = path(edges.get("initial").pos);
+    moves.push(() => {
+      initial.querySelector("circle").setAttribute("cx", f(start[0]));
+      initial.querySelector("circle").setAttribute("cy", f(start[1]));
+      initial.querySelector("path").setAttribute("d", d);
+    });
+  }
+  const w = (width + 2 * LAYOUT_MARGIN).toFixed(0);
+  const h = (height + 2 * LAYOUT_MARGIN).toFixed(0);
+  moves.push(() => {
+    svg.setAttribute("width", w);
+    svg.setAttribute("height", h);
+    svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+    svg.dataset.layout = "viz";
+  });
+  return moves;
+}
+
+async function relayoutDiagrams(root) {
+  const diagrams = root.querySelectorAll("svg.fsm[data-layout='builtin'][data-dot]");
+  if (diagrams.length === 0) {
+    return;
+  }
+  let viz;
+  try {
+    viz = await loadViz();
+  } catch (err) {
+    return; // no WebAssembly here: the built-in layout stays
+  }
+  for (const svg of diagrams) {
+    try {
+      const dot = svg.dataset.dot;
+      if (!layouts.has(dot)) {
+        layouts.set(dot, viz.renderJSON(dot));
+      }
+      for (const move of layoutMoves(svg, layouts.get(dot))) {
+        move();
+      }
+    } catch (err) {
+      svg.dataset.layout = "builtin-kept"; // laid out as the server drew it
+    }
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  relayoutDiagrams(document);
   setupCopyButtons();
   localTimes(document);
   jsonTrees(document);
