@@ -233,19 +233,28 @@ def open_schema(conn: sqlite3.Connection, path: str, *, create: bool) -> None:
             an empty file or a database without tables.
         SchemaVersionError: a newer fsm_runner wrote it.
     """
-    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    # One read transaction: the header's id and the tables from one snapshot. Read apart, a
+    # journal another opener made between the two reads looked like tables without our id.
+    conn.execute("BEGIN")
+    try:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        current = app_id == APPLICATION_ID and _stored_version(conn, path) == SCHEMA_VERSION
+        tables = {
+            str(row[0])
+            for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+    finally:
+        if conn.in_transaction:
+            conn.execute("COMMIT")
     if app_id not in (0, APPLICATION_ID):
         raise JournalError(
             f"is a SQLite database of another application (application_id {app_id:#x}), "
             "not an fsm_runner journal",
             path=path,
         )
-    if app_id == APPLICATION_ID and _stored_version(conn, path) == SCHEMA_VERSION:
+    if current:
         _enable_wal(conn, path)
         return  # the common case: an up-to-date journal, opened without taking a write lock
-    tables = {
-        str(row[0]) for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-    }
     if app_id == 0 and not tables and not create:
         empty = path != ":memory:" and os.stat(path).st_size == 0
         raise JournalError(
