@@ -108,10 +108,12 @@ class SqlDialect:
     #: Whether an effect's row carries a digest of its values, bound after them in
     #: :attr:`put_effect` (SQLite's schema 11, PostgreSQL's 9).
     effect_digests: bool = False
-    #: The keys of the runs standing in a state, as a subquery whose every parameter is that
-    #: state, when a listing by state is better served by it than by ``state = ?`` on the
-    #: ``runs`` view (SQLite: the ended runs' index and the claims', instead of every run).
-    state_keys: str | None = None
+    #: The condition that a run stands in a state, whose every parameter is that state, when a
+    #: listing by state is better served by it than by ``state = ?`` (SQLite: the keys the ended
+    #: runs' index and the claims' hold, instead of every run through the ``runs`` view;
+    #: PostgreSQL: the columns those indexes hold, so the planner may read them or walk the
+    #: listing's order until a page is full).
+    state_match: str | None = None
     #: A machine's runs counted per ``(state, status)``, as rows that may name a pair more than
     #: once (summed), whose every parameter is the machine; ``None``: grouped from ``runs``.
     state_counts: str | None = None
@@ -155,9 +157,9 @@ def _run_filters(
     where: list[str] = []
     params: list[Any] = []
     status = RunLifecycle(status).value if status is not None else None
-    if state is not None and dialect.state_keys is not None:
-        where.append(f"{dialect.row_order} IN ({dialect.state_keys})")
-        params += [state] * dialect.state_keys.count(m)
+    if state is not None and dialect.state_match is not None:
+        where.append(dialect.state_match)
+        params += [state] * dialect.state_match.count(m)
         state = None
     if status is not None and dialect.active_keys is not None:
         if status == RunLifecycle.ACTIVE.value:

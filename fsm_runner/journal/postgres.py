@@ -144,12 +144,13 @@ _DIALECT = SqlDialect(
     stale_bound=lambda: ("clock_timestamp()", []),
     json_match=postgres_json_match,
     effect_digests=True,
-    # The ended runs' index, the claims' (ready: its state; due, leased: few runs), as SQLite's.
-    state_keys=(
-        "SELECT rowid FROM runs WHERE ended_state = %s UNION ALL"
-        " SELECT rowid FROM runs WHERE ready_state = %s UNION ALL"
-        f" SELECT rowid FROM runs WHERE {_DUE} AND state = %s UNION ALL"
-        f" SELECT rowid FROM runs WHERE {_LEASED} AND state = %s"
+    # The columns of the ended runs' index and the claims' (ready: its state; due, leased: few
+    # runs): a state few runs stand in is a BitmapOr of them; for a common one the planner
+    # walks the listing's index newest first until the page is full (1,000,000 runs: 10 ms
+    # and 0.2 ms; a set of every match read first took 0.7-1.5 s for a common state).
+    state_match=(
+        f"(ended_state = %s OR ready_state = %s OR ({_DUE} AND state = %s)"
+        f" OR ({_LEASED} AND state = %s))"
     ),
     state_counts=(
         "SELECT ended_state, status, count(*) FROM runs WHERE machine = %s"

@@ -97,12 +97,12 @@ _DIALECT = SqlDialect(
     ),
     # The ended runs' index (covering: their rows are their heads), the claims' indexes of
     # the active runs nobody holds (so are theirs), and the few leased runs through the view.
-    state_keys=(
-        "SELECT run_key FROM run_rows WHERE status != 'active' AND state = ? UNION ALL"
-        f" SELECT run_key FROM run_rows WHERE {_READY} AND state = ? UNION ALL"
-        f" SELECT run_key FROM run_rows WHERE {_DUE} AND state = ? UNION ALL"
-        f" SELECT run_key FROM runs WHERE run_key IN (SELECT run_key FROM run_rows WHERE {_LEASED})"
-        " AND state = ?"
+    state_match=(
+        "run_key IN (SELECT run_key FROM run_rows WHERE status != 'active' AND state = ?"
+        f" UNION ALL SELECT run_key FROM run_rows WHERE {_READY} AND state = ?"
+        f" UNION ALL SELECT run_key FROM run_rows WHERE {_DUE} AND state = ?"
+        " UNION ALL SELECT run_key FROM runs WHERE run_key IN"
+        f" (SELECT run_key FROM run_rows WHERE {_LEASED}) AND state = ?)"
     ),
     state_counts=(
         "SELECT state, status, count(*) FROM run_rows WHERE machine = ? AND status != 'active'"

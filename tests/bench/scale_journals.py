@@ -16,7 +16,16 @@ from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
 from fsm_runner.records import utc_now
 from tests.helpers import NEXT
 
-__all__ = ["CHECK_SPEC", "PHASES", "build_check_journal", "handlers", "run_id_of"]
+__all__ = [
+    "CHECK_SPEC",
+    "PHASES",
+    "UI_KINDS",
+    "build_check_journal",
+    "build_ui_journal",
+    "build_ui_journal_postgres",
+    "handlers",
+    "run_id_of",
+]
 
 PHASES = "abcd"
 #: four phases: seqs 0..4, five transitions a run
@@ -102,6 +111,17 @@ def run_id_of(n: int) -> str:
 UI_KINDS = ("done", "a", "b", "done", "a", "failed")
 
 
+def _ui_spec() -> MachineSpec:
+    """bench_ui's machine: three phases, then done; failed from anywhere."""
+    return MachineSpec(
+        "bench",
+        [State(p, handler=p) for p in "abc"]
+        + [State("done", terminal=True), State("failed", terminal=True, outcome="failed")],
+        [Transition(p, NEXT, q) for p, q in zip("abc", ["b", "c", "done"], strict=True)]
+        + [Transition("*", "SYSTEM_ERROR", "failed")],
+    )
+
+
 def build_ui_journal(path: Path, runs: int, *, days: float = 30.0) -> None:
     """``runs`` runs of bench_ui's 3-phase machine ``bench``, built fast for the inspector's bench.
 
@@ -114,13 +134,7 @@ def build_ui_journal(path: Path, runs: int, *, days: float = 30.0) -> None:
     def failing(_ctx: object) -> str:
         raise RuntimeError("the bench's failed run")
 
-    spec = MachineSpec(
-        "bench",
-        [State(p, handler=p) for p in "abc"]
-        + [State("done", terminal=True), State("failed", terminal=True, outcome="failed")],
-        [Transition(p, NEXT, q) for p, q in zip("abc", ["b", "c", "done"], strict=True)]
-        + [Transition("*", "SYSTEM_ERROR", "failed")],
-    )
+    spec = _ui_spec()
     with SqliteJournal(path) as journal:
         ok = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
         bad = Engine(spec, handlers={"a": failing, "b": failing, "c": failing}, journal=journal)
@@ -173,3 +187,68 @@ def build_ui_journal(path: Path, runs: int, *, days: float = 30.0) -> None:
         conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
+
+
+def build_ui_journal_postgres(url: str, schema: str, runs: int, *, days: float = 30.0) -> None:
+    """:func:`build_ui_journal` on PostgreSQL: the same runs in ``schema`` (made here).
+
+    The templates by the engine, the copies by one ``INSERT ... SELECT FROM generate_series``
+    a batch (runs and their transitions in one statement), then ``VACUUM (ANALYZE)`` as
+    autovacuum would leave the tables.
+    """
+    import psycopg
+
+    from fsm_runner import PostgresJournal
+
+    def failing(_ctx: object) -> str:
+        raise RuntimeError("the bench's failed run")
+
+    spec = _ui_spec()
+    with PostgresJournal(url, schema=schema) as journal:
+        ok = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
+        bad = Engine(spec, handlers={"a": failing, "b": failing, "c": failing}, journal=journal)
+        made = {"done": ok.start({}), "a": ok.start({}), "b": ok.start({}), "failed": bad.start({})}
+        ok.run(made["done"])
+        ok.step(made["b"])
+        bad.run(made["failed"])
+        ok.close()
+        bad.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+
+        def columns(table: str, skipped: tuple[str, ...]) -> list[str]:
+            rows = conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_schema = %s"
+                " AND table_name = %s AND is_generated = 'NEVER' AND is_identity = 'NO'"
+                " ORDER BY ordinal_position",
+                (schema, table),
+            )
+            return [row[0] for row in rows if row[0] not in skipped]
+
+        copied = columns("runs", ("run_id", "input", "created_at", "updated_at"))
+        tcopied = columns("transitions", ("run_id",))
+        conn.execute("CREATE TEMP TABLE kinds (mod int PRIMARY KEY, template text)")
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO kinds VALUES (%s, %s)", [(i, made[k]) for i, k in enumerate(UI_KINDS)]
+            )
+        oldest = utc_now() - dt.timedelta(days=days)
+        step = dt.timedelta(seconds=days * 86400 / max(runs, 1))
+        for start in range(0, runs, _BATCH):
+            end = min(start + _BATCH, runs) - 1
+            conn.execute(
+                "WITH n AS (SELECT i, md5('run ' || i) AS run_id, k.template"
+                f" FROM generate_series(%(first)s::int, %(last)s::int) AS i"
+                f" JOIN kinds AS k ON k.mod = i %% {len(UI_KINDS)}),"
+                f" copies AS (INSERT INTO runs (run_id, input, created_at, updated_at,"
+                f" {', '.join(copied)}) SELECT n.run_id, json_build_object('n', n.i)::text,"
+                " %(oldest)s + n.i * %(step)s, %(oldest)s + n.i * %(step)s + interval '1 second',"
+                f" {', '.join('t.' + c for c in copied)} FROM n JOIN runs AS t"
+                " ON t.run_id = n.template ORDER BY n.i RETURNING run_id)"
+                f" INSERT INTO transitions (run_id, {', '.join(tcopied)})"
+                f" SELECT n.run_id, {', '.join('t.' + c for c in tcopied)}"
+                " FROM n JOIN transitions AS t ON t.run_id = n.template ORDER BY n.i, t.seq",
+                {"first": start, "last": end, "oldest": oldest, "step": step},
+            )
+        conn.execute("VACUUM (ANALYZE) runs")
+        conn.execute("VACUUM (ANALYZE) transitions")
