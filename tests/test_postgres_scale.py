@@ -21,6 +21,7 @@ import pytest
 from psycopg import sql
 
 from fsm_runner import PostgresJournal, RunEvent, RunLifecycle, RunRecord, TransitionRecord
+from fsm_runner.journal import RunSearch
 from fsm_runner.journal._postgres_claims import claim_next_query
 from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal._postgres_waits import NEXT_WAKE
@@ -260,6 +261,11 @@ class TestIndexServed:
             big.count_runs(state=state, at_most=10_001)
             big.runs(state=state, machine=SPEC.name, limit=51)
         assert len(statements) == 10
+        big.runs(machine=SPEC.name, limit=51)  # the other filters: whatever their values
+        big.runs(status="failed", limit=51)
+        big.runs(run_id_prefix="w00", limit=51)
+        big.runs(parent_run_id="p1", limit=51)
+        big.runs(search=RunSearch(created_from=T0), limit=51)
         # A state few runs stand in: the planner's own choice reads indexes only. (A generic
         # plan cannot know the state, and expects as many runs as the commonest one holds: it
         # is not chosen while it costs more than the plans made for the values given.)

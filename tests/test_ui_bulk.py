@@ -100,6 +100,31 @@ def test_without_the_token_or_actions_nothing_is_aborted(site):
     assert {journal.load(run_id).status for run_id in others} == {RunLifecycle.ACTIVE}
 
 
+def test_the_list_by_state_sorted_by_update_and_the_machines_counts(site, page):
+    """What this module's runs look like afterwards, on either journal (issue 32, points 2, 4)."""
+    server, journal, ids, others, _ = site
+    shown = lambda: page.locator("#runs-rows tr").evaluate_all(  # noqa: E731
+        "rows => rows.map(row => row.dataset.runId)"
+    )
+    page.goto(f"{server.url}/runs?machine=bulk&state=done")
+    assert shown() == [ids[1], ids[0]]  # the two ended runs, newest first
+    assert page.locator("p.total").inner_text() == "2 runs match."
+    with Engine(waiting_spec("other"), handlers={}, journal=journal) as engine:
+        engine.send(others[0], "GO")  # the oldest, updated last
+    page.goto(f"{server.url}/runs?machine=other")
+    assert shown() == others[::-1]
+    page.select_option("select[name=sort]", "updated")
+    page.click("form.filters button[type=submit]")
+    assert shown() == [others[0], *others[:0:-1]]
+    page.goto(f"{server.url}/runs?machine=other&state=waiting&sort=updated")
+    assert shown() == others[:0:-1]
+    page.goto(f"{server.url}/machines/other")
+    badges = page.locator("svg.fsm g.badge").evaluate_all(
+        "badges => badges.map(b => [b.dataset.state, b.textContent])"
+    )
+    assert sorted(badges) == [["done", "1"], ["waiting", "4"]]
+
+
 def server_location(server: Server) -> str:
     """The journal location a test server was started on (its ``--journal``)."""
     args = server.proc.args
