@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import pytest
 
 from fsm_runner import Engine, SignalStatus, SqliteJournal
+from fsm_runner.journal._postgres_chain import fill_digests as fill_postgres_digests
 from fsm_runner.journal._sqlite_chain import fill_digests
 from fsm_runner.records import format_utc
 from tests.test_postgres_workers import wait_for
@@ -124,6 +125,10 @@ def _age_postgres(url: str, schema: str, journal: Any) -> Callable[[str, dt.time
                 ).format(sql.Identifier(schema, "runs")),
                 (by, by, run_id),
             )
+            # The aged times as if written so: the run's digests computed again (a claim
+            # verifies its head transition, whose time this moved).
+            conn.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+            fill_postgres_digests(conn, run_id=run_id)
 
     return age
 

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from fsm_runner.exceptions import InvalidRunIdError, JournalError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
@@ -48,6 +49,7 @@ from fsm_runner.journal._postgres_connection import (
     PostgresConnection,
     Unresolved,
 )
+from fsm_runner.journal._postgres_heads import PostgresHeads
 from fsm_runner.records import RunRecord
 
 __all__ = [
@@ -78,15 +80,19 @@ def claim_next_query(
     now: Any,
     owner: str,
     expires: Any,
+    refused: Collection[str] = (),
 ) -> tuple[str, list[Any]]:
     """The one statement that claims the oldest runnable run, and its parameters.
 
     ``now``: the server's time, a parameter rather than ``clock_timestamp()`` (volatile) so
     that the expired-lease and due ranges are index conditions; ``expires``: the new lease's
-    expiry.
+    expiry; ``refused``: the ids of runs not to take (their heads failed their digests).
     """
     spec = " AND spec_hash = %s" if spec_hash is not None else ""
-    spec_params = [spec_hash] if spec_hash is not None else []
+    spec_params: list[Any] = [spec_hash] if spec_hash is not None else []
+    if refused:  # runs this journal found failing their digests: passed by
+        spec += " AND run_id <> ALL(%s)"
+        spec_params.append(sorted(refused))
     statement = (
         "WITH expired AS MATERIALIZED ("
         " SELECT run_id, created_at, rowid FROM runs WHERE machine = %s AND status = 'active'"
@@ -120,6 +126,7 @@ def claim_next_query(
 def claim_next(
     connection: PostgresConnection,
     decode: Callable[[Sequence[Any]], RunRecord],
+    heads: PostgresHeads,
     owner: str,
     *,
     ttl: float,
@@ -131,10 +138,14 @@ def claim_next(
     """Claim the oldest runnable run (:func:`claim_next_query`), or ``None``; ``decode``: a row.
 
     Its lease's expiry is set by the server's clock; after a lost connection the claim that
-    was cut off is found by the expiry it set.
+    was cut off is found by the expiry it set. The run taken is verified in the claim's
+    transaction (``heads``): one whose head fails its digest is not taken (the claim rolled
+    back), logged once, and passed by from then on.
     """
     tried: list[dt.datetime] = []
     select = ", ".join(_rows.RUN_COLUMNS)
+
+    passed_by: list[str] = []  # runs this call refused: it searches again without them
 
     def work(conn: Connection) -> RunRecord | None:
         if owners is not None:
@@ -151,9 +162,22 @@ def claim_next(
             now=now,
             owner=owner,
             expires=expires,
+            refused=heads.refused,
         )
-        row = conn.execute(statement, params).fetchone()
-        return None if row is None else decode(row)
+        run_id = None
+        try:
+            with conn.transaction():
+                row = conn.execute(statement, params).fetchone()
+                if row is None:
+                    return None
+                run_id = row[0]
+                heads.verify(conn, run_id)
+        except (JournalError, InvalidRunIdError) as exc:
+            if run_id is None or not heads.refuse(run_id, exc):
+                raise
+            passed_by.append(run_id)  # refused: rolled back, and passed by in the next search
+            return None
+        return decode(row)
 
     def resolve(conn: Connection) -> RunRecord | Unresolved | None:
         row = conn.execute(
@@ -163,7 +187,11 @@ def claim_next(
         ).fetchone()
         return UNRESOLVED if row is None else decode(row)
 
-    return connection.call(work, resolve=resolve)
+    while True:
+        refused = len(passed_by)
+        claimed = connection.call(work, resolve=resolve)
+        if claimed is not None or len(passed_by) == refused:
+            return claimed
 
 
 #: The first key of the advisory locks lease owners hold (``"FSMR"``); the second is

@@ -70,6 +70,7 @@ from fsm_runner.journal._postgres_connection import (
     PostgresConnection,
     Unresolved,
 )
+from fsm_runner.journal._postgres_heads import PostgresHeads
 from fsm_runner.journal._postgres_schema import SCHEMA_VERSION, integrity_problems, open_schema
 from fsm_runner.journal._postgres_url import is_postgres_url, redact
 from fsm_runner.journal._postgres_waits import PostgresWaits
@@ -250,6 +251,7 @@ class PostgresJournal:
         self._writer = PostgresWriter(connection, self._core)
         self._waits, self.liveness = PostgresWaits(connection), OwnerLiveness(connection)
         self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
+        self._heads = PostgresHeads(self.location)
         # The hot path: the writer's own methods bound as this journal's (overrides are kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
         self._close = watch(self, functools.partial(_close, self._waits, connection), repr(self))
@@ -355,7 +357,8 @@ class PostgresJournal:
         def work(conn: Connection) -> RunRecord:
             self.liveness.locks.hold(conn, owner)
             with conn.transaction():
-                run = self._load(conn, run_id, lock=True)
+                # never driven past a row that fails its digest: verified in the same read
+                run = self._heads.load(conn, run_id, self._run_from_row)
                 now = _server_now(conn)
                 expires = now + dt.timedelta(seconds=ttl)
                 tried.append(expires)
@@ -386,15 +389,18 @@ class PostgresJournal:
 
         def work(conn: Connection) -> RunRecord | None:
             self.liveness.locks.hold(conn, owner)
-            cursor = conn.execute(
-                "UPDATE runs SET lease_owner = %s,"
-                " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
-                " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
-                " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
-                f" AND status = 'active' RETURNING {_CLAIMED}",
-                (owner, ttl, run.run_id, run.seq, run.lease_token),
-            )
-            row = cursor.fetchone()
+            with conn.transaction():  # the lease rolled back if the head fails its digest
+                cursor = conn.execute(
+                    "UPDATE runs SET lease_owner = %s,"
+                    " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
+                    " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
+                    " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
+                    f" AND status = 'active' RETURNING {_CLAIMED}",
+                    (owner, ttl, run.run_id, run.seq, run.lease_token),
+                )
+                row = cursor.fetchone()
+                if row is not None:
+                    self._heads.verify(conn, run.run_id)
             return None if row is None else self._claimed(row)
 
         def resolve(conn: Connection) -> RunRecord | Unresolved | None:
@@ -439,6 +445,7 @@ class PostgresJournal:
         return claim_next(
             self._connection,
             self._claimed,
+            self._heads,
             owner,
             ttl=ttl,
             machine=machine,

@@ -1,0 +1,114 @@
+"""A PostgreSQL journal's verification of the runs it is to drive (see :mod:`~._head`).
+
+:class:`PostgresHeads` reads a run's head rows inside the claim's own transaction, in one
+statement (the run row, its last transition and the digest of the one before, by the
+transitions' primary key), and hands them to :func:`~._head.verify_head`: a run that fails is
+refused with one ``JournalError`` naming the seq, and the claim is rolled back (nothing is
+written). It keeps the ids of the runs ``claim_next`` found refused, so that a worker logs such a
+run once and looks past it from then on. Times are hashed as the SQLite journal stores them
+(:func:`~._postgres_chain.as_text`), as every digest of this journal is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fsm_runner.exceptions import InvalidRunIdError, JournalError, RunNotFoundError
+from fsm_runner.journal import _rows
+from fsm_runner.journal._digest import RUN_DIGEST_COLUMNS, TRANSITION_DIGEST_COLUMNS
+from fsm_runner.journal._head import is_head_refusal, verify_head
+from fsm_runner.journal._postgres_chain import as_text
+from fsm_runner.journal._postgres_connection import Connection
+from fsm_runner.records import RunRecord
+
+__all__ = ["PostgresHeads"]
+
+_log = logging.getLogger("fsm_runner")
+_RUN = len(RUN_DIGEST_COLUMNS)
+#: What is verified: the run row's digest and values, its head transition's, and the digest
+#: of the transition before the head.
+_HEAD_COLUMNS = (
+    "r.seq, r.digest, "
+    + ", ".join(f"r.{column}" for column in RUN_DIGEST_COLUMNS)
+    + ", t.seq, t.digest, "
+    + ", ".join(f"t.{column}" for column in TRANSITION_DIGEST_COLUMNS)
+    + ", p.digest"
+)
+_HEAD_JOINS = (
+    " FROM runs AS r"
+    " LEFT JOIN transitions AS t ON t.run_id = r.run_id AND t.seq = r.seq"
+    " LEFT JOIN transitions AS p ON p.run_id = r.run_id AND p.seq = r.seq - 1"
+    " WHERE r.run_id = %s"
+)
+_HEAD_SQL = f"SELECT {_HEAD_COLUMNS}{_HEAD_JOINS}"
+#: A claim's read of the run (locked) with what is verified: one statement.
+_LOAD_SQL = (
+    "SELECT "
+    + ", ".join(f"r.{column}" for column in _rows.RUN_COLUMNS)
+    + f", {_HEAD_COLUMNS}{_HEAD_JOINS} FOR UPDATE OF r"
+)
+
+
+class PostgresHeads:
+    """Verifies a run's head before a claim takes it (in the claim's transaction).
+
+    Args:
+        location: the journal's location (its URL, password hidden), for the errors' messages.
+    """
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        #: The ids of runs ``claim_next`` found refused: not tried again by this journal.
+        self.refused: set[str] = set()
+
+    def verify(self, conn: Connection, run_id: str) -> None:
+        """Refuse ``run_id`` if its id breaks the rule or its head or row fails its digest.
+
+        A run that is not there is not refused (the caller's read says so).
+
+        Raises:
+            InvalidRunIdError: the run's id breaks the rule of run ids.
+            JournalError: naming the seq that fails (or the run's row).
+        """
+        row: Any = conn.execute(_HEAD_SQL, (run_id,)).fetchone()
+        if row is not None:
+            self._verify(run_id, row)
+
+    def load(
+        self, conn: Connection, run_id: str, decode: Callable[[Sequence[Any]], RunRecord]
+    ) -> RunRecord:
+        """The run's row, locked (``FOR UPDATE``), once verified: one read for both.
+
+        Raises:
+            RunNotFoundError: there is no such run.
+            InvalidRunIdError: the run's id breaks the rule of run ids.
+            JournalError: naming the seq that fails (or the run's row).
+        """
+        row: Any = conn.execute(_LOAD_SQL, (run_id,)).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        split = len(_rows.RUN_COLUMNS)
+        self._verify(run_id, row[split:])
+        return decode(row[:split])
+
+    def _verify(self, run_id: str, row: Sequence[Any]) -> None:
+        seq, run_digest, *rest = row
+        run_row = (run_digest, *as_text(rest[:_RUN]))
+        head_seq, head_digest, *head_values = rest[_RUN:]
+        previous = head_values.pop()
+        head = None if head_seq is None else (head_digest, *as_text(head_values))
+        verify_head(run_id, seq, head, previous, run_row, path=self.location)
+
+    def refuse(self, run_id: str, error: BaseException) -> bool:
+        """Whether ``error`` refuses ``run_id`` alone: then noted (logged once), to be passed by.
+
+        Any other error concerns every run (the journal closed, the server away): ``False``.
+        """
+        if not isinstance(error, (JournalError, InvalidRunIdError)) or not is_head_refusal(error):
+            return False
+        if run_id not in self.refused:
+            self.refused.add(run_id)
+            _log.error("%s; the run is skipped (not claimed)", error)
+        return True
