@@ -36,6 +36,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
+        if "browser" in getattr(item, "fixturenames", ()):  # chromium draws it: -m "not browser"
+            item.add_marker(pytest.mark.browser)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist named the groups
