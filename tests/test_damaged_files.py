@@ -43,7 +43,7 @@ from fsm_runner.exceptions import FsmRunnerError, JournalError
 from tests.test_cli_fuzz import assert_well_behaved
 
 #: Damaged copies a run makes (`FSM_DAMAGE_COPIES`; the seed chooses the damage).
-COPIES = int(os.environ.get("FSM_DAMAGE_COPIES", "200"))
+COPIES = int(os.environ.get("FSM_DAMAGE_COPIES", "320"))
 SEED = int(os.environ.get("FSM_DAMAGE_SEED", "30"))
 
 SPEC = MachineSpec(
