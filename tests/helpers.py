@@ -305,8 +305,9 @@ RUN_COLUMNS_V8 = "run_key, " + RUN_COLUMNS_V6 + ", abort_token"
 
 
 def undo_v12(conn) -> None:
-    """Turn a journal's schema back from version 12 to 11: no index of the ended runs' states."""
+    """Turn a journal's schema back from version 12 to 11: no outcomes index, no signal digests."""
     conn.execute("DROP INDEX idx_run_rows_outcomes")
+    conn.execute("ALTER TABLE signals DROP COLUMN digest")
     conn.execute("DELETE FROM _sqlite_migrations WHERE name = 'm0012_outcomes'")
     conn.execute("UPDATE meta SET value = '11' WHERE key = 'schema_version'")
 

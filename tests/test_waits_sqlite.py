@@ -21,6 +21,7 @@ import pytest
 from fsm_runner import RunEvent, RunLifecycle, SqliteJournal, TransitionRecord
 from fsm_runner._json import dumps_json
 from fsm_runner.exceptions import JournalError, RunConflictError
+from fsm_runner.journal._digest import row_digest
 from fsm_runner.journal._sqlite_waits import NEXT_WAKE
 from fsm_runner.journal.base import Commit
 from fsm_runner.records import RunRecord, SignalRecord, SignalStatus, format_utc, utc_now
@@ -121,6 +122,7 @@ class TestSchema:
             "received_at",
             "consumed_seq",
             "consumed_at",
+            "digest",  # schema 12: what its sender wrote
         ]
         assert rows(journal, "SELECT * FROM pragma_foreign_key_list('signals')")[0][2:5] == (
             "run_rows",
@@ -188,6 +190,7 @@ class TestSignalRows:
             format_utc(sent.received_at),
             None,
             None,
+            row_digest(("r1", GO, dumps_json(payload), "s-1", format_utc(sent.received_at))),
         )
         assert row(journal, "SELECT wake_at FROM run_rows")[0] == format_utc(sent.received_at)
 

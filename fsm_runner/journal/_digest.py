@@ -31,6 +31,7 @@ from fsm_runner.records import TransitionRecord, format_utc
 
 __all__ = [
     "RUN_DIGEST_COLUMNS",
+    "SIGNAL_DIGEST_COLUMNS",
     "TRANSITION_DIGEST_COLUMNS",
     "chain_break",
     "digest",
@@ -58,6 +59,9 @@ RUN_DIGEST_COLUMNS = (
     "run_id", "machine", "created_at", "parent_run_id", "forked_from", "input", "context",
     "error",
 )  # fmt: skip
+#: A signal's columns its digest covers: what its sender wrote (SQLite schema 12, PostgreSQL
+#: 10). Its consumption is the chain's: the transition that consumed it names it in its result.
+SIGNAL_DIGEST_COLUMNS = ("run_id", "name", "payload", "signal_id", "received_at")
 
 
 def text(value: Any) -> str:

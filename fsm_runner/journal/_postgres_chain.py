@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import (
     RUN_DIGEST_COLUMNS,
+    SIGNAL_DIGEST_COLUMNS,
     TRANSITION_DIGEST_COLUMNS,
     row_digest,
     row_hasher,
@@ -40,15 +42,19 @@ __all__ = [
     "as_text",
     "chain_problems",
     "fill_digests",
+    "fill_signal_digests",
     "m0009_fill_digests",
     "own_digest",
     "run_digest",
     "run_hasher",
+    "signal_digest",
     "transition_chain_digest",
 ]
 
 #: Rows read (and digests written back) a round trip.
 BATCH = 5000
+#: Where a transition's result is among the values its digest covers.
+_RESULT = TRANSITION_DIGEST_COLUMNS.index("result")
 _DATETIME = dt.datetime
 
 #: The tables with a digest of each row's own values: (table, columns covered, the columns
@@ -64,8 +70,11 @@ _ROW_IDS = {
     "iterations": ("run_id", "iteration"),
     "effects": ("rowid",),
     "artifacts": ("id",),
+    "signals": ("number",),
 }
-_ID_TYPES = {"run_id": "text", "iteration": "bigint", "rowid": "bigint", "id": "bigint"}
+_ID_TYPES = {
+    "run_id": "text", "iteration": "bigint", "rowid": "bigint", "id": "bigint", "number": "bigint"
+}  # fmt: skip
 #: Where :data:`~._digest.RUN_DIGEST_COLUMNS` are in a run row's parameters.
 _run_digested = operator.itemgetter(
     *[_rows.RUN_COLUMNS.index(column) for column in RUN_DIGEST_COLUMNS]
@@ -182,6 +191,62 @@ def fill_digests(conn: Connection, *, run_id: str | None = None) -> None:
             _update(conn, table, [(row_digest(as_text(row[n:])), *row[:n]) for row in rows])
 
 
+def signal_digest(params: Sequence[Any]) -> str:
+    """A signal's digest from its parameters (:data:`~._digest.SIGNAL_DIGEST_COLUMNS`)."""
+    return row_digest(as_text(params))
+
+
+def fill_signal_digests(conn: Connection) -> None:
+    """Migration 10's Python step: the digests of the signals the journal holds."""
+    for rows in _batches(conn, "signals", SIGNAL_DIGEST_COLUMNS):
+        _update(conn, "signals", [(signal_digest(row[1:]), row[0]) for row in rows])
+
+
+def _signal_problems(conn: Connection, named: dict[tuple[str, int], Any]) -> list[str]:
+    """Signals that do not match their digest, or whose consumption the chain does not say.
+
+    As the SQLite journal's: a signal of the run marked consumed at a seq whose transition does
+    not name it, or named by a transition of its run but not marked consumed there (pending
+    again: it would be delivered twice). ``named``: the signal each transition that consumed
+    one names in its result (``"signal": NUMBER``, which the chain vouches for), by run and seq.
+    """
+    problems = []
+    consumed: dict[tuple[str, int], int | None] = {}
+    for rows in _batches(
+        conn, "signals", ("run_id", "consumed_seq", "digest", *SIGNAL_DIGEST_COLUMNS)
+    ):
+        for number, run_id, consumed_seq, stored, *values in rows:
+            consumed[run_id, number] = consumed_seq
+            if stored is not None and stored != signal_digest(values):
+                problems.append(
+                    f"digest: run {run_id}: its signal {number} does not match its digest"
+                    " (changed since it was written)"
+                )
+            if consumed_seq is not None and named.get((run_id, consumed_seq)) != number:
+                problems.append(
+                    f"digest: run {run_id}: its signal {number} is marked consumed at seq"
+                    f" {consumed_seq}, whose transition does not name it"
+                )
+    for (run_id, seq), number in named.items():
+        if (run_id, number) in consumed and consumed[run_id, number] != seq:
+            problems.append(
+                f"digest: run {run_id}: its signal {number} is consumed at seq {seq} by the"
+                " chain, not marked so"
+            )
+    return problems
+
+
+def _named_signal(result: Any) -> Any:
+    """The signal a transition's result says it consumed (``None``: none, or not readable)."""
+    if not isinstance(result, str) or '"signal"' not in result:
+        return None
+    try:
+        found = json.loads(result)
+    except ValueError:
+        return None
+    return found.get("signal") if isinstance(found, dict) else None
+
+
 def m0009_fill_digests(conn: Connection) -> None:
     """Migration 9's Python step: the digests of the rows the journal holds, and their origin.
 
@@ -212,10 +277,14 @@ def chain_problems(conn: Connection) -> list[str]:
     migrated = _migrated(conn)
     rowids: dict[Any, Any] = dict(conn.execute("SELECT run_id, rowid FROM runs").fetchall())
     first_bad: dict[str, int] = {}
+    consumed_by: dict[tuple[str, int], Any] = {}  # the signal a transition consumed, if any
     expected: str | None = None
     last = None
     for rows in _batches(conn, "transitions", ("digest", *TRANSITION_DIGEST_COLUMNS)):
         for run_id, seq, stored, *values in rows:
+            signal = _named_signal(values[_RESULT])
+            if signal is not None:
+                consumed_by[run_id, seq] = signal
             if run_id != last:
                 expected, last = None, run_id
             if run_id in first_bad:
@@ -245,7 +314,7 @@ def chain_problems(conn: Connection) -> list[str]:
                 for row in rows
                 if row[n + k] != row_digest(as_text(row[n + k + 1 :]))
             ]
-    return problems
+    return problems + _signal_problems(conn, consumed_by)
 
 
 def _migrated(conn: Connection) -> tuple[str, int] | None:

@@ -35,7 +35,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from fsm_runner.exceptions import JournalError, SchemaVersionError
-from fsm_runner.journal._postgres_chain import m0009_fill_digests
+from fsm_runner.journal._postgres_chain import fill_signal_digests, m0009_fill_digests
 from fsm_runner.journal._postgres_connection import Connection
 
 __all__ = ["MIGRATIONS", "PYTHON_STEPS", "SCHEMA_VERSION", "integrity_problems", "open_schema"]
@@ -282,10 +282,13 @@ UPDATE meta SET value = '9' WHERE key = 'schema_version';
 # the claims' indexes (``runs_ready`` holds the state of the active runs nobody holds; the few
 # due or leased runs are read from theirs) instead of every run, and a machine's counts per state
 # and status read those indexes alone (this one whole: PostgreSQL before 18 has no skip scan).
+# And each signal's digest (issue 30): what its sender wrote, computed with it by the writer;
+# the signals a journal holds get theirs from this version's Python step.
 _M0010_OUTCOMES = """
 ALTER TABLE runs ADD COLUMN ended_state text GENERATED ALWAYS AS
     (CASE WHEN status <> 'active' THEN state END) STORED;
 CREATE INDEX runs_outcomes ON runs (ended_state, machine, status) WHERE ended_state IS NOT NULL;
+ALTER TABLE signals ADD COLUMN digest text;
 UPDATE meta SET value = '10' WHERE key = 'schema_version';
 """
 
@@ -305,7 +308,10 @@ MIGRATIONS: tuple[tuple[int, str, str], ...] = (
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 #: A migration's step in Python, run right after its SQL (in the same transaction): what SQL
 #: alone cannot compute.
-PYTHON_STEPS: Mapping[int, Callable[[Connection], None]] = {9: m0009_fill_digests}
+PYTHON_STEPS: Mapping[int, Callable[[Connection], None]] = {
+    9: m0009_fill_digests,
+    10: fill_signal_digests,
+}
 
 
 def open_schema(conn: Connection, *, schema: str, location: str, create: bool) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._idle import Doorbell
+from fsm_runner.journal._postgres_chain import signal_digest
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
     Connection,
@@ -222,10 +223,11 @@ class PostgresWaits:
                 if ended:
                     raise RunTerminalError(run_id=signal.run_id, state=state, status=status)
                 tried.append(now)
+                values = (signal.run_id, signal.name, payload, signal.signal_id, now)
                 row = conn.execute(
-                    "INSERT INTO signals (run_id, name, payload, signal_id, received_at)"
-                    f" VALUES (%s, %s, %s, %s, %s) RETURNING {_SIGNAL_SELECT}",
-                    (signal.run_id, signal.name, payload, signal.signal_id, now),
+                    "INSERT INTO signals (run_id, name, payload, signal_id, received_at, digest)"
+                    f" VALUES (%s, %s, %s, %s, %s, %s) RETURNING {_SIGNAL_SELECT}",
+                    (*values, signal_digest(values)),  # what its sender wrote (schema 10)
                 ).fetchone()
                 conn.execute(
                     "UPDATE runs SET wake_at = %s WHERE run_id = %s RETURNING pg_notify(%s, %s)",

@@ -14,6 +14,7 @@ from sqlite_utils.migrations import Migrations
 
 from fsm_runner.events import USER_ABORTED
 from fsm_runner.journal._schema_v11 import m0011_digests
+from fsm_runner.journal._sqlite_chain import fill_signal_digests
 from fsm_runner.journal._sqlite_errors import NO_RUN_KEY, STALE_SEQ
 
 __all__ = ["database", "migrate", "unknown_migrations"]
@@ -694,16 +695,21 @@ _OUTCOMES_V12 = (
 
 @_migrations()
 def m0012_outcomes(db: sqlite_utils.Database) -> None:
-    """Version 12: how many runs stand in each state, and which, from indexes (issue 32).
+    """Version 12: counts by state from indexes (issue 32), and each signal's digest (issue 30).
 
-    ``idx_run_rows_outcomes``: the ended runs by machine, state and status, partial to them
-    (an ended run's row no longer changes: the entry is written once, when the run ends, and
-    never by a step). A machine's counts per state and status are then ranges of it and of
-    the claims' indexes (the active runs nobody holds: their rows are their heads), with the
-    leased runs alone read through the ``runs`` view; a listing by state reads the same
-    indexes (the ended runs' covering) instead of every run through the view.
+    * ``idx_run_rows_outcomes``: the ended runs by machine, state and status, partial to them
+      (an ended run's row no longer changes: the entry is written once, when the run ends,
+      and never by a step). A machine's counts per state and status are then ranges of it
+      and of the claims' indexes (the active runs nobody holds: their rows are their heads),
+      with the leased runs alone read through the ``runs`` view; a listing by state reads the
+      same indexes (the ended runs' covering) instead of every run through the view.
+    * ``signals.digest``: a digest of what the signal's sender wrote
+      (:data:`~._digest.SIGNAL_DIGEST_COLUMNS`), written with it; the signals the journal
+      holds get theirs computed here, from what they hold then.
     """
     db.execute(_OUTCOMES_V12)
+    db.execute("ALTER TABLE signals ADD COLUMN digest TEXT")
+    fill_signal_digests(db.conn)
     db.execute("UPDATE meta SET value = '12' WHERE key = 'schema_version'")
 
 

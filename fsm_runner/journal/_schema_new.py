@@ -219,7 +219,7 @@ SELECT r.run_id, r.machine, r.spec_hash,
    received_at TEXT NOT NULL,
    consumed_seq INTEGER,
    consumed_at TEXT
-)""",
+, digest TEXT)""",
     """CREATE INDEX idx_run_rows_ready ON run_rows (machine, state) WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NULL""",
     """CREATE INDEX idx_run_rows_due ON run_rows (machine, wake_at) WHERE status = 'active' AND lease_owner IS NULL AND wake_at IS NOT NULL""",
     """CREATE INDEX idx_signals_run ON signals (run_key, number)""",

@@ -19,6 +19,7 @@ from fsm_runner._shown import shown
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import (
     RUN_DIGEST_COLUMNS,
+    SIGNAL_DIGEST_COLUMNS,
     TRANSITION_DIGEST_COLUMNS,
     digest,
     row_digest,
@@ -30,6 +31,7 @@ __all__ = [
     "MIGRATED_KEYS",
     "chain_problems",
     "fill_digests",
+    "fill_signal_digests",
     "head_rows",
     "head_sql",
     "history_rows",
@@ -232,6 +234,60 @@ def fill_digests(
         )
 
 
+def fill_signal_digests(conn: sqlite3.Connection, *, run_id: str | None = None) -> None:
+    """Compute and store signals' digests from their values as stored (schema 12's step)."""
+    where = "" if run_id is None else " WHERE run_id = ?"
+    rows = conn.execute(
+        f"SELECT number, {_select(conn, 'signals', SIGNAL_DIGEST_COLUMNS)} FROM signals{where}",
+        () if run_id is None else (run_id,),
+    ).fetchall()
+    conn.executemany(
+        "UPDATE signals SET digest = ? WHERE number = ?",
+        [(row_digest(values), number) for number, *values in rows],
+    )
+
+
+def _signal_problems(conn: sqlite3.Connection) -> list[str]:
+    """Signals that do not match their digest, or whose consumption the chain does not say.
+
+    A consumed signal is named by its consuming transition's result (``"signal": NUMBER``,
+    which the run's chain vouches for): a signal of the run marked consumed at a seq whose
+    transition does not name it, or one a transition of its run names that is not marked
+    consumed there (made pending again: it would be delivered twice), is a problem too.
+    """
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(signals)")]
+    if "digest" not in columns:
+        return []
+    problems = []
+    for number, run_id, stored, *values in conn.execute(
+        f"SELECT number, run_id, digest, {_select(conn, 'signals', SIGNAL_DIGEST_COLUMNS)}"
+        " FROM signals ORDER BY number"
+    ):
+        if stored is not None and stored != row_digest(values):
+            problems.append(
+                f"digest: run {_shown_id(run_id)}: its signal {number} does not match its"
+                " digest (changed since it was written)"
+            )
+    mismatched = conn.execute(
+        "SELECT s.run_id, s.number, s.consumed_seq, NULL FROM signals AS s"
+        " LEFT JOIN transitions AS t ON t.run_key = s.run_key AND t.seq = s.consumed_seq"
+        " WHERE s.consumed_seq IS NOT NULL AND (t.result IS NULL OR NOT json_valid(t.result)"
+        " OR json_extract(t.result, '$.signal') IS NOT s.number)"
+        " UNION ALL SELECT t.run_id, s.number, NULL, t.seq FROM transitions AS t"
+        " JOIN signals AS s ON s.run_key = t.run_key"
+        " AND s.number = json_extract(t.result, '$.signal')"
+        " WHERE json_valid(t.result) AND s.consumed_seq IS NOT t.seq"
+    )  # (a fork's copies name its source's signals, which are not the fork's: not joined)
+    for run_id, number, consumed_seq, seq in mismatched:
+        said = (
+            f"marked consumed at seq {consumed_seq}, whose transition does not name it"
+            if consumed_seq is not None
+            else f"consumed at seq {seq} by the chain, not marked so"
+        )
+        problems.append(f"digest: run {_shown_id(run_id)}: its signal {number} is {said}")
+    return problems
+
+
 def _own_tables() -> list[tuple[str, Sequence[str]]]:
     return [(table, columns) for table, columns, _ in _ROW_TABLES]
 
@@ -265,6 +321,7 @@ def chain_problems(conn: sqlite3.Connection) -> list[str]:
             for key, seq in first_bad.items()
         ]
         problems += _row_problems(conn, migrated_to)
+        problems += _signal_problems(conn)
     except sqlite3.Error as exc:  # a damaged table: the integrity check names it
         return [f"digest: the digests could not be verified ({exc})"]
     return problems

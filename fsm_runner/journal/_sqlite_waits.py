@@ -22,6 +22,7 @@ import attrs
 
 from fsm_runner.exceptions import RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _rows
+from fsm_runner.journal._digest import row_digest
 from fsm_runner.journal._idle import Doorbell
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal._sqlite_connections import SqliteConnections
@@ -181,9 +182,9 @@ class SqliteWaits:
             if status != _ACTIVE:
                 raise RunTerminalError(run_id=signal.run_id, state=state, status=status)
             number = conn.execute(
-                "INSERT INTO signals (run_key, run_id, name, payload, signal_id, received_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (key, *params),
+                "INSERT INTO signals (run_key, run_id, name, payload, signal_id, received_at,"
+                " digest) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (key, *params, row_digest(params)),  # what its sender wrote (schema 12)
             ).lastrowid
             assert number is not None  # set by every INSERT
             conn.execute("UPDATE run_rows SET wake_at = ? WHERE run_key = ?", (received, key))
