@@ -12,7 +12,9 @@ transition from it) in autocommit mode.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import attrs
@@ -102,6 +104,29 @@ _INSERT_SPEC = (
     "INSERT INTO specs (spec_hash, machine, json, created_at) VALUES (%s, %s, %s, %s)"
     " ON CONFLICT (spec_hash) DO NOTHING"
 )
+
+
+#: Starts of at most this many runs (and no iterations) are one statement, one round trip instead
+#: of five: a start 646 -> 326 us here, 2 runs 428 -> 272 us a run. Bigger batches are pipelined
+#: (``executemany``): one statement of 10 runs was no faster, of 30 slower (its parsing).
+_ONE_STATEMENT_STARTS = 8
+
+
+@functools.lru_cache(maxsize=32)
+def _start_statement(runs: int) -> str:
+    """The spec, ``runs`` run rows and their transitions seq 0, inserted by one statement."""
+
+    def values(width: int) -> str:
+        row = "(" + ", ".join(["%s"] * width) + ")"
+        return ", ".join([row] * runs)
+
+    return (
+        f"WITH spec AS ({_INSERT_SPEC}),"
+        f" new_runs AS (INSERT INTO runs ({', '.join(_RUN_COLUMNS)})"
+        f" VALUES {values(len(_RUN_COLUMNS))})"
+        f" INSERT INTO transitions ({', '.join(TRANSITION_COLUMNS)}, digest)"
+        f" VALUES {values(len(TRANSITION_COLUMNS) + 1)}"
+    )
 
 
 def _upsert(table: str, columns: Sequence[str], *, also: str = "") -> str:
@@ -270,6 +295,14 @@ class PostgresWriter:
 
         def work(conn: Connection) -> None:
             try:
+                if not iteration_rows and len(runs) <= _ONE_STATEMENT_STARTS:
+                    # One statement, one round trip (a transaction of its own): the spec, the
+                    # runs and their first transitions, the foreign keys checked at its end.
+                    conn.execute(
+                        _start_statement(len(runs)),
+                        [*spec_row, *chain(*run_rows), *chain(*transition_rows)],
+                    )
+                    return
                 with conn.transaction(), conn.cursor() as cursor:
                     cursor.execute(_INSERT_SPEC, spec_row)
                     cursor.executemany(INSERT_RUN, run_rows)
