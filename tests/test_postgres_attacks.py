@@ -400,7 +400,8 @@ class TestKilledInsideAPipeline:
         mode, neither closed nor broken, and the journal took it for a sound connection that
         failed: ``JournalError`` at once, and every later call on it failed too. (Starts are one
         statement up to 8 runs; bigger ones, or with iterations, are pipelined: that path.)"""
-        monkeypatch.setattr(_postgres_writes, "_ONE_STATEMENT_STARTS", 0)  # pipelined, whatever the threshold
+        # pipelined, whatever the threshold
+        monkeypatch.setattr(_postgres_writes, "_ONE_STATEMENT_STARTS", 0)
         journal = postgres_journal
         engine = Engine(SPEC, handlers=Calls().handlers(), journal=journal)
         rng = random.Random(5)
