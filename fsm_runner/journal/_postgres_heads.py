@@ -11,6 +11,7 @@ run once and looks past it from then on. Times are hashed as the SQLite journal 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,11 +44,12 @@ _HEAD_JOINS = (
     " WHERE r.run_id = %s"
 )
 _HEAD_SQL = f"SELECT {_HEAD_COLUMNS}{_HEAD_JOINS}"
-#: A claim's read of the run (locked) with what is verified: one statement.
+#: A claim's read of the run (locked) with what is verified, and the server's time: one
+#: statement.
 _LOAD_SQL = (
     "SELECT "
     + ", ".join(f"r.{column}" for column in _rows.RUN_COLUMNS)
-    + f", {_HEAD_COLUMNS}{_HEAD_JOINS} FOR UPDATE OF r"
+    + f", {_HEAD_COLUMNS}, clock_timestamp(){_HEAD_JOINS} FOR UPDATE OF r"
 )
 
 
@@ -78,8 +80,10 @@ class PostgresHeads:
 
     def load(
         self, conn: Connection, run_id: str, decode: Callable[[Sequence[Any]], RunRecord]
-    ) -> RunRecord:
-        """The run's row, locked (``FOR UPDATE``), once verified: one read for both.
+    ) -> tuple[RunRecord, dt.datetime]:
+        """The run's row, locked (``FOR UPDATE``), once verified, and the server's time then.
+
+        One read for the three (a claim's: its lease is set and judged by the server's clock).
 
         Raises:
             RunNotFoundError: there is no such run.
@@ -90,8 +94,8 @@ class PostgresHeads:
         if row is None:
             raise RunNotFoundError(run_id)
         split = len(_rows.RUN_COLUMNS)
-        self._verify(run_id, row[split:])
-        return decode(row[:split])
+        self._verify(run_id, row[split:-1])
+        return decode(row[:split]), row[-1]
 
     def _verify(self, run_id: str, row: Sequence[Any]) -> None:
         seq, run_digest, *rest = row

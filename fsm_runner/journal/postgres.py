@@ -357,9 +357,9 @@ class PostgresJournal:
         def work(conn: Connection) -> RunRecord:
             self.liveness.locks.hold(conn, owner)
             with conn.transaction():
-                # never driven past a row that fails its digest: verified in the same read
-                run = self._heads.load(conn, run_id, self._run_from_row)
-                now = _server_now(conn)
+                # never driven past a row that fails its digest: verified in the same read,
+                # which reads the server's time too
+                run, now = self._heads.load(conn, run_id, self._run_from_row)
                 expires = now + dt.timedelta(seconds=ttl)
                 tried.append(expires)
                 takeover = _lease.grant(run, owner, now, take_over=take_over)
