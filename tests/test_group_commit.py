@@ -532,3 +532,55 @@ class TestGroupClaims:
 
         assert asyncio.run(main()) == ["row a", "row c"]
         assert calls == [["a", "c"]]
+
+
+class TestPostgresPipeline:
+    """On PostgreSQL a group of one-statement commits is pipelined: two round trips, not 3N + 2.
+
+    A refused commit rolls the pipelined group back and sends it the careful way (a savepoint a
+    commit): each commit is still judged alone.
+    """
+
+    def spy(self, monkeypatch) -> list[bool]:
+        from fsm_runner.journal import _postgres_writes
+
+        outcomes: list[bool] = []
+        pipelined = _postgres_writes._pipelined
+
+        def recorded(conn, plans):
+            outcomes.append(pipelined(conn, plans))
+            return outcomes[-1]
+
+        monkeypatch.setattr(_postgres_writes, "_pipelined", recorded)
+        return outcomes
+
+    def test_a_group_is_stored_by_one_pipeline(self, postgres_journal, monkeypatch):
+        outcomes = self.spy(monkeypatch)
+        engine = engine_for(postgres_journal)
+        runs = [postgres_journal.load(engine.start()) for _ in range(4)]
+        assert postgres_journal.commit_many([next_commit(run) for run in runs]) == [None] * 4
+        assert outcomes == [True]
+        assert {postgres_journal.load(run.run_id).state for run in runs} == {"b"}
+
+    def test_a_refusal_in_the_pipeline_refuses_its_commit_alone(
+        self, postgres_journal, monkeypatch
+    ):
+        outcomes = self.spy(monkeypatch)
+        engine = engine_for(postgres_journal)
+        ok, fenced, stale, ok2 = (postgres_journal.load(engine.start()) for _ in range(4))
+        postgres_journal.claim(fenced.run_id, "w2", ttl=60)
+        commits = [
+            next_commit(ok),
+            next_commit(fenced),
+            next_commit(stale, seq=stale.seq + 2),
+            next_commit(ok2),
+        ]
+        results = postgres_journal.commit_many(commits)
+        assert outcomes == [False]  # rolled back, then done a savepoint a commit
+        assert results[0] is None
+        assert isinstance(results[1], LeaseLostError)
+        assert isinstance(results[2], RunConflictError)
+        assert results[3] is None
+        assert [t.seq for t in postgres_journal.transitions(fenced.run_id)] == [0]
+        assert [t.seq for t in postgres_journal.transitions(stale.run_id)] == [0]
+        assert postgres_journal.load(ok2.run_id).state == "b"

@@ -153,7 +153,7 @@ def _existing(exc: pg_errors.UniqueViolation, runs: Sequence[NewRun]) -> str:
     """The id of the run that already exists, from the server's detail, else the first one's."""
     detail = exc.diag.message_detail or ""
     for run, _, _ in runs:
-        if f"=({run.run_id})" in detail:
+        if f"=({run.run_id})" in detail or f"=({run.run_id}, 0)" in detail:
             return run.run_id
     return runs[0][0].run_id
 
@@ -254,6 +254,31 @@ class _CommitPlan:
         return None if row is not None and tuple(row) == expected else UNRESOLVED
 
 
+def _pipelined(conn: Connection, plans: Sequence[tuple[int, _CommitPlan]]) -> bool:
+    """Store a group of one-statement commits in two round trips, if none is refused.
+
+    psycopg's pipeline sends BEGIN and every commit at once, and reads their answers at one
+    sync; then COMMIT. A refused commit (its fence moved no row, or another writer stored its
+    seq first) rolls the group back here, and ``False`` sends it the careful way, a savepoint a
+    commit, so that a refusal refuses its commit alone (as any failure of the group: a lost
+    connection surfaces as before).
+    """
+    try:
+        with conn.pipeline() as pipeline, conn.transaction():
+            cursors = [conn.execute(plan.statement, plan.params) for _, plan in plans]
+            pipeline.sync()
+            _each_moved_one(cursors)
+    except (_RefusedError, pg_errors.UniqueViolation):
+        return False
+    return True
+
+
+def _each_moved_one(cursors: Sequence[Any]) -> None:
+    """Raise :class:`_RefusedError` unless every commit moved its run (one row each)."""
+    if any(cursor.rowcount != 1 for cursor in cursors):
+        raise _RefusedError
+
+
 class PostgresWriter:
     """The fenced writes of one PostgreSQL journal.
 
@@ -310,7 +335,8 @@ class PostgresWriter:
                     if iteration_rows:
                         cursor.executemany(_UPSERT_ITERATION, iteration_rows)
             except pg_errors.UniqueViolation as exc:
-                if exc.diag.constraint_name == "runs_pkey":
+                # (in one statement, the existing run's transition seq 0 may be met first)
+                if exc.diag.constraint_name in ("runs_pkey", "transitions_pkey"):
                     raise RunExistsError(_existing(exc, runs)) from None
                 raise
 
@@ -472,6 +498,8 @@ class PostgresWriter:
         def work(conn: Connection) -> dict[int, Exception]:
             nonlocal tries
             tries += 1
+            if tries == 1 and all(plan.simple for _, plan in plans) and _pipelined(conn, plans):
+                return {}  # every commit stored, in two round trips
             refused: dict[int, Exception] = {}
             with conn.transaction():
                 for index, plan in plans:
