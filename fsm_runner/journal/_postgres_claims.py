@@ -41,8 +41,10 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from fsm_runner.exceptions import InvalidRunIdError, JournalError
-from fsm_runner.journal import _rows
+import attrs
+
+from fsm_runner.exceptions import InvalidRunIdError, JournalError, RunNotFoundError
+from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
     Connection,
@@ -55,8 +57,10 @@ from fsm_runner.records import RunRecord
 __all__ = [
     "HEAD_DIGEST",
     "OWNER_LOCK_CLASS",
+    "ClaimGroup",
     "OwnerLiveness",
     "OwnerLocks",
+    "claim_group",
     "claim_next",
     "claim_next_query",
     "lease_holders",
@@ -192,6 +196,92 @@ def claim_next(
         claimed = connection.call(work, resolve=resolve)
         if claimed is not None or len(passed_by) == refused:
             return claimed
+
+
+@attrs.frozen
+class ClaimGroup:
+    """What :func:`claim_group` needs of its journal: how it verifies, holds, reads and decodes."""
+
+    heads: PostgresHeads
+    locks: OwnerLocks
+    #: A claimed run from its row and head digest (remembered by the journal's writer).
+    claimed: Callable[[Sequence[Any]], RunRecord]
+    #: A run from its row (:data:`~._rows.RUN_COLUMNS`).
+    decode: Callable[[Sequence[Any]], RunRecord]
+    #: The claim's RETURNING (the run row, then its head digest) and a run row's columns.
+    returning: str
+    select: str
+
+
+def claim_group(
+    connection: PostgresConnection,
+    group: ClaimGroup,
+    run_ids: Sequence[str],
+    owner: str,
+    *,
+    ttl: float,
+    check: Callable[[RunRecord], object] | None = None,
+) -> list[RunRecord | Exception]:
+    """``PostgresJournal.claim_many``: several runs' leases in ONE transaction, each on its own.
+
+    Four round trips for them all: BEGIN, one read of the runs (locked in id order, their head
+    rows verified, the server's time), one UPDATE of the runs granted, COMMIT. A run refused
+    (missing, ended, held by another, failing its digest, or by ``check``) gets its error at its
+    index and nothing is written for it. After a lost connection, a try that did commit is found
+    by the leases' expiry it set (each lease is taken once).
+    """
+    tried: list[dt.datetime] = []  # each try's expiry: the resolver looks for it
+    refused: dict[str, Exception] = {}  # the last try's refusals
+
+    def work(conn: Connection) -> list[RunRecord | Exception]:
+        group.locks.hold(conn, owner)
+        with conn.transaction():
+            found, now = group.heads.load_many(conn, run_ids, group.decode)
+            grants: dict[str, int] = {}
+            for run_id, run in found.items():
+                if isinstance(run, Exception):
+                    continue
+                try:
+                    if check is not None:
+                        check(run)
+                    assert now is not None  # read with the runs
+                    grants[run_id] = int(_lease.grant(run, owner, now))
+                except Exception as exc:  # noqa: BLE001 - refused alone, at its index
+                    found[run_id] = exc
+            refused.clear()
+            refused.update((k, v) for k, v in found.items() if isinstance(v, Exception))
+            if grants:
+                assert now is not None
+                expires = now + dt.timedelta(seconds=ttl)
+                tried.append(expires)
+                cursor = conn.execute(
+                    "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
+                    " lease_token = runs.lease_token + 1, recoveries = runs.recoveries"
+                    " + granted.takeover FROM unnest(%s::text[], %s::int[])"
+                    " AS granted(id, takeover) WHERE runs.run_id = granted.id"
+                    f" RETURNING {group.returning}",
+                    (owner, expires, list(grants), list(grants.values())),
+                )
+                for row in cursor.fetchall():
+                    claimed = group.claimed(row)
+                    found[claimed.run_id] = claimed
+        return [found[run_id] for run_id in run_ids]
+
+    def resolve(conn: Connection) -> list[RunRecord | Exception] | Unresolved:
+        rows = conn.execute(
+            f"SELECT {group.select} FROM runs WHERE run_id = ANY(%s)", (list(run_ids),)
+        ).fetchall()
+        runs = {run.run_id: run for run in map(group.decode, rows)}
+        taken = {
+            run_id
+            for run_id, run in runs.items()
+            if run.lease_owner == owner and run.lease_expires_at in tried
+        }
+        if not taken:
+            return UNRESOLVED  # nothing the cut-off try wrote: try again
+        return [runs[r] if r in taken else refused.get(r, RunNotFoundError(r)) for r in run_ids]
+
+    return connection.call(work, resolve=resolve)
 
 
 #: The first key of the advisory locks lease owners hold (``"FSMR"``); the second is

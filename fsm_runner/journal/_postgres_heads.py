@@ -51,6 +51,10 @@ _LOAD_SQL = (
     + ", ".join(f"r.{column}" for column in _rows.RUN_COLUMNS)
     + f", {_HEAD_COLUMNS}, clock_timestamp(){_HEAD_JOINS} FOR UPDATE OF r"
 )
+#: The same for several runs (in the order of their ids: locks taken in one order).
+_LOAD_MANY_SQL = _LOAD_SQL.replace("WHERE r.run_id = %s", "WHERE r.run_id = ANY(%s)").replace(
+    " FOR UPDATE OF r", " ORDER BY r.run_id FOR UPDATE OF r"
+)
 
 
 class PostgresHeads:
@@ -96,6 +100,29 @@ class PostgresHeads:
         split = len(_rows.RUN_COLUMNS)
         self._verify(run_id, row[split:-1])
         return decode(row[:split]), row[-1]
+
+    def load_many(
+        self, conn: Connection, run_ids: Sequence[str], decode: Callable[[Sequence[Any]], RunRecord]
+    ) -> tuple[dict[str, RunRecord | Exception], dt.datetime | None]:
+        """Each run's row, locked, once verified (or why it is refused), and the server's time.
+
+        One read for them all (``claim_many``'s). A run not there is :class:`RunNotFoundError`.
+        """
+        rows: Any = conn.execute(_LOAD_MANY_SQL, (list(run_ids),)).fetchall()
+        split = len(_rows.RUN_COLUMNS)
+        found: dict[str, RunRecord | Exception] = {}
+        now = None
+        for row in rows:
+            run_id, now = row[0], row[-1]
+            try:
+                self._verify(run_id, row[split:-1])
+            except (JournalError, InvalidRunIdError) as exc:
+                found[run_id] = exc
+            else:
+                found[run_id] = decode(row[:split])
+        for run_id in run_ids:
+            found.setdefault(run_id, RunNotFoundError(run_id))
+        return found, now
 
     def _verify(self, run_id: str, row: Sequence[Any]) -> None:
         seq, run_digest, *rest = row

@@ -61,7 +61,13 @@ from fsm_runner.exceptions import (
 )
 from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._postgres_chain import chain_problems
-from fsm_runner.journal._postgres_claims import HEAD_DIGEST, OwnerLiveness, claim_next
+from fsm_runner.journal._postgres_claims import (
+    HEAD_DIGEST,
+    ClaimGroup,
+    OwnerLiveness,
+    claim_group,
+    claim_next,
+)
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
     DEFAULT_SCHEMA,
@@ -252,6 +258,8 @@ class PostgresJournal:
         self._waits, self.liveness = PostgresWaits(connection), OwnerLiveness(connection)
         self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
         self._heads = PostgresHeads(self.location)
+        parts = (self._heads, self.liveness.locks, self._claimed, self._run_from_row)
+        self._group = ClaimGroup(*parts, _CLAIMED, _RUN_SELECT)  # claim_many's
         # The hot path: the writer's own methods bound as this journal's (overrides are kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
         self._close = watch(self, functools.partial(_close, self._waits, connection), repr(self))
@@ -421,8 +429,17 @@ class PostgresJournal:
         ttl: float,
         check: Callable[[RunRecord], object] | None = None,
     ) -> list[RunRecord | Exception]:
-        """Claim several runs' leases, each in its own transaction and refused on its own."""
-        return claim_each(self, run_ids, owner, ttl=ttl, check=check)
+        """Claim several runs' leases in ONE transaction, each granted or refused on its own.
+
+        Four round trips for them all: BEGIN, one read of the runs (locked in id order, their
+        head rows verified, the server's time), one UPDATE of the runs granted, COMMIT. A run
+        refused (missing, ended, held by another, failing its digest, or by ``check``) gets its
+        error at its index and nothing is written for it. After a lost connection, a try that
+        did commit is found by the leases' expiry it set (each lease is taken once).
+        """
+        if len(run_ids) < 2:
+            return claim_each(self, run_ids, owner, ttl=ttl, check=check)
+        return claim_group(self._connection, self._group, run_ids, owner, ttl=ttl, check=check)
 
     def claim_next(
         self,
