@@ -12,7 +12,9 @@ One run of this file measures, in interleaved rounds (medians), each in a schema
 * **raw batched rows**: the same rows, ``--batch`` a transaction through ``executemany``
   (psycopg pipelines it): what PostgreSQL takes when round trips are not the cost.
 * **fsm_runner sync**: ``--runs`` 4-step runs started and run one after another
-  (``Engine.start`` then ``Engine.run``): journaled steps a second, starts included.
+  (``Engine.start(claim=True)``, stored holding the engine's lease, then ``Engine.run``, which
+  writes no claim, as ``bench_short_runs`` does on SQLite): journaled steps a second, starts
+  included.
 * **fsm_runner async**: ``--runs`` runs started, then all run at once (``asyncio.gather`` of
   ``Engine.arun``): their steps group-committed (one pipeline a group).
 * **workers**: ``--runs`` runs drained by 1, 2 and 4 ``Engine.work`` processes on the one
@@ -108,10 +110,10 @@ def sync_rate(url: str, runs: int) -> float:
     schema = _schema()
     engine = _engine(url, schema, lambda _ctx: NEXT)
     try:
-        engine.run(engine.start())  # warm: the spec stored, statements prepared
+        engine.run(engine.start(claim=True))  # warm: the spec stored, statements prepared
         started = time.perf_counter()
         for _ in range(runs):
-            engine.run(engine.start())
+            engine.run(engine.start(claim=True))  # stored leased: the drive writes no claim
         elapsed = time.perf_counter() - started
     finally:
         engine.journal.close()
