@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
 from fsm_runner.records import utc_now
@@ -122,6 +123,24 @@ def _ui_spec() -> MachineSpec:
     )
 
 
+def _ui_templates(journal: Any) -> dict[str, str]:
+    """One run of each kind of :data:`UI_KINDS`, made by the engine: their ids, by kind."""
+
+    def failing(_ctx: object) -> str:
+        raise RuntimeError("the bench's failed run")
+
+    spec = _ui_spec()
+    ok = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
+    bad = Engine(spec, handlers={"a": failing, "b": failing, "c": failing}, journal=journal)
+    made = {"done": ok.start({}), "a": ok.start({}), "b": ok.start({}), "failed": bad.start({})}
+    ok.run(made["done"])
+    ok.step(made["b"])
+    bad.run(made["failed"])
+    ok.close()
+    bad.close()
+    return made
+
+
 def build_ui_journal(path: Path, runs: int, *, days: float = 30.0) -> None:
     """``runs`` runs of bench_ui's 3-phase machine ``bench``, built fast for the inspector's bench.
 
@@ -130,20 +149,8 @@ def build_ui_journal(path: Path, runs: int, *, days: float = 30.0) -> None:
     times: created in key order over the last ``days`` days, updated a second later. (The copies'
     digests are their templates': the inspector's pages do not verify them, ``check`` would.)
     """
-
-    def failing(_ctx: object) -> str:
-        raise RuntimeError("the bench's failed run")
-
-    spec = _ui_spec()
     with SqliteJournal(path) as journal:
-        ok = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
-        bad = Engine(spec, handlers={"a": failing, "b": failing, "c": failing}, journal=journal)
-        made = {"done": ok.start({}), "a": ok.start({}), "b": ok.start({}), "failed": bad.start({})}
-        ok.run(made["done"])
-        ok.step(made["b"])
-        bad.run(made["failed"])
-        ok.close()
-        bad.close()
+        made = _ui_templates(journal)
     conn = sqlite3.connect(path, isolation_level=None)
     conn.create_function("run_id_of", 1, run_id_of, deterministic=True)
     keys = {kind: conn.execute("SELECT run_key FROM run_rows WHERE run_id = ?", (run_id,)).fetchone()[0]
@@ -200,19 +207,8 @@ def build_ui_journal_postgres(url: str, schema: str, runs: int, *, days: float =
 
     from fsm_runner import PostgresJournal
 
-    def failing(_ctx: object) -> str:
-        raise RuntimeError("the bench's failed run")
-
-    spec = _ui_spec()
     with PostgresJournal(url, schema=schema) as journal:
-        ok = Engine(spec, handlers=dict.fromkeys("abc", lambda _ctx: NEXT), journal=journal)
-        bad = Engine(spec, handlers={"a": failing, "b": failing, "c": failing}, journal=journal)
-        made = {"done": ok.start({}), "a": ok.start({}), "b": ok.start({}), "failed": bad.start({})}
-        ok.run(made["done"])
-        ok.step(made["b"])
-        bad.run(made["failed"])
-        ok.close()
-        bad.close()
+        made = _ui_templates(journal)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{schema}"')
 
