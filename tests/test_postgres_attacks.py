@@ -29,7 +29,7 @@ from psycopg import sql
 
 from fsm_runner import Engine, RunLifecycle
 from fsm_runner.exceptions import JournalError
-from fsm_runner.journal import _postgres_connection, _postgres_writes
+from fsm_runner.journal import _postgres_connection
 from fsm_runner.journal.base import Commit, Renewal
 from fsm_runner.journal.postgres import PostgresJournal
 from fsm_runner.replay import check_journal
@@ -395,13 +395,10 @@ class TestKilledAfterTheCommit:
 class TestKilledInsideAPipeline:
     """``executemany`` pipelines its statements: the backend ends while their results are read."""
 
-    def test_start_many_goes_on(self, postgres_journal, killer, monkeypatch):
+    def test_start_many_goes_on(self, postgres_journal, killer):
         """Found by the random kills: the first such kill left psycopg's connection in pipeline
         mode, neither closed nor broken, and the journal took it for a sound connection that
-        failed: ``JournalError`` at once, and every later call on it failed too. (Starts are one
-        statement up to 8 runs; bigger ones, or with iterations, are pipelined: that path.)"""
-        # pipelined, whatever the threshold
-        monkeypatch.setattr(_postgres_writes, "_ONE_STATEMENT_STARTS", 0)
+        failed: ``JournalError`` at once, and every later call on it failed too."""
         journal = postgres_journal
         engine = Engine(SPEC, handlers=Calls().handlers(), journal=journal)
         rng = random.Random(5)
