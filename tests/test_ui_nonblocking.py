@@ -1,6 +1,6 @@
 """The inspector never blocks: pages read off the event loop, and ``check`` runs in the background.
 
-Issue 32, point 1. A real ``fsm-runner ui`` server over a real journal: ``check`` of 20,000
+Issue 32, point 1. A real ``fsm-runner ui`` server over a real journal: ``check`` of 100,000
 runs is a job with its progress on its page, one at a time and cancellable, and ``/runs``
 answers while it runs; a page whose read is held up (a PostgreSQL table locked by another
 session) is answered with an error page after ``--read-timeout`` while other pages answer
@@ -24,12 +24,15 @@ from tests.ui_helpers import Server
 #: once on each pytest-xdist worker that would otherwise take some of its tests.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-nonblocking")]
 
-RUNS = 20_000  # a multiple of the fixture's batches of 5,000
+#: A multiple of the fixture's batches of 5,000. Enough that a check outlasts a few requests
+#: by far: with 20,000 a check (a second here) ended, on a quiet CI machine, before the cancel
+#: sent right after "running" was read (the server's requests wait on the GIL the check holds).
+RUNS = 100_000
 
 
 @pytest.fixture(scope="module")
 def big_journal(tmp_path_factory):
-    """A journal of :data:`RUNS` started runs: its check takes a while (a second or more)."""
+    """A journal of :data:`RUNS` started runs: its check takes a while (seconds)."""
     path = tmp_path_factory.mktemp("big") / "journal.db"
     with SqliteJournal(path) as journal, two_phase_engine(journal) as engine:
         for _ in range(RUNS // 5000):
