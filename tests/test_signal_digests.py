@@ -129,5 +129,8 @@ def test_a_version_11_journal_gets_its_signals_digests(tmp_path):
     with SqliteJournal(path) as journal:
         assert journal.meta()["schema_version"] == "12"
         assert digest_lines(journal) == []
-    with sqlite3.connect(path) as conn:
+    conn = sqlite3.connect(path)  # (a `with` block would commit, not close it)
+    try:
         assert conn.execute("SELECT count(*) FROM signals WHERE digest IS NULL").fetchone() == (0,)
+    finally:
+        conn.close()
