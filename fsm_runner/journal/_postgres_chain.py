@@ -33,7 +33,7 @@ from fsm_runner.journal._digest import (
     transition_digest,
 )
 from fsm_runner.journal._postgres_connection import Connection
-from fsm_runner.journal._sqlite_chain import MIGRATED, MIGRATED_KEYS
+from fsm_runner.journal._sqlite_chain import MIGRATED, MIGRATED_KEYS, consumption_problem
 from fsm_runner.journal._sqlite_chain import origin as _origin
 from fsm_runner.records import RunRecord, format_utc, utc_now
 
@@ -223,16 +223,12 @@ def _signal_problems(conn: Connection, named: dict[tuple[str, int], Any]) -> lis
                     " (changed since it was written)"
                 )
             if consumed_seq is not None and named.get((run_id, consumed_seq)) != number:
-                problems.append(
-                    f"digest: run {run_id}: its signal {number} is marked consumed at seq"
-                    f" {consumed_seq}, whose transition does not name it"
-                )
-    for (run_id, seq), number in named.items():
-        if (run_id, number) in consumed and consumed[run_id, number] != seq:
-            problems.append(
-                f"digest: run {run_id}: its signal {number} is consumed at seq {seq} by the"
-                " chain, not marked so"
-            )
+                problems.append(consumption_problem(run_id, number, consumed_seq, None))
+    problems += [
+        consumption_problem(run_id, number, None, seq)
+        for (run_id, seq), number in named.items()
+        if (run_id, number) in consumed and consumed[run_id, number] != seq
+    ]
     return problems
 
 

@@ -41,20 +41,18 @@ _HEAD_JOINS = (
     " FROM runs AS r"
     " LEFT JOIN transitions AS t ON t.run_id = r.run_id AND t.seq = r.seq"
     " LEFT JOIN transitions AS p ON p.run_id = r.run_id AND p.seq = r.seq - 1"
-    " WHERE r.run_id = %s"
 )
-_HEAD_SQL = f"SELECT {_HEAD_COLUMNS}{_HEAD_JOINS}"
+_HEAD_SQL = f"SELECT {_HEAD_COLUMNS}{_HEAD_JOINS} WHERE r.run_id = %s"
 #: A claim's read of the run (locked) with what is verified, and the server's time: one
 #: statement.
-_LOAD_SQL = (
+_LOADED = (
     "SELECT "
     + ", ".join(f"r.{column}" for column in _rows.RUN_COLUMNS)
-    + f", {_HEAD_COLUMNS}, clock_timestamp(){_HEAD_JOINS} FOR UPDATE OF r"
+    + f", {_HEAD_COLUMNS}, clock_timestamp(){_HEAD_JOINS}"
 )
+_LOAD_SQL = f"{_LOADED} WHERE r.run_id = %s FOR UPDATE OF r"
 #: The same for several runs (in the order of their ids: locks taken in one order).
-_LOAD_MANY_SQL = _LOAD_SQL.replace("WHERE r.run_id = %s", "WHERE r.run_id = ANY(%s)").replace(
-    " FOR UPDATE OF r", " ORDER BY r.run_id FOR UPDATE OF r"
-)
+_LOAD_MANY_SQL = f"{_LOADED} WHERE r.run_id = ANY(%s) ORDER BY r.run_id FOR UPDATE OF r"
 
 
 class PostgresHeads:

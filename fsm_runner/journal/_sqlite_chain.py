@@ -30,6 +30,7 @@ __all__ = [
     "MIGRATED",
     "MIGRATED_KEYS",
     "chain_problems",
+    "consumption_problem",
     "fill_digests",
     "fill_signal_digests",
     "head_rows",
@@ -278,14 +279,25 @@ def _signal_problems(conn: sqlite3.Connection) -> list[str]:
         " AND s.number = json_extract(t.result, '$.signal')"
         " WHERE json_valid(t.result) AND s.consumed_seq IS NOT t.seq"
     )  # (a fork's copies name its source's signals, which are not the fork's: not joined)
-    for run_id, number, consumed_seq, seq in mismatched:
-        said = (
-            f"marked consumed at seq {consumed_seq}, whose transition does not name it"
-            if consumed_seq is not None
-            else f"consumed at seq {seq} by the chain, not marked so"
-        )
-        problems.append(f"digest: run {_shown_id(run_id)}: its signal {number} is {said}")
+    problems += [
+        consumption_problem(_shown_id(run_id), number, consumed_seq, seq)
+        for run_id, number, consumed_seq, seq in mismatched
+    ]
     return problems
+
+
+def consumption_problem(run: str, number: Any, consumed_seq: Any, seq: Any) -> str:
+    """``check``'s line for a signal whose consumption the chain does not say (both journals).
+
+    ``consumed_seq``: where the signal is marked consumed (its transition does not name it), or
+    ``None``: the transition at ``seq`` names it, and it is not marked consumed there.
+    """
+    said = (
+        f"marked consumed at seq {consumed_seq}, whose transition does not name it"
+        if consumed_seq is not None
+        else f"consumed at seq {seq} by the chain, not marked so"
+    )
+    return f"digest: run {run}: its signal {number} is {said}"
 
 
 def _own_tables() -> list[tuple[str, Sequence[str]]]:

@@ -89,9 +89,7 @@ def layout_dot(graph: Graph, counts: Mapping[str, int]) -> str:
     block(None, "    ")
     if graph.initial:
         lines.append(_edge(graph, Edge(INITIAL, "", graph.initial, label=""), "initial", None))
-    loops = _loops(graph)
-    for index, edge in enumerate(graph.edges):
-        together = loops.get(edge.source, [index]) if edge.source == edge.dest else [index]
+    for index, (edge, together) in enumerate(zip(graph.edges, _stacks(graph), strict=True)):
         if index != together[0]:
             continue  # laid out with the first loop of its state
         width = max(label_width(graph.edges[i]) for i in together)
@@ -101,17 +99,21 @@ def layout_dot(graph: Graph, counts: Mapping[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _loops(graph: Graph) -> dict[str, list[int]]:
-    """Each state's self-loops, by index: ``dot`` lays them out as one loop, labels stacked.
+def _stacks(graph: Graph) -> list[list[int]]:
+    """For each edge, the indexes of the edges laid out with it: its state's self-loops, or it.
 
-    Laid out one by one, the loops of a state nest, and each outer loop crosses the labels
-    of the loops inside it; one loop with its labels one above the other crosses none.
+    ``dot`` lays a state's self-loops out as one loop (as the first of them), their labels
+    stacked: laid out one by one, the loops of a state nest, and each outer loop crosses the
+    labels of the loops inside it; one loop with its labels one above the other crosses none.
     """
     loops: dict[str, list[int]] = {}
     for index, edge in enumerate(graph.edges):
         if edge.source == edge.dest:
             loops.setdefault(edge.source, []).append(index)
-    return loops
+    return [
+        loops[edge.source] if edge.source == edge.dest else [index]
+        for index, edge in enumerate(graph.edges)
+    ]
 
 
 def _edge(graph: Graph, edge: Edge, name: str, label: str | None) -> str:
@@ -194,12 +196,10 @@ def edge_places(graph: Graph) -> list[tuple[str, int, int]]:
     ``(id, k, n)``: the edge is laid out as ``id``, its label the ``k``-th of ``n`` stacked
     in the place kept for them (a state's loops share one; every other edge is ``k=0, n=1``).
     """
-    loops = _loops(graph)
-    places = []
-    for index, edge in enumerate(graph.edges):
-        together = loops.get(edge.source, [index]) if edge.source == edge.dest else [index]
-        places.append((f"e{together[0]}", together.index(index), len(together)))
-    return places
+    return [
+        (f"e{together[0]}", together.index(index), len(together))
+        for index, together in enumerate(_stacks(graph))
+    ]
 
 
 def lay_out(graph: Graph, counts: Mapping[str, int]) -> Drawing | None:
@@ -241,10 +241,8 @@ def _drawing(graph: Graph, counts: Mapping[str, int], answer: dict[str, Any]) ->
                 w, h = node_size(node, counts.get(name))
                 boxes[name] = flip.box(flip.point(item["pos"]), w, h)
     splines = {item["id"]: item for item in answer.get("edges", ())}
-    loops = _loops(graph)
     edges = []
-    for index, edge in enumerate(graph.edges):
-        together = loops.get(edge.source, [index]) if edge.source == edge.dest else [index]
+    for index, (edge, together) in enumerate(zip(graph.edges, _stacks(graph), strict=True)):
         item = splines[f"e{together[0]}"]
         x, y = flip.point(item["lp"])
         # Stacked labels (a state's loops) aligned on the left of the place kept for them.
