@@ -88,7 +88,7 @@ def test_making_a_journal_does_not_import_sqlite_utils(tmp_path):
 @pytest.mark.parametrize("round_", range(10))  # a race: each round a new file, raced anew
 def test_one_new_file_opened_by_many_at_once_is_made_once(tmp_path, round_):
     # (An opener that read the file's id before another made the journal, and its tables
-    # after, took it for a foreign database: both are now read in one snapshot.)
+    # after, took it for a foreign database: the id is now read again after the tables.)
     path = tmp_path / "raced.db"
     errors: list[BaseException] = []
     start = threading.Barrier(8)

@@ -233,19 +233,8 @@ def open_schema(conn: sqlite3.Connection, path: str, *, create: bool) -> None:
             an empty file or a database without tables.
         SchemaVersionError: a newer fsm_runner wrote it.
     """
-    # One read transaction: the header's id and the tables from one snapshot. Read apart, a
-    # journal another opener made between the two reads looked like tables without our id.
-    conn.execute("BEGIN")
-    try:
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        current = app_id == APPLICATION_ID and _stored_version(conn, path) == SCHEMA_VERSION
-        tables = {
-            str(row[0])
-            for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-        }
-    finally:
-        if conn.in_transaction:
-            conn.execute("COMMIT")
+    app_id, tables = _id_and_tables(conn)
+    current = app_id == APPLICATION_ID and _stored_version(conn, path) == SCHEMA_VERSION
     if app_id not in (0, APPLICATION_ID):
         raise JournalError(
             f"is a SQLite database of another application (application_id {app_id:#x}), "
@@ -288,6 +277,25 @@ def open_schema(conn: sqlite3.Connection, path: str, *, create: bool) -> None:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+def _id_and_tables(conn: sqlite3.Connection) -> tuple[int, set[str]]:
+    """The file's ``application_id`` and its tables, as one writer left them.
+
+    Read apart, a journal another opener made between the two reads looked like tables
+    without our id (a foreign database); so the id is read again after the tables, and the
+    reads repeated if it changed meanwhile (it changes once, when the journal is made, in the
+    same transaction as its tables). No read transaction is held across them: a rollback-
+    journal file's reader then held off the opener switching it to WAL past the busy timeout.
+    """
+    while True:
+        app_id = int(conn.execute("PRAGMA application_id").fetchone()[0])
+        tables = {
+            str(row[0])
+            for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+        if int(conn.execute("PRAGMA application_id").fetchone()[0]) == app_id:
+            return app_id, tables
 
 
 def verify_code(conn: sqlite3.Connection) -> tuple[str | None, str | None]:
