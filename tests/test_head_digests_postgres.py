@@ -11,11 +11,13 @@ next one. Real runs in a schema of their own, damaged by raw SQL from another co
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 from psycopg import sql
 
-from fsm_runner import Engine, JournalError
+from fsm_runner import Engine, JournalError, RunTerminalError
 from tests.helpers import NEXT, linear_spec
 
 SPEC = linear_spec("a", "b", "c", name="heads")
@@ -141,3 +143,54 @@ def test_a_worker_drives_the_others(postgres_journal, admin):
     engine.work(exit_when_idle=True, idle_wait=0.05)
     assert postgres_journal.load("r2").status.value == "succeeded"
     assert postgres_journal.load("r1").seq == 2
+
+
+@pytest.fixture
+def slow_ends(admin, postgres_journal):
+    """Each commit that moves a run of the journal holds its row a second before it commits.
+
+    Dropped after (the schema goes back to the pool with its tables)."""
+    damage(
+        admin,
+        postgres_journal.schema,
+        "CREATE FUNCTION hold() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$;"
+        " CREATE TRIGGER hold AFTER UPDATE ON runs FOR EACH ROW"
+        " WHEN (NEW.seq <> OLD.seq) EXECUTE FUNCTION hold()",
+    )
+    yield
+    damage(admin, postgres_journal.schema, "DROP FUNCTION hold() CASCADE")
+
+
+def in_sleep(admin) -> bool:
+    found = admin.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep'")
+    return found.fetchone() is not None
+
+
+@pytest.mark.parametrize("claim", ["claim", "claim_many"])
+def test_a_claim_that_waited_for_a_commit_reads_the_head_it_committed(
+    postgres_journal, postgres_server, admin, slow_ends, claim
+):
+    """A claim locks the run's row; when a commit held it, PostgreSQL hands the read the row's
+    new version joined to the head rows of the read's older snapshot (none at the new seq).
+    The claim reads the head again, now that the row is its own: the run is sound and ended,
+    not refused as damaged (an inspector's answer to a waiting run failed so in CI)."""
+    at_seq_two(postgres_journal)
+    other = type(postgres_journal)(postgres_server.url, schema=postgres_journal.schema)
+    ending = threading.Thread(target=lambda: engine_for(other).run("r1"))
+    ending.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not in_sleep(admin):  # the last commit holds the row
+            assert time.monotonic() < deadline, "the run's last commit never began"
+            time.sleep(0.01)
+        if claim == "claim":
+            with pytest.raises(RunTerminalError):
+                postgres_journal.claim("r1", "w2", ttl=30)
+        else:
+            (answer,) = postgres_journal.claim_many(["r1"], "w2", ttl=30)
+            assert isinstance(answer, RunTerminalError), answer
+    finally:
+        ending.join()
+        other.close()
+    assert postgres_journal.load("r1").status.value == "succeeded"

@@ -96,7 +96,7 @@ class PostgresHeads:
         if row is None:
             raise RunNotFoundError(run_id)
         split = len(_rows.RUN_COLUMNS)
-        self._verify(run_id, row[split:-1])
+        self._verify_locked(conn, run_id, row[split:-1])
         return decode(row[:split]), row[-1]
 
     def load_many(
@@ -113,7 +113,7 @@ class PostgresHeads:
         for row in rows:
             run_id, now = row[0], row[-1]
             try:
-                self._verify(run_id, row[split:-1])
+                self._verify_locked(conn, run_id, row[split:-1])
             except (JournalError, InvalidRunIdError) as exc:
                 found[run_id] = exc
             else:
@@ -121,6 +121,20 @@ class PostgresHeads:
         for run_id in run_ids:
             found.setdefault(run_id, RunNotFoundError(run_id))
         return found, now
+
+    def _verify_locked(self, conn: Connection, run_id: str, row: Sequence[Any]) -> None:
+        """Verify the head a locking read returned; if it fails, the head as committed.
+
+        A read that locks the run's row (``FOR UPDATE OF r``) and waited for a commit that held
+        it gets the row's new version joined to the head rows of its own, older snapshot (none
+        at the new seq): a sound run looks damaged. The row is this transaction's now, so a
+        read of its own (a new snapshot) sees the head as committed; a run still failing it is
+        damaged. One more statement, only when the first read fails.
+        """
+        try:
+            self._verify(run_id, row)
+        except (JournalError, InvalidRunIdError):
+            self.verify(conn, run_id)
 
     def _verify(self, run_id: str, row: Sequence[Any]) -> None:
         seq, run_digest, *rest = row
