@@ -42,8 +42,11 @@ from fsm_runner.exceptions import (
     PayloadError,
 )
 from fsm_runner.records import EffectRecord, EffectStatus, RunRecord, format_utc, utc_now
+from fsm_runner.telemetry import current as current_telemetry
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from fsm_runner.journal.base import Journal
     from fsm_runner.spec import State
 
@@ -143,7 +146,50 @@ def perform(  # noqa: PLR0917 - ctx.effect's arguments
         or hashlib.sha256(f"{run.run_id}\0{visit}\0{name}\0{canonical}".encode()).hexdigest()[:32]
     )
     ctx.effect_names[name] = kind
+    call = (fn, args, kwargs)
+    telemetry = current_telemetry()
+    if telemetry is None:
+        return _recorded_or_carried_out(
+            ctx, journal, state, name, kind, canonical, key, call, idempotent, retry_failed
+        )
+    with telemetry.effect(run, name, kind, key, state.name) as span:
+        try:
+            result = _recorded_or_carried_out(
+                ctx, journal, state, name, kind, canonical, key, call, idempotent, retry_failed,
+                span,
+            )  # fmt: skip
+        except EffectOutcomeUnknownError:
+            span.set_attribute("fsm_runner.effect.status", "unknown")
+            raise
+        except Exception:
+            span.set_attribute("fsm_runner.effect.status", EffectStatus.FAILED.value)
+            raise
+        span.set_attribute("fsm_runner.effect.status", EffectStatus.DONE.value)
+        return result
+
+
+def _recorded_or_carried_out(  # noqa: PLR0917 - perform's, passed on
+    ctx: EffectCaller,
+    journal: Journal,
+    state: State,
+    name: str,
+    kind: str,
+    canonical: str,
+    key: str,
+    call: tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]],
+    idempotent: bool,
+    retry_failed: bool,
+    span: Span | None = None,
+) -> Any:
+    """The effect's recorded result if it is done; else recorded in flight and carried out.
+
+    ``span``: its telemetry span, if on (told whether the result was recorded before).
+    """
+    run = ctx.run
+    visit = run.visit_seq
     found = journal.effect(run.run_id, visit, name)
+    if span is not None:
+        span.set_attribute("fsm_runner.effect.recorded", found is not None)
     if found is not None:
         _check_recorded(
             found, ctx, state, kind, canonical, idempotent=idempotent, retry_failed=retry_failed
@@ -151,18 +197,19 @@ def perform(  # noqa: PLR0917 - ctx.effect's arguments
         if found.status is EffectStatus.DONE:
             return found.result  # exactly once: never called again
         key = found.idempotency_key
+    fn, args, kwargs = call
     record = EffectRecord(
         run_id=run.run_id,
         visit_seq=visit,
         name=name,
         state=state.name,
         kind=kind,
-        params=params,
+        params={"args": list(args), "kwargs": kwargs},
         idempotency_key=key,
         idempotent=idempotent,
         started_at=utc_now(),
     )
-    return _carry_out(ctx, journal, record, fn, args, kwargs)
+    return _carry_out(ctx, journal, record, fn, args, kwargs, span)
 
 
 def _check_capability(ctx: EffectCaller, state: State, name: str, kind: str) -> None:
@@ -241,11 +288,14 @@ def _carry_out(  # noqa: PLR0917 - the record, and the call to make
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    span: Span | None = None,
 ) -> Any:
     """Record the effect in flight, call ``fn``, and record how it ended; return its result."""
     run = ctx.run
     # Committed before the effect happens, and only while this worker still holds the lease.
     journal.put_effect(record, run_seq=run.seq, lease_token=run.lease_token)
+    if span is not None:
+        span.add_event("fsm_runner.effect.in_flight")
     call_kwargs = dict(kwargs)
     if _takes_key(fn) and "idempotency_key" not in call_kwargs:
         call_kwargs["idempotency_key"] = record.idempotency_key

@@ -28,6 +28,7 @@ from fsm_runner.events import RunEvent
 from fsm_runner.exceptions import SupervisorError
 from fsm_runner.phases import PhaseContext, PhaseResult
 from fsm_runner.spec import RetryPolicy
+from fsm_runner.telemetry import current as current_telemetry
 
 __all__ = ["RecoveryPhase", "Resource", "RestartOutcome", "RestartRecord", "Supervisor"]
 
@@ -209,6 +210,29 @@ class Supervisor:
             ``ok=True`` once the resource is healthy again; ``ok=False`` with a one-line
             ``error`` naming the budget and the last failure once the budget is spent.
         """
+        telemetry = current_telemetry()
+        if telemetry is None:
+            return self._restart(reason)
+        with telemetry.restart(self.resource.name, reason) as span:
+            outcome = self._restart(reason)
+            span.set_attribute("fsm_runner.restart.ok", outcome.ok)
+            span.set_attribute("fsm_runner.restart.attempts", outcome.attempts)
+            span.set_attribute("fsm_runner.restart.restarts", outcome.restarts)
+            for tried in self.history[len(self.history) - outcome.attempts :]:
+                span.add_event(
+                    "fsm_runner.restart.try",
+                    {
+                        "fsm_runner.restart.ok": tried.ok,
+                        "fsm_runner.restart.error": tried.error or "",
+                    },
+                )
+            if not outcome.ok:
+                from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415 - on
+
+                span.set_status(Status(StatusCode.ERROR, outcome.error or "restart failed"))
+            return outcome
+
+    def _restart(self, reason: str) -> RestartOutcome:
         with self._lock:
             attempts = 0
             last = reason

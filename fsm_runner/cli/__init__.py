@@ -59,6 +59,7 @@ from fsm_runner.cli.operations import signal as signal
 from fsm_runner.cli.operations import worker as worker
 from fsm_runner.cli.report import show as show
 from fsm_runner.command_line import journal_option
+from fsm_runner.telemetry import configure_sdk
 from fsm_runner.ui.command import ui
 
 __all__ = [
@@ -89,9 +90,16 @@ def __getattr__(name: str) -> Any:
 
 @click.group(cls=ExitCodeGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @journal_option()
+@click.option(
+    "--otel",
+    is_flag=True,
+    help="Export OpenTelemetry traces and metrics of the runs this command drives, as the "
+    "OTEL_* variables say (OTLP over HTTP by default; also on when OTEL_TRACES_EXPORTER or "
+    "OTEL_METRICS_EXPORTER is set). Needs fsm-runner[otel].",
+)
 @click.version_option(package_name="fsm-runner", prog_name="fsm-runner")
 @click.pass_context
-def cli(ctx: click.Context, journal_path: str) -> None:
+def cli(ctx: click.Context, journal_path: str, otel: bool) -> None:
     """Run long, multi-phase jobs as durable state machines, and operate their journal.
 
     Run ids may be abbreviated to any unique prefix.
@@ -105,6 +113,10 @@ def cli(ctx: click.Context, journal_path: str) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    try:  # before any engine is made: each finds the providers set
+        configure_sdk(force=otel)
+    except ImportError as exc:
+        raise click.UsageError(str(exc)) from None
     state = CliState(journal_path)
     ctx.obj = state
     ctx.call_on_close(state.close)

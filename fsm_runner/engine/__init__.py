@@ -41,6 +41,8 @@ from fsm_runner.machine import Guard
 from fsm_runner.phases import PhaseHandler
 from fsm_runner.records import RunRecord, SignalRecord, TransitionRecord
 from fsm_runner.spec import MachineSpec
+from fsm_runner.telemetry import Telemetry
+from fsm_runner.telemetry import resolve as resolve_telemetry
 
 __all__ = ["Engine", "Listener", "abort_run", "fork_run", "interrupt_on_sigterm"]
 
@@ -121,6 +123,11 @@ class Engine:
         group_commit: in async runs (:meth:`arun`), commit the transitions of all runs whose
             phases ended in the same turn of the event loop in one journal transaction; each
             run still waits for its own transition to be durable before its next phase.
+        telemetry: OpenTelemetry spans and metrics of its runs (:mod:`fsm_runner.telemetry`,
+            the ``[otel]`` extra). ``None``: on when the host configured OpenTelemetry (set a
+            tracer or meter provider) before making the engine, unless ``OTEL_SDK_DISABLED``
+            is ``true``; ``True``/``False``: on/off; or a :class:`~fsm_runner.telemetry.Telemetry`
+            over providers of its own. Off, it costs nothing.
 
     The engine is a façade over objects that each own their state: the step core (the spec,
     handlers, journal and how a step is written), the sync and the async driver holding it,
@@ -151,6 +158,7 @@ class Engine:
         max_recoveries: int = 3,
         max_payload_bytes: int = 16 * 1024 * 1024,
         group_commit: bool = True,
+        telemetry: Telemetry | bool | None = None,
     ) -> None:
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be positive, not {lease_ttl!r}")
@@ -169,7 +177,10 @@ class Engine:
             allow_spec_change=allow_spec_change,
             max_recoveries=max_recoveries,
             max_payload_bytes=max_payload_bytes,
+            telemetry=resolve_telemetry(telemetry),
         )
+        if core.telemetry is not None:
+            core.telemetry.observe(core)
         self._core = core
         self._leases = LeaseKeeper(
             core,
@@ -235,6 +246,8 @@ class Engine:
         self._leases.stop()
         self._async.close()
         self._sync.close()
+        if self._core.telemetry is not None:
+            self._core.telemetry.forget(self._core)
         if self._close_journal is not None:
             self._close_journal()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import time
 import types
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from fsm_runner.records import RunRecord, TransitionRecord, utc_now
 from fsm_runner.rules.decisions import PhaseOutcome, PhaseStep, retry_wait
 from fsm_runner.rules.reducer import ACTIVE as _ACTIVE
 from fsm_runner.rules.reducer import advance_plain
+from fsm_runner.telemetry import Telemetry
 
 if TYPE_CHECKING:
     import asyncio
@@ -84,22 +86,40 @@ class AsyncDriver:
         """Async ``Engine.step``: async handlers are awaited (and cancelled at their deadline)."""
         run = self.leases.claim(run_id)
         try:
-            try:
-                return (await self._astep(run))[0]
-            except RunConflictError:
-                run = self.core.journal.load(run_id)
-                if run.ended or run.abort_reason is None:
-                    raise
-                return (await self._awrite(self.core.plan_abort(run, run.abort_reason)))[0]
+            telemetry = self.core.telemetry
+            if telemetry is None:
+                return await self._astep_held(run)
+            with telemetry.drive(self.core.journal, run, "astep", self.leases.worker_id):
+                return await self._astep_held(run)
         finally:
             self.leases.let_go(run_id)
 
-    async def arun(  # noqa: PLR0912, PLR0915 - the hot path is inlined (see the module)
-        self, run_id: str, *, max_steps: int | None = None
-    ) -> RunRecord:
+    async def _astep_held(self, run: RunRecord) -> TransitionRecord | None:
+        try:
+            return (await self._astep(run))[0]
+        except RunConflictError:
+            run = self.core.journal.load(run.run_id)
+            if run.ended or run.abort_reason is None:
+                raise
+            return (await self._awrite(self.core.plan_abort(run, run.abort_reason)))[0]
+
+    async def arun(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """Async ``Engine.run``, its hot path inlined; the rest: :meth:`_astep` (see the module)."""
-        core = self.core
         run = await self.leases.aclaim(run_id, grouped=self.group_commit)
+        telemetry = self.core.telemetry
+        if telemetry is None:
+            return await self._arun_held(run, max_steps)
+        with telemetry.drive(self.core.journal, run, "arun", self.leases.worker_id) as span:
+            run = await self._arun_held(run, max_steps)
+            telemetry.drove(span, run)
+            return run
+
+    async def _arun_held(  # noqa: PLR0912, PLR0915 - the hot path is inlined (see the module)
+        self, run: RunRecord, max_steps: int | None
+    ) -> RunRecord:
+        """:meth:`arun`'s loop over the run it claimed; lets go of it at the end."""
+        core = self.core
+        run_id = run.run_id
         try:
             steps = 0
             held, clock, services = core.held, core.clock, core.services
@@ -196,14 +216,27 @@ class AsyncDriver:
         step = core.prepare(run)
         if step is None:  # it waits: a signal it accepts, or its deadline, moves it
             return core.wait_move(run)
+        if core.telemetry is not None:
+            with core.telemetry.phase(run, run.attempt, core.spec.parents(run.state)) as phase:
+                transition, after, error = await self._acall_and_settle(step)
+                phase.settled(transition, error)
+                return transition, after
+        return (await self._acall_and_settle(step))[:2]
+
+    async def _acall_and_settle(
+        self, step: PhaseStep
+    ) -> tuple[TransitionRecord, RunRecord, BaseException | None]:
+        """Call a prepared phase and settle its outcome; what it raised (if it did) too."""
+        core = self.core
         try:
             outcome = await self._call_async(step)
         except (KeyboardInterrupt, asyncio.CancelledError) as exc:
-            core.journal_interruption(run, exc)
+            core.journal_interruption(step.run, exc)
             raise
         finally:
-            core.close_phase(run.run_id)
-        return await self._asettle(step, outcome)
+            core.close_phase(step.run.run_id)
+        error = outcome.error if type(outcome.error) is not PhaseWaits else None  # it parks
+        return (*await self._asettle(step, outcome), error)
 
     async def _afinish_fast(
         self,
@@ -278,7 +311,9 @@ class AsyncDriver:
             or committer.loop is not loop
             or committer.journal is not self.core.journal
         ):
-            committer = self.committer = GroupCommitter(self.core.journal, loop)
+            committer = self.committer = GroupCommitter(
+                self.core.journal, loop, telemetry=self.core.telemetry
+            )
         return committer
 
 
@@ -302,11 +337,17 @@ class GroupCommitter:
     """
 
     def __init__(
-        self, journal: Journal, loop: asyncio.AbstractEventLoop, *, max_batch: int = 4096
+        self,
+        journal: Journal,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        max_batch: int = 4096,
+        telemetry: Telemetry | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch!r}")
         self.journal = journal
+        self.telemetry = telemetry
         self.loop = loop
         self.max_batch = max_batch
         # Two parallel lists rather than a list of pairs: no tuple per commit on the hot path.
@@ -347,6 +388,8 @@ class GroupCommitter:
             futures = [futures[index] for index in kept]
             if not futures:
                 return
+        telemetry = self.telemetry
+        began = time.perf_counter() if telemetry is not None else 0.0
         try:
             results = self.journal.commit_many(commits)
         except BaseException as exc:  # a journal that raised instead of returning the errors
@@ -357,6 +400,9 @@ class GroupCommitter:
             return
         self.transactions += 1
         self.commits += len(futures)
+        if telemetry is not None:
+            took = time.perf_counter() - began
+            telemetry.commit_took(commits[0].run.machine, took, grouped=True, size=len(commits))
         for future, error in zip(futures, results, strict=True):
             if error is None:
                 future.set_result(None)

@@ -87,6 +87,7 @@ from fsm_runner.rules.reducer import (
 )
 from fsm_runner.run_ids import check_run_id
 from fsm_runner.spec import RETURN, MachineSpec, RunLifecycle
+from fsm_runner.telemetry import Telemetry
 
 __all__ = [
     "PLAIN_RETURNS",
@@ -162,6 +163,7 @@ class StepCore:
         allow_spec_change: bool = False,
         max_recoveries: int = 3,
         max_payload_bytes: int = 16 * 1024 * 1024,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.spec = spec
         self.handlers = dict(handlers)
@@ -187,12 +189,13 @@ class StepCore:
             state.name: parts[state.handler] for state in spec.leaves if state.handler
         }
         self.states = {state.name: state for state in spec.leaves}
+        self.telemetry = telemetry  # OpenTelemetry's spans and instruments, if on
         #: States whose handler is a plain callable with no validate() and no timeout: their
-        #: step takes a driver's inlined hot path (the handler's plain callable).
+        #: step takes a driver's inlined hot path (none with telemetry: it has the spans).
         self.fast = {
             name: run_fn
             for name, (run_fn, validate_fn) in self.by_state.items()
-            if validate_fn is None and self.states[name].timeout is None
+            if validate_fn is None and self.states[name].timeout is None and telemetry is None
         }
         self.plain_edges = self.machine.plain_edges
         self.logger_names = {
@@ -228,7 +231,10 @@ class StepCore:
         now = utc_now()
         iteration = 1 if initial.starts_iteration else 0
         # the journal alone reproduces the run row (invariant 8), initial context included
-        seeded = {"context": dict(context)} if context else None
+        seeded: dict[str, Any] | None = {"context": dict(context)} if context else None
+        if self.telemetry is not None:  # its drives continue the trace its start is in
+            trace = self.telemetry.start_carrier(run_id, self.spec.name)
+            seeded = {**(seeded or {}), "trace": trace}
         first = _new_transition(
             run_id, 0, None, STARTED, initial.name, iteration, 1, now, 0.0, seeded, 0
         )
@@ -321,6 +327,8 @@ class StepCore:
         with an abort requested is returned for its next step to carry the abort out.
         """
         run = self.journal.load(run_id)
+        if self.telemetry is not None:
+            self.telemetry.fenced(run.machine)
         if not run.ended and run.abort_reason is None:
             raise refused
         return run
@@ -569,10 +577,14 @@ class StepCore:
     def write(self, planned: Planned) -> tuple[TransitionRecord, RunRecord]:
         """Commit a planned transition, then tell the listeners."""
         transition, after, iterations, artifacts = planned
+        telemetry = self.telemetry
+        began = time.perf_counter() if telemetry is not None else 0.0
         if iterations or artifacts:
             self.journal.commit(after, transition, iterations=iterations, artifacts=artifacts)
         else:
             self.journal.commit(after, transition)
+        if telemetry is not None:
+            telemetry.commit_took(after.machine, time.perf_counter() - began, grouped=False)
         return self.committed(transition, after)
 
     def committed(
@@ -583,12 +595,14 @@ class StepCore:
             held = self.held
             with held.lock:
                 held.aborts.pop(after.run_id, None)
-        if self.listeners:
+        if self.listeners or self.telemetry is not None:
             self.notify(transition, after)
         return transition, after
 
     def notify(self, transition: TransitionRecord, run: RunRecord) -> None:
-        """Call every listener; one that fails is logged (a committed step is never undone)."""
+        """Count it (telemetry), call every listener; one that fails is logged."""
+        if self.telemetry is not None:
+            self.telemetry.committed(transition, run)
         for listener in self.listeners:
             try:
                 listener(transition, run)

@@ -258,6 +258,9 @@ class LeaseKeeper:
         except BaseException:
             self.forget(run_id)
             raise
+        telemetry = self._core.telemetry
+        if telemetry is not None and run.lease_owner not in (None, worker_id):
+            telemetry.took_over(run.machine)  # an expired lease, or a gone holder's
         return self.take(claimed)
 
     def _claim_unchanged(self, journal: Journal, run: RunRecord) -> RunRecord | None:

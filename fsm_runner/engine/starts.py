@@ -152,7 +152,7 @@ class Starts:
         """After the runs are durable: the lease keeper, the listeners and the worker told."""
         core = self.core
         self.leases.started([run for run, _, _ in batch])
-        if core.listeners:
+        if core.listeners or core.telemetry is not None:
             for run, first, _ in batch:
                 core.notify(first, run)
         run_ids = [run.run_id for run, _, _ in batch]

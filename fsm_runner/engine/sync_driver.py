@@ -78,18 +78,25 @@ class SyncDriver:
         """``Engine.step``: claim the run, take one step, let go of it."""
         run = self.leases.claim(run_id)
         try:
-            try:
-                return self._step(run)[0]
-            except RunConflictError:
-                core = self.core
-                run = core.journal.load(run_id)
-                if run.ended or run.abort_reason is None:
-                    raise
-                # An abort was requested while the phase ran: the journal refused the phase's
-                # outcome, and this step carries the abort out instead.
-                return core.write(core.plan_abort(run, run.abort_reason))[0]
+            telemetry = self.core.telemetry
+            if telemetry is None:
+                return self._step_held(run)
+            with telemetry.drive(self.core.journal, run, "step", self.leases.worker_id):
+                return self._step_held(run)
         finally:
             self.leases.let_go(run_id)
+
+    def _step_held(self, run: RunRecord) -> TransitionRecord | None:
+        try:
+            return self._step(run)[0]
+        except RunConflictError:
+            core = self.core
+            run = core.journal.load(run.run_id)
+            if run.ended or run.abort_reason is None:
+                raise
+            # An abort was requested while the phase ran: the journal refused the phase's
+            # outcome, and this step carries the abort out instead.
+            return core.write(core.plan_abort(run, run.abort_reason))[0]
 
     def run(self, run_id: str, *, max_steps: int | None = None) -> RunRecord:
         """``Engine.run``: claim the run, drive it, let go of it (not written if it ended)."""
@@ -106,8 +113,20 @@ class SyncDriver:
             self.leases.let_go(run_id, ended=ended)
         return unleased(run)
 
-    def drive(self, run: RunRecord, max_steps: int | None) -> RunRecord:
-        """Step a run this engine holds until it ends, waits, or ``max_steps`` were taken."""
+    def drive(self, run: RunRecord, max_steps: int | None, *, how: str = "run") -> RunRecord:
+        """Step a run this engine holds until it ends, waits, or ``max_steps`` were taken.
+
+        ``how``: what drives it (``run``, a worker's ``work``), for its span.
+        """
+        telemetry = self.core.telemetry
+        if telemetry is None:
+            return self._drive(run, max_steps)
+        with telemetry.drive(self.core.journal, run, how, self.leases.worker_id) as span:
+            run = self._drive(run, max_steps)
+            telemetry.drove(span, run)
+            return run
+
+    def _drive(self, run: RunRecord, max_steps: int | None) -> RunRecord:
         core = self.core
         fast, aborts = core.fast, self._aborts
         steps = 0
@@ -209,14 +228,27 @@ class SyncDriver:
         step = core.prepare(run)
         if step is None:  # it waits: a signal it accepts, or its deadline, moves it
             return core.wait_move(run)
+        if core.telemetry is not None:
+            with core.telemetry.phase(run, run.attempt, core.spec.parents(run.state)) as phase:
+                transition, after, error = self._call_and_settle(step)
+                phase.settled(transition, error)
+                return transition, after
+        return self._call_and_settle(step)[:2]
+
+    def _call_and_settle(
+        self, step: PhaseStep
+    ) -> tuple[TransitionRecord, RunRecord, BaseException | None]:
+        """Call a prepared phase and settle its outcome; what it raised (if it did) too."""
+        core = self.core
         try:
             outcome = self._call_sync(step)
         except KeyboardInterrupt as exc:
-            core.journal_interruption(run, exc)
+            core.journal_interruption(step.run, exc)
             raise
         finally:
-            core.close_phase(run_id)
-        return self._settle(step, outcome)
+            core.close_phase(step.run.run_id)
+        error = outcome.error if type(outcome.error) is not PhaseWaits else None  # it parks
+        return (*self._settle(step, outcome), error)
 
     def _step_fast(
         self, run: RunRecord, handler: Callable[[PhaseContext], Any]

@@ -195,7 +195,7 @@ class Worker:
         core = self.core
         if claimed.recoveries > core.max_recoveries and claimed.abort_reason is None:
             return core.write(core.plan_park(claimed))[1]
-        return self.driver.drive(claimed, None)
+        return self.driver.drive(claimed, None, how="work")
 
     def abort(self, run_id: str, reason: str) -> RunRecord:
         """``Engine.abort``: told to the phase in progress here, journaled, or done at once."""
