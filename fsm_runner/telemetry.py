@@ -249,7 +249,6 @@ class Telemetry:
         with self.tracer.start_as_current_span("fsm_runner.start", attributes=attributes):
             carrier: dict[str, str] = {}
             self._propagate.inject(carrier)
-        self._started.add(1, {"fsm_runner.machine": machine})
         return carrier
 
     def _run_context(self, journal: Any, run_id: str) -> Context | None:
@@ -385,11 +384,13 @@ class Telemetry:
     # -- metrics -----------------------------------------------------------------------------
 
     def committed(self, transition: TransitionRecord, run: RunRecord) -> None:
-        """Count a committed transition (and a run's end, a retry)."""
+        """Count a committed transition (and a run's start or end, a retry)."""
         machine = run.machine
         self._transitions.add(
             1, {"fsm_runner.machine": machine, "fsm_runner.event": transition.event}
         )
+        if transition.seq == 0:  # stored: a start that failed is not counted
+            self._started.add(1, {"fsm_runner.machine": machine})
         if transition.event == RETRIED:
             state = transition.from_state or transition.to_state
             self._retries.add(1, {"fsm_runner.machine": machine, "fsm_runner.state": state})
