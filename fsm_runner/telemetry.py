@@ -178,7 +178,7 @@ class Telemetry:
 
     def __init__(self, *, tracer_provider: Any = None, meter_provider: Any = None) -> None:
         try:
-            from opentelemetry import metrics, propagate, trace  # noqa: PLC0415 - optional
+            from opentelemetry import context, metrics, propagate, trace  # noqa: PLC0415 - optional
         except ImportError as exc:  # pragma: no cover - the [otel] extra is in the test extras
             raise ImportError(
                 "telemetry needs opentelemetry-api: pip install 'fsm-runner[otel]'"
@@ -188,6 +188,7 @@ class Telemetry:
         except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a tree
             version = None
         self._trace = trace
+        self._context = context
         self._propagate = propagate
         self.tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
         meter = metrics.get_meter(SCOPE, version or "", meter_provider=meter_provider)
@@ -315,9 +316,12 @@ class Telemetry:
         span.set_attribute("fsm_runner.drive.seq", run.seq)
         span.set_attribute("fsm_runner.run.status", run.status.value)
 
-    @contextmanager
-    def phase(self, run: RunRecord, attempt: int, parents: Sequence[str]) -> Iterator[PhaseSpan]:
-        """A phase attempt's span, current while its handler runs (effects find it)."""
+    def phase(self, run: RunRecord, attempt: int, parents: Sequence[str]) -> PhaseSpan:
+        """Begin a phase attempt's span, current until :meth:`PhaseSpan.end` (effects find it).
+
+        Not a context manager: a phase's span is begun and ended once a step, and a generator's
+        frames cost more than the rest of it when the SDK is not configured.
+        """
         attributes: dict[str, Any] = {
             "fsm_runner.run.id": run.run_id,
             "fsm_runner.machine": run.machine,
@@ -328,31 +332,20 @@ class Telemetry:
         }
         if parents:
             attributes["fsm_runner.phase.parents"] = list(parents)
-        token = _CURRENT.set(self)
-        started = time.monotonic()
-        outcome = "interrupted"
-        try:
-            with self.tracer.start_as_current_span(
-                "fsm_runner.phase",
-                attributes=attributes,
-                record_exception=True,
-                set_status_on_exception=True,
-            ) as span:
-                phase = PhaseSpan(span)
-                try:
-                    yield phase
-                finally:
-                    outcome = phase.outcome
-        finally:
-            _CURRENT.reset(token)
-            self._phase_duration.record(
-                time.monotonic() - started,
-                {
-                    "fsm_runner.machine": run.machine,
-                    "fsm_runner.state": run.state,
-                    "fsm_runner.outcome": outcome,
-                },
-            )
+        span = self.tracer.start_span("fsm_runner.phase", attributes=attributes)
+        attached = self._context.attach(self._trace.set_span_in_context(span))
+        return PhaseSpan(self, span, run, (attached, _CURRENT.set(self)), time.monotonic())
+
+    def phase_ended(self, run: RunRecord, outcome: str, seconds: float) -> None:
+        """Record a phase attempt's duration (``fsm_runner.phase.duration``)."""
+        self._phase_duration.record(
+            seconds,
+            {
+                "fsm_runner.machine": run.machine,
+                "fsm_runner.state": run.state,
+                "fsm_runner.outcome": outcome,
+            },
+        )
 
     @contextmanager
     def effect(self, run: RunRecord, name: str, kind: str, key: str, state: str) -> Iterator[Span]:
@@ -463,38 +456,65 @@ class Telemetry:
 
 
 class PhaseSpan:
-    """A phase attempt's span and what the attempt came to (set once it is settled)."""
+    """A phase attempt's span, current from :meth:`Telemetry.phase` until :meth:`end`."""
 
-    __slots__ = ("outcome", "span")
+    __slots__ = ("_began", "_run", "_telemetry", "_tokens", "span")
 
-    def __init__(self, span: Span) -> None:
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        span: Span,
+        run: RunRecord,
+        tokens: tuple[object, contextvars.Token[Telemetry | None]],
+        began: float,
+    ) -> None:
+        self._telemetry = telemetry
         self.span = span
-        #: committed, retried, waiting, failed (SYSTEM_ERROR), interrupted
-        self.outcome = "interrupted"
+        self._run = run
+        self._tokens = tokens
+        self._began = began
 
-    def settled(self, transition: TransitionRecord | None, error: BaseException | None) -> None:
-        """Record the attempt's outcome: the event committed, the error it raised."""
+    def end(
+        self,
+        transition: TransitionRecord | None,
+        error: BaseException | None,
+        *,
+        raised: BaseException | None = None,
+    ) -> None:
+        """End the span with the attempt's outcome; record its duration.
+
+        ``transition``: what the attempt committed; ``error``: what its handler raised;
+        ``raised``: what stopped the step itself (the outcome is then ``interrupted``).
+        """
         span = self.span
-        if error is not None:
-            span.record_exception(error)
-            span.set_attribute("error.type", type(error).__name__)
-        if transition is None or transition.event == WAITING:
-            self.outcome = "waiting"
+        failure = raised or error
+        if raised is not None:
+            outcome = "interrupted"
+        elif transition is None or transition.event == WAITING:
+            outcome = "waiting"
         elif transition.event == RETRIED:
-            self.outcome = "retried"
+            outcome = "retried"
         elif error is not None:
-            self.outcome = "failed"
+            outcome = "failed"
         else:
-            self.outcome = "committed"
+            outcome = "committed"
+        attributes: dict[str, Any] = {"fsm_runner.outcome": outcome}
         if transition is not None:
-            span.set_attribute("fsm_runner.event", transition.event)
-            span.set_attribute("fsm_runner.seq", transition.seq)
-            span.set_attribute("fsm_runner.to_state", transition.to_state)
-        span.set_attribute("fsm_runner.outcome", self.outcome)
-        if error is not None:
+            attributes["fsm_runner.event"] = transition.event
+            attributes["fsm_runner.seq"] = transition.seq
+            attributes["fsm_runner.to_state"] = transition.to_state
+        if failure is not None:
             from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415 - on
 
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:200]))
+            attributes["error.type"] = type(failure).__name__
+            span.record_exception(failure)
+            span.set_status(Status(StatusCode.ERROR, f"{type(failure).__name__}: {failure}"[:200]))
+        span.set_attributes(attributes)
+        span.end()
+        attached, current = self._tokens
+        _CURRENT.reset(current)
+        self._telemetry._context.detach(attached)
+        self._telemetry.phase_ended(self._run, outcome, time.monotonic() - self._began)
 
 
 def configure_sdk(*, force: bool = False) -> bool:

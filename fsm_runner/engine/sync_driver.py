@@ -229,10 +229,14 @@ class SyncDriver:
         if step is None:  # it waits: a signal it accepts, or its deadline, moves it
             return core.wait_move(run)
         if core.telemetry is not None:
-            with core.telemetry.phase(run, run.attempt, core.spec.parents(run.state)) as phase:
+            phase = core.telemetry.phase(run, run.attempt, core.spec.parents(run.state))
+            try:
                 transition, after, error = self._call_and_settle(step)
-                phase.settled(transition, error)
-                return transition, after
+            except BaseException as exc:
+                phase.end(None, None, raised=exc)
+                raise
+            phase.end(transition, error)
+            return transition, after
         return self._call_and_settle(step)[:2]
 
     def _call_and_settle(
