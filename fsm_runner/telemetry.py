@@ -127,9 +127,15 @@ def _host_configured() -> bool:
         return False
     from opentelemetry import metrics, trace  # noqa: PLC0415 - imported by the host already
 
-    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        return True
-    return type(metrics.get_meter_provider()).__name__ != "_ProxyMeterProvider"
+    # The API's own providers (its proxies until one is set, its no-ops) live in its modules;
+    # a provider set by the host (the SDK's, or another implementation) does not.
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        if not type(provider).__module__.startswith(_API_MODULES):
+            return True
+    return False
+
+
+_API_MODULES = ("opentelemetry.trace", "opentelemetry.metrics")
 
 
 def resolve(setting: Telemetry | bool | None) -> Telemetry | None:
@@ -153,6 +159,7 @@ def resolve(setting: Telemetry | bool | None) -> Telemetry | None:
 
 
 _default_lock = threading.Lock()
+_configured = False  # configure_sdk has set the global providers
 _default_telemetry: Telemetry | None = None
 
 
@@ -190,6 +197,11 @@ class Telemetry:
         self._trace = trace
         self._context = context
         self._propagate = propagate
+        #: the providers (the global ones unless given): :meth:`flush` flushes them
+        self._providers = (
+            tracer_provider or trace.get_tracer_provider(),
+            meter_provider or metrics.get_meter_provider(),
+        )
         self.tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
         meter = metrics.get_meter(SCOPE, version or "", meter_provider=meter_provider)
         self.meter = meter
@@ -237,6 +249,16 @@ class Telemetry:
 
     def __repr__(self) -> str:
         return f"Telemetry(tracer={self.tracer!r})"
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Export what the providers hold now (metrics collected, gauges read).
+
+        Before a command's engine closes: a process about to exit sends its runs' counts too.
+        """
+        for provider in self._providers:
+            force_flush = getattr(provider, "force_flush", None)
+            if force_flush is not None:
+                force_flush(int(timeout * 1000))
 
     # -- traces ------------------------------------------------------------------------------
 
@@ -487,7 +509,7 @@ class PhaseSpan:
         ``raised``: what stopped the step itself (the outcome is then ``interrupted``).
         """
         span = self.span
-        failure = raised or error
+        failure = raised if raised is not None else error
         if raised is not None:
             outcome = "interrupted"
         elif transition is None or transition.event == WAITING:
@@ -533,11 +555,14 @@ def configure_sdk(*, force: bool = False) -> bool:
 
     Raises:
         ImportError: the SDK or the OTLP exporter is not installed (``fsm-runner[otel]``).
+        ValueError: an exporter or protocol it does not provide is asked for.
     """
+    global _configured  # noqa: PLW0603 - the global providers are set once a process
     traces = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     metrics_to = os.environ.get("OTEL_METRICS_EXPORTER", "").strip().lower()
-    if _disabled_by_env() or not (force or traces or metrics_to):
+    if _configured or _disabled_by_env() or not (force or traces or metrics_to):
         return False
+    _configured = True
     try:
         from opentelemetry import metrics, trace  # noqa: PLC0415 - optional
         from opentelemetry.sdk.metrics import MeterProvider  # noqa: PLC0415
@@ -557,7 +582,18 @@ def configure_sdk(*, force: bool = False) -> bool:
         raise ImportError(
             f"--otel needs the OpenTelemetry SDK ({exc}): pip install 'fsm-runner[otel]'"
         ) from exc
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "fsm-runner")})
+    for variable, value in (
+        ("OTEL_TRACES_EXPORTER", traces),
+        ("OTEL_METRICS_EXPORTER", metrics_to),
+    ):
+        if value not in ("", "otlp", "console", "none"):
+            raise ValueError(f"{variable}={value}: --otel exports otlp, console or none")
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf").strip().lower()
+    if protocol != "http/protobuf":
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: --otel sends http/protobuf")
+    resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource.create({"service.name": "fsm-runner"}))
     span_exporter: SpanExporter | None = None
     if traces in ("", "otlp"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415

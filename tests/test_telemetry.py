@@ -528,3 +528,32 @@ class TestOnOrOff:
             assert off._core.fast
             assert isinstance(on._core.telemetry, Telemetry)
             assert not on._core.fast
+
+    def test_the_cli_sets_the_sdk_up_only_for_a_command_that_drives_runs(self):
+        found = python(
+            """
+            import json
+            from click.testing import CliRunner
+            from opentelemetry import trace
+            from fsm_runner.cli import cli
+
+            result = CliRunner().invoke(cli, ["--otel", "worker", "--help"])
+            provider = type(trace.get_tracer_provider()).__name__
+            print(json.dumps({"code": result.exit_code, "provider": provider}))
+            """
+        )
+        assert found == {"code": 0, "provider": "ProxyTracerProvider"}
+
+    def test_an_exporter_it_cannot_provide_is_one_line(self, tmp_path):
+        SqliteJournal(tmp_path / "j.db").close()
+        done = subprocess.run(
+            [sys.executable, "-m", "fsm_runner", "--otel", "--journal", str(tmp_path / "j.db"),
+             "worker", "--app", "tests.otel_app:make_engine", "--exit-when-idle"],
+            capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+            env={**os.environ, "OTEL_TRACES_EXPORTER": "zipkin"},
+        )  # fmt: skip
+        assert done.returncode == 2
+        assert done.stderr.strip().splitlines()[-1] == (
+            "Error: OTEL_TRACES_EXPORTER=zipkin: --otel exports otlp, console or none"
+        )
+        assert "Traceback" not in done.stderr

@@ -59,7 +59,6 @@ from fsm_runner.cli.operations import signal as signal
 from fsm_runner.cli.operations import worker as worker
 from fsm_runner.cli.report import show as show
 from fsm_runner.command_line import journal_option
-from fsm_runner.telemetry import configure_sdk
 from fsm_runner.ui.command import ui
 
 __all__ = [
@@ -113,11 +112,7 @@ def cli(ctx: click.Context, journal_path: str, otel: bool) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-    try:  # before any engine is made: each finds the providers set
-        configure_sdk(force=otel)
-    except ImportError as exc:
-        raise click.UsageError(str(exc)) from None
-    state = CliState(journal_path)
+    state = CliState(journal_path, otel=otel)  # set up before a command makes an engine
     ctx.obj = state
     ctx.call_on_close(state.close)
 

@@ -59,6 +59,7 @@ def _run_agent_loop(state: CliState, run_input: dict[str, Any], *, ask: bool = F
     # repository) would otherwise be found only after the agent had worked in it.
     snapshots = GitSnapshotter().check_workspace(run_input["workspace"])
     journal = state.journal(must_exist=False)
+    state.telemetry()
     engine = make_engine(journal, approval=ask)
     engine.listeners.append(echo_transition)
     click.echo(f"agent loop in {run_input['workspace']}, journal {journal.location}")

@@ -158,6 +158,12 @@ def load_app(path: str, journal: Journal) -> Engine:
     module docstring). An engine the app built on another journal is closed, and a journal
     file it created for nothing in the current directory is removed.
     """
+    from fsm_runner.cli.journals import CliState
+
+    context = click.get_current_context(silent=True)
+    state = context.find_object(CliState) if context is not None else None
+    if state is not None:
+        state.telemetry()  # before the app's engine is made (its module may make it)
     before = _cwd_entries()  # an Engine built when its module is imported opens its journal
     built = _build_app(path, journal)
     if built.journal is journal:
@@ -284,6 +290,8 @@ def driving(engine: Engine, *, interrupted: str | None) -> Iterator[None]:
             raise
         fail(interrupted)
     finally:
+        if engine.telemetry is not None:  # the process is about to exit: its counts go now
+            engine.telemetry.flush()
         engine.close()
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import click
+
 if TYPE_CHECKING:
     from fsm_runner.journal import Journal
 
@@ -16,9 +18,24 @@ if TYPE_CHECKING:
 class CliState:
     """What the group hands its commands: where the journal is, and the journal once opened."""
 
-    def __init__(self, journal_path: str) -> None:
+    def __init__(self, journal_path: str, *, otel: bool = False) -> None:
         self.journal_path = journal_path
+        #: ``--otel``: OpenTelemetry set up (:meth:`telemetry`) before the command's engine
+        self.otel = otel
         self._journal: Journal | None = None
+
+    def telemetry(self) -> None:
+        """Set OpenTelemetry's SDK up as ``--otel`` or the ``OTEL_*`` variables ask (once).
+
+        Called by the commands that make an engine, before they make it (each engine finds
+        the providers set); never for ``--help`` or a command that drives nothing.
+        """
+        from fsm_runner.telemetry import configure_sdk
+
+        try:
+            configure_sdk(force=self.otel)
+        except (ImportError, ValueError) as exc:
+            raise click.UsageError(str(exc)) from None
 
     def journal(self, *, must_exist: bool = True) -> Journal:
         """The journal, opened by the first command that asks (see :func:`open_cli_journal`)."""

@@ -233,6 +233,11 @@ class Engine:
         settings = {name: getattr(self, name) for name in _SETTINGS}
         return Engine(self.spec, journal=journal, **settings)
 
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The OpenTelemetry spans and instruments of its runs, or ``None`` (off)."""
+        return self._core.telemetry
+
     def close(self) -> None:
         """Stop the heartbeat and close the event loop of async handlers in sync runs.
 

@@ -315,8 +315,11 @@ class AsyncDriver:
             or committer.loop is not loop
             or committer.journal is not self.core.journal
         ):
-            committer = self.committer = GroupCommitter(
-                self.core.journal, loop, telemetry=self.core.telemetry
+            telemetry = self.core.telemetry
+            committer = self.committer = (
+                GroupCommitter(self.core.journal, loop)
+                if telemetry is None
+                else GroupCommitter(self.core.journal, loop, telemetry=telemetry)
             )
         return committer
 
