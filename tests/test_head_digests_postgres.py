@@ -11,6 +11,7 @@ next one. Real runs in a schema of their own, damaged by raw SQL from another co
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 
@@ -147,23 +148,29 @@ def test_a_worker_drives_the_others(postgres_journal, admin):
 
 @pytest.fixture
 def slow_ends(admin, postgres_journal):
-    """Each commit that moves a run of the journal holds its row a second before it commits.
-
-    Dropped after (the schema goes back to the pool with its tables)."""
+    """Each commit that moves a run of the journal holds its row a second before it commits,
+    holding an advisory lock of its own meanwhile (:func:`in_sleep` looks for it: other tests
+    sleep in the same database). Dropped after (the schema goes back to the pool)."""
+    key = random.randrange(1, 2**31)
     damage(
         admin,
         postgres_journal.schema,
         "CREATE FUNCTION hold() RETURNS trigger LANGUAGE plpgsql AS"
-        " $$ BEGIN PERFORM pg_sleep(1); RETURN NEW; END $$;"
+        f" $$ BEGIN PERFORM pg_advisory_xact_lock({key}); PERFORM pg_sleep(1); RETURN NEW; END $$;"
         " CREATE TRIGGER hold AFTER UPDATE ON runs FOR EACH ROW"
         " WHEN (NEW.seq <> OLD.seq) EXECUTE FUNCTION hold()",
     )
-    yield
+    yield key
     damage(admin, postgres_journal.schema, "DROP FUNCTION hold() CASCADE")
 
 
-def in_sleep(admin) -> bool:
-    found = admin.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep'")
+def in_sleep(admin, key: int) -> bool:
+    """Whether a commit of the journal's holds its row (the trigger's advisory lock)."""
+    found = admin.execute(
+        "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s"
+        " AND objsubid = 1 AND granted",
+        (key,),
+    )
     return found.fetchone() is not None
 
 
@@ -181,7 +188,7 @@ def test_a_claim_that_waited_for_a_commit_reads_the_head_it_committed(
     ending.start()
     try:
         deadline = time.monotonic() + 30
-        while not in_sleep(admin):  # the last commit holds the row
+        while not in_sleep(admin, slow_ends):  # the last commit holds the row
             assert time.monotonic() < deadline, "the run's last commit never began"
             time.sleep(0.01)
         if claim == "claim":
