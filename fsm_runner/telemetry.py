@@ -110,6 +110,12 @@ _CURRENT: contextvars.ContextVar[Telemetry | None] = contextvars.ContextVar(
 _REMEMBERED = 4096
 
 
+def _described(name: str) -> tuple[str, str, str]:
+    """An instrument's name, unit and description, as :data:`METRICS` documents it."""
+    _kind, unit, _attributes, description = METRICS[name]
+    return name, unit, description
+
+
 def current() -> Telemetry | None:
     """The telemetry of the phase running in this context, if it is on."""
     return _CURRENT.get()
@@ -205,36 +211,17 @@ class Telemetry:
         self.tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
         meter = metrics.get_meter(SCOPE, version or "", meter_provider=meter_provider)
         self.meter = meter
-        self._transitions = meter.create_counter(
-            "fsm_runner.transitions", "{transition}", METRICS["fsm_runner.transitions"][3]
-        )
-        self._phase_duration = meter.create_histogram(
-            "fsm_runner.phase.duration", "s", METRICS["fsm_runner.phase.duration"][3]
-        )
-        self._retries = meter.create_counter(
-            "fsm_runner.phase.retries", "{retry}", METRICS["fsm_runner.phase.retries"][3]
-        )
-        self._started = meter.create_counter(
-            "fsm_runner.runs.started", "{run}", METRICS["fsm_runner.runs.started"][3]
-        )
-        self._ended = meter.create_counter(
-            "fsm_runner.runs.ended", "{run}", METRICS["fsm_runner.runs.ended"][3]
-        )
-        self._takeovers = meter.create_counter(
-            "fsm_runner.lease.takeovers", "{takeover}", METRICS["fsm_runner.lease.takeovers"][3]
-        )
-        self._fenced = meter.create_counter(
-            "fsm_runner.commits.fenced", "{commit}", METRICS["fsm_runner.commits.fenced"][3]
-        )
-        self._commit_duration = meter.create_histogram(
-            "fsm_runner.commit.duration", "s", METRICS["fsm_runner.commit.duration"][3]
-        )
-        self._batch = meter.create_histogram(
-            "fsm_runner.group_commit.size", "{commit}", METRICS["fsm_runner.group_commit.size"][3]
-        )
-        self._journal_errors = meter.create_counter(
-            "fsm_runner.journal.errors", "{error}", METRICS["fsm_runner.journal.errors"][3]
-        )
+        counter, histogram = meter.create_counter, meter.create_histogram
+        self._transitions = counter(*_described("fsm_runner.transitions"))
+        self._phase_duration = histogram(*_described("fsm_runner.phase.duration"))
+        self._retries = counter(*_described("fsm_runner.phase.retries"))
+        self._started = counter(*_described("fsm_runner.runs.started"))
+        self._ended = counter(*_described("fsm_runner.runs.ended"))
+        self._takeovers = counter(*_described("fsm_runner.lease.takeovers"))
+        self._fenced = counter(*_described("fsm_runner.commits.fenced"))
+        self._commit_duration = histogram(*_described("fsm_runner.commit.duration"))
+        self._batch = histogram(*_described("fsm_runner.group_commit.size"))
+        self._journal_errors = counter(*_described("fsm_runner.journal.errors"))
         #: the engines' cores (a journal and a spec each) whose runs the gauge counts
         self._observed: weakref.WeakSet[Any] = weakref.WeakSet()
         self._observed_lock = threading.Lock()
