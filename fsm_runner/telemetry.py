@@ -31,7 +31,6 @@ OpenTelemetry's semantic conventions.
 from __future__ import annotations
 
 import contextvars
-import importlib.metadata
 import os
 import sys
 import threading
@@ -196,6 +195,8 @@ class Telemetry:
             raise ImportError(
                 "telemetry needs opentelemetry-api: pip install 'fsm-runner[otel]'"
             ) from exc
+        import importlib.metadata  # noqa: PLC0415 - 30 ms a process: only when it is on
+
         try:
             version: str | None = importlib.metadata.version("fsm-runner")
         except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a tree
