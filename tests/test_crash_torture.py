@@ -43,6 +43,7 @@ SEED = int(os.environ.get("FSM_TORTURE_SEED") or random.SystemRandom().randrange
 
 
 @pytest.mark.slow
+@pytest.mark.every_python
 @pytest.mark.skipif(
     not (hasattr(signal, "SIGKILL") and hasattr(signal, "SIGSTOP")),
     reason="needs POSIX SIGKILL and SIGSTOP",

@@ -64,6 +64,7 @@ class Workers:
             ),
             "FSM_FAILOVER_DIR": str(self.dir),
             "FSM_FAILOVER_LEASE_TTL": str(self.ttl),
+            "PYTHONFAULTHANDLER": "1",  # a SIGABRT prints every thread's stack (see stop)
         }
         if host is not None:
             env["FSM_FAILOVER_HOST"] = host
@@ -81,6 +82,16 @@ class Workers:
             )
         self.procs.append(proc)
         return proc
+
+    def stop(self, proc, signum: int) -> int:
+        """Send ``signum`` and wait for the exit code; a worker that hangs fails with its stacks."""
+        proc.send_signal(signum)
+        try:
+            return proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler dumps each thread's stack to stderr
+            proc.wait()
+            pytest.fail(f"worker {proc.pid} hung after {signum!r}:\n{self.output(proc)[1]}")
 
     def lines(self, kind: str) -> list[list[str]]:
         calls = self.dir / "calls"
@@ -193,6 +204,7 @@ def test_takeover_off_leaves_a_dead_workers_run_until_its_lease_expires(tmp_path
             assert journal.load(run_id).lease_owner == "elsewhere:1:x"
 
 
+@pytest.mark.every_python  # how each Python delivers SIGINT and SIGTERM to the worker's loop
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_an_idle_worker_stops_cleanly(tmp_path, signum):
     path = tmp_path / "journal.db"
@@ -201,8 +213,7 @@ def test_an_idle_worker_stops_cleanly(tmp_path, signum):
         proc = workers.spawn()
         wait_for(lambda: workers.ready(proc), "the worker to start")
         time.sleep(0.3)  # inside its idle wait
-        proc.send_signal(signum)
-        assert proc.wait(timeout=TIMEOUT) == 0
+        assert workers.stop(proc, signum) == 0
         out, err = workers.output(proc)
     name = signal.Signals(signum).name if signum == signal.SIGTERM else "Ctrl-C"
     (line,) = out.splitlines()
@@ -211,6 +222,7 @@ def test_an_idle_worker_stops_cleanly(tmp_path, signum):
     assert err == ""
 
 
+@pytest.mark.every_python
 def test_a_busy_worker_stopped_releases_its_run(tmp_path):
     path = tmp_path / "journal.db"
     with SqliteJournal(path) as journal:
@@ -218,8 +230,7 @@ def test_a_busy_worker_stopped_releases_its_run(tmp_path):
         with Workers(tmp_path, str(path)) as workers:
             busy = workers.spawn(options=("--no-takeover-dead",))
             wait_for(lambda: workers.calls_by(busy), "the worker in the phase")
-            busy.send_signal(signal.SIGTERM)
-            assert busy.wait(timeout=TIMEOUT) == 0, workers.output(busy)
+            assert workers.stop(busy, signal.SIGTERM) == 0, workers.output(busy)
             stopped = journal.load(run_id)
             assert (stopped.status, stopped.lease_owner) == (RunLifecycle.ACTIVE, None)
             # The next worker takes it at once (no takeover of a dead worker: none is needed).

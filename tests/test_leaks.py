@@ -21,7 +21,7 @@ from fsm_runner import SqliteJournal
 from tests.helpers import two_phase_engine
 from tests.ui_helpers import ROOT, Server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.every_python]
 
 STRICT = ["-W", "error::ResourceWarning", "-X", "tracemalloc=3"]
 
