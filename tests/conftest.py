@@ -2,13 +2,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from fsm_runner import MemoryJournal, SqliteJournal
+# Bytecode is cached for the suite and every process it starts, whatever the environment says
+# (PYTHONDONTWRITEBYTECODE): the suite starts hundreds of Pythons (the CLI, workers, apps),
+# each of which would compile fsm_runner's modules again; and each xdist worker would rewrite
+# and compile every test module again (5 s a worker). ~15 % of a process-heavy module's time.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from fsm_runner import MemoryJournal, SqliteJournal  # noqa: E402
 
 #: The PostgreSQL database the postgres journal tests use (each test in a schema of its own).
 POSTGRES_URL = os.environ.get(
