@@ -16,7 +16,15 @@ import sqlite3
 import pytest
 from psycopg import sql
 
-from fsm_runner import Engine, MachineSpec, SignalRecord, SqliteJournal, State, Transition
+from fsm_runner import (
+    Engine,
+    JournalError,
+    MachineSpec,
+    SignalRecord,
+    SqliteJournal,
+    State,
+    Transition,
+)
 from fsm_runner.journal._digest import row_digest
 from fsm_runner.records import format_utc
 from tests.helpers import NEXT, undo_v12
@@ -132,5 +140,74 @@ def test_a_version_11_journal_gets_its_signals_digests(tmp_path):
     conn = sqlite3.connect(path)  # (a `with` block would commit, not close it)
     try:
         assert conn.execute("SELECT count(*) FROM signals WHERE digest IS NULL").fetchone() == (0,)
+    finally:
+        conn.close()
+
+
+# -- delivery: a signal whose row fails its digest is never delivered ---------------------------
+
+
+def damage_pending(journal, raw) -> tuple[str, int]:
+    _, b, _, pending = signalled(journal)
+    raw(f"UPDATE signals SET payload = '{{\"n\": 2}}' WHERE number = {pending}")
+    return b, pending
+
+
+def refusal(run_id: str, number: int) -> str:
+    return (
+        f"signal {number} of run {run_id} fails its digest; 'fsm-runner check' says what is"
+        " damaged; nothing was written"
+    )
+
+
+def test_a_changed_pending_signal_is_refused_not_delivered(site):
+    journal, raw = site
+    b, pending = damage_pending(journal, raw)
+    before = journal.load(b)
+    engine = Engine(SPEC, handlers={"work": lambda _ctx: NEXT}, journal=journal)
+    with pytest.raises(JournalError) as caught:
+        engine.run(b)
+    assert caught.value.detail == refusal(b, pending)
+    after = journal.load(b)
+    assert (after.state, after.seq, after.lease_owner) == ("waiting", before.seq, None)
+    assert raw(f"SELECT consumed_seq FROM signals WHERE number = {pending}") == [(None,)]
+    with pytest.raises(JournalError, match="fails its digest"):
+        journal.signals(b, pending=True)  # what delivers it refuses it
+    assert [s.number for s in journal.signals(b)] == [pending]  # listing it still shows it
+
+
+def test_a_worker_leaves_a_run_whose_signal_was_changed(site, caplog):
+    journal, raw = site
+    b, pending = damage_pending(journal, raw)
+    engine = Engine(SPEC, handlers={"work": lambda _ctx: NEXT}, journal=journal)
+    engine.work(exit_when_idle=True)  # runs a and its fork to their ends, refused at b
+    assert journal.load(b).state == "waiting"
+    assert raw(f"SELECT consumed_seq FROM signals WHERE number = {pending}") == [(None,)]
+    assert f"run b failed in this worker: journal {journal.location}: {refusal(b, pending)}" in (
+        caplog.text
+    )
+
+
+def test_the_cli_says_so_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from fsm_runner.cli import cli
+
+    path = tmp_path / "journal.db"
+    with SqliteJournal(path) as journal:
+        b, pending = damage_pending(journal, lambda statement: sqlite_raw(path, statement))
+    result = CliRunner().invoke(cli, ["--journal", str(path), "signal", b, "GO", "--id", "2nd"])
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.splitlines()
+    assert line.startswith("Error: journal ") and line.endswith(refusal(b, pending))
+    with SqliteJournal(path) as journal:  # the damaged mailbox refused before any write
+        assert [s.number for s in journal.signals(b)] == [pending]
+        assert journal.load(b).lease_owner is None
+
+
+def sqlite_raw(path, statement: str) -> list[tuple]:
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        return conn.execute(statement).fetchall()
     finally:
         conn.close()

@@ -32,12 +32,14 @@ from fsm_runner._convert import format_utc, parse_utc
 from fsm_runner.events import WAITING, WOKEN, event_name
 from fsm_runner.exceptions import (
     InvalidTransitionError,
+    JournalError,
     LeaseHeldError,
     PayloadError,
     RunConflictError,
     RunTerminalError,
 )
 from fsm_runner.journal import Journal
+from fsm_runner.journal._head import is_head_refusal
 from fsm_runner.machine import CompiledMachine, Guard, compile_spec
 from fsm_runner.records import RunRecord, SignalRecord, SignalStatus, TransitionRecord, utc_now
 from fsm_runner.rules.reducer import take
@@ -325,6 +327,7 @@ def signal_run(
     if run_spec is None:
         run_spec = MachineSpec.from_json(journal.spec_json(run.spec_hash))
     check_signal(run_spec, run, name)
+    journal.signals(run_id, pending=True)  # a damaged mailbox is refused before any write
     try:
         stored = journal.put_signal(
             SignalRecord(run_id=run_id, number=0, name=name, payload=payload, signal_id=signal_id)
@@ -346,10 +349,30 @@ def let_go(
     """Give up the lease of a run held: parked if it waits, released otherwise (not if ended)."""
     if run.ended:
         return  # the commit that ended it cleared its lease
-    if waits_now(spec, run):
-        park(journal, spec, run, lease, guards)
-    else:
+    if not (waits_now(spec, run) and park_unless_damaged(journal, spec, run, lease, guards)):
         journal.release(run.run_id, *lease)
+
+
+def park_unless_damaged(
+    journal: Journal,
+    spec: MachineSpec,
+    run: RunRecord,
+    lease: tuple[str, int],
+    guards: Mapping[str, Guard],
+) -> bool:
+    """:func:`park` the run; ``False`` (nothing done) when a pending signal of it is damaged.
+
+    A pending signal whose row fails its digest is never delivered: reading the run's pending
+    signals refuses (``JournalError``, naming it). The run is then let go of as a run that does
+    not wait is (its lease released), and each claim that would deliver is refused the same way.
+    """
+    try:
+        park(journal, spec, run, lease, guards)
+    except JournalError as exc:
+        if not is_head_refusal(exc):
+            raise
+        return False
+    return True
 
 
 def _consume_now(

@@ -50,6 +50,15 @@ def head_refusal(run_id: str, seq: int | None, *, path: str | None) -> JournalEr
     return JournalError(f"{what}{_REFUSED}", path=path)
 
 
+def signal_refusal(run_id: str, number: int, *, path: str | None) -> JournalError:
+    """The error refusing to deliver signal ``number`` of ``run_id``: its row fails its digest.
+
+    What its sender wrote (name, payload, id, arrival) no longer matches: delivered, the run
+    would move on a payload nobody sent. The run is refused as a damaged head refuses it.
+    """
+    return JournalError(f"signal {number} of run {shown(run_id)}{_REFUSED}", path=path)
+
+
 def is_head_refusal(error: BaseException) -> bool:
     """Whether ``error`` is a refusal to drive one run (:func:`head_refusal`'s, or its id's).
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _rows
+from fsm_runner.journal._head import signal_refusal
 from fsm_runner.journal._idle import Doorbell
 from fsm_runner.journal._postgres_chain import signal_digest
 from fsm_runner.journal._postgres_connection import (
@@ -252,12 +253,13 @@ class PostgresWaits:
         ``(run_id, number)`` index. An unknown run has none.
         """
         only = " AND s.consumed_seq IS NULL" if pending else ""
+        digest = ", s.digest" if pending else ""  # about to be delivered: each checked
 
         def work(conn: Connection) -> list[tuple[Any, ...]]:
             return conn.execute(
-                f"SELECT r.status, {', '.join(f's.{c}' for c in _SIGNAL_COLUMNS)} FROM runs AS r"
-                f" LEFT JOIN signals AS s ON s.run_id = r.run_id{only} WHERE r.run_id = %s"
-                " ORDER BY s.number",
+                f"SELECT r.status, {', '.join(f's.{c}' for c in _SIGNAL_COLUMNS)}{digest}"
+                f" FROM runs AS r LEFT JOIN signals AS s ON s.run_id = r.run_id{only}"
+                " WHERE r.run_id = %s ORDER BY s.number",
                 (run_id,),
             ).fetchall()
 
@@ -266,7 +268,12 @@ class PostgresWaits:
             ended = row[0] != RunLifecycle.ACTIVE.value
             if row[1] is None or (pending and ended):
                 continue  # no signals (the LEFT JOIN's one row), or expired ones
-            records.append(self._signal(row[1:], ended=ended))
+            if pending:
+                number, signal_run, name, payload, signal_id, received_at, *_, stored = row[1:]
+                values = (signal_run, name, payload, signal_id, received_at)
+                if stored is not None and stored != signal_digest(values):
+                    raise signal_refusal(run_id, number, path=self._connection.location)
+            records.append(self._signal(row[1:-1] if pending else row[1:], ended=ended))
         return records
 
     def _signal(self, row: Sequence[Any] | None, *, ended: bool) -> SignalRecord:

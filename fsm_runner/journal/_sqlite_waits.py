@@ -23,6 +23,7 @@ import attrs
 from fsm_runner.exceptions import RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import row_digest
+from fsm_runner.journal._head import signal_refusal
 from fsm_runner.journal._idle import Doorbell
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal._sqlite_connections import SqliteConnections
@@ -38,6 +39,11 @@ Names = Collection[str]
 
 #: A run's signals as :func:`~._rows.decode_signal` reads them (a WHERE clause follows).
 _SELECT_SIGNALS = f"SELECT {', '.join(_rows.SIGNAL_COLUMNS)} FROM signals"
+#: A run's pending signals, each with its digest (of :data:`~._digest.SIGNAL_DIGEST_COLUMNS`).
+_SELECT_PENDING = (
+    f"SELECT {', '.join(_rows.SIGNAL_COLUMNS)}, digest FROM signals"
+    " WHERE run_key = ? AND consumed_seq IS NULL ORDER BY number"
+)
 #: The machine's earliest wake time: one seek at the start of its range of idx_run_rows_due.
 NEXT_WAKE = (
     "SELECT min(wake_at) FROM run_rows WHERE machine = ? AND status = 'active'"
@@ -214,11 +220,30 @@ class SqliteWaits:
             ended = status != _ACTIVE
             if pending and ended:
                 return []
-            rows = conn.execute(
-                f"{_SELECT_SIGNALS} WHERE run_key = ?"
-                + (" AND consumed_seq IS NULL" if pending else "")
-                + " ORDER BY number",
-                (key,),
-            ).fetchall()
+            if pending:  # about to be delivered: each checked against what its sender wrote
+                rows = conn.execute(_SELECT_PENDING, (key,)).fetchall()
+            else:
+                rows = conn.execute(
+                    f"{_SELECT_SIGNALS} WHERE run_key = ? ORDER BY number", (key,)
+                ).fetchall()
         path = self._connections.path
+        if pending:
+            rows = _verified(rows, path=path)
         return [_rows.decode_signal(row, self._loads, ended=ended, location=path) for row in rows]
+
+
+def _verified(rows: list[Any], *, path: str) -> list[Any]:
+    """Pending signals' rows (:data:`_SELECT_PENDING`) without their digests, once checked.
+
+    A digest left NULL (not computed) is not checked, as ``check`` does not check it.
+
+    Raises:
+        JournalError: a signal's row no longer matches its digest (naming it); nothing was
+            written, nothing delivered.
+    """
+    for run_id, number, name, payload, signal_id, received_at, _, _, stored in rows:
+        if stored is not None and stored != row_digest(
+            (run_id, name, payload, signal_id, received_at)
+        ):
+            raise signal_refusal(run_id, number, path=path)
+    return [row[:-1] for row in rows]
