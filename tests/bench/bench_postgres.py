@@ -20,9 +20,16 @@ One run of this file measures, in interleaved rounds (medians), each in a schema
 * **workers**: ``--runs`` runs drained by 1, 2 and 4 ``Engine.work`` processes on the one
   database (``bench_workers.drain``: every run claimed once, no phase run twice, none lost).
 
-Prints each rate, its ratio to raw single commits and to raw batched rows, and PASS/FAIL:
-async at least raw single commits (a group's commits cost a round trip or two, not one each),
-sync at least 0.35 of them (one statement a step), and every worker drain clean.
+* **start_many**: ``--starts`` runs stored by one ``Engine.start_many`` (spec, run rows, first
+  transitions: one transaction), against **their rows inserted raw**: the very rows it wrote,
+  read back, inserted into empty copies of the journal's ``runs`` and ``transitions`` (their
+  indexes too) by pipelined ``executemany`` in one transaction.
+
+Prints each rate, its ratio to raw single commits and to raw batched rows, and PASS/FAIL
+against the floors this bench holds the journal to (async at least raw single commits, sync at
+least 0.35 of them, every worker drain clean) and, on separate lines, issue 33's targets: sync
+>= 0.6x single, ``--concurrent`` runs at once >= 5x single, ``start_many`` <= 2x its raw rows.
+The exit code follows the floors; a target not met prints ``not met``.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ STEPS = 4  # a - b - c - d - done
 SINGLE_COMMITS = 3000
 ASYNC_TARGET = 1.0  # x raw single commits
 SYNC_TARGET = 0.35
+#: Issue 33's targets: sync and many runs at once (x raw single commits), start_many (x raw).
+ISSUE_SYNC, ISSUE_CONCURRENT, ISSUE_STARTS = 0.6, 5.0, 2.0
 
 
 def _schema() -> str:
@@ -144,6 +153,63 @@ def async_rate(url: str, runs: int) -> float:
     return runs * STEPS / elapsed
 
 
+def _columns(conn: psycopg.Connection[Any], schema: str, table: str) -> list[str]:
+    """The columns of a table an INSERT names (not generated, not identity), in order."""
+    rows = conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = %s"
+        " AND table_name = %s AND is_generated = 'NEVER' AND is_identity = 'NO'"
+        " ORDER BY ordinal_position",
+        (schema, table),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+def starts_seconds(url: str, starts: int) -> tuple[float, float]:
+    """Seconds to ``start_many`` ``starts`` runs, and to insert the same rows raw.
+
+    The raw insert takes the rows the start wrote (runs, and transitions seq 0), read back,
+    into empty copies of both tables (``LIKE ... INCLUDING ALL``: their indexes too), each
+    table's rows by one pipelined ``executemany``, in one transaction.
+    """
+    schema = _schema()
+    engine = _engine(url, schema, lambda _ctx: NEXT)
+    try:
+        engine.start()  # warm: the spec stored, statements prepared
+        started = time.perf_counter()
+        engine.start_many([{"n": n} for n in range(starts)])
+        engine_seconds = time.perf_counter() - started
+        with psycopg.connect(url, autocommit=True) as conn:
+            tables = {}
+            for table in ("runs", "transitions"):
+                columns = _columns(conn, schema, table)
+                select = sql.SQL("SELECT {} FROM {}").format(
+                    sql.SQL(", ").join(map(sql.Identifier, columns)),
+                    sql.Identifier(schema, table),
+                )
+                rows = conn.execute(select).fetchall()
+                copy = sql.Identifier(schema, f"raw_{table}")
+                conn.execute(
+                    sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL)").format(
+                        copy, sql.Identifier(schema, table)
+                    )
+                )
+                insert = sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+                    copy,
+                    sql.SQL(", ").join(map(sql.Identifier, columns)),
+                    sql.SQL(", ").join(sql.Placeholder() * len(columns)),
+                )
+                tables[table] = (insert, rows)
+            started = time.perf_counter()
+            with conn.transaction(), conn.cursor() as cursor:
+                for insert, rows in tables.values():
+                    cursor.executemany(insert, rows)
+            raw_seconds = time.perf_counter() - started
+    finally:
+        engine.journal.close()
+        _drop(url, schema)
+    return engine_seconds, raw_seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--journal", required=True, metavar="URL", help="a postgresql:// URL")
@@ -151,6 +217,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--concurrent", type=int, default=1000, help="runs run at once (async, group commits)"
+    )
+    parser.add_argument("--starts", type=int, default=10_000, help="runs one start_many stores")
     args = parser.parse_args()
     url = args.journal
     with psycopg.connect(url, autocommit=True) as conn:
@@ -170,10 +240,13 @@ def main() -> int:
                 ),
                 "raw batched rows": lambda: raw_batched_rate(url, 20_000, args.batch),
                 "fsm_runner sync": lambda: sync_rate(url, args.runs),
-                "fsm_runner async (group commit)": lambda: async_rate(url, args.runs),
+                "fsm_runner async (group commit)": lambda: async_rate(url, args.concurrent),
             }
             for label, measure in measures.items():
                 figures.setdefault(label, []).append(measure())
+            engine_seconds, raw_seconds = starts_seconds(url, args.starts)
+            figures.setdefault("start_many", []).append(engine_seconds)
+            figures.setdefault("raw rows of the starts", []).append(raw_seconds)
             for workers in args.workers:
                 drained = drain(Path(tmp), args.runs, workers, f"pg{workers}w{index}", url)
                 drains[workers].append(drained)
@@ -184,6 +257,8 @@ def main() -> int:
     batched = statistics.median(figures["raw batched rows"])
     ok = True
     print(f"  {'':<34} {'per second':>12} {'x single':>9} {'x batched':>10}")
+    starts = statistics.median(figures.pop("start_many"))
+    raw_starts = statistics.median(figures.pop("raw rows of the starts"))
     for label, values in figures.items():
         rate = statistics.median(values)
         verdict = ""
@@ -206,6 +281,29 @@ def main() -> int:
         print(
             f"  {label:<34} {rate:>12,.0f} {rate / single:>8.2f}x {rate / batched:>9.3f}x{verdict}"
         )
+    sync = statistics.median(figures["fsm_runner sync"]) / single
+    at_once = statistics.median(figures["fsm_runner async (group commit)"]) / single
+    print(
+        f"\n  start_many of {args.starts:,} runs: {starts * 1000:,.0f} ms against their rows"
+        f" inserted raw {raw_starts * 1000:,.0f} ms: {starts / raw_starts:.2f}x"
+    )
+    print("\nissue 33's targets:")
+    for what, value, target, met in (
+        ("sync, x raw single commits", sync, f">= {ISSUE_SYNC}", sync >= ISSUE_SYNC),
+        (
+            f"{args.concurrent:,} runs at once, x raw single commits",
+            at_once,
+            f">= {ISSUE_CONCURRENT}",
+            at_once >= ISSUE_CONCURRENT,
+        ),
+        (
+            f"start_many of {args.starts:,} runs, x their raw rows",
+            starts / raw_starts,
+            f"<= {ISSUE_STARTS}",
+            starts / raw_starts <= ISSUE_STARTS,
+        ),
+    ):
+        print(f"  {what:<46} {value:>6.2f}  {target}: {'met' if met else 'not met'}")
     print("\nPASS" if ok else "\nFAIL")
     return 0 if ok else 1
 
