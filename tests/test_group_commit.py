@@ -20,10 +20,18 @@ from fsm_runner import Engine, PhaseResult, SqliteJournal
 from fsm_runner.engine import async_driver
 from fsm_runner.engine.async_driver import GroupCommitter
 from fsm_runner.engine.leases import GroupClaimer
-from fsm_runner.exceptions import JournalError, LeaseHeldError, LeaseLostError, RunConflictError
+from fsm_runner.events import USER_ABORTED
+from fsm_runner.exceptions import (
+    FsmRunnerError,
+    JournalError,
+    LeaseHeldError,
+    LeaseLostError,
+    RunConflictError,
+)
 from fsm_runner.journal.base import Commit
 from fsm_runner.records import IterationRecord, TransitionRecord, utc_now
 from fsm_runner.replay import check_journal
+from fsm_runner.spec import RunLifecycle
 from tests.helpers import NEXT, linear_spec, loop_spec
 
 SPEC = linear_spec("a", "b", "c", name="grouped")
@@ -584,3 +592,75 @@ class TestPostgresPipeline:
         assert [t.seq for t in postgres_journal.transitions(fenced.run_id)] == [0]
         assert [t.seq for t in postgres_journal.transitions(stale.run_id)] == [0]
         assert postgres_journal.load(ok2.run_id).state == "b"
+
+    def test_a_group_of_runs_is_one_statement(self, postgres_journal, monkeypatch):
+        """Each commit of another run: the group's work is one statement (_postgres_groups)."""
+        from fsm_runner.journal import _postgres_writes
+
+        grouped: list[int] = []
+        group_params = _postgres_writes.group_params
+        monkeypatch.setattr(
+            _postgres_writes,
+            "group_params",
+            lambda commits: grouped.append(len(commits)) or group_params(commits),
+        )
+        engine = engine_for(postgres_journal)
+        runs = [postgres_journal.load(engine.start()) for _ in range(3)]
+        assert postgres_journal.commit_many([next_commit(run) for run in runs]) == [None] * 3
+        assert grouped == [3]
+        after = [postgres_journal.load(run.run_id) for run in runs[:2]]
+        assert postgres_journal.commit_many([next_commit(run) for run in after]) == [None, None]
+        assert grouped == [3, 2]
+        assert postgres_journal.integrity_problems() == []
+
+    def test_an_abort_requested_refuses_the_step_and_admits_the_abort_in_one_group(
+        self, postgres_journal, monkeypatch
+    ):
+        """The group statement fences as the one-statement commit does, abort tokens too."""
+        outcomes = self.spy(monkeypatch)
+        engine = engine_for(postgres_journal)
+        ok, stepping, ok2, aborting = (postgres_journal.load(engine.start()) for _ in range(4))
+        for run in (stepping, aborting):
+            postgres_journal.request_abort(run.run_id, "enough")
+        # A plain step of a run whose abort was requested under its token: refused (were it
+        # admitted, the group would be stored whole).
+        results = postgres_journal.commit_many([next_commit(ok), next_commit(stepping)])
+        assert results[0] is None
+        assert isinstance(results[1], FsmRunnerError)
+        assert [t.seq for t in postgres_journal.transitions(stepping.run_id)] == [0]
+        # The USER_ABORTED that carries the abort out: admitted, in the one statement.
+        step = next_commit(aborting)
+        abort = Commit(
+            attrs.evolve(
+                step.run,
+                state="canceled",
+                status=RunLifecycle.ABORTED,
+                abort_reason=None,
+                lease_owner=None,
+                lease_expires_at=None,
+            ),
+            attrs.evolve(step.transition, event=USER_ABORTED, to_state="canceled"),
+        )
+        assert postgres_journal.commit_many([next_commit(ok2), abort]) == [None, None]
+        assert outcomes == [False, True]
+        ended = postgres_journal.load(aborting.run_id)
+        assert (ended.state, ended.status, ended.abort_reason) == (
+            "canceled",
+            RunLifecycle.ABORTED,
+            None,
+        )
+        assert postgres_journal.integrity_problems() == []
+
+    def test_a_lease_taken_over_refuses_its_commit_in_the_group_statement(
+        self, postgres_journal, monkeypatch
+    ):
+        """Fenced by the lease token (were the commit admitted, the group would be stored whole)."""
+        outcomes = self.spy(monkeypatch)
+        engine = engine_for(postgres_journal)
+        ok, fenced = (postgres_journal.load(engine.start()) for _ in range(2))
+        postgres_journal.claim(fenced.run_id, "w2", ttl=60)
+        results = postgres_journal.commit_many([next_commit(ok), next_commit(fenced)])
+        assert outcomes == [False]
+        assert results[0] is None
+        assert isinstance(results[1], LeaseLostError)
+        assert [t.seq for t in postgres_journal.transitions(fenced.run_id)] == [0]

@@ -42,6 +42,7 @@ from fsm_runner.journal._postgres_connection import (
     PostgresConnection,
     Unresolved,
 )
+from fsm_runner.journal._postgres_groups import COMMIT_PARAMS, GROUP_COMMIT, group_params
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal.base import Commit, NewRun, PruneReport, new_runs
 from fsm_runner.records import (
@@ -257,20 +258,45 @@ class _CommitPlan:
 def _pipelined(conn: Connection, plans: Sequence[tuple[int, _CommitPlan]]) -> bool:
     """Store a group of one-statement commits in two round trips, if none is refused.
 
-    psycopg's pipeline sends BEGIN and every commit at once, and reads their answers at one
-    sync; then COMMIT. A refused commit (its fence moved no row, or another writer stored its
-    seq first) rolls the group back here, and ``False`` sends it the careful way, a savepoint a
-    commit, so that a refusal refuses its commit alone (as any failure of the group: a lost
-    connection surfaces as before).
+    psycopg's pipeline sends BEGIN and every commit at once (commits of different runs as one
+    statement, :data:`GROUP_COMMIT`), and reads their answers at one sync; then COMMIT. A
+    refused commit (its fence moved no row, or another writer stored its seq first) rolls the
+    group back here, and ``False`` sends it the careful way, a savepoint a commit, so that a
+    refusal refuses its commit alone (as any failure of the group: a lost connection surfaces
+    as before).
     """
     try:
         with conn.pipeline() as pipeline, conn.transaction():
-            cursors = [conn.execute(plan.statement, plan.params) for _, plan in plans]
-            pipeline.sync()
-            _each_moved_one(cursors)
+            if _one_statement(plans):  # the group's work in one statement (_postgres_groups)
+                params = group_params([plan.params for _, plan in plans])
+                cursor = conn.execute(GROUP_COMMIT, params)
+                pipeline.sync()
+                _moved(cursor, len(plans))
+            else:
+                cursors = [conn.execute(plan.statement, plan.params) for _, plan in plans]
+                pipeline.sync()
+                _each_moved_one(cursors)
     except (_RefusedError, pg_errors.UniqueViolation):
         return False
     return True
+
+
+def _one_statement(plans: Sequence[tuple[int, _CommitPlan]]) -> bool:
+    """Whether a group of one-statement commits can be :data:`GROUP_COMMIT`: each of another run.
+
+    (Two commits of one run need two statements: one ``UPDATE ... FROM`` moves a row once.)
+    """
+    if len(plans) < 2 or any(
+        plan.statement is not _COMMIT or len(plan.params) != COMMIT_PARAMS for _, plan in plans
+    ):
+        return False
+    return len({plan.transition.run_id for _, plan in plans}) == len(plans)
+
+
+def _moved(cursor: Any, runs: int) -> None:
+    """Raise :class:`_RefusedError` unless the group's statement moved each of its ``runs``."""
+    if cursor.rowcount != runs:
+        raise _RefusedError
 
 
 def _each_moved_one(cursors: Sequence[Any]) -> None:
