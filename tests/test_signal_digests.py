@@ -199,7 +199,8 @@ def test_the_cli_says_so_in_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["--journal", str(path), "signal", b, "GO", "--id", "2nd"])
     assert result.exit_code == 1, result.output
     (line,) = result.output.splitlines()
-    assert line.startswith("Error: journal ") and line.endswith(refusal(b, pending))
+    assert line.startswith("Error: journal ")
+    assert line.endswith(refusal(b, pending))
     with SqliteJournal(path) as journal:  # the damaged mailbox refused before any write
         assert [s.number for s in journal.signals(b)] == [pending]
         assert journal.load(b).lease_owner is None
