@@ -46,6 +46,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("processes"))
         if "browser" in getattr(item, "fixturenames", ()):  # chromium draws it: -m "not browser"
             item.add_marker(pytest.mark.browser)
+    # The groups first: each is one unit of work for one worker (the process-heavy tests, the
+    # browser modules: tens of seconds each), handed out in collection order; handed out last,
+    # one of them kept a worker busy while the other had nothing left to run.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist named the groups
