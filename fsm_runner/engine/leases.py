@@ -402,11 +402,9 @@ class LeaseKeeper:
                 if (
                     run is not None  # a test's double of a dead journal reads nothing
                     and run.spec_hash == core.spec.spec_hash
-                    and waits.waits_now(core.spec, run)
-                    and waits.park_unless_damaged(
-                        journal, core.spec, run, (self.worker_id, hold.token), core.guards
-                    )
-                ):
+                    and not run.ended
+                ):  # parked where it waits, else released
+                    waits.let_go(journal, core.spec, run, (self.worker_id, hold.token), core.guards)
                     return
             journal.release(run_id, self.worker_id, hold.token)
         except FsmRunnerError as exc:  # the lease will expire; nothing is lost

@@ -349,30 +349,18 @@ def let_go(
     """Give up the lease of a run held: parked if it waits, released otherwise (not if ended)."""
     if run.ended:
         return  # the commit that ended it cleared its lease
-    if not (waits_now(spec, run) and park_unless_damaged(journal, spec, run, lease, guards)):
-        journal.release(run.run_id, *lease)
-
-
-def park_unless_damaged(
-    journal: Journal,
-    spec: MachineSpec,
-    run: RunRecord,
-    lease: tuple[str, int],
-    guards: Mapping[str, Guard],
-) -> bool:
-    """:func:`park` the run; ``False`` (nothing done) when a pending signal of it is damaged.
-
-    A pending signal whose row fails its digest is never delivered: reading the run's pending
-    signals refuses (``JournalError``, naming it). The run is then let go of as a run that does
-    not wait is (its lease released), and each claim that would deliver is refused the same way.
-    """
-    try:
-        park(journal, spec, run, lease, guards)
-    except JournalError as exc:
-        if not is_head_refusal(exc):
-            raise
-        return False
-    return True
+    if waits_now(spec, run):
+        try:
+            park(journal, spec, run, lease, guards)
+        except JournalError as exc:
+            # A pending signal of it fails its digest (reading the pending signals refuses):
+            # never delivered, the run is let go of as one that does not wait, and each claim
+            # that would deliver it is refused the same way.
+            if not is_head_refusal(exc):
+                raise
+        else:
+            return
+    journal.release(run.run_id, *lease)
 
 
 def _consume_now(
