@@ -408,7 +408,12 @@ class AsyncWorker:
                     break
                 own: list[str] = []
                 undriven: list[str] = []
-                if not done and len(active) < OWN_BATCHES_BELOW and self.rng.random() < 0.5:
+                # Its first round always starts a batch (else a backlog of the driver's runs
+                # could keep every worker from starting one: the batch path left untried).
+                if not done and (
+                    not self.batches
+                    or (len(active) < OWN_BATCHES_BELOW and self.rng.random() < 0.5)
+                ):
                     own, undriven = self._start_batch()
                 run_ids = list(dict.fromkeys([*own, *self._pick(active)]))
                 if run_ids:
