@@ -162,14 +162,21 @@ class Workers:
         return ended
 
 
-def unexpected_output(stderr: str) -> list[str]:
-    """Lines a worker wrote to stderr besides the one a SIGTERM stop prints."""
+def unexpected_output(stderr: str, *, outage: bool = False) -> list[str]:
+    """Lines a worker wrote to stderr besides the one a SIGTERM stop prints.
+
+    ``outage``: the server went down meanwhile. A connection cut inside a pipeline leaves
+    psycopg's own cleanup failing (the pipeline's sync, the ROLLBACK of the transaction around
+    it), and psycopg logs each as a warning, "error ignored ...", on its ``psycopg`` logger:
+    true of the outage, and the worker's own handling (reconnect, go on) is what the test checks.
+    """
     return [
         line
         for line in stderr.splitlines()
         if line.strip()
         and "stopped by SIGTERM; any run in progress released" not in line
         and "which is gone" not in line  # it took over the killed worker's run (takeover_dead)
+        and not (outage and line.startswith("error ignored "))
     ]
 
 
@@ -454,7 +461,7 @@ def test_workers_go_on_through_a_server_restart(
     assert len(stopped) == 2
     for pid, (code, stderr) in stopped.items():
         assert code == 0, (pid, code, stderr)
-        assert unexpected_output(stderr) == [], (pid, code, stderr)
+        assert unexpected_output(stderr, outage=True) == [], (pid, code, stderr)
 
 
 # -- the checks catch what they claim to ---------------------------------------------------------

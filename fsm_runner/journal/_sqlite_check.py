@@ -16,6 +16,7 @@ import hashlib
 import os
 import sqlite3
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -466,11 +467,29 @@ def _refuse_newer_schema(conn: sqlite3.Connection, path: str, unknown: set[str])
 
 
 def _enable_wal(conn: sqlite3.Connection, path: str) -> None:
+    """Switch the file to WAL (a new journal's, or one a rollback-journal tool left).
+
+    The switch takes the file's exclusive lock without SQLite's busy handler: openers of one new
+    file at once (another switching it, or reading it in rollback mode meanwhile) got "database
+    is locked" at once, whatever the busy timeout. So it is tried again, with short sleeps, for
+    as long as the connection's busy timeout; the mode is read again first (another opener has
+    most often switched it meanwhile).
+    """
     if path == ":memory:":
         return
-    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-    if str(mode).lower() != "wal":
-        conn.execute("PRAGMA journal_mode = WAL")
+    patience = int(conn.execute("PRAGMA busy_timeout").fetchone()[0]) / 1000
+    deadline = time.monotonic() + patience
+    pause = 0.001
+    while str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.OperationalError as exc:  # noqa: PERF203 - a retry, once a race
+            if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        else:
+            return  # switched, or a mode SQLite keeps (its answer, as before: not an error)
 
 
 def _stored_version(conn: sqlite3.Connection, path: str) -> int | None:
