@@ -200,11 +200,18 @@ class PostgresServer:
                     sql.SQL(
                         "SELECT (SELECT value FROM {}.meta WHERE key = 'schema_version'),"
                         " (SELECT array_agg(tablename::text ORDER BY tablename) FROM pg_tables"
-                        " WHERE schemaname = %s)"
+                        " WHERE schemaname = %s),"
+                        # a search index (or its function) a test added: not handed on
+                        " EXISTS (SELECT 1 FROM pg_proc WHERE pronamespace = %s::regnamespace)"
                     ).format(ident),
-                    (schema,),
+                    (schema, schema),
                 ).fetchone()
-                if found is None or found[0] != str(SCHEMA_VERSION) or found[1] != self.tables:
+                if (
+                    found is None
+                    or found[0] != str(SCHEMA_VERSION)
+                    or found[1] != self.tables
+                    or found[2]
+                ):
                     raise LookupError(schema)
                 self.admin.execute(
                     sql.SQL("; ").join(

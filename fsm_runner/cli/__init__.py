@@ -44,6 +44,7 @@ from fsm_runner.cli.errors import (
     ExitCodeGroup,
 )
 from fsm_runner.cli.errors import CliError as CliError
+from fsm_runner.cli.indexes import index as index
 from fsm_runner.cli.inspection import replay as replay
 from fsm_runner.cli.inspection import runs as runs
 from fsm_runner.cli.inspection import watch as watch
@@ -133,6 +134,7 @@ cli.add_command(watch)
 cli.add_command(replay)
 cli.add_command(check)
 cli.add_command(prune)
+cli.add_command(index)
 cli.add_command(demo)
 cli.add_command(agent_loop)
 cli.add_command(ui)  # the run inspector

@@ -496,6 +496,7 @@ class SqlCore:
         before: str | None = None,
         after: str | None = None,
         by_update: bool = False,
+        by_created: bool = False,
         **filters: Unpack[RunFilters],
     ) -> list[RunRecord]:
         """Return runs, newest first, filtered by machine, status, parent and state.
@@ -511,7 +512,9 @@ class SqlCore:
         read the other way from there, the page then turned newest first); ``search``: runs
         started in a time range, or holding a value in their input or context; ``by_update``:
         the last updated first instead (sorted: no index holds every run's last update, which
-        moves with each step; meant for a filtered few).
+        moves with each step; meant for a filtered few); ``by_created``: by ``created_at``
+        where the dialect lists in key order (SQLite, when its search index serves the search's
+        time range).
         """
         m = self.dialect.mark
         where, params = _run_filters(self.dialect, **filters)
@@ -526,7 +529,7 @@ class SqlCore:
         order = [self.dialect.row_order]
         if by_update:
             order.insert(0, "updated_at")
-        elif self.dialect.list_by_created:
+        elif self.dialect.list_by_created or by_created:
             order.insert(0, "created_at")
         self._keyset(where, params, order, before=before, after=after, view=by_update)
         query = f"SELECT {self.dialect.run_select} FROM runs"

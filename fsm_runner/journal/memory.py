@@ -29,6 +29,7 @@ from fsm_runner.journal import _lease, _rows
 from fsm_runner.journal._head import check_stored_id
 from fsm_runner.journal._memory_chain import MemoryDigests
 from fsm_runner.journal._memory_mailbox import MemoryMailbox
+from fsm_runner.journal._search_indexes import MemorySearchIndexes
 from fsm_runner.journal.base import (
     Commit,
     NewRun,
@@ -242,6 +243,7 @@ class MemoryJournal:
         self._iterations: dict[str, dict[int, IterationRecord]] = {}
         self._artifacts: dict[str, dict[str, ArtifactRecord]] = {}
         self._effects: dict[str, dict[tuple[int, str], EffectRecord]] = {}
+        self.search_indexes = MemorySearchIndexes()  # kept only: searches read memory anyway
         # run id -> the lease token the run had when its abort was requested (the SQLite
         # journal's run_rows.abort_token): commits under it may only carry the abort out
         self._abort_tokens: dict[str, int] = {}

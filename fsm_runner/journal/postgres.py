@@ -51,6 +51,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import psycopg
 
 from fsm_runner._unclosed import watch
@@ -86,6 +87,7 @@ from fsm_runner.journal._postgres_writes import (
     PostgresWriter,
     utc,
 )
+from fsm_runner.journal._search_indexes import PostgresSearchIndexes
 from fsm_runner.journal._sql import RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal.base import (
     Commit,
@@ -253,7 +255,8 @@ class PostgresJournal:
             if isinstance(exc, psycopg.Error):
                 raise JournalError(connection.describe(exc), path=connection.location) from None
             raise
-        self._core = SqlCore(_DIALECT, connection)
+        self.search_indexes = indexes = PostgresSearchIndexes(connection)  # serve searches
+        self._core = SqlCore(attrs.evolve(_DIALECT, json_match=indexes.json_match), connection)
         self._writer = PostgresWriter(connection, self._core)
         self._waits, self.liveness = PostgresWaits(connection), OwnerLiveness(connection)
         self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)

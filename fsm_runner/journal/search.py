@@ -7,9 +7,13 @@ path (:class:`JsonMatch`, ``input.order.id = 42``). Every journal answers them a
 journals compare in the database (SQLite's ``json_extract``/``json_type``, PostgreSQL's
 ``jsonb``), with the value's JSON type: the number ``42`` is not the string ``"42"``.
 
-No index serves a JSON match: it reads the runs the other filters leave, newest first, until
-the page is full (a rare value in a big journal reads them all; narrow it by machine, status
-or time where you can). A time range on SQLite is read from the listing's own order too.
+A search is served by an index when the journal has one for it (:class:`SearchKey`; its
+journal's ``search_indexes``: ``add("input.order.id")``), as a console's search attributes are
+declared first: every JSON path cannot be indexed, and each index costs a write to every run
+that sets its value. Without one, a JSON match reads the runs the other filters leave, newest
+first, until the page is full (a rare value in a big journal reads them all); so does a time
+range on SQLite, whose start times are indexed only once ``created_at`` is added (PostgreSQL's
+always are).
 """
 
 from __future__ import annotations
@@ -17,23 +21,28 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal, Protocol
 
 import attrs
 
-__all__ = ["JsonMatch", "RunSearch"]
+__all__ = ["JsonMatch", "RunSearch", "SearchIndexes", "SearchKey"]
 
 #: ``input`` or ``context``, then keys (``.name``) and list indexes (``[0]``), ``=``, a value.
 _MATCH = re.compile(
     r"(input|context)((?:\.[A-Za-z_][A-Za-z0-9_-]*|\[\d{1,9}\])+)\s*=\s*(.+)", re.DOTALL
 )
 _STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_-]*)|\[(\d{1,9})\]")
+#: ``input`` or ``context``, then keys and list indexes: what a search index serves.
+_FIELD = re.compile(r"(input|context)((?:\.[A-Za-z_][A-Za-z0-9_-]*|\[\d{1,9}\])+)")
+#: The longest index name PostgreSQL keeps (``NAMEDATALEN - 1`` bytes).
+_NAME_BYTES = 63
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 Scalar = str | int | float | bool | None
 
 
-def _check_path(instance: JsonMatch, _attribute: object, path: tuple[str | int, ...]) -> None:
+def _check_path(instance: object, _attribute: object, path: tuple[str | int, ...]) -> None:
     if not path:
         raise ValueError("a JSON match needs a path: input.KEY = VALUE")
     for step in path:
@@ -43,6 +52,10 @@ def _check_path(instance: JsonMatch, _attribute: object, path: tuple[str | int, 
             raise ValueError(f"a list index is 0 to 999,999,999, not {step}")
         if isinstance(step, str) and not _KEY.fullmatch(step):
             raise ValueError(f"a key is a letter or _ then letters, digits, _ or -: {step!r}")
+
+
+def _steps(path: Iterable[str | int]) -> tuple[str | int, ...]:
+    return tuple(path)
 
 
 def _check_value(instance: JsonMatch, _attribute: object, value: Scalar) -> None:
@@ -109,13 +122,98 @@ class JsonMatch:
         return json_kind(document) == json_kind(self.value) and document == self.value
 
     @property
+    def key(self) -> SearchKey:
+        """What an index serving this match indexes: its field and path."""
+        return SearchKey(self.field, self.path)
+
+    @property
+    def json_path(self) -> str:
+        """The path as SQLite's JSON functions take it: ``$."order"."id"``, ``$."files"[0]``."""
+        return self.key.json_path
+
+    def __str__(self) -> str:
+        return f"{self.key} = {json.dumps(self.value)}"
+
+
+@attrs.frozen
+class SearchKey:
+    """What a search index serves: runs' start times, or a path in their input or context.
+
+    Written ``created_at``, ``input.order.id`` or ``context.files[0]`` (:meth:`parse`). Its
+    index's name is ``search:`` and the key (:attr:`index_name`); the SQL of a search by it
+    names the index's expression exactly (:meth:`sqlite_expression`,
+    :meth:`postgres_expression`), so the database's planner finds the index by itself.
+
+    Attributes:
+        field: ``created_at``, ``input`` or ``context``.
+        path: a JSON field's path (keys and list indexes, as :class:`JsonMatch`'s); empty for
+            ``created_at``.
+    """
+
+    field: Literal["input", "context", "created_at"] = attrs.field(
+        validator=attrs.validators.in_(("input", "context", "created_at"))
+    )
+    path: tuple[str | int, ...] = attrs.field(default=(), converter=_steps)
+
+    def __attrs_post_init__(self) -> None:
+        if self.field == "created_at":
+            if self.path:
+                raise ValueError("created_at has no path")
+        else:
+            _check_path(self, None, self.path)
+        if len(self.index_name.encode()) > _NAME_BYTES:
+            raise ValueError(f"a search index's key is at most {_NAME_BYTES - 7} characters")
+
+    @classmethod
+    def parse(cls, text: str) -> SearchKey:
+        """Read ``created_at``, ``input.order.id``, ``context.files[0]``.
+
+        Raises:
+            ValueError: none of those, or a key too long for an index's name.
+        """
+        text = text.strip()
+        if text == "created_at":
+            return cls("created_at")
+        found = _FIELD.fullmatch(text)
+        if found is None:
+            raise ValueError(
+                f"cannot index {text!r}: a search index is created_at, input.KEY or"
+                " context.KEY, with .KEY and [INDEX] steps (input.order.id, context.files[0])"
+            )
+        field, steps = found.groups()
+        path = tuple(key if key else int(index) for key, index in _STEP.findall(steps))
+        return cls(field, path)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        steps = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in self.path)
+        return f"{self.field}{steps}"
+
+    @property
+    def index_name(self) -> str:
+        """The name of the index that serves it (``search:input.order.id``)."""
+        return f"search:{self}"
+
+    @property
     def json_path(self) -> str:
         """The path as SQLite's JSON functions take it: ``$."order"."id"``, ``$."files"[0]``."""
         return "$" + "".join(f"[{s}]" if isinstance(s, int) else f'."{s}"' for s in self.path)
 
-    def __str__(self) -> str:
-        steps = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in self.path)
-        return f"{self.field}{steps} = {json.dumps(self.value)}"
+    def sqlite_expression(self) -> str:
+        """What a SQLite index holds and a search compares: ``json_extract(input, '$."id"')``.
+
+        The path is written into the SQL (a bound one would not name the index's expression):
+        its keys hold letters, digits, ``_`` and ``-`` only, so it needs no escaping.
+        """
+        if self.field == "created_at":
+            return "created_at"
+        return f"json_extract({self.field}, '{self.json_path}')"
+
+    def postgres_expression(self, decode: str) -> str:
+        """What a PostgreSQL index holds: the ``jsonb`` at the path of ``decode(field)``."""
+        if self.field == "created_at":
+            return "created_at"
+        steps = ",".join(f'"{step}"' for step in self.path)  # quoted: a key "null" is no NULL
+        return f"({decode}({self.field}) #> '{{{steps}}}'::text[])"
 
 
 def json_kind(value: Any) -> str:
@@ -168,23 +266,53 @@ _SQLITE_TYPES = {"null": "'null'", "true": "'true'", "false": "'false'", "string
 def sqlite_json_match(match: JsonMatch) -> tuple[str, list[Any]]:
     """The SQLite condition (and parameters) of ``match`` on the ``runs`` view's JSON text.
 
-    ``json_type`` tells the kinds apart (``json_extract`` reads ``true`` as ``1``): a number
-    is ``integer`` or ``real``, then compared by ``json_extract``.
+    ``json_extract`` at the path, compared first (what a search index on the path holds:
+    ``true`` is ``1`` there, ``null`` SQL's NULL), then ``json_type`` tells the kinds apart (a
+    number is ``integer`` or ``real``).
     """
-    column, path = match.field, match.json_path
-    kind = json_kind(match.value)
+    key = match.key
+    value, kind = match.value, json_kind(match.value)
+    found = key.sqlite_expression()
+    type_of = f"json_type({key.field}, '{key.json_path}')"
+    if kind == "null":
+        return f"{found} IS NULL AND {type_of} = 'null'", []
     if kind == "number":
-        return (
-            f"json_type({column}, ?) IN ('integer', 'real') AND json_extract({column}, ?) = ?",
-            [path, path, match.value],
-        )
-    condition = f"json_type({column}, ?) = {_SQLITE_TYPES[kind]}"
-    if kind != "string":
-        return condition, [path]
-    return f"{condition} AND json_extract({column}, ?) = ?", [path, path, match.value]
+        return f"{found} = ? AND {type_of} IN ('integer', 'real')", [value]
+    if kind == "string":
+        return f"{found} = ? AND {type_of} = 'text'", [value]
+    return f"{found} = {int(bool(value))} AND {type_of} = {_SQLITE_TYPES[kind]}", []
 
 
-def postgres_json_match(match: JsonMatch) -> tuple[str, list[Any]]:
-    """The PostgreSQL condition (and parameters) of ``match``: ``jsonb`` equality at a path."""
-    path = [str(step) for step in match.path]
-    return f"({match.field}::jsonb #> %s::text[]) = %s::jsonb", [path, json.dumps(match.value)]
+#: The function a PostgreSQL journal's search indexes decode JSON text with (NULL for text
+#: ``jsonb`` refuses, as a ``\u0000`` escape: a cast there would refuse the run's write).
+POSTGRES_DECODE = "fsm_runner_search_json"
+
+
+def postgres_json_match(match: JsonMatch, *, decode: str | None = None) -> tuple[str, list[Any]]:
+    """The PostgreSQL condition (and parameters) of ``match``: ``jsonb`` equality at a path.
+
+    ``decode``: :data:`POSTGRES_DECODE` once the journal has it (a search index was added):
+    the expression its indexes hold; else the column cast to ``jsonb``.
+    """
+    found = match.key.postgres_expression(decode or "jsonb")
+    return f"{found} = %s::jsonb", [json.dumps(match.value)]
+
+
+class SearchIndexes(Protocol):
+    """A journal's search indexes (``journal.search_indexes``; see :class:`SearchKey`).
+
+    The built-in journals have one; a journal of the host's own may (the CLI's ``index``
+    commands say so when it has none). A key is a :class:`SearchKey` or its text.
+    """
+
+    def indexed(self) -> list[SearchKey]:
+        """The keys the journal's search indexes serve, by name."""
+
+    def serves(self, key: SearchKey | str) -> bool:
+        """Whether an index serves ``key``."""
+
+    def add(self, key: SearchKey | str) -> bool:
+        """Index ``key`` of every run; ``False`` if an index already serves it."""
+
+    def drop(self, key: SearchKey | str) -> bool:
+        """Drop the index of ``key``; ``False`` if there was none."""

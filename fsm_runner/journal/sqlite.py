@@ -28,6 +28,7 @@ from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
 from fsm_runner.journal._head import check_stored_id
+from fsm_runner.journal._search_indexes import SqliteSearchIndexes
 from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
@@ -44,7 +45,7 @@ from fsm_runner.journal.base import (
     RunFilters,
     renewals,
 )
-from fsm_runner.journal.search import sqlite_json_match
+from fsm_runner.journal.search import SearchKey, sqlite_json_match
 from fsm_runner.records import (
     ArtifactRecord,
     EffectRecord,
@@ -116,6 +117,9 @@ _DIALECT = SqlDialect(
     ),
 )
 
+#: The search index a listing by start time is read from, when the journal has it.
+_CREATED = SearchKey("created_at")
+
 
 class SqliteJournal:
     """A journal in one SQLite file (WAL mode).
@@ -165,6 +169,7 @@ class SqliteJournal:
         self._writer = SqliteWriter(self._connections, self._core)
         self._waits = SqliteWaits(self._connections, self._core)
         self.liveness = _sqlite_claims.SqliteLiveness(self._connections)  # who holds leases
+        self.search_indexes = SqliteSearchIndexes(self._connections)  # what serves searches
         self._heads = SqliteHeads(self.path)  # a run's head verified before it is driven
         # The hot path: the writer's own methods bound as this journal's (overrides are kept).
         bind_hot_path(self, SqliteJournal, self._writer, ("commit", "commit_many", "create_runs"))
@@ -571,8 +576,18 @@ class SqliteJournal:
         return self._core.artifacts(run_id)
 
     def runs(self, **filters: Unpack[ListFilters]) -> list[RunRecord]:
-        """Return runs, newest first, filtered (see :meth:`SqlCore.runs`)."""
-        return self._core.runs(**filters)
+        """Return runs, newest first, filtered (see :meth:`SqlCore.runs`).
+
+        A search by start time is listed by ``created_at`` once its search index is there
+        (read from it), else in key order (the runs newest first, until a page is full).
+        """
+        search = filters.get("search")
+        by_created = (
+            search is not None
+            and (search.created_from, search.created_before) != (None, None)
+            and self.search_indexes.serves(_CREATED)
+        )
+        return self._core.runs(by_created=by_created, **filters)
 
     def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:
         """How many runs :meth:`runs` would list with these filters (``Journal``)."""

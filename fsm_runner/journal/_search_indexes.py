@@ -1,0 +1,248 @@
+"""The indexes a journal's searches are served by (``journal.search_indexes``).
+
+A search index holds one :class:`~fsm_runner.journal.search.SearchKey` of every run: its start
+time, or the JSON value at a path of its input or context. It is named ``search:`` and the key
+(``search:input.order.id``), so the journal lists its own by name, and a search by the key names
+the index's expression in its SQL, so the database's planner reads the index by itself; nothing
+else in the journal knows of it. Adding one is an operator's choice, as a console's search
+attributes are declared first: each costs a write to every run that sets its value (a start's,
+an input's; a context's at each step that changes it), and a build over every stored run.
+
+SQLite: ``CREATE INDEX`` inside one write transaction (writers wait for the build: ~1 s for
+100,000 runs). PostgreSQL: ``CREATE INDEX CONCURRENTLY`` (writers go on meanwhile), over the
+JSON text decoded by :data:`~fsm_runner.journal.search.POSTGRES_DECODE`, a function made in the
+journal's schema with the first index; its start times are always indexed (``runs_created_at``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from fsm_runner.journal.search import POSTGRES_DECODE, JsonMatch, SearchKey, postgres_json_match
+
+if TYPE_CHECKING:
+    import sqlite3
+
+    from fsm_runner.journal._postgres_connection import Connection, PostgresConnection
+    from fsm_runner.journal._sqlite_connections import SqliteConnections
+
+__all__ = ["MemorySearchIndexes", "PostgresSearchIndexes", "SqliteSearchIndexes"]
+
+_PREFIX = "search:"
+
+
+def _key(key: SearchKey | str) -> SearchKey:
+    return key if isinstance(key, SearchKey) else SearchKey.parse(key)
+
+
+def _keys(names: Iterable[str]) -> list[SearchKey]:
+    """The keys of the indexes named ``search:KEY`` (a name that is no key is not ours)."""
+    found = []
+    for name in names:
+        with contextlib.suppress(ValueError):
+            found.append(SearchKey.parse(name.removeprefix(_PREFIX)))
+    return found
+
+
+class SqliteSearchIndexes:
+    """A SQLite journal's search indexes: indexes of ``run_rows`` named ``search:KEY``."""
+
+    def __init__(self, connections: SqliteConnections) -> None:
+        self._connections = connections
+
+    def indexed(self) -> list[SearchKey]:
+        """The keys the journal's search indexes serve, by name."""
+        _, rows = self._connections.select(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'run_rows'"
+            " AND substr(name, 1, 7) = ? ORDER BY name",
+            [_PREFIX],
+            damaged=True,
+        )
+        return _keys(str(name) for (name,) in rows)
+
+    def serves(self, key: SearchKey | str) -> bool:
+        """Whether a search index serves ``key`` (one read of the schema)."""
+        _, rows = self._connections.select(
+            "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?",
+            [_key(key).index_name],
+            damaged=True,
+        )
+        return bool(rows)
+
+    def add(self, key: SearchKey | str) -> bool:
+        """Index ``key`` of every run; ``False`` if an index already serves it.
+
+        Built in one write transaction: the journal's writers wait for it.
+        """
+        key = _key(key)
+
+        def work(conn: sqlite3.Connection) -> bool:
+            if _sqlite_has(conn, key):
+                return False
+            conn.execute(f'CREATE INDEX "{key.index_name}" ON run_rows ({key.sqlite_expression()})')
+            return True
+
+        return self._connections.writing(work)
+
+    def drop(self, key: SearchKey | str) -> bool:
+        """Drop the index of ``key``; ``False`` if there was none."""
+        key = _key(key)
+
+        def work(conn: sqlite3.Connection) -> bool:
+            if not _sqlite_has(conn, key):
+                return False
+            conn.execute(f'DROP INDEX "{key.index_name}"')
+            return True
+
+        return self._connections.writing(work)
+
+
+def _sqlite_has(conn: sqlite3.Connection, key: SearchKey) -> bool:
+    found = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (key.index_name,)
+    ).fetchone()
+    return found is not None
+
+
+#: The function a PostgreSQL journal's search indexes decode JSON text with; ``NULL`` for text
+#: ``jsonb`` refuses (a ``\u0000`` escape), where a cast would refuse the run's write.
+_DECODE_FUNCTION = f"""
+CREATE OR REPLACE FUNCTION {POSTGRES_DECODE}(document text) RETURNS jsonb
+LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE AS $$
+BEGIN
+    RETURN document::jsonb;
+EXCEPTION WHEN data_exception THEN
+    RETURN NULL;
+END
+$$"""
+
+#: The valid indexes named ``search:KEY`` of the journal's schema (one being built, or left
+#: by a build that failed, is not valid: it serves no search yet).
+_PG_INDEXES = (
+    "SELECT c.relname FROM pg_index AS i"
+    " JOIN pg_class AS c ON c.oid = i.indexrelid"
+    " JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+    " WHERE n.nspname = current_schema() AND substr(c.relname, 1, 7) = %s"
+    " AND (%s::text IS NULL OR c.relname = %s) AND i.indisvalid = %s"
+    " ORDER BY c.relname"
+)
+
+
+class PostgresSearchIndexes:
+    """A PostgreSQL journal's search indexes: indexes of ``runs`` named ``search:KEY``."""
+
+    def __init__(self, connection: PostgresConnection) -> None:
+        self._connection = connection
+        self._decoding = False  # once the function is known to be there, it stays
+        self._lock = threading.Lock()
+
+    def indexed(self) -> list[SearchKey]:
+        """The keys the journal's search indexes serve, by name.
+
+        Not ``created_at``: ``runs_created_at`` serves it, always.
+        """
+        _, rows = self._connection.select(_PG_INDEXES, [_PREFIX, None, None, True])
+        return _keys(str(name) for (name,) in rows)
+
+    def serves(self, key: SearchKey | str) -> bool:
+        """Whether an index serves ``key`` (``created_at``: always)."""
+        key = _key(key)
+        if key.field == "created_at":
+            return True
+        name = key.index_name
+        _, rows = self._connection.select(_PG_INDEXES, [_PREFIX, name, name, True])
+        return bool(rows)
+
+    def decode(self) -> str | None:
+        """:data:`POSTGRES_DECODE` once the journal has it (a search index was added)."""
+        if not self._decoding:
+            _, rows = self._connection.select(
+                "SELECT to_regprocedure(current_schema() || %s) IS NOT NULL",
+                [f".{POSTGRES_DECODE}(text)"],
+            )
+            self._decoding = bool(rows[0][0])
+        return POSTGRES_DECODE if self._decoding else None
+
+    def json_match(self, match: JsonMatch) -> tuple[str, list[Any]]:
+        """The SQL condition of ``match``: on the expression of its search index, if any."""
+        return postgres_json_match(match, decode=self.decode())
+
+    def add(self, key: SearchKey | str) -> bool:
+        """Index ``key`` of every run; ``False`` if an index already serves it.
+
+        ``CREATE INDEX CONCURRENTLY``: the journal's writers go on while it is built. A build
+        cut off (a lost connection) leaves an index that is not valid; the next ``add`` drops
+        it and builds it again.
+        """
+        key = _key(key)
+        if key.field == "created_at":
+            return False  # runs_created_at
+        name = key.index_name
+
+        def work(conn: Connection) -> bool:
+            found = conn.execute(_PG_INDEXES, [_PREFIX, name, name, True]).fetchall()
+            if found:
+                return False
+            conn.execute(_DECODE_FUNCTION)
+            conn.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')  # a failed build's
+            expression = key.postgres_expression(POSTGRES_DECODE)
+            conn.execute(f'CREATE INDEX CONCURRENTLY "{name}" ON runs ({expression})')
+            return True
+
+        with self._lock:
+            made = self._connection.writing(work)
+            self._decoding = True
+        return made
+
+    def drop(self, key: SearchKey | str) -> bool:
+        """Drop the index of ``key``; ``False`` if there was none."""
+        key = _key(key)
+        if key.field == "created_at":
+            return False
+        name = key.index_name
+
+        def work(conn: Connection) -> bool:
+            found = conn.execute(_PG_INDEXES, [_PREFIX, name, name, True]).fetchall()
+            conn.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')
+            return bool(found)
+
+        return self._connection.writing(work)
+
+
+class MemorySearchIndexes:
+    """A memory journal's: searches read its runs in memory either way; the keys are kept."""
+
+    def __init__(self) -> None:
+        self._keys: set[SearchKey] = set()
+        self._lock = threading.Lock()
+
+    def indexed(self) -> list[SearchKey]:
+        """The keys added, by name."""
+        with self._lock:
+            return sorted(self._keys, key=lambda key: key.index_name)
+
+    def serves(self, key: SearchKey | str) -> bool:
+        """Whether ``key`` was added."""
+        with self._lock:
+            return _key(key) in self._keys
+
+    def add(self, key: SearchKey | str) -> bool:
+        """Keep ``key``; ``False`` if it was kept already."""
+        key = _key(key)
+        with self._lock:
+            if key in self._keys:
+                return False
+            self._keys.add(key)
+            return True
+
+    def drop(self, key: SearchKey | str) -> bool:
+        """Forget ``key``; ``False`` if it was not kept."""
+        key = _key(key)
+        with self._lock:
+            if key not in self._keys:
+                return False
+            self._keys.discard(key)
+            return True
