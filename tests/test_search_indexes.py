@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import sqlite3
 
 import pytest
 from click.testing import CliRunner
 from psycopg import sql
 
-from fsm_runner import Engine, SqliteJournal
+from fsm_runner import Engine, PhaseResult, SqliteJournal
 from fsm_runner.cli import cli
+from fsm_runner.exceptions import JournalError
 from fsm_runner.journal import JsonMatch, RunSearch
 from fsm_runner.journal.search import SearchKey
+from tests.helpers import NEXT, two_phase_engine
 from tests.test_run_search import ORDERS, found
 from tests.test_state_counts import sqlite_plans, unserved
 from tests.test_ui_pages import waiting_spec
@@ -114,6 +117,25 @@ def test_a_search_finds_the_same_runs_with_its_index(journal, runs, text, indexe
         journal.search_indexes.add(key)
     assert found(journal, text) == without == [runs[i] for i in reversed(indexes)]
     assert journal.count_runs(search=RunSearch(json=JsonMatch.parse(text))) == len(indexes)
+
+
+def test_runs_step_and_end_under_indexes_of_their_context(journal):
+    """A step rewrites the run's row, and the index of its context with it."""
+    for key in ("context.n", "context.phase", "input.order.id"):
+        journal.search_indexes.add(key)
+    engine = two_phase_engine(
+        journal,
+        a=lambda _ctx: PhaseResult(NEXT, context={"n": 1, "phase": "a"}),
+        b=lambda ctx: PhaseResult(NEXT, context={"n": ctx.context["n"] + 1, "phase": "b"}),
+    )
+    with engine:
+        ran = engine.start({"order": {"id": 7}})
+        engine.run(ran)
+        waiting = engine.start({"order": {"id": 7}})
+    assert found(journal, "context.n = 2") == [ran]
+    assert found(journal, "context.phase = a") == []
+    assert found(journal, "input.order.id = 7") == [waiting, ran]
+    assert journal.load(ran).context == {"n": 2, "phase": "b"}
 
 
 def test_a_time_range_pages_the_same_with_its_index(journal):
@@ -231,6 +253,8 @@ def test_the_cli_adds_lists_and_drops_them(tmp_path):
     )
     assert run("add", "created_at").output == "created_at: already indexed\n"
     assert json.loads(run("list", "--json").output) == ["created_at", "input.order.id"]
+    checked = CliRunner().invoke(cli, ["--journal", path, "check"])
+    assert (checked.exit_code, checked.output.count("problem")) == (0, 1), checked.output
     assert run("drop", "created_at").output == "created_at: dropped\n"
     assert run("drop", "created_at").output == "created_at: no search index\n"
     refused = run("add", "input.ok", "output.x")
@@ -238,3 +262,25 @@ def test_the_cli_adds_lists_and_drops_them(tmp_path):
     assert "cannot index 'output.x'" in refused.output
     assert "Traceback" not in refused.output
     assert run("list").output == "input.order.id\n"  # nothing added from a refused line
+
+
+def test_check_tells_a_search_index_from_one_made_by_hand(tmp_path):
+    path = tmp_path / "journal.db"
+    with SqliteJournal(path) as journal:
+        journal.search_indexes.add("input.x")
+        assert journal.schema_problems() == []
+    conn = sqlite3.connect(path)
+    with conn:  # named as a search index, over another path: an index added by hand
+        conn.execute("""CREATE INDEX "search:input.z" ON run_rows (json_extract(input, '$."y"'))""")
+    conn.close()
+    with SqliteJournal(path) as journal:
+        assert journal.schema_problems() == [
+            "schema: index search:input.z is not part of schema version 12"
+        ]
+        assert [str(key) for key in journal.search_indexes.indexed()] == ["input.x"]
+        assert not journal.search_indexes.serves("input.z")
+        with pytest.raises(JournalError, match=r"index named search:input.z that is not the"):
+            journal.search_indexes.add("input.z")
+        assert journal.search_indexes.drop("input.z") is True
+        assert journal.search_indexes.add("input.z") is True
+        assert journal.schema_problems() == []

@@ -21,7 +21,14 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from fsm_runner.journal.search import POSTGRES_DECODE, JsonMatch, SearchKey, postgres_json_match
+from fsm_runner.exceptions import JournalError
+from fsm_runner.journal.search import (
+    POSTGRES_DECODE,
+    JsonMatch,
+    SearchKey,
+    postgres_json_match,
+    search_index_sql,
+)
 
 if TYPE_CHECKING:
     import sqlite3
@@ -48,7 +55,11 @@ def _keys(names: Iterable[str]) -> list[SearchKey]:
 
 
 class SqliteSearchIndexes:
-    """A SQLite journal's search indexes: indexes of ``run_rows`` named ``search:KEY``."""
+    """A SQLite journal's search indexes: indexes of ``run_rows`` named ``search:KEY``.
+
+    Only an index with the SQL ``add`` writes for its key is one (``check`` reports another
+    index of the journal's tables, whatever its name).
+    """
 
     def __init__(self, connections: SqliteConnections) -> None:
         self._connections = connections
@@ -56,43 +67,51 @@ class SqliteSearchIndexes:
     def indexed(self) -> list[SearchKey]:
         """The keys the journal's search indexes serve, by name."""
         _, rows = self._connections.select(
-            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'run_rows'"
+            "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'run_rows'"
             " AND substr(name, 1, 7) = ? ORDER BY name",
             [_PREFIX],
             damaged=True,
         )
-        return _keys(str(name) for (name,) in rows)
+        found = {str(name): sql for name, sql in rows}
+        return [key for key in _keys(found) if found.get(key.index_name) == search_index_sql(key)]
 
     def serves(self, key: SearchKey | str) -> bool:
         """Whether a search index serves ``key`` (one read of the schema)."""
-        _, rows = self._connections.select(
-            "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?",
-            [_key(key).index_name],
-            damaged=True,
-        )
-        return bool(rows)
+        key = _key(key)
+        _, rows = self._connections.select(_SQLITE_INDEX, [key.index_name], damaged=True)
+        return bool(rows) and rows[0][0] == search_index_sql(key)
 
     def add(self, key: SearchKey | str) -> bool:
         """Index ``key`` of every run; ``False`` if an index already serves it.
 
         Built in one write transaction: the journal's writers wait for it.
+
+        Raises:
+            JournalError: an index of that name exists that is not the key's (made by hand).
         """
         key = _key(key)
 
         def work(conn: sqlite3.Connection) -> bool:
-            if _sqlite_has(conn, key):
-                return False
-            conn.execute(f'CREATE INDEX "{key.index_name}" ON run_rows ({key.sqlite_expression()})')
-            return True
+            found = conn.execute(_SQLITE_INDEX, (key.index_name,)).fetchone()
+            if found is None:
+                conn.execute(search_index_sql(key))
+                return True
+            if found[0] != search_index_sql(key):
+                raise JournalError(
+                    f"has an index named {key.index_name} that is not the search index of"
+                    f" {key} (made by hand?); drop it first ('fsm-runner index drop {key}')",
+                    path=self._connections.location,
+                )
+            return False
 
         return self._connections.writing(work)
 
     def drop(self, key: SearchKey | str) -> bool:
-        """Drop the index of ``key``; ``False`` if there was none."""
+        """Drop the index named for ``key`` (whatever it holds); ``False`` if there was none."""
         key = _key(key)
 
         def work(conn: sqlite3.Connection) -> bool:
-            if not _sqlite_has(conn, key):
+            if conn.execute(_SQLITE_INDEX, (key.index_name,)).fetchone() is None:
                 return False
             conn.execute(f'DROP INDEX "{key.index_name}"')
             return True
@@ -100,11 +119,8 @@ class SqliteSearchIndexes:
         return self._connections.writing(work)
 
 
-def _sqlite_has(conn: sqlite3.Connection, key: SearchKey) -> bool:
-    found = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (key.index_name,)
-    ).fetchone()
-    return found is not None
+#: The SQL of the index of that name, if there is one.
+_SQLITE_INDEX = "SELECT sql FROM sqlite_master WHERE type = 'index' AND name = ?"
 
 
 #: The function a PostgreSQL journal's search indexes decode JSON text with; ``NULL`` for text

@@ -22,6 +22,7 @@ from typing import Any
 
 from fsm_runner.exceptions import JournalError, SchemaVersionError
 from fsm_runner.journal._sqlite_chain import chain_problems
+from fsm_runner.journal.search import SearchKey, search_index_sql
 
 __all__ = [
     "APPLICATION_ID",
@@ -361,6 +362,8 @@ def schema_problems(conn: sqlite3.Connection) -> list[str]:
         elif key not in expected:
             if kind not in ("index", "trigger") or owners.get(key) not in ours:
                 continue  # the user's own, beside the journal
+            if kind == "index" and is_search_index(conn, name):
+                continue  # an operator's (journal.search_indexes)
             problems.append(f"schema: {kind} {name} is not part of schema version {SCHEMA_VERSION}")
         elif found[key] != expected[key]:
             problems.append(
@@ -368,6 +371,24 @@ def schema_problems(conn: sqlite3.Connection) -> list[str]:
                 f"{difference(kind, found[key], expected[key])} (damaged or edited by hand)"
             )
     return problems
+
+
+def is_search_index(conn: sqlite3.Connection, name: str) -> bool:
+    """Whether index ``name`` is a search index as ``search_indexes.add`` makes it.
+
+    Named ``search:KEY``, with the SQL ``add`` writes for the key: an index of that name over
+    anything else is reported as any index added to the journal's tables is.
+    """
+    if not name.startswith("search:"):
+        return False
+    try:
+        key = SearchKey.parse(name.removeprefix("search:"))
+    except ValueError:
+        return False
+    row = conn.execute(
+        "SELECT sql FROM main.sqlite_master WHERE type = 'index' AND name = ?", (name,)
+    ).fetchone()
+    return row is not None and row[0] == search_index_sql(key)
 
 
 def integrity_problems(conn: sqlite3.Connection) -> list[str]:

@@ -263,6 +263,11 @@ class RunSearch:
 _SQLITE_TYPES = {"null": "'null'", "true": "'true'", "false": "'false'", "string": "'text'"}
 
 
+def search_index_sql(key: SearchKey) -> str:
+    """The SQL of a SQLite journal's search index of ``key`` (as ``sqlite_master`` keeps it)."""
+    return f'CREATE INDEX "{key.index_name}" ON run_rows ({key.sqlite_expression()})'
+
+
 def sqlite_json_match(match: JsonMatch) -> tuple[str, list[Any]]:
     """The SQLite condition (and parameters) of ``match`` on the ``runs`` view's JSON text.
 
