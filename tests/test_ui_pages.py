@@ -348,7 +348,7 @@ class TestRunsList:
         rows = page.locator("#runs-rows tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
         assert rows == [second, first]
 
-    def test_search_by_input_days_and_the_total(self, server, page, ids):
+    def test_search_by_input_days_and_the_total(self, server, page, ids, journal_path):
         """Search box, start days and "N runs match", filled in as an operator would."""
         page.goto(f"{server.url}/runs")
         page.fill("input[name=where]", "input.order.id = 42")
@@ -357,6 +357,13 @@ class TestRunsList:
         assert rows == [ids["output"]]
         assert page.locator("p.total").inner_text() == "1 run matches."
         assert page.locator("input[name=where]").input_value() == "input.order.id = 42"
+        # No search index serves it: the page says so, and how to add one; then it is served.
+        assert "fsm-runner index add input.order.id" in page.locator("#unindexed").inner_text()
+        with SqliteJournal(journal_path) as journal:
+            journal.search_indexes.add("input.order.id")
+        page.reload()
+        assert page.locator("#unindexed").count() == 0
+        assert page.locator("p.total").inner_text() == "1 run matches."
 
         page.goto(f"{server.url}/runs?machine=many&where=input.n+%3D+7")  # n is a number
         assert page.locator("#runs-rows tr").count() == 1
@@ -370,6 +377,7 @@ class TestRunsList:
         page.fill("input[name=until]", today.isoformat())
         page.click("form.filters button[type=submit]")
         assert page.locator("p.total").inner_text() == "120 runs match."
+        assert "index add created_at" in page.locator("#unindexed").inner_text()  # SQLite's
         yesterday = (today - dt.timedelta(days=1)).isoformat()
         page.goto(f"{server.url}/runs?machine=many&until={yesterday}")
         assert page.locator("p.total").inner_text() == "0 runs match."

@@ -296,8 +296,8 @@ POSTGRES_DECODE = "fsm_runner_search_json"
 def postgres_json_match(match: JsonMatch, *, decode: str | None = None) -> tuple[str, list[Any]]:
     """The PostgreSQL condition (and parameters) of ``match``: ``jsonb`` equality at a path.
 
-    ``decode``: :data:`POSTGRES_DECODE` once the journal has it (a search index was added):
-    the expression its indexes hold; else the column cast to ``jsonb``.
+    ``decode``: :data:`POSTGRES_DECODE` when a search index serves the match's key (the
+    expression the index holds); else the column cast to ``jsonb``.
     """
     found = match.key.postgres_expression(decode or "jsonb")
     return f"{found} = %s::jsonb", [json.dumps(match.value)]

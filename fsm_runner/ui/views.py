@@ -23,7 +23,7 @@ from fsm_runner.diagrams import Graph, extract, taken_edges
 from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
 from fsm_runner.journal.base import RunFilters
-from fsm_runner.journal.search import JsonMatch, RunSearch
+from fsm_runner.journal.search import JsonMatch, RunSearch, SearchIndexes, SearchKey
 from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
 from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
@@ -203,7 +203,20 @@ def runs_page(journal: Journal, query: RunsQuery, *, counted: bool = True) -> di
         "count_cap": COUNT_CAP,
         "sorts": SORTS,
         "unsorted": query.sort == "updated" and not by_update,  # too many runs to sort
+        "unindexed": unindexed(journal, filters.get("search")),
     }
+
+
+def unindexed(journal: Journal, search: RunSearch | None) -> list[str]:
+    """The keys of ``search`` no search index of the journal serves (none: nothing to say)."""
+    indexes: SearchIndexes | None = getattr(journal, "search_indexes", None)
+    if search is None or indexes is None:
+        return []
+    ranged = search.created_from is not None or search.created_before is not None
+    keys = [SearchKey("created_at")] if ranged else []
+    if search.json is not None:
+        keys.append(search.json.key)
+    return [str(key) for key in keys if not indexes.serves(key)]
 
 
 #: The filters a bulk abort takes from the runs list (its page and tab are not filters).
