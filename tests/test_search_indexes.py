@@ -24,6 +24,7 @@ from fsm_runner.exceptions import JournalError
 from fsm_runner.journal import JsonMatch, RunSearch
 from fsm_runner.journal.search import SearchKey
 from tests.helpers import NEXT, two_phase_engine
+from tests.test_postgres_scale import MODES, explain, fill, reads_of_runs
 from tests.test_run_search import ORDERS, found
 from tests.test_state_counts import sqlite_plans, unserved
 from tests.test_ui_pages import waiting_spec
@@ -205,25 +206,31 @@ def test_sqlite_searches_read_their_indexes(sqlite_journal):
         assert not any("TEMP B-TREE" in line for line in plan), (statement, plan)
 
 
-def test_postgres_searches_read_their_indexes(postgres_journal, postgres_server):
-    with Engine(waiting_spec("orders"), handlers={}, journal=postgres_journal) as engine:
-        for value in ORDERS:
-            engine.start(value)
-    for key in KEYS:
-        postgres_journal.search_indexes.add(key)
-    for text, _ in MATCHES:
-        condition, params = postgres_journal.search_indexes.json_match(JsonMatch.parse(text))
-        query = f"SELECT run_id FROM runs WHERE {condition}"
-        with postgres_server.admin.transaction(), postgres_server.admin.cursor() as cursor:
-            cursor.execute(
-                sql.SQL("SET LOCAL search_path TO {}").format(
-                    sql.Identifier(postgres_journal.schema)
-                )
-            )
-            cursor.execute("SET LOCAL enable_seqscan = off")  # five runs: a scan is cheaper
-            rows = cursor.execute(f"EXPLAIN (FORMAT JSON) {query}", params).fetchone()
-        plan = json.dumps(rows[0])
-        assert '"Index Name": "search:' in plan, (text, plan)
+@pytest.mark.parametrize("mode", MODES)
+def test_postgres_searches_read_their_indexes(postgres_journal, postgres_server, mode):
+    """On 20,000 ANALYZEd runs the planner itself picks the index, for a rare value.
+
+    Without its statistics (``add`` runs ``ANALYZE``) it guessed 0.5 % of the runs match and
+    walked the listing's order instead, decoding each run's JSON until the page was full.
+    """
+    admin, schema = postgres_server.admin, postgres_journal.schema
+    fill(admin, schema, ended=20_000, waiting=0, leased=0)
+    with admin.transaction():
+        admin.execute(sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(schema)))
+        admin.execute("UPDATE runs SET input = json_build_object('n', substr(run_id, 2)::int)")
+    assert postgres_journal.search_indexes.add("input.n") is True
+    stats = admin.execute(  # the expression's statistics, gathered by add (it ANALYZEs)
+        "SELECT n_distinct FROM pg_stats WHERE schemaname = %s AND tablename = 'search:input.n'",
+        (schema,),
+    ).fetchall()
+    assert stats == [(-1.0,)]  # every run's value its own
+    condition, params = postgres_journal.search_indexes.json_match(JsonMatch.parse("input.n = 7"))
+    for order in ("created_at DESC, run_id DESC", "run_id"):
+        statement = f"SELECT run_id FROM runs WHERE {condition} ORDER BY {order} LIMIT 51"
+        reads = reads_of_runs(explain(admin, schema, statement, params, mode))
+        assert reads == [(reads[0][0], "search:input.n")], (statement, reads)
+    assert [r.run_id for r in postgres_journal.runs(search=RunSearch(json=JsonMatch.parse(
+        "input.n = 7")))] == ["e0000007"]  # fmt: skip
 
 
 def test_a_postgres_index_takes_json_jsonb_refuses(postgres_journal):

@@ -190,7 +190,7 @@ class PostgresSearchIndexes:
 
         ``CREATE INDEX CONCURRENTLY``: the journal's writers go on while it is built. A build
         cut off (a lost connection) leaves an index that is not valid; the next ``add`` drops
-        it and builds it again.
+        it and builds it again. Then ``ANALYZE runs``, so the planner knows the values.
         """
         key = _key(key)
         if key.field == "created_at":
@@ -205,6 +205,10 @@ class PostgresSearchIndexes:
             conn.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')  # a failed build's
             expression = key.postgres_expression(POSTGRES_DECODE)
             conn.execute(f'CREATE INDEX CONCURRENTLY "{name}" ON runs ({expression})')
+            # The statistics of the index's expression: without them the planner guesses 0.5 %
+            # of the runs match a value, and walks the listing's order instead, decoding each
+            # run's JSON until the page is full (a rare value: every run, 1.3 s of 1,000,000).
+            conn.execute("ANALYZE runs")
             return True
 
         return self._connection.writing(work)
