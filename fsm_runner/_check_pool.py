@@ -12,6 +12,7 @@ knows nothing of replay; the caller sorts the runs' problems, which come back pe
 from __future__ import annotations
 
 import datetime as dt
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -42,10 +43,12 @@ def check_ranges(
     chunk: int,
     progress: Progress | None,
     on_pool: Callable[[], object] | None = None,
+    nice: int = 0,
 ) -> tuple[Found | None, int]:
     """Check every run of ``journal`` (updated since ``since``) range by range.
 
-    ``on_pool`` is called just before a pool of processes starts (if one does).
+    ``on_pool`` is called just before a pool of processes starts (if one does); ``nice`` is
+    added to the niceness of its processes.
 
     Returns:
         The runs' problems (in range order) and how many runs were checked; ``None`` when
@@ -62,7 +65,8 @@ def check_ranges(
     if jobs > 1 and len(ranges) > 1 and journal.location != ":memory:":
         if on_pool is not None:
             on_pool()
-        results = _in_pool(journal.opener(), check_range, ranges, since, jobs, len(keys), progress)
+        opener = journal.opener()
+        results = _in_pool(opener, check_range, ranges, since, jobs, len(keys), progress, nice)
     else:
         results = list(_in_process(journal, check_range, ranges, since, len(keys), progress))
     found: Found = []
@@ -100,6 +104,7 @@ def _in_pool(  # noqa: PLR0917 - one private call shape
     jobs: int,
     total: int,
     progress: Progress | None,
+    nice: int,
 ) -> list[tuple[Found, int] | None]:
     import concurrent.futures  # noqa: PLC0415 - only a parallel check needs them
     import multiprocessing  # noqa: PLC0415
@@ -108,23 +113,31 @@ def _in_pool(  # noqa: PLR0917 - one private call shape
         max_workers=min(jobs, len(ranges)),
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_open_journal,
-        initargs=(opener,),
+        initargs=(opener, nice),
     ) as pool:
         futures = [
             pool.submit(_check_in_worker, check_range, first, last, since) for first, last in ranges
         ]
-        if progress is not None:
-            for future in concurrent.futures.as_completed(futures):
-                result = future.result()
-                progress(result[1] if result is not None else 0, total)
-        return [future.result() for future in futures]
+        try:
+            if progress is not None:
+                for future in concurrent.futures.as_completed(futures):
+                    result = future.result()
+                    progress(result[1] if result is not None else 0, total)
+            return [future.result() for future in futures]
+        except BaseException:
+            # Stopped (``progress`` raised: a cancel, Ctrl-C): the ranges not yet begun are
+            # dropped, so the pool's exit waits for the few being checked, not for them all.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 _journal: list[Any] = []  # in a pool's process: the journal it opened for itself
 _specs: dict[str, Any] = {}  # and the specs it read, by hash
 
 
-def _open_journal(opener: Callable[[], Any]) -> None:
+def _open_journal(opener: Callable[[], Any], nice: int) -> None:
+    if nice and hasattr(os, "nice"):  # (not on Windows)
+        os.nice(nice)
     journal = opener()
     _cache_for_scan(journal)
     _journal.append(journal)
@@ -143,15 +156,17 @@ def _check_in_worker(
     return check_range(_journal[0], first, last, since, _specs)
 
 
-def medium_checks(journal: Any, *, beside_pool: bool) -> Callable[[], list[str]]:
+def medium_checks(journal: Any, *, beside_pool: bool, nice: int = 0) -> Callable[[], list[str]]:
     """The journal's checks of its medium (``integrity_problems()``): a call that gives them.
 
-    ``beside_pool`` (a pool of processes is starting to check the ranges): they run at once, on a
-    thread of this process, through the journal opened again for them (``journal.opener()``),
-    so SQLite's integrity check — 13-18 s of a 1,000,000-run journal — uses the core the pool
-    leaves free while this process waits (a check that fails meanwhile leaves the thread to
-    finish and close its journal). Otherwise they run now. A journal
-    without such checks gives none.
+    ``beside_pool`` (a pool of processes is starting to check the ranges): they run at once, in
+    a process of their own (``nice`` added to its niceness) through the journal opened again
+    there (``journal.opener()``), so SQLite's integrity check — 13-18 s of a 1,000,000-run
+    journal — uses the core the pool leaves free while this process waits, and PostgreSQL's
+    hash chains, computed in Python, do not hold this process's GIL (the inspector's pages
+    waited on it: ``/runs`` up to 258 ms while 100,000 runs were checked). A check that fails
+    meanwhile leaves that process to finish. Otherwise they run now. A journal without such
+    checks gives none.
     """
     integrity = getattr(journal, "integrity_problems", None)
     if not callable(integrity):
@@ -161,18 +176,22 @@ def medium_checks(journal: Any, *, beside_pool: bool) -> Callable[[], list[str]]
         found = [str(problem) for problem in integrity()]  # first, as a check in one process
         return lambda: found
 
-    opens = opener()  # here, in the caller's thread: the journal is not shared with the thread
-
-    def checked() -> list[str]:
-        again = opens()
-        try:
-            return [str(problem) for problem in again.integrity_problems()]
-        finally:
-            again.close()
-
     import concurrent.futures  # noqa: PLC0415 - only a parallel check needs them
+    import multiprocessing  # noqa: PLC0415
 
-    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsm-runner-check")
-    checking = thread.submit(checked)
-    thread.shutdown(wait=False)  # the thread ends with the checks
+    pool = concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn")
+    )
+    checking = pool.submit(_integrity_in_process, opener(), nice)
+    pool.shutdown(wait=False)  # the process ends with the checks
     return checking.result
+
+
+def _integrity_in_process(opener: Callable[[], Any], nice: int) -> list[str]:
+    if nice and hasattr(os, "nice"):  # (not on Windows)
+        os.nice(nice)
+    journal = opener()
+    try:
+        return [str(problem) for problem in journal.integrity_problems()]
+    finally:
+        journal.close()

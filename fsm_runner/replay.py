@@ -354,6 +354,7 @@ def check_runs(
     jobs: int = 1,
     chunk: int = CHECK_CHUNK,
     progress: Callable[[int, int], None] | None = None,
+    nice: int = 0,
 ) -> CheckReport:
     """Check a journal (see :func:`check_journal`), in ``jobs`` processes; say how many runs.
 
@@ -375,6 +376,8 @@ def check_runs(
         jobs: processes to check in; 1 (or a journal with one range) checks in this one.
         chunk: runs a range (one bulk read, one task of the pool).
         progress: called with (runs checked since the last call, runs to check) as ranges end.
+        nice: added to the niceness of the pool's processes (a check in the background, as the
+            inspector's, leaves the CPU to what answers people).
 
     Returns:
         The problems and the number of runs checked.
@@ -389,7 +392,8 @@ def check_runs(
     if run_ids is None and callable(getattr(journal, "read_runs", None)):
         found, count = check_ranges(
             journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress,
-            on_pool=lambda: beside.append(medium_checks(journal, beside_pool=True)),
+            on_pool=lambda: beside.append(medium_checks(journal, beside_pool=True, nice=nice)),
+            nice=nice,
         )  # fmt: skip
     medium = beside[0] if beside else medium_checks(journal, beside_pool=False)
     problems: list[_Problem] = [_one_line(problem) for problem in medium()]

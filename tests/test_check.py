@@ -123,9 +123,10 @@ class TestParallelIsSerial:
         check_runs(journal, jobs=2, chunk=4, progress=lambda n, _total: done.append(n))
         assert sum(done) == 11
 
-    def test_the_medium_is_checked_beside_the_pool_through_a_journal_of_its_own(
+    def test_the_medium_is_checked_beside_the_pool_in_a_process_of_its_own(
         self, tmp_path, monkeypatch
     ):
+        """Not in this process (PostgreSQL's chains in Python held the inspector's GIL)."""
         import threading
 
         path = tmp_path / "journal.db"
@@ -138,15 +139,15 @@ class TestParallelIsSerial:
 
         with SqliteJournal(path) as journal:
             make_runs(journal, a=6, b=0)
+            conn = sqlite3.connect(path)
+            with conn:  # a problem of the medium: an index added to the journal's tables
+                conn.execute("CREATE INDEX by_hand ON run_rows (error)")
+            conn.close()
+            problem = "schema: index by_hand is not part of schema version 12"
             monkeypatch.setattr(SqliteJournal, "integrity_problems", integrity_problems)
-            assert check_journal(journal, jobs=2, chunk=2) == []
-            ((checked, in_main),) = calls
-            assert checked is not journal
-            assert checked.path == journal.path
-            assert not in_main  # on a thread, while the pool's processes check the ranges
-            assert checked._connections.closed
-            calls.clear()
-            assert check_journal(journal, jobs=1) == []
+            assert check_journal(journal, jobs=2, chunk=2) == [problem]
+            assert calls == []  # checked in a spawned process, through a journal of its own
+            assert check_journal(journal, jobs=1) == [problem]
             assert calls == [(journal, True)]  # one process: first, as before
 
     def test_a_damaged_view_falls_back_to_the_serial_check(self, tmp_path):

@@ -80,6 +80,15 @@ class _Cancelled(Exception):  # noqa: N818 - a signal between two of this module
     """Raised in the check's progress callback to stop it."""
 
 
+#: The processes a check job replays runs in (a SQL journal of more than one range of runs):
+#: off the server's interpreter, whose pages would otherwise wait on the GIL the replay holds
+#: (``/runs`` while 100,000 runs were checked on PostgreSQL: up to 239 ms in a thread;
+#: ``tests/bench/bench_ui_nonblocking.py``).
+CHECK_JOBS = 2
+#: Added to those processes' niceness: the pages (and their database's work) come first
+#: (the slowest ``/runs`` while checking on PostgreSQL: 252 ms at the same niceness, 171 ms).
+CHECK_NICE = 10
+
 #: Where a check job is.
 CheckState = Literal["running", "done", "cancelled", "failed"]
 
@@ -127,7 +136,9 @@ class CheckJob:
             try:
                 if self._cancel.is_set():
                     raise _Cancelled
-                report = check_runs(journal, progress=self._progress)
+                report = check_runs(
+                    journal, jobs=CHECK_JOBS, nice=CHECK_NICE, progress=self._progress
+                )
             finally:
                 if own:
                     journal.close()
