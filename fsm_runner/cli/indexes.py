@@ -66,11 +66,7 @@ def list_indexes(state: CliState, as_json: bool) -> None:
 @click.pass_obj
 def add(state: CliState, keys: tuple[str, ...]) -> None:
     """Index KEY of every run (SQLite: writers wait for the build; PostgreSQL: they go on)."""
-    wanted = _keys(keys)
-    indexes = _indexes(state)
-    for key in wanted:
-        made = indexes.add(key)
-        click.echo(f"{key}: {'indexed' if made else 'already indexed'}")
+    _each(state, keys, "add", ("indexed", "already indexed"))
 
 
 @index.command("drop", cls=ExitCodeCommand)
@@ -78,8 +74,13 @@ def add(state: CliState, keys: tuple[str, ...]) -> None:
 @click.pass_obj
 def drop(state: CliState, keys: tuple[str, ...]) -> None:
     """Drop the search index of KEY."""
+    _each(state, keys, "drop", ("dropped", "no search index"))
+
+
+def _each(state: CliState, keys: tuple[str, ...], action: str, said: tuple[str, str]) -> None:
+    """``add`` or ``drop`` each key (all read first: a bad one changes nothing); say what it did."""
     wanted = _keys(keys)
     indexes = _indexes(state)
     for key in wanted:
-        dropped = indexes.drop(key)
-        click.echo(f"{key}: {'dropped' if dropped else 'no search index'}")
+        changed = getattr(indexes, action)(key)
+        click.echo(f"{key}: {said[0] if changed else said[1]}")
