@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_runner import Engine, MachineSpec, SqliteJournal, State, Transition
+from fsm_runner.journal._sqlite_chain import fill_digests
 from fsm_runner.records import utc_now
 from tests.helpers import NEXT
 
@@ -98,6 +99,11 @@ def build_check_journal(path: Path, runs: int, *, spread: dt.timedelta | None = 
                 | {"first": template + start, "last": template + end},
             )
         conn.execute("COMMIT")
+    # Each clone's digests, as its writer would have stored them (its run id is its own, so
+    # the template's are not): the check verifies every run's chain (schema 11).
+    conn.execute("BEGIN IMMEDIATE")
+    fill_digests(conn)
+    conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()
 
