@@ -16,6 +16,9 @@ import sqlite3
 from collections import Counter
 from typing import Any
 
+import attrs
+import pytest
+
 from fsm_runner import Engine, MachineSpec, PhaseStatus, State, Transition
 from fsm_runner.records import utc_now
 from tests.helpers import NEXT, undo_v12
@@ -128,6 +131,39 @@ def test_counts_and_listings_by_state_are_every_runs(journal):
     assert [r.run_id for r in journal.runs(state="done", before=page[0].run_id)] == (
         plain_ids(journal, "done")[1:]
     )
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 40])
+def test_sqlite_reads_the_newest_keys_first_and_finds_the_same(sqlite_journal, window):
+    """A listing by state or active status tries the newest keys first (``newest_window``).
+
+    Whatever the window, every page (both ways) and every capped count is the plain one: a
+    window that holds less than a page, or fewer runs than the cap, is read again whole.
+    """
+    fill(sqlite_journal)
+    every = [{}, {"machine": SPEC.name}, {"machine": OTHER.name}]
+    asked = [{"state": s, **m} for s in STATES for m in every]
+    asked += [{"status": "active", **m} for m in every] + [{"status": "active", "state": "working"}]
+
+    def pages(filters) -> list[list[str]]:
+        listed, before = [], None
+        while page := [r.run_id for r in sqlite_journal.runs(limit=2, before=before, **filters)]:
+            listed.append(page)
+            before = page[-1]
+        return listed
+
+    def seen() -> list[Any]:
+        return [
+            (pages(f), [sqlite_journal.count_runs(at_most=n, **f) for n in (1, 2, 3, 100)])
+            for f in asked
+        ]
+
+    plain = seen()
+    core = sqlite_journal._core
+    assert core.dialect.newest_window > 0  # the journal's own: many runs for one window here
+    core.dialect = attrs.evolve(core.dialect, newest_window=window)
+    assert seen() == plain
+    assert any(listed for listed, _ in plain)
 
 
 # --- the plans -----------------------------------------------------------------------------

@@ -117,6 +117,12 @@ class SqlDialect:
     #: A machine's runs counted per ``(state, status)``, as rows that may name a pair more than
     #: once (summed), whose every parameter is the machine; ``None``: grouped from ``runs``.
     state_counts: str | None = None
+    #: Listing in key order (SQLite): how many of the newest keys (below a page's keyset bound)
+    #: a listing or capped count by state or active status reads first, before every run. Those
+    #: filters are index-served through every matching run's key (``active_keys``,
+    #: ``state_match``): two thirds of 1,000,000 runs active, a page read 666,000 keys (110 ms,
+    #: and as much for its count) where the newest few hundred rows held it. 0: never.
+    newest_window: int = 0
 
 
 class SqlConnections(Protocol):
@@ -188,6 +194,37 @@ def _run_filters(
             condition, values = dialect.json_match(search.json)
             where.append(condition)
             params += values
+    return where, params
+
+
+def _newest_window(
+    dialect: SqlDialect, filters: RunFilters, *, before: str | None, size: int = 0
+) -> tuple[list[str], list[Any]] | None:
+    """The conditions (and parameters) of a read of the newest keys first, if one is due.
+
+    Only for a listing by state or of the active runs (see ``newest_window``), with no
+    filter besides a machine: those filters as plain conditions (read along the keys, not
+    through every matching run's key), and the newest ``newest_window`` keys below the
+    page's keyset bound (at least ``size`` of them).
+    """
+    if not dialect.newest_window:
+        return None
+    size, key = max(dialect.newest_window, size), dialect.row_order
+    given = {name for name, value in filters.items() if value is not None}
+    status = filters.get("status")
+    wanted = "state" in given or (
+        status is not None and RunLifecycle(status) is RunLifecycle.ACTIVE
+    )
+    if not wanted or given - {"state", "status", "machine"}:
+        return None
+    plain = attrs.evolve(dialect, active_keys=None, state_match=None)
+    where, params = _run_filters(plain, **filters)
+    table, m = dialect.run_table, dialect.mark
+    if before is None:
+        where.append(f"{key} > (SELECT max({key}) FROM {table}) - {int(size)}")
+    else:
+        where.append(f"{key} > (SELECT {key} FROM {table} WHERE run_id = {m}) - {int(size)}")
+        params.append(before)
     return where, params
 
 
@@ -531,16 +568,27 @@ class SqlCore:
             order.insert(0, "updated_at")
         elif self.dialect.list_by_created or by_created:
             order.insert(0, "created_at")
+        simple = after is None and len(order) == 1 and not (effect_in_flight or stale)
+        window = _newest_window(self.dialect, filters, before=before) if simple else None
         self._keyset(where, params, order, before=before, after=after, view=by_update)
         query = f"SELECT {self.dialect.run_select} FROM runs"
         if where:
             query += " WHERE " + " AND ".join(where)
         way = "ASC" if after is not None else "DESC"
-        query += " ORDER BY " + ", ".join(f"{column} {way}" for column in order)
+        tail = " ORDER BY " + ", ".join(f"{column} {way}" for column in order)
         if limit is not None:
-            query += f" LIMIT {m}"
+            tail += f" LIMIT {m}"
             params.append(int(limit))
-        names, rows = self._select(query, params)
+        rows: list[tuple[Any, ...]] = []
+        if window is not None and limit is not None:  # the newest keys first (see newest_window)
+            near, near_params = window
+            self._keyset(near, near_params, order, before=before, after=None)
+            near_query = f"SELECT {self.dialect.run_select} FROM runs WHERE {' AND '.join(near)}"
+            names, rows = self._select(near_query + tail, [*near_params, int(limit)])
+            if len(rows) < limit:
+                rows = []
+        if not rows:
+            names, rows = self._select(query + tail, params)
         found = [self.decode_run(dict(zip(names, row, strict=True))) for row in rows]
         if after is not None:
             found.reverse()  # newest first, as every listing
@@ -549,10 +597,23 @@ class SqlCore:
     def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:
         """How many runs :meth:`runs` would list with these filters (at most ``at_most``)."""
         where, params = _run_filters(self.dialect, **filters)
+        # (a window four times the cap: found full when a quarter of the runs match)
+        window = (
+            _newest_window(self.dialect, filters, before=None, size=4 * at_most)
+            if at_most
+            else None
+        )
+        if window is not None and at_most is not None:  # the newest keys hold the cap, often
+            capped = self._count(*window, at_most)
+            if capped >= at_most:
+                return capped
+        return self._count(where, params, at_most)
+
+    def _count(self, where: list[str], params: list[Any], at_most: int | None) -> int:
         query = "SELECT 1 FROM runs" + (" WHERE " + " AND ".join(where) if where else "")
         if at_most is not None:
             query += f" LIMIT {self.dialect.mark}"
-            params.append(int(at_most))
+            params = [*params, int(at_most)]
         _, rows = self._select(f"SELECT count(*) FROM ({query}) AS counted", params)
         return int(rows[0][0])
 

@@ -90,6 +90,7 @@ _DIALECT = SqlDialect(
     stale_bound=_stale_bound,
     json_match=sqlite_json_match,
     list_by_created=False,
+    newest_window=20_000,
     effect_digests=True,
     active_keys=(  # the claims' three indexes: ready, due (a wake time), leased
         f"SELECT run_key FROM run_rows WHERE {_READY} UNION ALL"
