@@ -353,8 +353,16 @@ class TestListing:
             conn.set_trace_callback(seen.append)
             journal.runs(limit=50, **filters)
             conn.set_trace_callback(None)
-            (query,) = [sql for sql in seen if "FROM runs" in sql]
-            steps = [str(row[3]) for row in conn.execute(f"EXPLAIN QUERY PLAN {query}")]
+            *first, query = [sql for sql in seen if "FROM runs" in sql]
+            plan = lambda sql: [str(r[3]) for r in conn.execute(f"EXPLAIN QUERY PLAN {sql}")]  # noqa: E731
+            steps = plan(query)
+            if filters.get("status") == "active":  # the newest keys first (the page not there)
+                (window,) = first
+                near = plan(window)
+                assert any(s.startswith("SEARCH r ") and "rowid>?" in s for s in near), near
+                assert not [s for s in near if s.startswith("SCAN") or "TEMP B-TREE" in s], near
+            else:
+                assert first == []
         assert not [s for s in steps if "TEMP B-TREE" in s], steps
         scans = [s for s in steps if s.startswith("SCAN")]
         if filters.get("status") == "active":  # the active runs' keys, from the claims' indexes
