@@ -135,9 +135,14 @@ _journal: list[Any] = []  # in a pool's process: the journal it opened for itsel
 _specs: dict[str, Any] = {}  # and the specs it read, by hash
 
 
-def _open_journal(opener: Callable[[], Any], nice: int) -> None:
+def _lower_priority(nice: int) -> None:
+    """Add ``nice`` to this process's niceness (a pool's or the medium's process)."""
     if nice and hasattr(os, "nice"):  # (not on Windows)
         os.nice(nice)
+
+
+def _open_journal(opener: Callable[[], Any], nice: int) -> None:
+    _lower_priority(nice)
     journal = opener()
     _cache_for_scan(journal)
     _journal.append(journal)
@@ -188,8 +193,7 @@ def medium_checks(journal: Any, *, beside_pool: bool, nice: int = 0) -> Callable
 
 
 def _integrity_in_process(opener: Callable[[], Any], nice: int) -> list[str]:
-    if nice and hasattr(os, "nice"):  # (not on Windows)
-        os.nice(nice)
+    _lower_priority(nice)
     journal = opener()
     try:
         return [str(problem) for problem in journal.integrity_problems()]

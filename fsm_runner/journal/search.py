@@ -248,6 +248,11 @@ class RunSearch:
             if bound is not None and bound.utcoffset() is None:
                 raise ValueError("a search's times must be timezone-aware (UTC, say)")
 
+    @property
+    def ranged(self) -> bool:
+        """Whether it searches a range of start times (either bound)."""
+        return self.created_from is not None or self.created_before is not None
+
     def admits(self, created_at: dt.datetime, input_: Any, context: Any) -> bool:
         """Whether a run with these facts is found (the memory journal's search)."""
         if self.created_from is not None and created_at < self.created_from:

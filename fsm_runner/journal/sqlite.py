@@ -583,11 +583,7 @@ class SqliteJournal:
         (read from it), else in key order (the runs newest first, until a page is full).
         """
         search = filters.get("search")
-        by_created = (
-            search is not None
-            and (search.created_from, search.created_before) != (None, None)
-            and self.search_indexes.serves(_CREATED)
-        )
+        by_created = search is not None and search.ranged and self.search_indexes.serves(_CREATED)
         return self._core.runs(by_created=by_created, **filters)
 
     def count_runs(self, *, at_most: int | None = None, **filters: Unpack[RunFilters]) -> int:

@@ -212,8 +212,7 @@ def unindexed(journal: Journal, search: RunSearch | None) -> list[str]:
     indexes: SearchIndexes | None = getattr(journal, "search_indexes", None)
     if search is None or indexes is None:
         return []
-    ranged = search.created_from is not None or search.created_before is not None
-    keys = [SearchKey("created_at")] if ranged else []
+    keys = [SearchKey("created_at")] if search.ranged else []
     if search.json is not None:
         keys.append(search.json.key)
     return [str(key) for key in keys if not indexes.serves(key)]
