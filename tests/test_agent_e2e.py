@@ -229,6 +229,7 @@ class TestCrashDuringVerification:
         finally:
             if runner.poll() is None:
                 runner.kill()
+                runner.wait(timeout=10)  # reaped here, not warned of in a later test
             runner.stdout.close()
         # The verifier ran the check in its own process group: it outlived the runner.
         os.killpg(int(marker.read_text().split()[0]), signal.SIGKILL)
@@ -263,7 +264,10 @@ SLOW_AGENT = textwrap.dedent(
     with calls.open("a") as f:
         f.write(f"{{os.getpid()}}\\n")
     if not earlier:
-        (state / "first-running").write_text(str(os.getpid()))
+        # Written whole, then renamed: the test reads it once it exists (a write_text seen
+        # half done read "" on a loaded CI machine).
+        (state / "first-running.tmp").write_text(str(os.getpid()))
+        os.replace(state / "first-running.tmp", state / "first-running")
         end = time.monotonic() + 60
         while time.monotonic() < end and not (state / "release").exists():
             time.sleep(0.05)
@@ -340,6 +344,7 @@ class TestKilledRunner:
             (state / "release").touch()
             if runner.poll() is None:
                 runner.kill()
+                runner.wait(timeout=10)  # reaped here, not warned of in a later test
             runner.stdout.close()
             if first is not None and _running(first):
                 os.kill(first, signal.SIGKILL)
