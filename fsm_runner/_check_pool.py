@@ -16,7 +16,12 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["CHECK_CACHE_KIB", "CheckRange", "Found", "Problem", "check_ranges", "medium_checks"]
+from fsm_runner.run_ids import shown
+
+__all__ = [
+    "CHECK_CACHE_KIB", "CheckRange", "Found", "Problem", "check_ranges", "medium_checks",
+    "report_lines",
+]  # fmt: skip
 
 #: The page cache of each connection a check reads with (KiB): with the journal's usual 16 MiB
 #: a check of a million runs read 46 GB from a 1.17 GB file (issue 28).
@@ -32,6 +37,7 @@ CheckRange = Callable[
     [Any, Any, Any, "dt.datetime | None", dict[str, Any]], "tuple[Found, int] | None"
 ]
 Progress = Callable[[int, int], None]
+_SHOWN_RUNS = 3  # run ids named in a line about several runs
 
 
 def check_ranges(
@@ -161,7 +167,46 @@ def _check_in_worker(
     return check_range(_journal[0], first, last, since, _specs)
 
 
-def medium_checks(journal: Any, *, beside_pool: bool, nice: int = 0) -> Callable[[], list[str]]:
+def report_lines(medium: list[str], found: Found) -> list[str]:
+    """``check``'s lines: the medium's, then the runs' in the order of their ids.
+
+    Runs that cannot be read for the same reason (what, why) are one line, where the first
+    of them would be.
+    """
+    found.sort(key=lambda pair: pair[0])  # the order of the runs' ids, as run_ids lists them
+    problems: list[Problem] = [_one_line(problem) for problem in medium]
+    unreadable: dict[tuple[str, str], list[str]] = {}  # (what, why) -> the runs, in order
+    for run_id, problem in found:
+        if isinstance(problem, tuple):
+            if problem not in unreadable:
+                unreadable[problem] = []
+                problems.append(problem)
+            unreadable[problem].append(run_id)
+        else:
+            problems.append(_one_line(problem))
+    return [
+        problem if isinstance(problem, str) else _runs_line(unreadable[problem], *problem)
+        for problem in problems
+    ]
+
+
+def _runs_line(run_ids: Sequence[str], what: str, why: str) -> str:
+    """One line for runs that cannot be checked for the same reason."""
+    if len(run_ids) == 1:
+        return _one_line(f"run {shown(run_ids[0])}: {what}: {why}")
+    named = ", ".join(shown(run_id) for run_id in run_ids[:_SHOWN_RUNS])
+    more = f" and {len(run_ids) - _SHOWN_RUNS} more" if len(run_ids) > _SHOWN_RUNS else ""
+    return _one_line(f"runs {named}{more}: {what}: {why}")
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line: a problem printed with newlines in it would read as several."""
+    return " ".join(text.split())
+
+
+def medium_checks(
+    journal: Any, *, beside_pool: bool, nice: int = 0, chains: bool = True
+) -> Callable[[], list[str]]:
     """The journal's checks of its medium (``integrity_problems()``): a call that gives them.
 
     ``beside_pool`` (a pool of processes is starting to check the ranges): they run at once, in
@@ -171,14 +216,18 @@ def medium_checks(journal: Any, *, beside_pool: bool, nice: int = 0) -> Callable
     hash chains, computed in Python, do not hold this process's GIL (the inspector's pages
     waited on it: ``/runs`` up to 258 ms while 100,000 runs were checked). A check that fails
     meanwhile leaves that process to finish. Otherwise they run now. A journal without such
-    checks gives none.
+    checks gives none. ``chains=False``: all but the runs' hash chains (a SQLite journal's,
+    verified as a check reads each run).
     """
     integrity = getattr(journal, "integrity_problems", None)
     if not callable(integrity):
         return list
+    options = {} if chains else {"chains": False}
     opener = getattr(journal, "opener", None)  # the method giving a journal's opener
     if not beside_pool or not callable(opener) or journal.location == ":memory:":
-        found = [str(problem) for problem in integrity()]  # first, as a check in one process
+        found = [
+            str(problem) for problem in integrity(**options)
+        ]  # first, as a check in one process
         return lambda: found
 
     import concurrent.futures  # noqa: PLC0415 - only a parallel check needs them
@@ -187,15 +236,17 @@ def medium_checks(journal: Any, *, beside_pool: bool, nice: int = 0) -> Callable
     pool = concurrent.futures.ProcessPoolExecutor(
         1, mp_context=multiprocessing.get_context("spawn")
     )
-    checking = pool.submit(_integrity_in_process, opener(), nice)
+    checking = pool.submit(_integrity_in_process, opener(), nice, options)
     pool.shutdown(wait=False)  # the process ends with the checks
     return checking.result
 
 
-def _integrity_in_process(opener: Callable[[], Any], nice: int) -> list[str]:
+def _integrity_in_process(
+    opener: Callable[[], Any], nice: int, options: dict[str, bool]
+) -> list[str]:
     _lower_priority(nice)
     journal = opener()
     try:
-        return [str(problem) for problem in journal.integrity_problems()]
+        return [str(problem) for problem in journal.integrity_problems(**options)]
     finally:
         journal.close()

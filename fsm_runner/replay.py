@@ -42,7 +42,7 @@ import attrs
 from fsm_runner import run_ids as _run_ids
 from fsm_runner._check_pool import Found as _Found
 from fsm_runner._check_pool import Problem as _Problem
-from fsm_runner._check_pool import check_ranges, medium_checks
+from fsm_runner._check_pool import check_ranges, medium_checks, report_lines
 from fsm_runner._convert import format_utc
 from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
@@ -90,7 +90,6 @@ _DERIVED = (
 )  # fmt: skip
 _SHOWN_CHARS = 160
 _SHOWN_KEYS = 4
-_SHOWN_RUNS = 3  # run ids named in a line about several runs
 _ABSENT = object()
 
 _Report = Callable[[ReplayMismatchError], None]
@@ -389,32 +388,32 @@ def check_runs(
         raise ValueError(f"chunk must be >= 1, not {chunk}")
     beside: list[Callable[[], list[str]]] = []  # the medium's checks, beside a pool if one runs
     found: _Found | None = None
+    # A SQLite journal's ranges verify the runs' chains as they read them, but for part of
+    # the runs (``since``): the medium's checks, the chains among them, are whole as ever.
+    in_ranges = _chains_in_ranges(journal, since) and run_ids is None
     if run_ids is None and callable(getattr(journal, "read_runs", None)):
         found, count = check_ranges(
             journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress,
-            on_pool=lambda: beside.append(medium_checks(journal, beside_pool=True, nice=nice)),
+            on_pool=lambda: beside.append(
+                medium_checks(journal, beside_pool=True, nice=nice, chains=not in_ranges)
+            ),
             nice=nice,
         )  # fmt: skip
-    medium = beside[0] if beside else medium_checks(journal, beside_pool=False)
-    problems: list[_Problem] = [_one_line(problem) for problem in medium()]
+    chained = in_ranges and found is not None  # (a pool's medium was told before it ended)
+    medium = beside[0] if beside else medium_checks(journal, beside_pool=False, chains=not chained)
+    lines = medium()
+    if in_ranges and beside and found is None:  # no ranges (damaged): the chains are the medium's
+        lines = medium_checks(journal, beside_pool=False)()
     if found is None:
         ids = journal.run_ids("", limit=sys.maxsize) if run_ids is None else sorted(set(run_ids))
         found, count = _check_each(journal, ids, since=since, chunk=chunk, progress=progress)
-    found.sort(key=lambda pair: pair[0])  # the order of the runs' ids, as run_ids lists them
-    unreadable: dict[tuple[str, str], list[str]] = {}  # (what, why) -> the runs, in order
-    for run_id, problem in found:
-        if isinstance(problem, tuple):
-            if problem not in unreadable:
-                unreadable[problem] = []
-                problems.append(problem)
-            unreadable[problem].append(run_id)
-        else:
-            problems.append(_one_line(problem))
-    lines = tuple(
-        problem if isinstance(problem, str) else _runs_line(unreadable[problem], *problem)
-        for problem in problems
-    )
-    return CheckReport(problems=lines, runs=count)
+    lines = report_lines(lines, found)
+    return CheckReport(problems=tuple(lines), runs=count)
+
+
+def _chains_in_ranges(journal: Any, since: dt.datetime | None) -> bool:
+    """Whether a check's ranges verify the runs' hash chains (as they read them)."""
+    return since is None and getattr(journal, "RANGES_VERIFY_CHAINS", False) is True
 
 
 def _check_each(
@@ -458,30 +457,20 @@ def _check_range(
     specs: dict[str, MachineSpec | str],
 ) -> tuple[_Found, int] | None:
     """The problems of the runs in one key range, and how many; ``None`` if it cannot be read."""
+    chains: list[tuple[str, _Problem]] = []  # runs whose chain breaks, as (id, line)
     try:
-        reads = journal.read_runs(first, last, since=since)
+        if _chains_in_ranges(journal, since):
+            reads = journal.read_runs(first, last, since=since, chains=chains)
+        else:
+            reads = journal.read_runs(first, last, since=since)
     except FsmRunnerError:
         return None
-    found: _Found = []
+    found: _Found = [("", line) for _, line in chains]  # first, in key order: the medium's
     for run_id, read in reads:
         problem = _check_read(journal, run_id, read, specs)
         if problem is not None:
             found.append((run_id, problem))
     return found, len(reads)
-
-
-def _runs_line(run_ids: Sequence[str], what: str, why: str) -> str:
-    """One line for runs that cannot be checked for the same reason."""
-    if len(run_ids) == 1:
-        return _one_line(f"run {_run_ids.shown(run_ids[0])}: {what}: {why}")
-    shown = ", ".join(_run_ids.shown(run_id) for run_id in run_ids[:_SHOWN_RUNS])
-    more = f" and {len(run_ids) - _SHOWN_RUNS} more" if len(run_ids) > _SHOWN_RUNS else ""
-    return _one_line(f"runs {shown}{more}: {what}: {why}")
-
-
-def _one_line(text: str) -> str:
-    """``text`` on one line: a problem printed with newlines in it would read as several."""
-    return " ".join(text.split())
 
 
 def _check_run(

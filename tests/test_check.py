@@ -133,9 +133,9 @@ class TestParallelIsSerial:
         calls = []
         original = SqliteJournal.integrity_problems
 
-        def integrity_problems(self):
+        def integrity_problems(self, **options):
             calls.append((self, threading.current_thread() is threading.main_thread()))
-            return original(self)
+            return original(self, **options)
 
         with SqliteJournal(path) as journal:
             make_runs(journal, a=6, b=0)

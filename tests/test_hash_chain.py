@@ -252,6 +252,31 @@ class TestSqliteChain:
         assert names in lines[0]
         assert "r2" not in result.output
 
+    def test_the_check_verifies_the_chains_as_it_reads_the_runs(self, tmp_path):
+        """One read of the transitions: the ranges verify the chains, the same lines in place."""
+        path = tmp_path / "journal.db"
+        with SqliteJournal(path) as journal:
+            for run_id in ("r1", "r2", "r3", "r4"):
+                chained_run(journal, run_id)
+        damage_sqlite(path, "transitions", "event", "seq = 1", "NEXT", "NEXU")  # r1 at seq 1
+        damage_sqlite(path, "run_rows", "input", "1", "abc", "abd")  # r1's row
+        conn = sqlite3.connect(path)
+        with conn:  # r3: a digest changed, and a later one (the first break is named)
+            conn.execute("UPDATE transitions SET digest = 'x' WHERE run_id = 'r3' AND seq >= 1")
+            conn.execute("CREATE INDEX by_hand ON run_rows (error)")  # a medium's problem
+        conn.close()
+        with SqliteJournal(path) as journal:
+            medium = journal.integrity_problems()
+            chains = [line for line in medium if " at seq " in line]
+            assert [line.split(":")[1] for line in chains] == [" run r1 at seq 1", " run r3 at seq 1"]
+            assert medium[-2:] == chains  # the chains come last
+            assert journal.integrity_problems(chains=False) == medium[:-2]
+            for jobs, chunk in ((1, 10**6), (2, 1), (2, 3)):
+                lines = check_journal(journal, jobs=jobs, chunk=chunk)
+                assert lines[: len(medium)] == medium, (jobs, chunk)  # in the medium's place
+            assert check_journal(journal, run_ids=["r2"]) == medium  # the medium's own
+            assert check_journal(journal, since=T0)[: len(medium)] == medium
+
     def test_an_untouched_journal_reports_nothing(self, tmp_path):
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal:

@@ -18,7 +18,7 @@ import pytest
 from fsm_runner import Engine, RunLifecycle
 from fsm_runner.journal import open_journal
 from tests.test_ui_pages import waiting_spec
-from tests.ui_helpers import Server, journal_location
+from tests.ui_helpers import Server, follow, journal_location
 
 #: One worker runs the module: its journals and servers are made once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-bulk")]
@@ -55,11 +55,11 @@ def _site(location):
 def test_abort_what_the_filters_show_after_a_confirm(site, page):
     server, journal, ids, others, held = site
     page.goto(f"{server.url}/runs?machine=bulk")
-    page.click("p.bulk a")
+    follow(page, "p.bulk a")
     assert page.locator("p.bulk-count").inner_text().startswith(f"{WAITING} active runs match")
     assert page.locator("dl.bulk-filters").inner_text().split() == ["machine", "bulk"]
     page.fill("form.bulk-abort input[name=reason]", "bad batch")
-    page.click(f"form.bulk-abort button >> text=Abort {WAITING} runs")
+    follow(page, f"form.bulk-abort button >> text=Abort {WAITING} runs")
     done = page.locator("p.bulk-done").inner_text()
     assert done == (
         f"Abort asked of {WAITING} runs: {WAITING - 1} runs ended at once,"
@@ -114,7 +114,7 @@ def test_the_list_by_state_sorted_by_update_and_the_machines_counts(site, page):
     page.goto(f"{server.url}/runs?machine=other")
     assert shown() == others[::-1]
     page.select_option("select[name=sort]", "updated")
-    page.click("form.filters button[type=submit]")
+    follow(page, "form.filters button[type=submit]")
     assert shown() == [others[0], *others[:0:-1]]
     page.goto(f"{server.url}/runs?machine=other&state=waiting&sort=updated")
     assert shown() == others[:0:-1]

@@ -22,7 +22,7 @@ from playwright.sync_api import expect
 from fsm_runner import Engine, MachineSpec, PhaseResult, SqliteJournal, State, Transition
 from fsm_runner.cli import cli
 from tests.helpers import NEXT, approval_engine, loop_spec
-from tests.ui_helpers import Server
+from tests.ui_helpers import Server, follow
 
 #: One worker runs the module: its module fixtures (journals, a server) are built once, not
 #: once on each pytest-xdist worker that would otherwise take some of its tests.
@@ -228,7 +228,7 @@ def test_a_form_sent_after_a_restart_is_offered_again_with_what_was_typed(journa
     again = Server(str(journal_path), "--allow-actions", port=first.port)  # a new CSRF secret
     try:
         page.fill("form.abort input[name=reason]", "typed before the restart")
-        page.click("form.abort button")
+        follow(page, "form.abort button")
         assert page.locator("h1").inner_text() == "Refused"
         assert "typed before the restart" in page.locator("form.resend").inner_text()
         with SqliteJournal(journal_path) as journal:
@@ -324,14 +324,14 @@ class TestRunsList:
         )
         assert shown() == newest_first[:50]
         assert page.locator("a.newer").count() == 0
-        page.click("a.older")
+        follow(page, "a.older")
         assert shown() == newest_first[50:100]
-        page.click("a.older")
+        follow(page, "a.older")
         assert shown() == newest_first[100:]
         assert page.locator("a.older").count() == 0
-        page.click("a.newer")
+        follow(page, "a.newer")
         assert shown() == newest_first[50:100]
-        page.click("a.newer")
+        follow(page, "a.newer")
         assert shown() == newest_first[:50]
         assert page.locator("a.newer").count() == 0
 
@@ -352,7 +352,7 @@ class TestRunsList:
         """Search box, start days and "N runs match", filled in as an operator would."""
         page.goto(f"{server.url}/runs")
         page.fill("input[name=where]", "input.order.id = 42")
-        page.click("form.filters button[type=submit]")
+        follow(page, "form.filters button[type=submit]")
         rows = page.locator("#runs-rows tr").evaluate_all("rows => rows.map(r => r.dataset.runId)")
         assert rows == [ids["output"]]
         assert page.locator("p.total").inner_text() == "1 run matches."
@@ -375,7 +375,7 @@ class TestRunsList:
         assert page.locator("p.total").inner_text() == "120 runs match."
         page.fill("input[name=since]", today.isoformat())
         page.fill("input[name=until]", today.isoformat())
-        page.click("form.filters button[type=submit]")
+        follow(page, "form.filters button[type=submit]")
         assert page.locator("p.total").inner_text() == "120 runs match."
         assert "index add created_at" in page.locator("#unindexed").inner_text()  # SQLite's
         yesterday = (today - dt.timedelta(days=1)).isoformat()
@@ -395,13 +395,13 @@ class TestRunsList:
         page.goto(f"{server.url}/runs?machine=sorted")
         assert shown()[0] == started[-1]  # newest started first
         page.select_option("select[name=sort]", "updated")
-        page.click("form.filters button[type=submit]")
+        follow(page, "form.filters button[type=submit]")
         by_update = [started[0], *started[:0:-1]]
         assert shown() == by_update[:50]
         assert page.locator("select[name=sort]").input_value() == "updated"
-        page.click("a.older")
+        follow(page, "a.older")
         assert shown() == by_update[50:]
-        page.click("a.newer")
+        follow(page, "a.newer")
         assert shown() == by_update[:50]
         assert page.locator("#unsorted").count() == 0
 

@@ -50,6 +50,15 @@ def fetch(url: str, *, data: bytes | None = None, method: str | None = None) -> 
             return Response(exc.code, exc.headers, exc.read().decode())
 
 
+def follow(page, selector: str) -> None:
+    """Click what leads to another page and wait for that page to load.
+
+    A click waits for neither: a read at once may see the old page or a new one not parsed yet.
+    """
+    with page.expect_navigation():
+        page.click(selector)
+
+
 def wait_for_check(server, timeout: float = 60) -> Response:
     """Start the inspector's check (its page), wait for its job to end, and read its page."""
     import json

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import attrs
 
 from fsm_runner.exceptions import (
-    FsmRunnerError,
     JournalError,
     LeaseLostError,
     RunConflictError,
@@ -35,8 +34,6 @@ from fsm_runner.records import (
     RunRecord,
     TransitionRecord,
     format_utc,
-    parse_utc,
-    positional_builder,
     structure,
 )
 from fsm_runner.spec import RunLifecycle
@@ -44,7 +41,7 @@ from fsm_runner.spec import RunLifecycle
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["RunRead", "SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
+__all__ = ["SqlConnections", "SqlCore", "SqlDialect", "bind_hot_path"]
 
 T = TypeVar("T")
 
@@ -52,8 +49,6 @@ T = TypeVar("T")
 _IDS_A_STATEMENT = 500
 #: One run as a bulk read gives it: its id, then its transitions and row, or why they
 #: cannot be read.
-RunRead = tuple[str, "tuple[list[TransitionRecord], RunRecord] | FsmRunnerError"]
-_new_transition = positional_builder(TransitionRecord)
 _EFFECT_COLUMNS = _rows.EFFECT_COLUMNS
 _ITERATION_COLUMNS = _rows.ITERATION_COLUMNS
 _ARTIFACT_COLUMNS = _rows.ARTIFACT_COLUMNS
@@ -395,62 +390,6 @@ class SqlCore:
         _, rows = self._select(f"{query} ORDER BY {key}", params, damaged=since is None)
         return [row[0] for row in rows]
 
-    def read_runs(
-        self,
-        key: str,
-        transition_select: str,
-        first: Any,
-        last: Any,
-        *,
-        since: dt.datetime | None,
-        more: Callable[[str, int, int], list[TransitionRecord]],
-    ) -> list[RunRead]:
-        """The runs whose ``key`` is in ``[first, last]`` (updated since ``since``), in order.
-
-        Two range reads in the primary keys' order, the transitions then the rows (as
-        :func:`fsm_runner.replay.read_run` reads one run); each run as reading it alone gives
-        it: a row that moved on meanwhile gets the transitions it is ahead by from
-        ``more(run_id, from, to)``, its transitions are decoded before its row (an unreadable
-        one is the same error), and a run pruned meanwhile is left out.
-        """
-        m = self.dialect.mark
-        where, params = f"{key} BETWEEN {m} AND {m}", [first, last]
-        transition_names, transition_rows = self._select(
-            f"SELECT {transition_select} FROM transitions WHERE {where} ORDER BY {key}, seq",
-            params,
-        )
-        if since is not None:
-            where += f" AND updated_at >= {m}"
-            params.append(self._stamp(since))
-        run_names, run_rows = self._select(
-            f"SELECT {self.dialect.run_select} FROM runs WHERE {where} ORDER BY {key}", params
-        )
-        at = list(transition_names).index(key)
-        fast = _typed_transitions(transition_names)
-        grouped: dict[Any, list[Sequence[Any]]] = {}
-        for row in transition_rows:
-            grouped.setdefault(row[at], []).append(row)
-        reads: list[RunRead] = []
-        for row in run_rows:
-            data = dict(zip(run_names, row, strict=True))
-            run_id = str(data["run_id"])
-            try:
-                rows = grouped.get(data[key], [])
-                timeline = fast(rows) if fast is not None else None
-                if timeline is None:
-                    timeline = self.transition_records(transition_names, rows)
-                run = self.decode_run(data)
-                last = timeline[-1].seq if timeline else -1
-                if run.seq > last:
-                    timeline += more(run_id, last + 1, run.seq)
-            except RunNotFoundError:
-                continue  # pruned since the rows were read
-            except FsmRunnerError as exc:
-                reads.append((run_id, exc))
-                continue
-            reads.append((run_id, (timeline, run)))
-        return reads
-
     # -- reads ---------------------------------------------------------------------------------
 
     def effect(self, run_id: str, visit_seq: int, name: str) -> EffectRecord | None:
@@ -725,59 +664,3 @@ class SqlCore:
             raise RunConflictError(run_id=record.run_id, expected_seq=run_seq, path=self.location)
 
         self._connections.writing(work)  # writing the same record again is harmless
-
-
-def _typed_transitions(
-    names: Sequence[str],
-) -> Callable[[Sequence[Sequence[Any]]], list[TransitionRecord] | None] | None:
-    """Builds a run's transitions from rows whose values have their fields' own types, or ``None``.
-
-    What a check reads in bulk is, but for a damaged row, exactly what the converter would
-    take as it is (its hooks: a string to ``parse_utc``, a JSON object); built directly, a
-    transition costs a third of what :meth:`SqlCore.transition_records` spends on it. Any row
-    that is not so typed (a ``NULL`` taking a default, a number stored as text, a JSON value
-    that is not an object, unreadable JSON) makes it return ``None``: those rows then go
-    through the converter, which decodes them or names what is wrong exactly as before.
-    """
-    try:
-        places = [list(names).index(name) for name in _rows.TRANSITION_COLUMNS]
-    except ValueError:
-        return None  # a journal without one of the columns: the converter's defaults apply
-
-    def build(rows: Sequence[Sequence[Any]]) -> list[TransitionRecord] | None:
-        records = []
-        for row in rows:
-            run_id, seq, from_state, event, to_state, iteration, attempt, at, ms, result, token = (
-                row[place] for place in places
-            )
-            if not (
-                type(run_id) is str
-                and type(seq) is int
-                and (from_state is None or type(from_state) is str)
-                and type(event) is str
-                and type(to_state) is str
-                and type(iteration) is int
-                and type(attempt) is int
-                and (type(at) is str or type(at) is dt.datetime)
-                and type(ms) is float
-                and type(token) is int
-            ):
-                return None
-            if result is not None:
-                if type(result) is not str:
-                    return None
-                try:
-                    result = json.loads(result)
-                except ValueError:
-                    return None
-                if type(result) is not dict:
-                    return None
-            try:
-                when = parse_utc(at)
-            except ValueError:
-                return None
-            fields = (run_id, seq, from_state, event, to_state, iteration, attempt, when, ms)
-            records.append(_new_transition(*fields, result, token))
-        return records
-
-    return build

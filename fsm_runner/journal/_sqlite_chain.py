@@ -10,12 +10,14 @@ same text for every row written as fsm_runner writes it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fsm_runner._shown import shown
+from fsm_runner.exceptions import JournalError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._digest import (
     RUN_DIGEST_COLUMNS,
@@ -23,6 +25,7 @@ from fsm_runner.journal._digest import (
     TRANSITION_DIGEST_COLUMNS,
     digest,
     row_digest,
+    step_digest,
 )
 from fsm_runner.records import RunRecord, format_utc
 
@@ -37,10 +40,13 @@ __all__ = [
     "head_sql",
     "history_rows",
     "load_sql",
+    "migrated",
     "origin",
+    "row_breaks",
     "row_with_digest",
     "run_digest",
     "stored_digest",
+    "verifier",
     "with_digest",
 ]
 
@@ -304,39 +310,101 @@ def _own_tables() -> list[tuple[str, Sequence[str]]]:
     return [(table, columns) for table, columns, _ in _ROW_TABLES]
 
 
-def chain_problems(conn: sqlite3.Connection) -> list[str]:
+def chain_problems(
+    conn: sqlite3.Connection, *, transitions: bool = True, rows: bool = True
+) -> list[str]:
     """The rows whose content no longer matches their digest: one line per run, row or table.
 
     A run's chain is verified seq by seq against the digest each transition stores, so the
     line names the first seq whose content (or digest) changed; a later one changed as well
     is found once the first is repaired. A run whose digests a migration computed says so:
-    they vouch only for what the migration read.
+    they vouch only for what the migration read. ``transitions``: the runs' chains;
+    ``rows``: the other rows' digests (a check that read every run verified its chain as it
+    went: :func:`row_breaks`).
     """
     try:
-        migrated_to = _migrated(conn)
-        first_bad: dict[int, int] = {}
-        expected: str | None = None
-        last_key = None
-        for key, seq, stored, *values in _transitions(conn):
-            if key != last_key:
-                expected, last_key = None, key
-            if key in first_bad:
-                continue
-            expected = digest(expected, values)
-            if stored != expected:
-                first_bad[key] = seq
-            expected = stored if isinstance(stored, str) else expected
-        names = _run_names(conn)
-        problems = [
-            f"digest: run {_name(names, key)} at seq {seq}: the transition"
-            " does not match its digest (changed since it was written)" + origin(key, migrated_to)
-            for key, seq in first_bad.items()
-        ]
-        problems += _row_problems(conn, migrated_to)
-        problems += _signal_problems(conn)
+        migrated_to = migrated(conn)
+        problems = []
+        if rows:
+            problems += _row_problems(conn, migrated_to)
+            problems += _signal_problems(conn)
+        if transitions:  # last: a check that verifies them as it reads the runs adds them so
+            first_bad: dict[int, int] = {}
+            expected: str | None = None
+            last_key = None
+            for key, seq, stored, *values in _transitions(conn):
+                if key != last_key:
+                    expected, last_key = None, key
+                if key in first_bad:
+                    continue
+                expected = digest(expected, values)
+                if stored != expected:
+                    first_bad[key] = seq
+                expected = stored if isinstance(stored, str) else expected
+            names = _run_names(conn) if first_bad else {}
+            problems += [
+                _break_line(_name(names, key), seq, origin(key, migrated_to))
+                for key, seq in first_bad.items()
+            ]
     except sqlite3.Error as exc:  # a damaged table: the integrity check names it
         return [f"digest: the digests could not be verified ({exc})"]
     return problems
+
+
+def _break_line(run: str, seq: Any, said: str) -> str:
+    return (
+        f"digest: run {run} at seq {seq}: the transition does not match its digest"
+        " (changed since it was written)" + said
+    )
+
+
+def verifier(
+    conn: sqlite3.Connection, chains: list[tuple[str, str]]
+) -> Callable[[Sequence[str], Sequence[Sequence[Any]]], None]:
+    """:func:`row_breaks` into ``chains``, given the journal's migration (``_range_reads``)."""
+    return functools.partial(row_breaks, chains, migrated(conn))
+
+
+def row_breaks(
+    chains: list[tuple[str, str]],
+    migrated_to: tuple[str, int] | None,
+    names: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+) -> None:
+    """Verify the hash chains of transitions as a check reads them (all their columns).
+
+    ``rows``: by run key then seq, each with the columns ``names`` (text as stored: a text
+    column that is not UTF-8 fails the read, as a missing column does here: the check then
+    reads run by run, and verifies the chains in its medium's checks). Each run
+    whose chain breaks is added to ``chains`` as (its id, the line :func:`chain_problems`
+    gives). ~1 us a transition: the digest of values of the types a step writes.
+    """
+    if "digest" not in names:
+        return  # a journal without digests (one migrated only as far as it is read)
+    at = {name: index for index, name in enumerate(names)}
+    missing = {*TRANSITION_DIGEST_COLUMNS, "run_key"} - at.keys()
+    if missing:  # a damaged table: the check reads it run by run (the medium says why)
+        raise JournalError(f"transitions has no column {', '.join(sorted(missing))}")
+    pick = operator.itemgetter(*[at[column] for column in TRANSITION_DIGEST_COLUMNS])
+    key_at, seq_at, run_at, digest_at = at["run_key"], at["seq"], at["run_id"], at["digest"]
+    last_key: Any = None
+    previous: str | None = None
+    broken = False
+    for row in rows:
+        key = row[key_at]
+        if key != last_key:
+            last_key, previous, broken = key, None, False
+        elif broken:
+            continue
+        stored = row[digest_at]
+        expected = step_digest(previous, *pick(row))
+        if stored != expected:
+            broken = True
+            run = _shown_id(row[run_at])
+            chains.append(
+                (str(row[run_at]), _break_line(run, row[seq_at], origin(key, migrated_to)))
+            )
+        previous = stored if isinstance(stored, str) else expected
 
 
 def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None) -> list[str]:
@@ -383,7 +451,7 @@ def _run_names(conn: sqlite3.Connection) -> dict[int, str]:
     return dict(conn.execute("SELECT run_key, run_id FROM run_rows"))
 
 
-def _migrated(conn: sqlite3.Connection) -> tuple[str, int] | None:
+def migrated(conn: sqlite3.Connection) -> tuple[str, int] | None:
     """When a migration computed the digests of the runs it found, and up to which run key."""
     found = dict(
         conn.execute("SELECT key, value FROM meta WHERE key IN (?, ?)", (MIGRATED, MIGRATED_KEYS))

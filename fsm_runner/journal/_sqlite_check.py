@@ -391,7 +391,7 @@ def is_search_index(conn: sqlite3.Connection, name: str) -> bool:
     return row is not None and row[0] == search_index_sql(key)
 
 
-def integrity_problems(conn: sqlite3.Connection) -> list[str]:
+def integrity_problems(conn: sqlite3.Connection, *, chains: bool = True) -> list[str]:
     """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem.
 
     Then the schema objects that differ from the schema version's (:func:`schema_problems`).
@@ -401,6 +401,7 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     a hand edit makes one: the fence trigger refuses such an insert): reads go by ``run_key``,
     so such a row would show in another run's history; and signals likewise (another run's
     mailbox). A signal of no run is a dangling row, as ``foreign_key_check`` reports it.
+    ``chains=False``: all but the runs' hash chains (verified as a check reads each run).
     """
     schema = schema_problems(conn)
     problems = [
@@ -459,7 +460,7 @@ def integrity_problems(conn: sqlite3.Connection) -> list[str]:
     # Schema 11: every run's hash chain and every row's own digest (a journal migrated only
     # as far as it is read by a newer fsm_runner has no digests to verify).
     if _has_digests(conn):
-        problems += chain_problems(conn)
+        problems += chain_problems(conn, transitions=chains)
     return problems
 
 

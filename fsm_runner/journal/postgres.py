@@ -87,8 +87,9 @@ from fsm_runner.journal._postgres_writes import (
     PostgresWriter,
     utc,
 )
+from fsm_runner.journal._range_reads import RunRead, read_runs
 from fsm_runner.journal._search_indexes import PostgresSearchIndexes
-from fsm_runner.journal._sql import RunRead, SqlCore, SqlDialect, bind_hot_path
+from fsm_runner.journal._sql import SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal.base import (
     Commit,
     Durability,
@@ -637,7 +638,7 @@ class PostgresJournal:
             return self.transitions(run_id, from_seq=start, to_seq=end)
 
         columns = ", ".join(TRANSITION_COLUMNS)
-        return self._core.read_runs("run_id", columns, first, last, since=since, more=more)
+        return read_runs(self._core, "run_id", columns, first, last, since=since, more=more)
 
     def opener(self) -> Callable[[], PostgresJournal]:
         """Opens this journal again, only to read it (picklable: for another process)."""

@@ -26,10 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
-from fsm_runner.journal import _lease, _sqlite_check, _sqlite_claims, _sqlite_prune
+from fsm_runner.journal import (
+    _lease,
+    _sqlite_chain,
+    _sqlite_check,
+    _sqlite_claims,
+    _sqlite_prune,
+)
 from fsm_runner.journal._head import check_stored_id
+from fsm_runner.journal._range_reads import RunRead, read_runs
 from fsm_runner.journal._search_indexes import SqliteSearchIndexes
-from fsm_runner.journal._sql import _IDS_A_STATEMENT, RunRead, SqlCore, SqlDialect, bind_hot_path
+from fsm_runner.journal._sql import _IDS_A_STATEMENT, SqlCore, SqlDialect, bind_hot_path
 from fsm_runner.journal._sqlite_check import APPLICATION_ID, SCHEMA_VERSION
 from fsm_runner.journal._sqlite_connections import TUNING, SqliteConnections
 from fsm_runner.journal._sqlite_heads import SqliteHeads
@@ -145,6 +152,9 @@ class SqliteJournal:
             make it misread or miswrite (see :meth:`schema_problems`).
         SchemaVersionError: the journal was written by a newer fsm_runner.
     """
+
+    #: :meth:`read_runs` verifies the hash chains (``check``: not :meth:`integrity_problems`).
+    RANGES_VERIFY_CHAINS = True
 
     def __init__(
         self,
@@ -314,14 +324,23 @@ class SqliteJournal:
         return self._core.check_keys("run_key", since=since)
 
     def read_runs(
-        self, first: int, last: int, *, since: dt.datetime | None = None
+        self,
+        first: int,
+        last: int,
+        *,
+        since: dt.datetime | None = None,
+        chains: list[tuple[str, str]] | None = None,
     ) -> list[RunRead]:
-        """The runs with ``first <= run_key <= last``, each read whole (``SqlCore.read_runs``)."""
+        """The runs with ``first <= run_key <= last``, read whole; ``chains``: ``row_breaks``."""
 
         def more(run_id: str, start: int, end: int) -> list[TransitionRecord]:
             return self.transitions(run_id, from_seq=start, to_seq=end)
 
-        return self._core.read_runs("run_key", "*", first, last, since=since, more=more)
+        with self._connections.read(damaged=True) as conn:
+            rows_read = None if chains is None else _sqlite_chain.verifier(conn, chains)
+        return read_runs(
+            self._core, "run_key", "*", first, last, since=since, more=more, rows_read=rows_read
+        )
 
     def scan_cache(self, kib: int) -> None:
         """Give this journal's connection a page cache of ``kib`` KiB (for a long scan)."""
@@ -533,15 +552,15 @@ class SqliteJournal:
         with self._connections.read(damaged=True) as conn:
             return _sqlite_check.schema_problems(conn)
 
-    def integrity_problems(self) -> list[str]:
+    def integrity_problems(self, *, chains: bool = True) -> list[str]:
         """SQLite's ``integrity_check`` and ``foreign_key_check``, one line per problem.
 
         Then the schema objects that differ from the schema version's
-        (:meth:`schema_problems`), and transitions filed under another run's ``run_key`` (see
-        :func:`fsm_runner.journal._sqlite_check.integrity_problems`).
+        (:meth:`schema_problems`), transitions filed under another run's ``run_key``, the
+        digests, and the runs' hash chains unless ``chains=False`` (:meth:`read_runs`'s).
         """
         with self._connections.read(damaged=True) as conn:
-            return _sqlite_check.integrity_problems(conn)
+            return _sqlite_check.integrity_problems(conn, chains=chains)
 
     def meta(self) -> Mapping[str, str]:
         """The journal's ``meta`` table (schema version, format)."""
