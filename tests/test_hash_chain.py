@@ -268,7 +268,10 @@ class TestSqliteChain:
         with SqliteJournal(path) as journal:
             medium = journal.integrity_problems()
             chains = [line for line in medium if " at seq " in line]
-            assert [line.split(":")[1] for line in chains] == [" run r1 at seq 1", " run r3 at seq 1"]
+            assert [line.split(":")[1] for line in chains] == [
+                " run r1 at seq 1",
+                " run r3 at seq 1",
+            ]
             assert medium[-2:] == chains  # the chains come last
             assert journal.integrity_problems(chains=False) == medium[:-2]
             for jobs, chunk in ((1, 10**6), (2, 1), (2, 3)):
