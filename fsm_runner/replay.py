@@ -61,7 +61,7 @@ from fsm_runner.rules.classify import (
     classify_start,
     output_text,
 )
-from fsm_runner.rules.reducer import advance, begin
+from fsm_runner.rules.reducer import advance, begin_fields
 from fsm_runner.spec import MachineSpec, RunLifecycle
 
 __all__ = [
@@ -694,8 +694,13 @@ class _Walker:
 
     def start(self, transition: TransitionRecord) -> RunRecord:
         self.problems(transition.seq, classify_start(self.spec, transition).problems)
-        base = attrs.evolve(self.run, spec_hash=self.spec_hash, lease_token=transition.lease_token)
-        row = self.own(begin(self.spec, base, transition), transition)
+        run = self.run  # ``begin`` of the run under its first spec and the seq-0 token: no copy
+        begun = begin_fields(
+            self.spec, transition, run.run_id, run.machine, self.spec_hash, run.input,
+            run.created_at, run.parent_run_id, run.lease_owner, run.lease_expires_at,
+            transition.lease_token, run.forked_from, run.abort_reason, run.recoveries,
+        )  # fmt: skip
+        row = self.own(begun, transition)
         self.check_counts(transition, attempt=1, iteration=row.iteration)
         return row
 

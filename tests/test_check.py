@@ -178,13 +178,24 @@ class TestBulkReads:
 
     def test_the_same_records_and_errors(self, sql_journal):
         journal = sql_journal
-        runs_a, runs_b = make_runs(journal, a=6, b=2)
+        runs_a, runs_b = make_runs(journal, a=10, b=2)
+        lease = "UPDATE RUNS SET lease_owner = 'w1', lease_expires_at = %s WHERE run_id = %s"
         damage(
             journal,
             ("UPDATE transitions SET result = '{bad' WHERE run_id = %s AND seq = 1", (runs_a[1],)),
             ("UPDATE transitions SET result = '[1]' WHERE run_id = %s AND seq = 1", (runs_a[2],)),
             ("UPDATE transitions SET iteration = NULL WHERE run_id = %s", (runs_a[3],)),
             ("UPDATE RUNS SET status = 'bogus' WHERE run_id = %s", (runs_b[0],)),
+            # a run row's other shapes: each read in bulk as it is read alone
+            (lease, ("2031-02-03T04:05:06.789012+00:00", runs_a[4])),
+            (
+                "UPDATE RUNS SET error = %s WHERE run_id = %s",
+                ('{"type": "E", "n": [1]}', runs_a[5]),
+            ),
+            ("UPDATE RUNS SET context = '[1]' WHERE run_id = %s", (runs_a[6],)),
+            ("UPDATE RUNS SET error = '\"text\"' WHERE run_id = %s", (runs_a[7],)),
+            ("UPDATE RUNS SET input = NULL, parent_run_id = 'p' WHERE run_id = %s", (runs_a[8],)),
+            ("UPDATE RUNS SET input = '[1, {\"a\": null}]' WHERE run_id = %s", (runs_a[9],)),
         )
         keys = journal.check_keys()
         reads = dict(journal.read_runs(keys[0], keys[-1]))
@@ -197,7 +208,18 @@ class TestBulkReads:
                 assert (type(read), str(read)) == (type(alone), str(alone))
             else:
                 assert read == alone, run_id
-        assert errors >= 2  # the unreadable JSON and the unknown status, at least
+        assert errors >= 3  # the unreadable JSON, the unknown status, a context not an object
+        if isinstance(journal, SqliteJournal):  # its rows are text: built without the converter
+            from fsm_runner.journal._range_reads import _typed_run
+
+            names, rows = journal._core._select("SELECT * FROM runs", [])
+            build = _typed_run(names)
+            built = {row[names.index("run_id")]: build(row) for row in rows}
+            for run_id in (runs_a[0], runs_a[4], runs_a[5]):  # plain, leased, with an error
+                assert built[run_id] == journal.load(run_id), run_id
+            assert built[runs_a[4]].lease_expires_at.microsecond == 789012
+            assert built[runs_b[0]] is None  # a status it does not know: the converter's
+            assert built[runs_a[6]] is None  # a context not an object: the converter's
 
 
 def read_alone(journal, run_id):

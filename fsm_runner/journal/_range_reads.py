@@ -13,10 +13,13 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from fsm_runner.exceptions import FsmRunnerError, RunNotFoundError
 from fsm_runner.journal import _rows
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.records import RunRecord, TransitionRecord, parse_utc, positional_builder
+from fsm_runner.spec import RunLifecycle
 
 __all__ = ["RunRead", "read_runs"]
 
@@ -62,6 +65,7 @@ def read_runs(
         rows_read(transition_names, transition_rows)
     at = list(transition_names).index(key)
     fast = _typed_transitions(transition_names)
+    fast_run = _typed_run(run_names)
     grouped: dict[Any, list[Sequence[Any]]] = {}
     for row in transition_rows:
         grouped.setdefault(row[at], []).append(row)
@@ -74,7 +78,9 @@ def read_runs(
             timeline = fast(rows) if fast is not None else None
             if timeline is None:
                 timeline = core.transition_records(transition_names, rows)
-            run = core.decode_run(data)
+            run = fast_run(row) if fast_run is not None else None
+            if run is None:
+                run = core.decode_run(data)
             last = timeline[-1].seq if timeline else -1
             if run.seq > last:
                 timeline += more(run_id, last + 1, run.seq)
@@ -139,5 +145,66 @@ def _typed_transitions(
             fields = (run_id, seq, from_state, event, to_state, iteration, attempt, when, ms)
             records.append(_new_transition(*fields, result, token))
         return records
+
+    return build
+
+
+_RUN_FIELDS = tuple(field.name for field in attrs.fields(RunRecord))
+_new_run = positional_builder(RunRecord)
+
+
+def _typed_run(names: Sequence[str]) -> Callable[[Sequence[Any]], RunRecord | None] | None:
+    """Builds a run from a row whose values have their fields' own types, or ``None``.
+
+    As :func:`_typed_transitions` does for transitions: what the converter would give a row of
+    plain text, integers and JSON objects (its hooks: ``parse_utc``, the status by value),
+    built directly. Anything else (a ``NULL`` taking a default, a value of another type, JSON
+    that does not parse or is not an object where one is due, an unknown status) gives
+    ``None``: that row then goes through the converter, which decodes it or names what is
+    wrong exactly as before.
+    """
+    try:
+        pick = operator.itemgetter(*[list(names).index(name) for name in _RUN_FIELDS])
+    except ValueError:
+        return None  # a journal without one of the columns: the converter's defaults apply
+
+    def build(row: Sequence[Any]) -> RunRecord | None:
+        values = list(pick(row))
+        (run_id, machine, spec_hash, state, status, seq, iteration, attempt, given, context,
+         error, created_at, updated_at, *rest) = values  # fmt: skip
+        expires = rest[4]  # after parent_run_id, forked_from, abort_reason, lease_owner
+        if not (
+            type(run_id) is str
+            and type(machine) is str
+            and type(spec_hash) is str
+            and type(state) is str
+            and type(status) is str
+            and type(seq) is int
+            and type(iteration) is int
+            and type(attempt) is int
+            and (given is None or type(given) is str)  # NULL: the default, None
+            and type(context) is str
+            and (error is None or type(error) is str)
+            and type(created_at) is str
+            and type(updated_at) is str
+            and all(value is None or type(value) is str for value in rest[:4])
+            and (expires is None or type(expires) is str)
+            and type(rest[5]) is int  # lease_token
+            and (rest[6] is None or type(rest[6]) is str)  # return_to
+            and all(type(value) is int for value in rest[7:])  # attempts, visits, recoveries
+        ):
+            return None
+        try:
+            values[4] = RunLifecycle(status)
+            values[8] = None if given is None else json.loads(given)
+            values[9] = json.loads(context)
+            values[10] = None if error is None else json.loads(error)
+            values[11], values[12] = parse_utc(created_at), parse_utc(updated_at)
+            values[17] = None if expires is None else parse_utc(expires)
+        except (ValueError, RecursionError, OverflowError):  # the converter's path says why
+            return None
+        if type(values[9]) is not dict or not (values[10] is None or type(values[10]) is dict):
+            return None
+        return _new_run(*values)
 
     return build
