@@ -225,9 +225,8 @@ def medium_checks(
     options = {} if chains else {"chains": False}
     opener = getattr(journal, "opener", None)  # the method giving a journal's opener
     if not beside_pool or not callable(opener) or journal.location == ":memory:":
-        found = [
-            str(problem) for problem in integrity(**options)
-        ]  # first, as a check in one process
+        # first, as a check in one process
+        found = [str(problem) for problem in integrity(**options)]
         return lambda: found
 
     import concurrent.futures  # noqa: PLC0415 - only a parallel check needs them

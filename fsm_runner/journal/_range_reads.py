@@ -69,18 +69,18 @@ def read_runs(
     grouped: dict[Any, list[Sequence[Any]]] = {}
     for row in transition_rows:
         grouped.setdefault(row[at], []).append(row)
+    run_at, key_at = list(run_names).index("run_id"), list(run_names).index(key)
     reads: list[RunRead] = []
     for row in run_rows:
-        data = dict(zip(run_names, row, strict=True))
-        run_id = str(data["run_id"])
+        run_id = str(row[run_at])
         try:
-            rows = grouped.get(data[key], [])
+            rows = grouped.get(row[key_at], [])
             timeline = fast(rows) if fast is not None else None
             if timeline is None:
                 timeline = core.transition_records(transition_names, rows)
             run = fast_run(row) if fast_run is not None else None
-            if run is None:
-                run = core.decode_run(data)
+            if run is None:  # by column, through the converter
+                run = core.decode_run(dict(zip(run_names, row, strict=True)))
             last = timeline[-1].seq if timeline else -1
             if run.seq > last:
                 timeline += more(run_id, last + 1, run.seq)
