@@ -60,8 +60,9 @@ from fsm_runner.rules.classify import (
     classify,
     classify_start,
     output_text,
+    plain_reads,
 )
-from fsm_runner.rules.reducer import advance, begin_fields
+from fsm_runner.rules.reducer import ACTIVE, advance, advance_read, begin_fields
 from fsm_runner.spec import MachineSpec, RunLifecycle
 
 __all__ = [
@@ -634,7 +635,8 @@ class _Walker:
 
     def use(self, spec: MachineSpec) -> None:
         self.spec = spec  # its states looked up by name: a dict of its leaves per run would
-        # cost the spec's size for each run a check replays
+        # cost the spec's size for each run a check replays (plain_reads: once a spec)
+        self.plain = plain_reads(spec)
 
     def first_spec(self, timeline: Sequence[TransitionRecord]) -> None:
         """Start from the spec the run started with, if it changed spec on the way."""
@@ -706,6 +708,17 @@ class _Walker:
 
     def follow(self, prev: RunRecord, transition: TransitionRecord) -> tuple[RunRecord, StepKind]:
         seq, dest = transition.seq, transition.to_state
+        entry = self.plain.get((prev.state, transition.event, dest))
+        if (  # a plain spec step, as classify and advance read it (the general path's result)
+            entry is not None
+            and transition.from_state == prev.state
+            and prev.status is ACTIVE
+            and transition.lease_token >= prev.lease_token
+            and not transition.result
+        ):
+            row = self.own(advance_read(prev, transition, *entry), transition)
+            self.check_counts(transition, attempt=prev.attempt, iteration=row.iteration)
+            return row, "transition"
         if prev.ended:
             self.problem(
                 seq,

@@ -7,6 +7,7 @@ import hashlib
 import json
 import sqlite3
 from collections import deque
+from unittest import mock
 
 import attrs
 import pytest
@@ -29,6 +30,7 @@ from fsm_runner import (
     State,
     Transition,
 )
+from fsm_runner import replay as replay_module
 from fsm_runner.exceptions import JournalError, ReplayMismatchError, SpecError
 from fsm_runner.presets.agent_loop import agent_loop_engine
 from fsm_runner.presets.subphases import SUBPHASE_NAMES, SUBPHASES
@@ -781,6 +783,112 @@ class TestRandomWalks:
         with throwaway_journal("sqlite", sqlite_dir=str(tmp_path)) as journal:
             run_id, held = walk_run(journal, actions)
             assert_replays(journal, run_id, held)
+
+
+#: Changes made to one transition of a walked run, to meet the plain path's conditions one by one.
+DAMAGES = {
+    "token back": lambda t: attrs.evolve(t, lease_token=0),
+    "no source": lambda t: attrs.evolve(t, from_state=None),
+    "another source": lambda t: attrs.evolve(t, from_state="checking"),
+    "another destination": lambda t: attrs.evolve(t, to_state="working"),
+    "a terminal destination": lambda t: attrs.evolve(t, to_state="done"),
+    "an unknown destination": lambda t: attrs.evolve(t, to_state="nowhere"),
+    "another event": lambda t: attrs.evolve(t, event="PASS"),
+    "an engine event": lambda t: attrs.evolve(t, event=RETRIED),
+    "a result": lambda t: attrs.evolve(t, result={"context": {"n": -1}}),
+    "an empty result": lambda t: attrs.evolve(t, result={}),
+    "a list for a result": lambda t: attrs.evolve(t, result=[1]),
+    "an attempt": lambda t: attrs.evolve(t, attempt=t.attempt + 1),
+    "an iteration": lambda t: attrs.evolve(t, iteration=t.iteration + 1),
+    "a seq": lambda t: attrs.evolve(t, seq=t.seq + 1),
+}
+
+
+def read_both_ways(spec, run, timeline, specs):
+    """verify()'s problems and the steps replay() gives, with and without the plain path."""
+
+    def read():
+        problems = [named(p) for p in verify(spec, run, timeline, specs=specs)]
+        try:
+            steps = [(s.run, s.kind) for s in replay(spec, run, timeline, specs=specs).steps]
+        except ReplayMismatchError as exc:
+            steps = [named(exc)]
+        return problems, steps
+
+    plain = read()
+    with mock.patch.object(replay_module, "plain_reads", return_value={}):
+        general = read()
+    return plain, general
+
+
+class TestPlainReads:
+    """Replay's plain path (a spec step with no result) derives what classify and advance do."""
+
+    @settings(max_examples=50, deadline=None)
+    @given(
+        actions=ACTIONS,
+        damages=st.lists(
+            st.tuples(st.integers(0, 80), st.sampled_from(sorted(DAMAGES))), max_size=3
+        ),
+        ended=st.booleans(),
+    )
+    def test_the_same_rows_and_problems_either_way(self, actions, damages, ended):
+        with throwaway_journal("memory") as journal:
+            run_id, _held = walk_run(journal, actions)
+            run = journal.load(run_id)
+            specs = journal_specs(journal)
+            timeline = journal.transitions(run_id)
+            for index, damage in damages:
+                at = 1 + index % max(1, len(timeline) - 1)
+                if at < len(timeline):
+                    timeline[at] = DAMAGES[damage](timeline[at])
+            if ended and timeline:  # a transition after the run's last one
+                timeline.append(attrs.evolve(timeline[-1], seq=timeline[-1].seq + 1))
+            plain, general = read_both_ways(specs(run.spec_hash), run, timeline, specs)
+        assert plain == general
+
+    @pytest.mark.parametrize("damage", sorted(DAMAGES))
+    def test_each_condition_of_a_plain_step(self, damage):
+        """Each damage at each plain step of a run: both ways read it alike."""
+        with throwaway_journal("memory") as journal:
+            run_id, _held = walk_run(journal, [("event", 4, False)] * 4)  # seqs 1-4 plain
+            run = journal.load(run_id)
+            specs = journal_specs(journal)
+            for at in range(1, 5):
+                timeline = journal.transitions(run_id)
+                timeline[at] = DAMAGES[damage](timeline[at])
+                plain, general = read_both_ways(specs(run.spec_hash), run, timeline, specs)
+                assert plain == general, at
+
+    def test_a_plain_step_after_a_stop_in_place(self):
+        """A run aborted where it stands (its state has edges) takes no plain step after."""
+        with throwaway_journal("memory") as journal:
+            run_id, _held = walk_run(journal, [("event", 1, False), ("abort", 0, False)])
+            run = journal.load(run_id)
+            assert (run.state, run.status) == ("recovering", RunLifecycle.ABORTED)
+            specs = journal_specs(journal)
+            timeline = journal.transitions(run_id)
+            last = timeline[-1]
+            timeline.append(
+                attrs.evolve(
+                    last, seq=last.seq + 1, event="GIVE_UP", to_state="failed", result=None
+                )
+            )
+            plain, general = read_both_ways(specs(run.spec_hash), run, timeline, specs)
+        assert plain == general
+        assert "no transition after the run ended" in plain[0][0][1]
+
+    def test_it_is_taken(self):
+        """The walks above do go through it: a plain step is read without classify()."""
+        with throwaway_journal("memory") as journal:
+            run_id, _held = walk_run(journal, [("event", 4, False)] * 4)  # no outputs
+            run = journal.load(run_id)
+            specs = journal_specs(journal)
+            timeline = journal.transitions(run_id)
+            assert [t.result for t in timeline[1:5]] == [None] * 4
+            with mock.patch.object(replay_module, "classify", side_effect=AssertionError):
+                steps = replay(specs(run.spec_hash), run, timeline, to_seq=4, specs=specs).steps
+            assert [step.kind for step in steps[1:]] == ["transition"] * 4
 
 
 # -- tampered journals -----------------------------------------------------------------------

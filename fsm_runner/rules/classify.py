@@ -46,7 +46,7 @@ from fsm_runner.events import (
     WOKEN,
 )
 from fsm_runner.records import RunRecord, TransitionRecord
-from fsm_runner.spec import RETURN, MachineSpec, State
+from fsm_runner.spec import RETURN, MachineSpec, RunLifecycle, State
 
 __all__ = [
     "Problem",
@@ -57,6 +57,7 @@ __all__ = [
     "classify_start",
     "leaf",
     "output_text",
+    "plain_reads",
     "retries_left",
 ]
 
@@ -113,6 +114,49 @@ def leaf(spec: MachineSpec, name: str) -> State | None:
         return None
     state = spec.state(name)
     return None if state.composite else state
+
+
+#: The engine's own events: never read by the spec's edges alone (see :func:`_engine_kind`).
+_ENGINE_EVENTS = frozenset(
+    {RETRIED, INTERRUPTED, USER_ABORTED, SPEC_CHANGED, WAITING, WOKEN, DEAD_LETTERED, REWOUND}
+)
+#: How a plain read enters its destination: the run's status there, whether it starts an
+#: iteration, whether it has a RETURN exit.
+PlainEntry = tuple[RunLifecycle, bool, bool]
+#: :func:`plain_reads` of the specs read lately, by identity (a spec's table, not its value).
+_PLAIN_READS: dict[int, tuple[MachineSpec, dict[tuple[str, str, str], PlainEntry]]] = {}
+_PLAIN_READS_KEPT = 64
+
+
+def plain_reads(spec: MachineSpec) -> Mapping[tuple[str, str, str], PlainEntry]:
+    """The transitions read as a spec ``transition`` by their state, event and destination alone.
+
+    (state, event, destination) -> how the destination, a leaf, is entered: for a spec edge of
+    an event that is not the engine's, whose candidates hold no RETURN (:func:`classify` reads
+    any such transition to one of its candidates' destinations as a ``transition``, and finds
+    no problem in it but a lease token going back). Built once a spec: a check reads every run
+    through it (:mod:`fsm_runner.replay`).
+    """
+    kept = _PLAIN_READS.get(id(spec))
+    if kept is not None and kept[0] is spec:
+        return kept[1]
+    table: dict[tuple[str, str, str], PlainEntry] = {}
+    returning = spec.returning_states
+    for (state, event), candidates in spec.edges.items():
+        if event in _ENGINE_EVENTS or any(c.dest == RETURN for c in candidates):
+            continue
+        for candidate in candidates:
+            entered = leaf(spec, candidate.dest)
+            if entered is not None:
+                table[state, event, candidate.dest] = (
+                    entered.final_outcome,
+                    entered.starts_iteration,
+                    candidate.dest in returning,
+                )
+    if len(_PLAIN_READS) >= _PLAIN_READS_KEPT:
+        _PLAIN_READS.clear()  # a race only costs a table built again
+    _PLAIN_READS[id(spec)] = (spec, table)
+    return table
 
 
 def abort_stops(spec: MachineSpec, state: str) -> bool:

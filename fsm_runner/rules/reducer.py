@@ -41,6 +41,7 @@ __all__ = [
     "abort_records",
     "advance",
     "advance_plain",
+    "advance_read",
     "artifact_rows",
     "begin",
     "begin_fields",
@@ -211,6 +212,56 @@ def advance(
         return_attempt,
         visit_seq,
         return_visit,
+        run.recoveries,
+    )
+
+
+def advance_read(
+    run: RunRecord,
+    transition: TransitionRecord,
+    status: RunLifecycle,
+    starts_iteration: bool,
+    returning: bool,
+) -> RunRecord:
+    """:func:`advance` of a ``transition`` read from a journal as a plain spec step.
+
+    A replay's hot path: ``transition`` has no result and follows a spec edge into a leaf
+    (:func:`~fsm_runner.rules.classify.plain_reads`, which gives ``status``, whether the leaf
+    starts an iteration and whether it has a RETURN exit); the row is the one :func:`advance`
+    derives for it as a ``transition``, without looking the leaf up again.
+    """
+    dest, seq = transition.to_state, transition.seq
+    if dest == run.state:  # as _visit: a self transition keeps where to return to
+        back = run.return_to, run.return_attempt, run.return_visit
+    elif returning:  # remember where to come back to
+        back = run.state, run.attempt, run.visit_seq
+    else:
+        back = None, 0, 0
+    held = status is ACTIVE
+    return _new_run(
+        run.run_id,
+        run.machine,
+        run.spec_hash,
+        dest,
+        status,
+        seq,
+        run.iteration + starts_iteration,
+        1,
+        run.input,
+        run.context,
+        None,
+        run.created_at,
+        transition.at,
+        run.parent_run_id,
+        run.forked_from,
+        run.abort_reason,
+        run.lease_owner if held else None,
+        run.lease_expires_at if held else None,
+        transition.lease_token,
+        back[0],
+        back[1],
+        seq,
+        back[2],
         run.recoveries,
     )
 
