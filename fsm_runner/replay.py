@@ -32,7 +32,7 @@ taken from the run given.
 from __future__ import annotations
 
 import datetime as dt
-import json
+import operator
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -43,7 +43,7 @@ from fsm_runner import run_ids as _run_ids
 from fsm_runner._check_pool import Found as _Found
 from fsm_runner._check_pool import Problem as _Problem
 from fsm_runner._check_pool import check_ranges, medium_checks, report_lines
-from fsm_runner._convert import format_utc
+from fsm_runner._mismatch import shown_fields
 from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
     FsmRunnerError,
@@ -63,7 +63,7 @@ from fsm_runner.rules.classify import (
     plain_reads,
 )
 from fsm_runner.rules.reducer import ACTIVE, advance, advance_read, begin_fields
-from fsm_runner.spec import MachineSpec, RunLifecycle
+from fsm_runner.spec import MachineSpec
 
 __all__ = [
     "CHECK_CHUNK",
@@ -89,10 +89,8 @@ _DERIVED = (
     "seq", "state", "status", "iteration", "attempt", "visit_seq", "return_to",
     "return_attempt", "return_visit", "context", "error", "updated_at",
 )  # fmt: skip
-_SHOWN_CHARS = 160
-_SHOWN_KEYS = 4
-_ABSENT = object()
 
+_derived = operator.attrgetter(*_DERIVED)
 _Report = Callable[[ReplayMismatchError], None]
 
 
@@ -572,47 +570,6 @@ def _raise(error: ReplayMismatchError) -> None:
     raise error
 
 
-def _shown(name: str, expected: Any, found: Any) -> tuple[str, str]:
-    """How a compared row field is named in a mismatch: only what differs, briefly."""
-    if isinstance(expected, Mapping) and isinstance(found, Mapping):
-        keys = sorted(
-            (
-                key
-                for key in {*expected, *found}
-                if expected.get(key, _ABSENT) != found.get(key, _ABSENT)
-            ),
-            key=str,
-        )
-        if keys and len(keys) <= _SHOWN_KEYS:
-            return (
-                ", ".join(_entry(name, key, expected) for key in keys),
-                ", ".join(_entry(name, key, found) for key in keys),
-            )
-    return _show(name, expected), _show(name, found)
-
-
-def _entry(name: str, key: Any, mapping: Mapping[Any, Any]) -> str:
-    value = mapping.get(key, _ABSENT)
-    return f"{name}[{key!r}] " + ("absent" if value is _ABSENT else _json(value))
-
-
-def _json(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 1] + "…"
-
-
-def _show(name: str, value: Any) -> str:
-    if value is None:
-        return f"{name} None"
-    if name in ("context", "error"):
-        return f"{name} {_json(value)}"
-    if name == "updated_at":
-        return f"{name} {format_utc(value)}"
-    if isinstance(value, RunLifecycle):
-        return f"{name} {value.value!r}"
-    return f"{name} {value!r}"
-
-
 class _Walker:
     """Walks one run's transitions, checking each and deriving its row with the reducer."""
 
@@ -689,10 +646,12 @@ class _Walker:
         if row is None:
             self.problem(0, "transition seq 0 (STARTED)", "no transitions")
             return
+        if _derived(row) == _derived(self.run):
+            return
         for name in _DERIVED:
             expected, found = getattr(row, name), getattr(self.run, name)
             if expected != found:
-                self.problem(row.seq, *_shown(name, expected, found))
+                self.problem(row.seq, *shown_fields(name, expected, found))
 
     def start(self, transition: TransitionRecord) -> RunRecord:
         self.problems(transition.seq, classify_start(self.spec, transition).problems)
@@ -716,8 +675,19 @@ class _Walker:
             and transition.lease_token >= prev.lease_token
             and not transition.result
         ):
-            row = self.own(advance_read(prev, transition, *entry), transition)
-            self.check_counts(transition, attempt=prev.attempt, iteration=row.iteration)
+            run, (status, starts, returning) = self.run, entry
+            if seq == run.seq:  # what own() gives: the run row's own at its last seq
+                row = advance_read(
+                    prev, transition, status, starts, returning, run.spec_hash,
+                    run.abort_reason, run.lease_owner, run.lease_expires_at, run.lease_token,
+                )  # fmt: skip
+            else:
+                row = advance_read(
+                    prev, transition, status, starts, returning, self.spec_hash, None, None,
+                    None, transition.lease_token,
+                )  # fmt: skip
+            if transition.attempt != prev.attempt or transition.iteration != row.iteration:
+                self.check_counts(transition, attempt=prev.attempt, iteration=row.iteration)
             return row, "transition"
         if prev.ended:
             self.problem(

@@ -26,6 +26,8 @@ __all__ = ["RunRead", "read_runs"]
 #: A run as ``read_runs`` gives it: its id, and its transitions and row or why they cannot be read.
 RunRead = tuple[str, "tuple[list[TransitionRecord], RunRecord] | FsmRunnerError"]
 _new_transition = positional_builder(TransitionRecord)
+_UTC = dt.timezone.utc
+fromisoformat = dt.datetime.fromisoformat
 
 
 def read_runs(
@@ -138,10 +140,12 @@ def _typed_transitions(
                     return None
                 if type(result) is not dict:
                     return None
-            try:
-                when = parse_utc(at)
+            try:  # parse_utc, its common case inlined (a call less a transition)
+                when = fromisoformat(at) if isinstance(at, str) else at
             except ValueError:
                 return None
+            if when.tzinfo is not _UTC:
+                when = parse_utc(when)
             fields = (run_id, seq, from_state, event, to_state, iteration, attempt, when, ms)
             records.append(_new_transition(*fields, result, token))
         return records

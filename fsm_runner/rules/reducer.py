@@ -216,19 +216,26 @@ def advance(
     )
 
 
-def advance_read(
+def advance_read(  # noqa: PLR0917 - positional on purpose: a replay's hot path
     run: RunRecord,
     transition: TransitionRecord,
     status: RunLifecycle,
     starts_iteration: bool,
     returning: bool,
+    spec_hash: str,
+    abort_reason: str | None,
+    lease_owner: str | None,
+    lease_expires_at: dt.datetime | None,
+    lease_token: int,
 ) -> RunRecord:
     """:func:`advance` of a ``transition`` read from a journal as a plain spec step.
 
     A replay's hot path: ``transition`` has no result and follows a spec edge into a leaf
-    (:func:`~fsm_runner.rules.classify.plain_reads`, which gives ``status``, whether the leaf
-    starts an iteration and whether it has a RETURN exit); the row is the one :func:`advance`
-    derives for it as a ``transition``, without looking the leaf up again.
+    (:func:`~fsm_runner.rules.classify.plain_reads` gives ``status``, whether the leaf starts an
+    iteration and whether it has a RETURN exit); the row is the one :func:`advance` derives for
+    it as a ``transition``, but for what the transitions do not say, which the caller gives
+    (replay: the run row's at its last seq, else the spec it was under and no abort request or
+    lease holder), so no second row is built to carry them.
     """
     dest, seq = transition.to_state, transition.seq
     if dest == run.state:  # as _visit: a self transition keeps where to return to
@@ -237,11 +244,10 @@ def advance_read(
         back = run.state, run.attempt, run.visit_seq
     else:
         back = None, 0, 0
-    held = status is ACTIVE
     return _new_run(
         run.run_id,
         run.machine,
-        run.spec_hash,
+        spec_hash,
         dest,
         status,
         seq,
@@ -254,10 +260,10 @@ def advance_read(
         transition.at,
         run.parent_run_id,
         run.forked_from,
-        run.abort_reason,
-        run.lease_owner if held else None,
-        run.lease_expires_at if held else None,
-        transition.lease_token,
+        abort_reason,
+        lease_owner,
+        lease_expires_at,
+        lease_token,
         back[0],
         back[1],
         seq,
