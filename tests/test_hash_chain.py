@@ -28,7 +28,13 @@ from fsm_runner import (
     TransitionRecord,
 )
 from fsm_runner.cli import cli
-from fsm_runner.journal._digest import TRANSITION_DIGEST_COLUMNS, digest, step_digest
+from fsm_runner.journal._digest import (
+    TRANSITION_DIGEST_COLUMNS,
+    digest,
+    row_digest,
+    step_digest,
+    stored_row_digest,
+)
 from fsm_runner.journal._sqlite_check import SCHEMA_VERSION
 from fsm_runner.records import ArtifactRecord, EffectRecord, IterationRecord
 from fsm_runner.replay import check_journal
@@ -377,6 +383,27 @@ class TestExportAndReplay:
 
 _TEXTS = st.one_of(st.none(), st.text(), st.sampled_from(["a", "\udc80x", "\x1f"]))
 _NUMBERS = st.one_of(st.integers(), st.booleans(), st.floats(allow_nan=False), st.none())
+
+
+class TestStoredRowDigest:
+    """A row read as stored (text as bytes, NULL) gives exactly :func:`row_digest` of it."""
+
+    @given(
+        values=st.lists(
+            st.one_of(
+                st.none(),
+                st.binary(),
+                st.text().map(lambda text: text.encode("utf-8", "surrogateescape")),
+                st.sampled_from([b"\xed\xb2\x80", b"\x1f", b"\x00", b"\xff"]),
+            ),
+            max_size=9,
+        ),
+        other=st.one_of(st.none(), st.integers(), st.floats(allow_nan=False), st.text()),
+    )
+    def test_same_as_row_digest(self, values, other) -> None:
+        assert stored_row_digest(values) == row_digest(values)
+        mixed = [*values, other]  # a value that is not bytes: row_digest's own way
+        assert stored_row_digest(mixed) == row_digest(mixed)
 
 
 class TestStepDigest:

@@ -890,6 +890,27 @@ class TestSqliteFile:
                 " since it was written)",
             ]
 
+    def test_a_transition_of_no_run_is_reported_once_with_its_rowid(self, tmp_path):
+        path = tmp_path / "j.db"
+        with SqliteJournal(path) as journal:
+            advance(journal, start(journal), "verifying")
+            start(journal, "r2")
+        with raw(path) as conn:  # no foreign keys enforced here, no insert trigger on UPDATE
+            conn.execute("UPDATE transitions SET run_id = 'ghost' WHERE run_id = 'r1' AND seq = 1")
+            (rowid,) = conn.execute(
+                "SELECT rowid FROM transitions WHERE run_id = 'ghost'"
+            ).fetchone()
+            assert conn.execute("PRAGMA foreign_key_check").fetchall() == [
+                ("transitions", rowid, "run_rows", 0)
+            ]
+        with SqliteJournal(path) as journal:
+            problems = journal.integrity_problems()
+        assert (
+            problems[0]
+            == f"1 row(s) of table transitions refer to missing rows (first rowid {rowid})"
+        )
+        assert not any("run_key that is not" in line for line in problems)  # not miskeyed too
+
     def test_reopen_keeps_everything(self, tmp_path):
         path = tmp_path / "j.db"
         with SqliteJournal(path) as journal:

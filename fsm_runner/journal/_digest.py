@@ -39,6 +39,7 @@ __all__ = [
     "row_digest_from",
     "row_hasher",
     "step_digest",
+    "stored_row_digest",
     "text",
     "transition_digest",
 ]
@@ -89,6 +90,27 @@ def digest(previous: str | None, values: Iterable[Any]) -> str:
 def row_digest(values: Iterable[Any]) -> str:
     """The digest of one row's own ``values`` (an iteration, effect, artifact, run row)."""
     return digest(None, values)
+
+
+def stored_row_digest(values: Sequence[Any]) -> str:
+    """:func:`row_digest` of a row's values as a check reads them stored: text as its bytes.
+
+    Values that are all bytes or ``None`` (SQL's ``CAST(... AS BLOB)`` of text columns, and
+    NULL) are joined as they are, not decoded and encoded again: the same bytes, so the same
+    digest (``surrogateescape`` gives back any byte it took); anything else goes through
+    :func:`row_digest`.
+    """
+    parts = [b""]
+    for value in values:
+        if value is None:
+            parts.append(b"\x00")
+        elif type(value) is bytes:
+            parts.append(value)
+        else:
+            return row_digest(values)
+    state = _EMPTY_STATE.copy()
+    state.update(b"\x1f".join(parts))
+    return state.hexdigest()
 
 
 def row_hasher(values: Iterable[Any]) -> Any:

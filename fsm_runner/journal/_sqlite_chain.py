@@ -26,6 +26,7 @@ from fsm_runner.journal._digest import (
     digest,
     row_digest,
     step_digest,
+    stored_row_digest,
 )
 from fsm_runner.records import RunRecord, format_utc
 
@@ -414,7 +415,7 @@ def _row_problems(conn: sqlite3.Connection, migrated_to: tuple[str, int] | None)
     for key, run_id, stored, *values in conn.execute(
         f"SELECT run_key, run_id, digest, {select} FROM run_rows ORDER BY run_key"
     ):
-        if stored != row_digest(values):
+        if stored != stored_row_digest(values):
             problems.append(
                 f"digest: run {_shown_id(run_id)}: its row (input, context, error) does not match"
                 " its digest"
