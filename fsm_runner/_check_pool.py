@@ -97,7 +97,7 @@ def _in_process(  # noqa: PLR0917 - one private call shape
     _cache_for_scan(journal)
     specs: dict[str, Any] = {}
     for first, last in ranges:
-        result = _collected_after(check_range, journal, first, last, since, specs)
+        result = _collector_paused(check_range, journal, first, last, since, specs)
         if result is not None and progress is not None:
             progress(result[1], total)
         yield result
@@ -165,10 +165,10 @@ def _cache_for_scan(journal: Any) -> None:
 def _check_in_worker(
     check_range: CheckRange, first: Any, last: Any, since: dt.datetime | None
 ) -> tuple[Found, int] | None:
-    return _collected_after(check_range, _journal[0], first, last, since, _specs)
+    return _collector_paused(check_range, _journal[0], first, last, since, _specs)
 
 
-def _collected_after(  # noqa: PLR0917 - check_range's own arguments
+def _collector_paused(  # noqa: PLR0917 - check_range's own arguments
     check_range: CheckRange,
     journal: Any,
     first: Any,

@@ -27,7 +27,7 @@ __all__ = ["RunRead", "read_runs"]
 RunRead = tuple[str, "tuple[list[TransitionRecord], RunRecord] | FsmRunnerError"]
 _new_transition = positional_builder(TransitionRecord)
 _UTC = dt.timezone.utc
-fromisoformat = dt.datetime.fromisoformat
+_fromisoformat = dt.datetime.fromisoformat
 
 
 def read_runs(
@@ -141,7 +141,7 @@ def _typed_transitions(
                 if type(result) is not dict:
                     return None
             try:  # parse_utc, its common case inlined (a call less a transition)
-                when = fromisoformat(at) if isinstance(at, str) else at
+                when = _fromisoformat(at) if isinstance(at, str) else at
             except ValueError:
                 return None
             if when.tzinfo is not _UTC:
