@@ -20,6 +20,11 @@ timer, and under callgrind's slowdown its wake-ups would count in the figures at
   ``asyncio.gather`` of ``Engine.arun`` (group commit) for ``--async-steps`` steps each.
 * ``short``: ``--short-runs`` runs of a 3-step machine one after another, each
   ``start(claim=True)`` then ``run``: the per-run fixed cost with its steps (figure per run).
+* ``check`` (with ``--modes check``): a journal of ``--check-runs`` ended runs of 5 transitions
+  (``bench_scale``'s check journal: one run by the engine, cloned by SQL), then
+  ``check_runs(journal)`` in this process (ranges and the medium's checks: figure per run). Its
+  setup builds the same journal, so "less the setup" is the check alone; the steady figure is
+  the check of ``--check-runs`` runs less the check of a fifth as many, each less its own setup.
 * ``raw`` (the baseline, measured in the same run): ``sqlite3`` single-row autocommit INSERTs
   into a table of the transitions' shape, WAL + synchronous NORMAL: SQLite's own cost of one
   commit, which every journaled step pays at least once.
@@ -131,6 +136,25 @@ def child_short(directory: Path, runs: int, *, setup_only: bool) -> None:
         engine.close()
 
 
+def child_check(directory: Path, runs: int, *, setup_only: bool) -> None:
+    """``check_runs`` of a journal of ``runs`` ended runs (bench_scale's), in this process."""
+    from fsm_runner import SqliteJournal  # the interpreter's own, before this checkout's path
+    from fsm_runner.replay import check_runs
+
+    # scale_journals (and the tests' helpers it uses) from this checkout
+    sys.path[:0] = [str(HERE.parents[2]), str(HERE.parent)]
+    from scale_journals import build_check_journal
+
+    path = directory / "check.db"
+    build_check_journal(path, runs)
+    with SqliteJournal(path, checkpoint_thread=False) as journal:
+        gc.freeze()
+        if not setup_only:
+            report = check_runs(journal)
+            assert report.runs == runs, report
+            assert not report.problems, report
+
+
 def child_raw(directory: Path, steps: int, *, setup_only: bool) -> None:
     """``steps`` single-row autocommit INSERTs of a transition's shape (SQLite's own cost)."""
     import sqlite3
@@ -160,6 +184,8 @@ def child(args: argparse.Namespace) -> int:
             child_async(directory, args.runs, args.async_steps, setup_only=args.setup_only)
         elif args.child == "short":
             child_short(directory, args.short_runs, setup_only=args.setup_only)
+        elif args.child == "check":
+            child_check(directory, args.check_runs, setup_only=args.setup_only)
         else:
             child_raw(directory, args.steps, setup_only=args.setup_only)
     return 0
@@ -174,9 +200,9 @@ def _measured(mode: str, args: argparse.Namespace, part: int) -> tuple[list[str]
         args.short_runs // part,
     )
     options = ["--steps", str(steps), "--runs", str(runs), "--async-steps", str(async_steps)]
-    options += ["--short-runs", str(short_runs)]
-    taken = {"async": runs * async_steps, "short": short_runs}.get(mode, steps)
-    return options, taken
+    options += ["--short-runs", str(short_runs), "--check-runs", str(args.check_runs // part)]
+    taken = {"async": runs * async_steps, "short": short_runs, "check": args.check_runs // part}
+    return options, taken.get(mode, steps)
 
 
 def instructions(python: str, mode: str, options: list[str]) -> int:
@@ -213,11 +239,14 @@ def per_step(python: str, mode: str, args: argparse.Namespace) -> tuple[float, f
     whole_options, whole_steps = _measured(mode, args, 1)
     fifth_options, fifth_steps = _measured(mode, args, 5)
     setup_options = [*whole_options, "--setup-only"]
+    runs = [whole_options, fifth_options, setup_options]
+    if mode == "check":  # its setup grows with the runs: the fifth's own setup taken off too
+        runs.append([*fifth_options, "--setup-only"])
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        whole, fifth, setup = pool.map(
-            lambda options: instructions(python, mode, options),
-            [whole_options, fifth_options, setup_options],
-        )
+        counts = list(pool.map(lambda options: instructions(python, mode, options), runs))
+    whole, fifth, setup = counts[:3]
+    if mode == "check":
+        fifth -= counts[3] - setup  # as if the fifth had built the whole's journal
     return (whole - setup) / whole_steps, (whole - fifth) / (whole_steps - fifth_steps)
 
 
@@ -234,12 +263,15 @@ def main() -> int:
     )
     parser.add_argument("--short-runs", type=int, default=300, help="short runs, one by one")
     parser.add_argument(
-        "--modes",
-        default="sync,async,short",
-        help="which workloads: sync, async, short (comma-separated)",
+        "--check-runs", type=int, default=2000, help="runs of the journal check_runs reads"
     )
     parser.add_argument(
-        "--child", choices=["sync", "async", "short", "raw"], help=argparse.SUPPRESS
+        "--modes",
+        default="sync,async,short",
+        help="which workloads: sync, async, short, check (comma-separated)",
+    )
+    parser.add_argument(
+        "--child", choices=["sync", "async", "short", "check", "raw"], help=argparse.SUPPRESS
     )
     parser.add_argument("--setup-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=2, help="callgrind processes at once")
@@ -260,7 +292,7 @@ def main() -> int:
     pythons = [sys.executable, *args.python]
     for mode in args.modes.split(","):
         values = [per_step(python, mode, args) for python in pythons]
-        unit = "run (start + 3 steps)" if mode == "short" else "step"
+        unit = {"short": "run (start + 3 steps)", "check": "run checked"}.get(mode, "step")
         for python, (with_once, steady) in zip(pythons, values, strict=True):
             who = "this checkout" if python == sys.executable else python
             print(
