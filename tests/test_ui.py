@@ -278,6 +278,42 @@ class TestRunPage:
         assert page.locator("h1").inner_text() == "No such run"
 
 
+#: Every page of the inspector a person reads, and what shows it was drawn: (name, path, selector).
+PAGES = (
+    ("runs", "/runs", "table.runs"),
+    ("runs-filtered", "/runs?machine=xss&status=active", "table.runs"),
+    ("runs-waiting", "/runs?waiting=1", "nav.tabs a.waiting-tab.current"),
+    ("machine", "/machines/xss", "table.counts"),
+    ("run-agent-loop", "/runs/{agent_loop}", "#diagram svg.fsm"),
+    ("run-session", "/runs/{session}", "#diagram svg.fsm"),
+    ("run-subphases", "/runs/{subphases}", "#diagram svg.fsm"),
+    ("run-effects", "/runs/{effects}", "#diagram svg.fsm"),
+    ("run-failed", "/runs/{failed}", ".run-error"),
+    ("run-waiting", "/runs/{waiting}", "#diagram svg.fsm"),
+    ("check", "/check", "p.summary.ok"),
+    ("not-found", "/runs/no-such-run", "h1"),
+)
+
+
+class TestScreenshots:
+    """A screenshot of every page, on each journal, left where CI lists them."""
+
+    def test_every_page_is_drawn_and_saved(self, site, page):
+        ARTIFACTS.mkdir(exist_ok=True)
+        saved = []
+        for name, path, drawn in PAGES:
+            page.goto(site.url + path.format(**site.ids))
+            page.wait_for_selector(drawn, timeout=30_000)
+            shot = ARTIFACTS / f"page-{name}-{site.backend}.png"
+            shot.unlink(missing_ok=True)
+            page.screenshot(path=str(shot), full_page=True)
+            saved.append(shot)
+        for shot in saved:  # a PNG of a page, not an empty or cut file
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", shot
+            assert shot.stat().st_size > 5_000, shot
+        print("\nscreenshots:", *saved, sep="\n  ")
+
+
 class TestLive:
     """An active run's page shows each transition within 2 s, without a reload, then stops."""
 

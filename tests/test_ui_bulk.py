@@ -18,7 +18,7 @@ import pytest
 from fsm_runner import Engine, RunLifecycle
 from fsm_runner.journal import open_journal
 from tests.test_ui_pages import waiting_spec
-from tests.ui_helpers import Server, follow, journal_location
+from tests.ui_helpers import ARTIFACTS, Server, follow, journal_location
 
 #: One worker runs the module: its journals and servers are made once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-bulk")]
@@ -58,8 +58,12 @@ def test_abort_what_the_filters_show_after_a_confirm(site, page):
     follow(page, "p.bulk a")
     assert page.locator("p.bulk-count").inner_text().startswith(f"{WAITING} active runs match")
     assert page.locator("dl.bulk-filters").inner_text().split() == ["machine", "bulk"]
+    backend = "postgres" if "Postgres" in type(journal).__name__ else "sqlite"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"page-bulk-abort-{backend}.png"), full_page=True)
     page.fill("form.bulk-abort input[name=reason]", "bad batch")
     follow(page, f"form.bulk-abort button >> text=Abort {WAITING} runs")
+    page.screenshot(path=str(ARTIFACTS / f"page-bulk-aborted-{backend}.png"), full_page=True)
     done = page.locator("p.bulk-done").inner_text()
     assert done == (
         f"Abort asked of {WAITING} runs: {WAITING - 1} runs ended at once,"
