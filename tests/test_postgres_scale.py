@@ -273,6 +273,16 @@ class TestIndexServed:
             reads = reads_of_runs(explain(admin, big.schema, statement, params, mode))
             assert reads, statement
             assert all(kind != "Seq Scan" for kind, _ in reads), (statement, reads)
+        # The pages after and before one (older, newer), and the lists sorted by last update
+        # (the inspector sorts at most 10,000 matches: read by the filter's index, then sorted).
+        middle = big.runs(limit=51)[-1].run_id
+        for filters in ({}, {"state": "building"}, {"status": "active"}, {"machine": SPEC.name}):
+            big.runs(before=middle, limit=51, **filters)
+            big.runs(after=middle, limit=51, **filters)
+            if filters:
+                big.runs(by_update=True, limit=51, **filters)
+                big.runs(by_update=True, before=middle, limit=51, **filters)
+        assert len(statements) == 15 + 1 + 14
         # Every one, counts included, can be read from indexes alone. (Where nearly every run
         # counts, as this machine's 19,000 ended runs of 20,000, the planner itself may read
         # the table whole instead: cheaper then than any index.)
