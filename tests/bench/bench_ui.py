@@ -231,6 +231,8 @@ def scale_pages(location: str, long_run: str) -> list[tuple[str, str, str]]:
         ("input.n = (a failed run's), no other filter",
          f"/runs?where=input.n+%3D+{failed.input['n']}", failed.run_id[:12]),
         ("a day 20 days ago", f"/runs?since={day_before}&until={month}", 'class="run'),
+        ("parent=(a run without children)", f"/runs?parent={some}", "No runs match"),
+        ("the waiting tab", "/runs?waiting=1", "waiting-tab current"),
         ("sort=updated (over 10,000: newest first)", "/runs?sort=updated", 'class="run'),
         ("id prefix, sort=updated", f"/runs?q={some[:4]}&sort=updated", some[:12]),
         ("machine page, bench (counts of every run)", "/machines/bench", "badge"),
