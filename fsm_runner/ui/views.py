@@ -24,7 +24,14 @@ from fsm_runner.engine.waits import parked_phase
 from fsm_runner.journal import Journal
 from fsm_runner.journal.base import RunFilters
 from fsm_runner.journal.search import JsonMatch, RunSearch, SearchIndexes, SearchKey
-from fsm_runner.records import IterationRecord, RunRecord, SignalRecord, TransitionRecord, utc_now
+from fsm_runner.records import (
+    ArtifactRecord,
+    IterationRecord,
+    RunRecord,
+    SignalRecord,
+    TransitionRecord,
+    utc_now,
+)
 from fsm_runner.spec import MachineSpec
 from fsm_runner.ui.svg import render_svg
 from fsm_runner.visits import subphase_visits
@@ -33,13 +40,16 @@ if TYPE_CHECKING:
     from fsm_runner.ui.jobs import CheckJob
 
 __all__ = [
+    "ARTIFACT_CHARS",
     "EXACT_UP_TO",
+    "INLINE_CHARS",
     "RUNS_PAGE",
     "SHOWN_CHARS",
     "STATUSES",
     "TIMELINE_PAGE",
     "WAITING_SCAN",
     "RunsQuery",
+    "artifact_rows",
     "check_page",
     "diagram",
     "live_update",
@@ -63,6 +73,15 @@ EXACT_UP_TO = 1000
 #: input may be megabytes (up to the engine's max_payload_bytes), and a browser given tens of
 #: megabytes of escaped text stalls; `fsm-runner show` prints it all.
 SHOWN_CHARS = 100_000
+#: An output (its JSON on one line) at most this long is shown as it is, beside its copy
+#: button; a longer one folds, its first :data:`PREVIEW_CHARS` characters its fold's title, and
+#: opens as a tree.
+INLINE_CHARS = 80
+PREVIEW_CHARS = 60
+#: The most of a run's artifacts' contents its page shows, all told (each one clipped to
+#: :data:`SHOWN_CHARS` too): a run may keep hundreds. Past it, an artifact's content is left to
+#: its download.
+ARTIFACT_CHARS = 10 * SHOWN_CHARS
 #: The statuses the runs table filters on.
 STATUSES = ("active", "succeeded", "failed", "aborted", "dead_letter")
 #: Without a machine named, the waiting tab looks for the machines of the newest this many
@@ -454,13 +473,86 @@ def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
             "iteration": t.iteration,
             "error": _error_text(t.error),
             "traceback": _clip((t.error or {}).get("traceback") or ""),
-            "output": _clip(json.dumps(t.output, ensure_ascii=False))
-            if t.output is not None
-            else "",
+            **_output(t.output),
             "signal": _signal_number(t),
         }
         for t in timeline
     ]
+
+
+def _output(output: Any) -> dict[str, Any]:
+    """A transition's output as its row shows it: its JSON text, inline or folded with a title."""
+    if output is None:
+        return {"output": "", "output_inline": True, "output_preview": ""}
+    text = _clip(json.dumps(output, ensure_ascii=False))
+    return {
+        "output": text,
+        "output_inline": len(text) <= INLINE_CHARS,
+        "output_preview": _preview(text),
+    }
+
+
+def _preview(text: str) -> str:
+    """The first :data:`PREVIEW_CHARS` characters of ``text`` on one line, "…" if there are more."""
+    head = text[: 4 * PREVIEW_CHARS]
+    line = " ".join(head.split())
+    if len(line) <= PREVIEW_CHARS and len(head) == len(text):
+        return line
+    return f"{line[:PREVIEW_CHARS]}…"
+
+
+def _compact_head(value: Any) -> str:
+    """The start of ``value``'s JSON on one line, as an output's (enough for its preview)."""
+    head = []
+    size = 0
+    for chunk in json.JSONEncoder(ensure_ascii=False).iterencode(value):
+        head.append(chunk)
+        size += len(chunk)
+        if size > 4 * PREVIEW_CHARS:
+            break
+    return "".join(head)
+
+
+def artifact_rows(artifacts: Sequence[ArtifactRecord]) -> list[dict[str, Any]]:
+    """A run's artifacts as its page lists them, each with its content as the page shows it.
+
+    An artifact whose content the journal holds (``content`` not ``None``, stored or not):
+    ``json`` its JSON text, indented as the run's input is (the page shows it as a tree, and
+    its copy button copies the text), or ``text``: its content is a string, shown and copied
+    as that text itself. Clipped past :data:`SHOWN_CHARS` (``clipped``: no copy, the download
+    has it whole), and none past :data:`ARTIFACT_CHARS` for the page (``withheld``).
+    """
+    budget = ARTIFACT_CHARS
+    rows = []
+    for artifact in artifacts:
+        row: dict[str, Any] = {
+            "artifact": artifact,
+            "shown": "",  # "json", "text" or "" (no content to show)
+            "content": "",
+            "preview": "",
+            "clipped": False,
+            "withheld": False,
+        }
+        if artifact.content is not None:
+            is_text = isinstance(artifact.content, str)
+            text = (
+                artifact.content
+                if is_text
+                else json.dumps(artifact.content, ensure_ascii=False, indent=1)
+            )
+            if budget <= 0:
+                row["withheld"] = True
+            else:
+                shown = _clip(text)
+                budget -= len(shown)
+                row.update(
+                    shown="text" if is_text else "json",
+                    content=shown,
+                    preview=_preview(text if is_text else _compact_head(artifact.content)),
+                    clipped=len(text) > SHOWN_CHARS,
+                )
+        rows.append(row)
+    return rows
 
 
 def _signal_number(transition: TransitionRecord) -> int | None:
@@ -624,7 +716,7 @@ def run_page(
         "effects": effects,
         "in_flight": sum(1 for e in effects if e.status.value == "in_flight"),
         "children": _children(journal, run.run_id),
-        "artifacts": journal.artifacts(run.run_id),
+        "artifacts": artifact_rows(journal.artifacts(run.run_id)),
         "page_rows": TIMELINE_PAGE,
         **run_facts(journal, run),
         "waiting": waiting_of(journal, spec, run),

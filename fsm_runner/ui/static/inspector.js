@@ -59,7 +59,8 @@ function setupLive() {
           showEarlierLink();
         }
         rows.insertAdjacentHTML("beforeend", update.rows);
-        jsonTrees(rows);
+        jsonTrees(rows); // their outputs' viewers, as the page's own rows have them
+        setupCopyButtons();
         // One page of rows at most: the oldest go, and the pages' links reach them.
         while (rows.rows.length > maxRows) {
           rows.deleteRow(0);
@@ -174,9 +175,9 @@ function localTimes(root) {
   }
 }
 
-// JSON payloads (input, context, outputs): a tree of folds, each object and array one
-// <details>, built with text nodes only (nothing from the data is parsed as HTML). Text that
-// is not whole JSON (cut short on the page) stays as it is.
+// JSON payloads (input, context, outputs, artifacts; templates/json_view.html): a tree of
+// folds, each object and array one <details>, built with text nodes only (nothing from the
+// data is parsed as HTML). Text that is not whole JSON (cut short on the page) stays as it is.
 function jsonNode(value, key) {
   const label = key === null ? "" : JSON.stringify(key) + ": ";
   if (value !== null && typeof value === "object") {
