@@ -111,6 +111,14 @@ def page(browser_context):
     assert dialogs == [], "a script from run data ran in the page"
 
 
+#: The text of each element matching a selector that the browser laid out on more than one line.
+CUT_IN_TWO = """(selector) => [...document.querySelectorAll(selector)].filter((element) => {
+    const range = document.createRange();
+    range.selectNodeContents(element);
+    return new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size > 1;
+}).map((element) => element.textContent)"""
+
+
 def rows(page, selector: str) -> list[list[str]]:
     return [
         [cell.strip() for cell in row.locator("td").all_inner_texts()]
@@ -145,6 +153,12 @@ class TestRunsPage:
         children = rows(page, "tr.run")
         assert len(children) == 3
         assert {r[1] for r in children} == {"coordinator-task"}
+
+    def test_statuses_states_and_machines_are_never_cut_in_two(self, site, page):
+        page.goto(f"{site.url}/runs")
+        cut = page.evaluate(CUT_IN_TWO, "table.runs span.status, table.runs td.state, td.machine")
+        assert cut == []
+        assert page.locator("table.runs span.status").count() >= 9
 
     def test_the_machine_link_shows_counts_per_state(self, site, page):
         page.goto(f"{site.url}/runs?machine=xss")
