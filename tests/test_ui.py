@@ -213,6 +213,10 @@ class TestRunPage:
         assert page.locator("td.tokens-total").inner_text() == str(tokens)
         assert page.locator("td.cost-total").inner_text() == f"{cost:.4f}"
 
+        # Its seq, time, states, event, ms and attempt each on one line (the table scrolls).
+        cells = "table.timeline td:nth-child(-n+7), td.num, table.iterations td.state"
+        assert page.evaluate(CUT_IN_TWO, cells) == []
+
         fork = page.locator("#cmd-fork").inner_text()
         assert fork.endswith(f"fork {run_id[:12]} --at 7")  # an ended run's last seq but one
         with page.expect_download() as download:
