@@ -12,8 +12,7 @@ state's box and its count inside the badge. On either journal the badges (the ru
 state) and the drawn path (each move with how often the run took it) are what a memory journal
 reads back of the same runs. Laid out by Graphviz ``dot`` (installed by ``.ci/run``); the
 built-in layout, for hosts without it, is held to the same boxes in the browser with a badge of
-85,000 on every state (but for edge labels over a composite's title: ``BUILTIN_UNCHECKED``),
-and so is the page's own Graphviz in WebAssembly (over SQLite: it reads no more of the journal).
+85,000 on every state, and so is the page's own Graphviz in WebAssembly (over SQLite: it reads no more of the journal).
 """
 
 from __future__ import annotations
@@ -82,10 +81,6 @@ MEASURE = """
 """
 #: Pixels two boxes may share (anti-aliasing), and a text may stand out of its box.
 SLACK = 0.5
-#: Not yet held of the built-in layout: it keeps an edge's label off the states and the labels
-#: placed before it, not off a composite's title (``_builtin_edges`` in fsm_runner/ui/svg.py);
-#: the 40-state machine's ``FAILED`` covers ``c4``'s title, ``PHASE_COMPLETED`` ``c4_mid``'s.
-BUILTIN_UNCHECKED = re.compile(r"edge \S+ overlaps title \S+")
 
 
 def overlap(a, b) -> bool:
@@ -324,8 +319,8 @@ def test_the_checks_find_what_they_look_for():
 @pytest.mark.parametrize("stem", sorted(SPECS))
 def test_the_builtin_layout_keeps_every_text_in_its_box(stem, page, monkeypatch):
     """Without Graphviz: no edge label on a state or on another label (boxes as laid out), and
-    in the browser, with a badge of 85,000 on every state, no text over another (but
-    :data:`BUILTIN_UNCHECKED`), every text in its box, every badge in its state's box and no
+    in the browser, with a badge of 85,000 on every state, no text over another (a
+    composite's title included), every text in its box, every badge in its state's box and no
     label on a badge."""
     spec = SPECS[stem]
     graph = extract(spec)
@@ -344,7 +339,7 @@ def test_the_builtin_layout_keeps_every_text_in_its_box(stem, page, monkeypatch)
     assert {badge["name"]: badge["count"] for badge in drawn["badges"]} == dict.fromkeys(
         counts, "85,000"
     )
-    assert [found for found in problems(drawn) if not BUILTIN_UNCHECKED.match(found)] == []
+    assert problems(drawn) == []
 
 
 def _overlaps(a: Box, b: Box) -> bool:

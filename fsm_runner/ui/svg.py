@@ -397,9 +397,13 @@ def _edge_svg(edge: Edge, path: str, label: Box, place: tuple[str, int, int] | N
 
 
 def _builtin_edges(layout: _Layout) -> list[tuple[Edge, str, Box]]:
-    """Each edge, its label where it overlaps no state and no label placed before it."""
+    """Each edge, its label where it overlaps no state, title or label placed before it."""
     seen: dict[tuple[str, str], int] = {}
-    taken = _Taken(box for name, box in layout.boxes.items() if layout.graph.node(name) is not None)
+    taken = _Taken(
+        box if layout.graph.node(name) is not None
+        else Box(box.x + _PAD, box.y, title_width(name), HEADER)  # a composite: its title
+        for name, box in layout.boxes.items()
+    )  # fmt: skip
     placed = []
     # The run's edges first: their labels get the best places.
     for edge in sorted(layout.graph.edges, key=lambda e: not e.count):
