@@ -27,6 +27,7 @@ from fsm_runner.journal._postgres_schema import MIGRATIONS, SCHEMA_VERSION
 from fsm_runner.journal._postgres_waits import NEXT_WAKE
 from fsm_runner.journal._postgres_writes import _BEFORE_ALL, _PRUNABLE
 from fsm_runner.records import SignalRecord
+from tests.helpers import list_pages_both_ways
 from tests.test_postgres_journal import SPEC, T0, next_step, table_rows
 
 HANDLED = ["building", "verifying"]  # the states with a handler: what a worker claims
@@ -273,15 +274,8 @@ class TestIndexServed:
             reads = reads_of_runs(explain(admin, big.schema, statement, params, mode))
             assert reads, statement
             assert all(kind != "Seq Scan" for kind, _ in reads), (statement, reads)
-        # The pages after and before one (older, newer), and the lists sorted by last update
-        # (the inspector sorts at most 10,000 matches: read by the filter's index, then sorted).
-        middle = big.runs(limit=51)[-1].run_id
-        for filters in ({}, {"state": "building"}, {"status": "active"}, {"machine": SPEC.name}):
-            big.runs(before=middle, limit=51, **filters)
-            big.runs(after=middle, limit=51, **filters)
-            if filters:
-                big.runs(by_update=True, limit=51, **filters)
-                big.runs(by_update=True, before=middle, limit=51, **filters)
+        middle = big.runs(limit=51)[-1].run_id  # then its list's pages both ways, and sorted
+        list_pages_both_ways(big, middle, state="building", machine=SPEC.name)
         assert len(statements) == 15 + 1 + 14
         # Every one, counts included, can be read from indexes alone. (Where nearly every run
         # counts, as this machine's 19,000 ended runs of 20,000, the planner itself may read
