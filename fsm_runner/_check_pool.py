@@ -20,8 +20,8 @@ from typing import Any
 from fsm_runner.run_ids import shown
 
 __all__ = [
-    "CHECK_CACHE_KIB", "CheckRange", "Found", "Problem", "check_ranges", "medium_checks",
-    "report_lines",
+    "CHECK_CACHE_KIB", "CheckRange", "Found", "Medium", "Problem", "check_ranges",
+    "medium_checks", "report_lines",
 ]  # fmt: skip
 
 #: The page cache of each connection a check reads with (KiB): with the journal's usual 16 MiB
@@ -228,48 +228,93 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def medium_checks(
-    journal: Any, *, beside_pool: bool, nice: int = 0, chains: bool = True
-) -> Callable[[], list[str]]:
-    """The journal's checks of its medium (``integrity_problems()``): a call that gives them.
+class Medium:
+    """The journal's checks of its medium, begun: call it for their lines; :meth:`stop` drops them.
+
+    Made by :func:`medium_checks`: the lines found already, or a process of its own finding
+    them, which :meth:`stop` ends (a check cancelled meanwhile: nothing waits for it, the
+    inspector's exit included).
+    """
+
+    def __init__(
+        self, found: list[str] | None = None, process: Any = None, pipe: Any = None
+    ) -> None:
+        self._found = found
+        self._process = process
+        self._pipe = pipe
+
+    def __call__(self) -> list[str]:
+        """The lines of the medium's checks (waiting for the process finding them)."""
+        if self._found is None:
+            try:
+                outcome, value = self._pipe.recv()
+            except EOFError:  # the process died without a word (killed): say so, not hang
+                code = self._process.exitcode
+                raise RuntimeError(f"the journal's medium checks ended ({code})") from None
+            finally:
+                self.stop()
+            if outcome == "raised":
+                raise value
+            self._found = value
+        return self._found
+
+    def stop(self) -> None:
+        """End the process finding the lines, if one is still at it, and wait for it."""
+        process, self._process = self._process, None
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join()
+            self._pipe.close()
+
+
+def medium_checks(journal: Any, *, beside_pool: bool, nice: int = 0, chains: bool = True) -> Medium:
+    """The journal's checks of its medium (``integrity_problems()``), begun.
 
     ``beside_pool`` (a pool of processes is starting to check the ranges): they run at once, in
     a process of their own (``nice`` added to its niceness) through the journal opened again
     there (``journal.opener()``), so SQLite's integrity check — 13-18 s of a 1,000,000-run
     journal — uses the core the pool leaves free while this process waits, and PostgreSQL's
     hash chains, computed in Python, do not hold this process's GIL (the inspector's pages
-    waited on it: ``/runs`` up to 258 ms while 100,000 runs were checked). A check that fails
-    meanwhile leaves that process to finish. Otherwise they run now. A journal without such
-    checks gives none. ``chains=False``: all but the runs' hash chains (a SQLite journal's,
-    verified as a check reads each run).
+    waited on it: ``/runs`` up to 258 ms while 100,000 runs were checked). A check stopped
+    meanwhile stops that process (:meth:`Medium.stop`). Otherwise they run now. A journal
+    without such checks gives none. ``chains=False``: all but the runs' hash chains (a SQLite
+    journal's, verified as a check reads each run).
     """
     integrity = getattr(journal, "integrity_problems", None)
     if not callable(integrity):
-        return list
+        return Medium([])
     options = {} if chains else {"chains": False}
     opener = getattr(journal, "opener", None)  # the method giving a journal's opener
     if not beside_pool or not callable(opener) or journal.location == ":memory:":
         # first, as a check in one process
-        found = [str(problem) for problem in integrity(**options)]
-        return lambda: found
+        return Medium([str(problem) for problem in integrity(**options)])
 
-    import concurrent.futures  # noqa: PLC0415 - only a parallel check needs them
-    import multiprocessing  # noqa: PLC0415
+    import multiprocessing  # noqa: PLC0415 - only a parallel check needs it
 
-    pool = concurrent.futures.ProcessPoolExecutor(
-        1, mp_context=multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_integrity_in_process, args=(opener(), nice, options, send), daemon=True
     )
-    checking = pool.submit(_integrity_in_process, opener(), nice, options)
-    pool.shutdown(wait=False)  # the process ends with the checks
-    return checking.result
+    process.start()
+    send.close()  # (the child's end: this one sees EOF if the child dies)
+    return Medium(process=process, pipe=receive)
 
 
 def _integrity_in_process(
-    opener: Callable[[], Any], nice: int, options: dict[str, bool]
-) -> list[str]:
+    opener: Callable[[], Any], nice: int, options: dict[str, bool], send: Any
+) -> None:
     _lower_priority(nice)
-    journal = opener()
     try:
-        return [str(problem) for problem in journal.integrity_problems(**options)]
+        journal = opener()
+        try:
+            found = [str(problem) for problem in journal.integrity_problems(**options)]
+        finally:
+            journal.close()
+    except Exception as exc:  # noqa: BLE001 - given to the caller, raised there
+        send.send(("raised", exc))
+    else:
+        send.send(("found", found))
     finally:
-        journal.close()
+        send.close()

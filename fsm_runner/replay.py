@@ -41,8 +41,8 @@ import attrs
 
 from fsm_runner import run_ids as _run_ids
 from fsm_runner._check_pool import Found as _Found
+from fsm_runner._check_pool import Medium, check_ranges, medium_checks, report_lines
 from fsm_runner._check_pool import Problem as _Problem
-from fsm_runner._check_pool import check_ranges, medium_checks, report_lines
 from fsm_runner._mismatch import shown_fields
 from fsm_runner.events import SPEC_CHANGED
 from fsm_runner.exceptions import (
@@ -385,19 +385,24 @@ def check_runs(
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, not {chunk}")
-    beside: list[Callable[[], list[str]]] = []  # the medium's checks, beside a pool if one runs
+    beside: list[Medium] = []  # the medium's checks, beside a pool if one runs
     found: _Found | None = None
     # A SQLite journal's ranges verify the runs' chains as they read them, but for part of
     # the runs (``since``): the medium's checks, the chains among them, are whole as ever.
     in_ranges = _chains_in_ranges(journal, since) and run_ids is None
     if run_ids is None and callable(getattr(journal, "read_runs", None)):
-        found, count = check_ranges(
-            journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress,
-            on_pool=lambda: beside.append(
-                medium_checks(journal, beside_pool=True, nice=nice, chains=not in_ranges)
-            ),
-            nice=nice,
-        )  # fmt: skip
+        try:
+            found, count = check_ranges(
+                journal, _check_range, since=since, jobs=jobs, chunk=chunk, progress=progress,
+                on_pool=lambda: beside.append(
+                    medium_checks(journal, beside_pool=True, nice=nice, chains=not in_ranges)
+                ),
+                nice=nice,
+            )  # fmt: skip
+        except BaseException:  # stopped (a cancel, Ctrl-C): so are the medium's checks
+            for medium in beside:
+                medium.stop()
+            raise
     chained = in_ranges and found is not None  # (a pool's medium was told before it ended)
     medium = beside[0] if beside else medium_checks(journal, beside_pool=False, chains=not chained)
     lines = medium()

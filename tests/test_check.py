@@ -150,6 +150,44 @@ class TestParallelIsSerial:
             assert check_journal(journal, jobs=1) == [problem]
             assert calls == [(journal, True)]  # one process: first, as before
 
+    def test_a_stopped_check_stops_the_mediums_process(self, tmp_path, monkeypatch):
+        """A cancel (``progress`` raised) ends it: nothing waits for it, an inspector's exit
+        included; its answers never come."""
+        from fsm_runner import _check_pool
+
+        stopped = []
+        stop = _check_pool.Medium.stop
+
+        def recorded(medium):
+            stopped.append(medium._process)
+            stop(medium)
+
+        monkeypatch.setattr(_check_pool.Medium, "stop", recorded)
+
+        def cancel(_done, _total):
+            raise KeyboardInterrupt
+
+        with SqliteJournal(tmp_path / "journal.db") as journal:
+            make_runs(journal, a=8, b=0)
+            with pytest.raises(KeyboardInterrupt):
+                check_runs(journal, jobs=2, chunk=2, progress=cancel)
+        (process,) = stopped  # the medium's, beside the pool, stopped once
+        assert process is not None
+        assert process.exitcode is not None  # ended (killed, or done before the stop came)
+
+    def test_the_mediums_process_stopped_at_once(self, tmp_path):
+        with SqliteJournal(tmp_path / "journal.db") as journal:
+            make_runs(journal, a=2, b=0)
+            medium = _check_pool_medium(journal)
+            process = medium._process
+            medium.stop()
+            medium.stop()  # again: nothing more to do
+            assert process.exitcode is not None
+            finished = _check_pool_medium(journal)
+            assert finished() == []  # left alone, it answers
+            assert finished() == []  # and keeps its answer
+            assert finished._process is None  # its process joined
+
     def test_a_damaged_view_falls_back_to_the_serial_check(self, tmp_path):
         path = tmp_path / "journal.db"
         with SqliteJournal(path) as journal:
@@ -358,3 +396,10 @@ class TestCommand:
         lines = done.stdout.splitlines()
         assert lines[0].endswith(": 1 problems in 4503 runs")
         assert lines[1].startswith(f"  run {bad} at seq 3: replay expected attempt 1")
+
+
+def _check_pool_medium(journal):
+    """The journal's medium checks begun in a process of their own (as beside a pool)."""
+    from fsm_runner._check_pool import medium_checks
+
+    return medium_checks(journal, beside_pool=True)
