@@ -296,6 +296,14 @@ class TestCommand:
         assert "Warning" not in result.output
         assert served == [("k.db", "127.0.0.1", 8765)]
 
+    def test_the_poll_interval_reaches_the_pages(self, server, journal_file):
+        _, _, waiting = journal_file  # (the tests' servers look every quarter of a second)
+        assert 'data-poll-ms="250"' in server.get(f"/runs/{waiting}").body  # its run's page
+        assert 'data-poll-ms="500"' in server.get("/runs").body  # the newest runs: twice that
+        result = CliRunner().invoke(cli, ["--journal", "j.db", "ui", "--poll-interval", "0.01"])
+        assert result.exit_code == 2
+        assert "--poll-interval" in result.output
+
     @pytest.mark.parametrize(
         ("host", "loopback"),
         [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("localhost", True),

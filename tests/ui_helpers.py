@@ -16,6 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 #: Debian's chromium: Playwright drives it (its own browser downloads are not possible here).
 CHROMIUM = os.environ.get("FSM_RUNNER_TEST_CHROMIUM", "/usr/bin/chromium")
+#: How often the servers' open pages look for news (``ui --poll-interval``; by default a
+#: second): the tests that wait for a live row or a refreshed list wait a quarter of that.
+POLL_INTERVAL = "0.25"
 #: Where the tests leave their screenshots (ignored by git; CI prints the paths).
 ARTIFACTS = ROOT / "tests" / "ui-artifacts"
 
@@ -82,7 +85,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fsm_runner", "--journal", location, "ui",
-             "--port", str(self.port), *options],
+             "--port", str(self.port), "--poll-interval", POLL_INTERVAL, *options],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -59,6 +59,7 @@ from fsm_runner.ui import views
 from fsm_runner.ui.drives import Drives
 from fsm_runner.ui.inspector import (
     HERE,
+    POLL_MS,
     READ_TIMEOUT,
     READERS,
     Inspector,
@@ -563,6 +564,7 @@ def create_app(
     read_timeout: float = READ_TIMEOUT,
     readers: int = READERS,
     engine_of: Callable[[Journal], Engine] | None = None,
+    poll_ms: int = POLL_MS,
 ) -> Starlette:
     """The inspector's ASGI app over the journal at ``location`` (a path or a PostgreSQL URL).
 
@@ -577,6 +579,8 @@ def create_app(
         readers: pages read at once, each in a worker thread with a journal of its own.
         engine_of: the host app's engine on a journal (``fsm-runner ui --app``): with
             ``allow_actions``, run pages offer Resume and, on failed runs, Retry.
+        poll_ms: how often an open page looks for news, in milliseconds: a live run page and
+            a running check's (the newest runs' page, twice that).
 
     Returns:
         The Starlette app; its ``state.inspector`` holds the :class:`Inspector`.
@@ -588,6 +592,7 @@ def create_app(
         read_timeout=read_timeout,
         readers=readers,
         engine_of=engine_of,
+        poll_ms=poll_ms,
     )
     routes = _routes()
     handlers: dict[Any, Callable[[Request, Exception], Any]] = {

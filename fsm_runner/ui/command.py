@@ -82,6 +82,14 @@ def is_loopback(host: str) -> bool:
     show_default=True,
     help="Seconds a page may read the journal before it is answered with an error page.",
 )
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds between an open page's looks for news (a live run, a check; the newest runs"
+    " twice that).",
+)
 def ui(  # noqa: PLR0917 - click passes each option by keyword
     journal_path: str,
     host: str,
@@ -91,6 +99,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
     allow_actions: bool,
     app: str | None,
     read_timeout: float,
+    poll_interval: float,
 ) -> None:
     """Serve the run inspector: runs, waiting runs, timelines, machines, check.
 
@@ -123,6 +132,7 @@ def ui(  # noqa: PLR0917 - click passes each option by keyword
         allow_actions=allow_actions,
         read_timeout=read_timeout,
         engine_of=_engine_of(app) if app is not None else None,
+        poll_ms=round(poll_interval * 1000),
     )
 
 
@@ -148,6 +158,7 @@ def _serve(
     allow_actions: bool,
     read_timeout: float,
     engine_of: Callable[[Journal], Engine] | None,
+    poll_ms: int,
 ) -> None:
     # Imported here, not at the top: `fsm-runner --help` loads this module to list the command.
     import threading  # noqa: PLC0415
@@ -166,6 +177,7 @@ def _serve(
         hosts=hosts,
         read_timeout=read_timeout,
         engine_of=engine_of,
+        poll_ms=poll_ms,
     )
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)

@@ -120,6 +120,7 @@ class Inspector:
         read_timeout: float = READ_TIMEOUT,
         readers: int = READERS,
         engine_of: Callable[[Journal], Engine] | None = None,
+        poll_ms: int = POLL_MS,
     ) -> None:
         self.location = location
         self.allow_actions = allow_actions
@@ -151,7 +152,7 @@ class Inspector:
             allow_actions=allow_actions,
             csrf_token=self.csrf_token,
             location=shown_location(location),
-            poll_ms=POLL_MS,
+            poll_ms=poll_ms,
             statuses=views.STATUSES,
             drive_of=self.drives.of if self.drives else lambda _run_id: None,
             drives_on=self.drives is not None,
