@@ -17,7 +17,7 @@ from playwright.sync_api import expect
 
 from fsm_runner import ArtifactRecord, Engine, PhaseResult
 from fsm_runner.journal import open_journal
-from fsm_runner.ui import views
+from fsm_runner.ui import payloads
 from tests.helpers import NEXT, linear_spec
 from tests.ui_helpers import Server, journal_location
 
@@ -233,16 +233,16 @@ def test_open_viewers_on_a_narrow_dark_screen(site, browser):
 
 def test_big_contents_are_clipped_and_past_the_pages_share_left_to_the_download():
     """No browser: what the page is given of artifacts too big to show whole."""
-    big = {"x": "y" * views.SHOWN_CHARS}
-    many = views.ARTIFACT_CHARS // views.SHOWN_CHARS
+    big = {"x": "y" * payloads.SHOWN_CHARS}
+    many = payloads.ARTIFACT_CHARS // payloads.SHOWN_CHARS
     records = [ArtifactRecord(f"a{n}", content=big) for n in range(many + 1)]
     records.append(ArtifactRecord("small", content={"ok": True}))
-    rows = views.artifact_rows(records)
+    rows = payloads.artifact_rows(records)
     first = rows[0]
     assert (first["shown"], first["clipped"], first["withheld"]) == ("json", True, False)
     assert "characters more" in first["content"]  # said so, and no copy of part of it
     assert first["preview"] == '{"x": "' + "y" * 53 + "…"
     assert [row["withheld"] for row in rows] == [False] * many + [True, True]
     assert rows[-1]["content"] == ""
-    assert views.artifact_rows([ArtifactRecord("t", content="a\nb")])[0]["shown"] == "text"
-    assert views.artifact_rows([ArtifactRecord("none")])[0]["shown"] == ""
+    assert payloads.artifact_rows([ArtifactRecord("t", content="a\nb")])[0]["shown"] == "text"
+    assert payloads.artifact_rows([ArtifactRecord("none")])[0]["shown"] == ""

@@ -25,7 +25,6 @@ from fsm_runner.journal import Journal
 from fsm_runner.journal.base import RunFilters
 from fsm_runner.journal.search import JsonMatch, RunSearch, SearchIndexes, SearchKey
 from fsm_runner.records import (
-    ArtifactRecord,
     IterationRecord,
     RunRecord,
     SignalRecord,
@@ -33,6 +32,7 @@ from fsm_runner.records import (
     utc_now,
 )
 from fsm_runner.spec import MachineSpec
+from fsm_runner.ui.payloads import artifact_rows, clip, error_text, output_fields, payload_text
 from fsm_runner.ui.svg import render_svg
 from fsm_runner.visits import subphase_visits
 
@@ -40,16 +40,12 @@ if TYPE_CHECKING:
     from fsm_runner.ui.jobs import CheckJob
 
 __all__ = [
-    "ARTIFACT_CHARS",
     "EXACT_UP_TO",
-    "INLINE_CHARS",
     "RUNS_PAGE",
-    "SHOWN_CHARS",
     "STATUSES",
     "TIMELINE_PAGE",
     "WAITING_SCAN",
     "RunsQuery",
-    "artifact_rows",
     "check_page",
     "diagram",
     "live_update",
@@ -69,19 +65,6 @@ RUNS_PAGE = 50
 TIMELINE_PAGE = 200
 #: Runs with fewer transitions are read whole for their diagram; longer ones as counted moves.
 EXACT_UP_TO = 1000
-#: The most of one payload (input, context, an error, a traceback) a page shows: a run's
-#: input may be megabytes (up to the engine's max_payload_bytes), and a browser given tens of
-#: megabytes of escaped text stalls; `fsm-runner show` prints it all.
-SHOWN_CHARS = 100_000
-#: An output (its JSON on one line) at most this long is shown as it is, beside its copy
-#: button; a longer one folds, its first :data:`PREVIEW_CHARS` characters its fold's title, and
-#: opens as a tree.
-INLINE_CHARS = 80
-PREVIEW_CHARS = 60
-#: The most of a run's artifacts' contents its page shows, all told (each one clipped to
-#: :data:`SHOWN_CHARS` too): a run may keep hundreds. Past it, an artifact's content is left to
-#: its download.
-ARTIFACT_CHARS = 10 * SHOWN_CHARS
 #: The statuses the runs table filters on.
 STATUSES = ("active", "succeeded", "failed", "aborted", "dead_letter")
 #: Without a machine named, the waiting tab looks for the machines of the newest this many
@@ -294,10 +277,6 @@ def _time(moment: dt.datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") if moment is not None else ""
 
 
-def _payload(value: Any) -> str:
-    return _clip(json.dumps(value, ensure_ascii=False)) if value is not None else ""
-
-
 def waiting_of(
     journal: Journal, spec: MachineSpec, run: RunRecord, *, now: dt.datetime | None = None
 ) -> dict[str, Any] | None:
@@ -339,8 +318,8 @@ def waiting_of(
         "state": run.state,
         "phase": phase is not None,
         "accepts": accepts,
-        "prompt": _clip(prompt),
-        "schema": _clip(schema),
+        "prompt": clip(prompt),
+        "schema": clip(schema),
         "since": _time(run.updated_at),
         "deadline": _time(due) or "none",
         "on_timeout": on_timeout,
@@ -439,24 +418,10 @@ def signal_rows(signals: Sequence[SignalRecord]) -> list[dict[str, Any]]:
             "status": s.status.value,
             "consumed_seq": s.consumed_seq,
             "consumed_at": _time(s.consumed_at),
-            "payload": _payload(s.payload),
+            "payload": payload_text(s.payload),
         }
         for s in signals
     ]
-
-
-def _clip(text: str) -> str:
-    """``text``, or its first :data:`SHOWN_CHARS` characters and how many more there are."""
-    if len(text) <= SHOWN_CHARS:
-        return text
-    more = len(text) - SHOWN_CHARS
-    return f"{text[:SHOWN_CHARS]}\n… {more} characters more (fsm-runner show prints them all)"
-
-
-def _error_text(error: Mapping[str, Any] | None) -> str:
-    if not error:
-        return ""
-    return _clip(f"{error.get('type')}: {error.get('message')}")
 
 
 def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
@@ -471,88 +436,13 @@ def timeline_rows(timeline: Sequence[TransitionRecord]) -> list[dict[str, Any]]:
             "duration_ms": t.duration_ms,
             "attempt": t.attempt,
             "iteration": t.iteration,
-            "error": _error_text(t.error),
-            "traceback": _clip((t.error or {}).get("traceback") or ""),
-            **_output(t.output),
+            "error": error_text(t.error),
+            "traceback": clip((t.error or {}).get("traceback") or ""),
+            **output_fields(t.output),
             "signal": _signal_number(t),
         }
         for t in timeline
     ]
-
-
-def _output(output: Any) -> dict[str, Any]:
-    """A transition's output as its row shows it: its JSON text, inline or folded with a title."""
-    if output is None:
-        return {"output": "", "output_inline": True, "output_preview": ""}
-    text = _clip(json.dumps(output, ensure_ascii=False))
-    return {
-        "output": text,
-        "output_inline": len(text) <= INLINE_CHARS,
-        "output_preview": _preview(text),
-    }
-
-
-def _preview(text: str) -> str:
-    """The first :data:`PREVIEW_CHARS` characters of ``text`` on one line, "…" if there are more."""
-    head = text[: 4 * PREVIEW_CHARS]
-    line = " ".join(head.split())
-    if len(line) <= PREVIEW_CHARS and len(head) == len(text):
-        return line
-    return f"{line[:PREVIEW_CHARS]}…"
-
-
-def _compact_head(value: Any) -> str:
-    """The start of ``value``'s JSON on one line, as an output's (enough for its preview)."""
-    head = []
-    size = 0
-    for chunk in json.JSONEncoder(ensure_ascii=False).iterencode(value):
-        head.append(chunk)
-        size += len(chunk)
-        if size > 4 * PREVIEW_CHARS:
-            break
-    return "".join(head)
-
-
-def artifact_rows(artifacts: Sequence[ArtifactRecord]) -> list[dict[str, Any]]:
-    """A run's artifacts as its page lists them, each with its content as the page shows it.
-
-    An artifact whose content the journal holds (``content`` not ``None``, stored or not):
-    ``json`` its JSON text, indented as the run's input is (the page shows it as a tree, and
-    its copy button copies the text), or ``text``: its content is a string, shown and copied
-    as that text itself. Clipped past :data:`SHOWN_CHARS` (``clipped``: no copy, the download
-    has it whole), and none past :data:`ARTIFACT_CHARS` for the page (``withheld``).
-    """
-    budget = ARTIFACT_CHARS
-    rows = []
-    for artifact in artifacts:
-        row: dict[str, Any] = {
-            "artifact": artifact,
-            "shown": "",  # "json", "text" or "" (no content to show)
-            "content": "",
-            "preview": "",
-            "clipped": False,
-            "withheld": False,
-        }
-        if artifact.content is not None:
-            is_text = isinstance(artifact.content, str)
-            text = (
-                artifact.content
-                if is_text
-                else json.dumps(artifact.content, ensure_ascii=False, indent=1)
-            )
-            if budget <= 0:
-                row["withheld"] = True
-            else:
-                shown = _clip(text)
-                budget -= len(shown)
-                row.update(
-                    shown="text" if is_text else "json",
-                    content=shown,
-                    preview=_preview(text if is_text else _compact_head(artifact.content)),
-                    clipped=len(text) > SHOWN_CHARS,
-                )
-        rows.append(row)
-    return rows
 
 
 def _signal_number(transition: TransitionRecord) -> int | None:
@@ -673,9 +563,9 @@ def run_facts(journal: Journal, run: RunRecord) -> dict[str, Any]:
         "commands": _commands(run, journal),
         "fork_seq": fork_seq(run),
         "forked_from": _forked_from(run),
-        "error": _error_text(run.error),
-        "input": _clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
-        "context": _clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
+        "error": error_text(run.error),
+        "input": clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
+        "context": clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
     }
 
 
