@@ -230,7 +230,10 @@ def test_four_workers_share_the_journal_and_take_over_a_killed_ones_run(
     postgres_server, postgres_schema, pg_journal, side, tmp_path
 ):
     journal = pg_journal
-    runs, lease_ttl, heartbeat = 500, 1.5, 0.25
+    # The victim's run is taken over at once (its pid is dead), not by its lease's expiry: a
+    # lease long enough that a live worker's, renewed every 0.25 s, never lapses on a loaded
+    # machine (at 1.5 s one did on CI: another run taken over, its phase run twice, fenced).
+    runs, lease_ttl, heartbeat = 500, 5.0, 0.25
     began = time.monotonic()
     with Workers(
         tmp_path, postgres_server.url, postgres_schema, lease_ttl=lease_ttl, heartbeat=heartbeat
