@@ -169,6 +169,10 @@ def unexpected_output(stderr: str, *, outage: bool = False) -> list[str]:
     psycopg's own cleanup failing (the pipeline's sync, the ROLLBACK of the transaction around
     it), and psycopg logs each as a warning, "error ignored ...", on its ``psycopg`` logger:
     true of the outage, and the worker's own handling (reconnect, go on) is what the test checks.
+    A SIGTERM that lands while a statement is in flight (an idle worker's claim, its look at the
+    leases' owners) cancels it, and psycopg's ROLLBACK of the transaction around it fails the
+    same way ("another command is already in progress"; the server rolls it back as the
+    connection closes): seen once on CI.
     """
     return [
         line
@@ -177,6 +181,10 @@ def unexpected_output(stderr: str, *, outage: bool = False) -> list[str]:
         and "stopped by SIGTERM; any run in progress released" not in line
         and "which is gone" not in line  # it took over the killed worker's run (takeover_dead)
         and not (outage and line.startswith("error ignored "))
+        and not (
+            line.startswith("error ignored in rollback of <psycopg.Transaction")
+            and line.endswith("another command is already in progress")
+        )
     ]
 
 
