@@ -22,6 +22,7 @@ __all__ = [
     "error_text",
     "output_fields",
     "payload_text",
+    "pretty_json",
     "preview",
 ]
 
@@ -45,6 +46,11 @@ def payload_text(value: Any) -> str:
     return clip(json.dumps(value, ensure_ascii=False)) if value is not None else ""
 
 
+def pretty_json(value: Any) -> str:
+    """A payload's JSON text as the page's trees are given it (input, context, artifacts)."""
+    return json.dumps(value, ensure_ascii=False, indent=1)
+
+
 def clip(text: str) -> str:
     """``text``, or its first :data:`SHOWN_CHARS` characters and how many more there are."""
     if len(text) <= SHOWN_CHARS:
@@ -64,7 +70,7 @@ def output_fields(output: Any) -> dict[str, Any]:
     """A transition's output as its row shows it: its JSON text, inline or folded with a title."""
     if output is None:
         return {"output": "", "output_inline": True, "output_preview": ""}
-    text = clip(json.dumps(output, ensure_ascii=False))
+    text = payload_text(output)
     return {
         "output": text,
         "output_inline": len(text) <= INLINE_CHARS,
@@ -115,11 +121,7 @@ def artifact_rows(artifacts: Sequence[ArtifactRecord]) -> list[dict[str, Any]]:
         }
         if artifact.content is not None:
             is_text = isinstance(artifact.content, str)
-            text = (
-                artifact.content
-                if is_text
-                else json.dumps(artifact.content, ensure_ascii=False, indent=1)
-            )
+            text = artifact.content if is_text else pretty_json(artifact.content)
             if budget <= 0:
                 row["withheld"] = True
             else:

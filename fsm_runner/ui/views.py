@@ -32,7 +32,14 @@ from fsm_runner.records import (
     utc_now,
 )
 from fsm_runner.spec import MachineSpec
-from fsm_runner.ui.payloads import artifact_rows, clip, error_text, output_fields, payload_text
+from fsm_runner.ui.payloads import (
+    artifact_rows,
+    clip,
+    error_text,
+    output_fields,
+    payload_text,
+    pretty_json,
+)
 from fsm_runner.ui.svg import render_svg
 from fsm_runner.visits import subphase_visits
 
@@ -564,8 +571,8 @@ def run_facts(journal: Journal, run: RunRecord) -> dict[str, Any]:
         "fork_seq": fork_seq(run),
         "forked_from": _forked_from(run),
         "error": error_text(run.error),
-        "input": clip(json.dumps(run.input, ensure_ascii=False, indent=1)),
-        "context": clip(json.dumps(dict(run.context), ensure_ascii=False, indent=1)),
+        "input": clip(pretty_json(run.input)),
+        "context": clip(pretty_json(dict(run.context))),
     }
 
 
