@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -87,12 +88,16 @@ class TestStartedRunsClaim:
         counting = Counting(journal)
         engine = engine_for(counting)
         run_id = engine.start()
-        journal.claim(run_id, "elsewhere", ttl=60)
+        # An owner of its own: on PostgreSQL a holder is alive while a session holds its
+        # advisory lock, and another test's "elsewhere" (an engine not yet collected) held it,
+        # then let it go mid-test: this run's holder read as gone and its run taken over.
+        owner = f"elsewhere-{uuid.uuid4().hex[:8]}"
+        journal.claim(run_id, owner, ttl=60)
         counting.calls.clear()
         with pytest.raises(LeaseHeldError):
             engine.run(run_id)
         assert counting.calls[:2] == ["claim_unchanged", "load"]
-        journal.release(run_id, "elsewhere", 1)
+        journal.release(run_id, owner, 1)
         assert engine.run(run_id).status is RunLifecycle.SUCCEEDED  # token 2: a normal claim
 
     def test_a_run_advanced_elsewhere_since_goes_on_from_where_it_is(self, journal):
