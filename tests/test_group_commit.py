@@ -593,24 +593,90 @@ class TestPostgresPipeline:
         assert [t.seq for t in postgres_journal.transitions(stale.run_id)] == [0]
         assert postgres_journal.load(ok2.run_id).state == "b"
 
-    def test_a_group_of_runs_is_one_statement(self, postgres_journal, monkeypatch):
-        """Each commit of another run: the group's work is one statement (_postgres_groups)."""
+    def grouped(self, monkeypatch) -> list[tuple[int, bool]]:
+        """Spy on the group statements: (how many commits, narrow) of each."""
         from fsm_runner.journal import _postgres_writes
 
-        grouped: list[int] = []
-        group_params = _postgres_writes.group_params
-        monkeypatch.setattr(
-            _postgres_writes,
-            "group_params",
-            lambda commits: grouped.append(len(commits)) or group_params(commits),
-        )
+        grouped: list[tuple[int, bool]] = []
+        group_statement = _postgres_writes.group_statement
+
+        def recorded(commits, *, narrow):
+            grouped.append((len(commits), narrow))
+            return group_statement(commits, narrow=narrow)
+
+        monkeypatch.setattr(_postgres_writes, "group_statement", recorded)
+        return grouped
+
+    def test_a_group_of_runs_is_one_statement(self, postgres_journal, monkeypatch):
+        """Each commit of another run: the group's work is one statement (_postgres_groups)."""
+        grouped = self.grouped(monkeypatch)
         engine = engine_for(postgres_journal)
         runs = [postgres_journal.load(engine.start()) for _ in range(3)]
         assert postgres_journal.commit_many([next_commit(run) for run in runs]) == [None] * 3
-        assert grouped == [3]
+        assert grouped == [(3, False)]  # the row's digest not yet computed here: all of it
         after = [postgres_journal.load(run.run_id) for run in runs[:2]]
         assert postgres_journal.commit_many([next_commit(run) for run in after]) == [None, None]
-        assert grouped == [3, 2]
+        assert grouped == [(3, False), (2, True)]  # the same context and error: the narrow one
+        assert postgres_journal.integrity_problems() == []
+
+    def test_the_narrow_group_writes_the_row_the_whole_one_would(
+        self, postgres_journal, monkeypatch
+    ):
+        """GROUP_NARROW leaves context, error and digest, and writes what a step changes."""
+        grouped = self.grouped(monkeypatch)
+        engine = engine_for(postgres_journal)
+        runs = [postgres_journal.load(engine.start(context={"n": 1})) for _ in range(3)]
+        commits = [next_commit(attrs.evolve(run, attempt=2)) for run in runs]  # a retried one
+        assert postgres_journal.commit_many(commits) == [None] * 3
+        # the next: a step that sets the attempt back to 1 (narrow), then the end
+        second = [next_commit(attrs.evolve(c.run, attempt=1)) for c in commits]
+        assert postgres_journal.commit_many(second) == [None] * 3
+        ending = []
+        for commit in (next_commit(c.run) for c in second):
+            run = attrs.evolve(
+                commit.run, status=RunLifecycle.SUCCEEDED, lease_owner=None, lease_expires_at=None
+            )
+            ending.append(attrs.evolve(commit, run=run))
+        assert postgres_journal.commit_many(ending) == [None] * 3
+        assert [narrow for _, narrow in grouped] == [False, True, True]
+        for commit in ending:
+            stored = postgres_journal.load(commit.run.run_id)
+            assert (stored.state, stored.seq, stored.visit_seq, stored.status) == (
+                "done",
+                3,
+                3,
+                RunLifecycle.SUCCEEDED,
+            )
+            assert (stored.context, stored.error, stored.attempt) == ({"n": 1}, None, 1)
+            assert stored.updated_at == commit.transition.at
+            assert stored.lease_owner is None
+        assert postgres_journal.integrity_problems() == []
+        assert check_journal(postgres_journal) == []
+
+    def test_a_row_changed_behind_the_writer_refuses_the_narrow_group_not_its_commits(
+        self, postgres_journal, monkeypatch
+    ):
+        """A row whose digest is not the one the writer remembers: the careful way writes it."""
+        outcomes = self.spy(monkeypatch)
+        grouped = self.grouped(monkeypatch)
+        engine = engine_for(postgres_journal)
+        runs = [postgres_journal.load(engine.start()) for _ in range(3)]
+        commits = [next_commit(run) for run in runs]
+        assert postgres_journal.commit_many(commits) == [None] * 3
+        changed = runs[1].run_id
+        postgres_journal._connection.call(  # private: another writer's row, as stored
+            lambda conn: conn.execute(
+                "UPDATE runs SET context = %s, digest = %s WHERE run_id = %s",
+                ('{"other": true}', "0" * 32, changed),
+            )
+        )
+        second = [next_commit(c.run) for c in commits]
+        assert postgres_journal.commit_many(second) == [None] * 3
+        assert grouped == [(3, False), (3, True)]
+        assert outcomes == [True, False]  # refused whole, then a savepoint a commit
+        stored = postgres_journal.load(changed)
+        # all of the row written, as the commit has it
+        assert (stored.state, stored.seq, stored.context) == ("c", 2, second[1].run.context)
         assert postgres_journal.integrity_problems() == []
 
     def test_an_abort_requested_refuses_the_step_and_admits_the_abort_in_one_group(

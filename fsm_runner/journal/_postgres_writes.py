@@ -12,7 +12,6 @@ transition from it) in autocommit mode.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
@@ -42,7 +41,13 @@ from fsm_runner.journal._postgres_connection import (
     PostgresConnection,
     Unresolved,
 )
-from fsm_runner.journal._postgres_groups import COMMIT_PARAMS, GROUP_COMMIT, group_params
+from fsm_runner.journal._postgres_groups import (
+    COMMIT_PARAMS,
+    INSERT_SPEC,
+    ONE_STATEMENT_STARTS,
+    group_statement,
+    start_statement,
+)
 from fsm_runner.journal._sql import SqlCore
 from fsm_runner.journal.base import Commit, NewRun, PruneReport, new_runs
 from fsm_runner.records import (
@@ -101,33 +106,6 @@ _CONSUME_SIGNAL = (
     "UPDATE signals SET consumed_seq = %s, consumed_at = %s"
     " WHERE number = %s AND run_id = %s AND consumed_seq IS NULL"
 )
-_INSERT_SPEC = (
-    "INSERT INTO specs (spec_hash, machine, json, created_at) VALUES (%s, %s, %s, %s)"
-    " ON CONFLICT (spec_hash) DO NOTHING"
-)
-
-
-#: Starts of at most this many runs (and no iterations) are one statement, one round trip instead
-#: of five: a start 646 -> 326 us here, 2 runs 428 -> 272 us a run. Bigger batches are pipelined
-#: (``executemany``): one statement of 10 runs was no faster, of 30 slower (its parsing).
-_ONE_STATEMENT_STARTS = 8
-
-
-@functools.lru_cache(maxsize=32)
-def _start_statement(runs: int) -> str:
-    """The spec, ``runs`` run rows and their transitions seq 0, inserted by one statement."""
-
-    def values(width: int) -> str:
-        row = "(" + ", ".join(["%s"] * width) + ")"
-        return ", ".join([row] * runs)
-
-    return (
-        f"WITH spec AS ({_INSERT_SPEC}),"
-        f" new_runs AS (INSERT INTO runs ({', '.join(_RUN_COLUMNS)})"
-        f" VALUES {values(len(_RUN_COLUMNS))})"
-        f" INSERT INTO transitions ({', '.join(TRANSITION_COLUMNS)}, digest)"
-        f" VALUES {values(len(TRANSITION_COLUMNS) + 1)}"
-    )
 
 
 def _upsert(table: str, columns: Sequence[str], *, also: str = "") -> str:
@@ -200,6 +178,8 @@ class _CommitPlan:
     params: Sequence[Any]
     before: Sequence[tuple[str, Sequence[Any]]]
     after: Sequence[tuple[str, Sequence[Any]]]
+    #: A step that leaves the row's digest as it was written here (``GROUP_NARROW`` may write it).
+    narrow: bool = False
 
     @property
     def simple(self) -> bool:
@@ -259,17 +239,18 @@ def _pipelined(conn: Connection, plans: Sequence[tuple[int, _CommitPlan]]) -> bo
     """Store a group of one-statement commits in two round trips, if none is refused.
 
     psycopg's pipeline sends BEGIN and every commit at once (commits of different runs as one
-    statement, :data:`GROUP_COMMIT`), and reads their answers at one sync; then COMMIT. A
-    refused commit (its fence moved no row, or another writer stored its seq first) rolls the
-    group back here, and ``False`` sends it the careful way, a savepoint a commit, so that a
-    refusal refuses its commit alone (as any failure of the group: a lost connection surfaces
-    as before).
+    statement, ``GROUP_COMMIT`` or ``GROUP_NARROW``), and reads their answers at one sync; then
+    COMMIT. A refused commit (its fence moved no row, or another writer stored its seq first)
+    rolls the group back here, and ``False`` sends it the careful way, a savepoint a commit, so
+    that a refusal refuses its commit alone (as any failure of the group: a lost connection
+    surfaces as before).
     """
     try:
         with conn.pipeline() as pipeline, conn.transaction():
             if _one_statement(plans):  # the group's work in one statement (_postgres_groups)
-                params = group_params([plan.params for _, plan in plans])
-                cursor = conn.execute(GROUP_COMMIT, params)
+                narrow = all(plan.narrow for _, plan in plans)
+                statement, params = group_statement([p.params for _, p in plans], narrow=narrow)
+                cursor = conn.execute(statement, params)
                 pipeline.sync()
                 _moved(cursor, len(plans))
             else:
@@ -282,7 +263,7 @@ def _pipelined(conn: Connection, plans: Sequence[tuple[int, _CommitPlan]]) -> bo
 
 
 def _one_statement(plans: Sequence[tuple[int, _CommitPlan]]) -> bool:
-    """Whether a group of one-statement commits can be :data:`GROUP_COMMIT`: each of another run.
+    """Whether a group of one-statement commits can be one statement: each of another run.
 
     (Two commits of one run need two statements: one ``UPDATE ... FROM`` moves a row once.)
     """
@@ -346,16 +327,16 @@ class PostgresWriter:
 
         def work(conn: Connection) -> None:
             try:
-                if not iteration_rows and len(runs) <= _ONE_STATEMENT_STARTS:
+                if not iteration_rows and len(runs) <= ONE_STATEMENT_STARTS:
                     # One statement, one round trip (a transaction of its own): the spec, the
                     # runs and their first transitions, the foreign keys checked at its end.
                     conn.execute(
-                        _start_statement(len(runs)),
+                        start_statement(len(runs)),
                         [*spec_row, *chain(*run_rows), *chain(*transition_rows)],
                     )
                     return
                 with conn.transaction(), conn.cursor() as cursor:
-                    cursor.execute(_INSERT_SPEC, spec_row)
+                    cursor.execute(INSERT_SPEC, spec_row)
                     cursor.executemany(INSERT_RUN, run_rows)
                     cursor.executemany(_INSERT_TRANSITION, transition_rows)
                     if iteration_rows:
@@ -602,6 +583,8 @@ class PostgresWriter:
             self._core.refuse_malformed(run, transition)
         aborting = transition.event == USER_ABORTED
         context, error = _dumps(run.context), _dumps(run.error)
+        known = self._run_hashers.get(run.run_id)
+        digest = self._run_digest(run, context, error)
         params: list[Any] = [
             transition.to_state,
             seq,
@@ -611,7 +594,7 @@ class PostgresWriter:
             run.attempt,
             context,
             error,
-            self._run_digest(run, context, error),
+            digest,
             run.return_to,
             run.return_attempt,
             run.return_visit,
@@ -625,11 +608,20 @@ class PostgresWriter:
         before: list[tuple[str, Sequence[Any]]] = []
         if spec_json is not None:
             params.append(run.spec_hash)
-            before.append((_INSERT_SPEC, (run.spec_hash, run.machine, spec_json, utc_now())))
+            before.append((INSERT_SPEC, (run.spec_hash, run.machine, spec_json, utc_now())))
         # ... and is the one transition taken under the token its abort was requested under
         params += [run.run_id, seq - 1, transition.lease_token, aborting]
         core = self._core
         values = core.transition_params(transition)
+        # the row's digest as this writer last wrote it (its memory kept: context and error
+        # the same), nowhere to return to: GROUP_NARROW leaves the rest of the row as it is
+        narrow = (
+            known is not None
+            and self._run_hashers.get(run.run_id) is known
+            and not (aborting or before or iterations or artifacts)
+            and run.return_to is None
+            and not (run.return_attempt or run.return_visit)
+        )
         digest = transition_chain_digest(self._previous(transition, planned), values)
         params += values[1:]
         params.append(digest)
@@ -643,6 +635,7 @@ class PostgresWriter:
             params=params,
             before=before,
             after=after,
+            narrow=narrow,
         )
 
     # -- operations ----------------------------------------------------------------------------
