@@ -274,7 +274,7 @@ class TestPostgresMigration:
         make_old_journal(admin, postgres_schema, version)
         with PostgresJournal(postgres_server.url, schema=postgres_schema) as journal:
             meta = journal.meta()
-            assert meta["schema_version"] == str(SCHEMA_VERSION) == "10"
+            assert meta["schema_version"] == str(SCHEMA_VERSION) == "11"
             assert meta["digests_computed"].startswith("computed at migration to version 9 on ")
             assert meta["digests_computed_to_run_key"] == "1"  # runs.rowid on PostgreSQL
             assert journal.integrity_problems() == []
