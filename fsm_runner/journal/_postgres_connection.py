@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ __all__ = [
     "Connection",
     "PostgresConnection",
     "Unresolved",
+    "reused_cursor",
 ]
 
 T = TypeVar("T")
@@ -55,6 +57,25 @@ class Unresolved:
 UNRESOLVED = Unresolved()
 #: Refusals that a write done again may meet because its first try did commit after all.
 _REFUSALS = (RunConflictError, LeaseError, RunExistsError)
+
+
+#: Each connection's cursor for the hot path's statements (see :func:`reused_cursor`).
+_CURSORS: weakref.WeakKeyDictionary[Connection, psycopg.Cursor[tuple[Any, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def reused_cursor(conn: Connection) -> psycopg.Cursor[tuple[Any, ...]]:
+    """The connection's own cursor for one statement at a time, made once.
+
+    ``conn.execute`` makes a cursor (and its adapters' map) for each statement: ~15 µs of the
+    client's CPU a statement here (42 against 27 µs for a 12-value INSERT). Not for a pipeline,
+    whose cursors each hold their statement's result until the pipeline's sync.
+    """
+    cursor = _CURSORS.get(conn)
+    if cursor is None or cursor.closed:
+        cursor = _CURSORS[conn] = conn.cursor()
+    return cursor
 
 
 def _first_line(exc: BaseException) -> str:

@@ -40,6 +40,7 @@ from fsm_runner.journal._postgres_connection import (
     Connection,
     PostgresConnection,
     Unresolved,
+    reused_cursor,
 )
 from fsm_runner.journal._postgres_groups import (
     COMMIT_PARAMS,
@@ -191,7 +192,7 @@ class _CommitPlan:
         for text, values in self.before:
             conn.execute(text, values)
         try:
-            moved = conn.execute(self.statement, self.params).rowcount
+            moved = reused_cursor(conn).execute(self.statement, self.params).rowcount
         except pg_errors.UniqueViolation as exc:
             if exc.diag.constraint_name != "transitions_pkey":
                 raise
