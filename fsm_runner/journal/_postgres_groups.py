@@ -105,11 +105,18 @@ _COLUMNS: tuple[tuple[str, str, int], ...] = (
 #: How many parameters the one-statement commit binds (without a spec).
 COMMIT_PARAMS = 33
 
-GROUP_COMMIT = f"""
-WITH i AS (
-    SELECT * FROM unnest({", ".join(f"%b::{kind}[]" for _, kind, _ in _COLUMNS)})
-        AS i({", ".join(name for name, _, _ in _COLUMNS)})
-), moved AS (
+
+def _unnested(columns: Sequence[tuple[str, str, int]]) -> str:
+    """``WITH i AS (...)``: the group's values, bound as one array a column, as rows."""
+    return (
+        f"WITH i AS (SELECT * FROM unnest({', '.join(f'%b::{kind}[]' for _, kind, _ in columns)})"
+        f" AS i({', '.join(name for name, _, _ in columns)}))"
+    )
+
+
+GROUP_COMMIT = (
+    _unnested(_COLUMNS)
+    + """, moved AS (
     UPDATE runs AS r
        SET state = i.state, seq = i.seq, iteration = i.iteration, updated_at = i.updated_at,
            status = i.status, attempt = i.attempt, context = i.context, error = i.error,
@@ -131,6 +138,7 @@ SELECT i.run_id, i.t_seq, i.t_from_state, i.t_event, i.t_to_state, i.t_iteration
        i.t_attempt, i.t_at, i.t_duration_ms, i.t_result, i.t_lease_token, i.t_digest
   FROM i JOIN moved ON moved.run_id = i.run_id
 """
+)
 
 
 #: The columns :data:`GROUP_NARROW` takes: what a step whose run keeps its digest (its input,
@@ -151,11 +159,9 @@ _NARROW_COLUMNS = tuple(
 #: row's context, error and digest left as they are -- only where the row holds that digest:
 #: a row that does not (the writer's memory of it stale) refuses the group, which is then
 #: written the careful way (:data:`GROUP_COMMIT`'s statements, a savepoint each).
-GROUP_NARROW = f"""
-WITH i AS (
-    SELECT * FROM unnest({", ".join(f"%b::{kind}[]" for _, kind, _ in _NARROW_COLUMNS)})
-        AS i({", ".join(name for name, _, _ in _NARROW_COLUMNS)})
-), moved AS (
+GROUP_NARROW = (
+    _unnested(_NARROW_COLUMNS)
+    + """, moved AS (
     UPDATE runs AS r
        SET state = i.state, seq = i.t_seq, iteration = i.iteration, updated_at = i.updated_at,
            status = i.status, attempt = i.attempt, return_to = NULL, return_attempt = 0,
@@ -175,6 +181,7 @@ SELECT i.run_id, i.t_seq, i.t_from_state, i.t_event, i.state, i.iteration, i.t_a
        i.updated_at, i.t_duration_ms, i.t_result, i.token, i.t_digest
   FROM i JOIN moved ON moved.run_id = i.run_id
 """
+)
 
 
 def group_statement(
