@@ -34,6 +34,7 @@ from fsm_runner.engine.core import StepCore
 from fsm_runner.engine.leases import LeaseKeeper
 from fsm_runner.engine.sync_driver import SyncDriver
 from fsm_runner.exceptions import LeaseHeldError, PayloadError, RunExistsError
+from fsm_runner.journal._postgres_groups import BULK_STARTS
 from fsm_runner.journal.base import Renewal
 from fsm_runner.replay import verify
 from tests.helpers import NEXT, Counting, linear_spec
@@ -373,6 +374,36 @@ class TestStartMany:
             journal.create_runs(runs, spec_json=SPEC.to_json())
         assert raised.value.run_id == "run-1"
         assert [run.run_id for run in journal.runs()] == ["run-1"]
+
+    def test_a_large_batch_reads_back_as_written(self, journal):
+        """More runs than PostgreSQL's BULK_STARTS: its one statement of arrays, NULLs too."""
+        core, _ = parts_for(journal)
+        lease = ("w", dt.timedelta(seconds=30))
+        batch = [
+            core.new_run(
+                {"n": n} if n % 3 else None,
+                f"big-{n}",
+                {"k": n} if n % 5 == 0 else None,
+                "parent" if n % 7 == 0 else None,
+                lease if n % 2 else None,
+            )
+            for n in range(BULK_STARTS + 50)
+        ]
+        journal.create_runs(batch, spec_json=SPEC.to_json())
+        for run, first, _ in batch[::7]:
+            assert journal.load(run.run_id) == run
+            assert journal.transitions(run.run_id) == [first]
+        assert len(list(journal.runs())) == len(batch)
+        assert journal.integrity_problems() == []
+
+    def test_an_existing_id_refuses_a_large_batch(self, journal):
+        core, _ = parts_for(journal)
+        runs = [core.new_run(n, f"run-{n}", None, None, None) for n in range(BULK_STARTS + 50)]
+        journal.create_run(*runs[120][:2], spec_json=SPEC.to_json())
+        with pytest.raises(RunExistsError) as raised:
+            journal.create_runs(runs, spec_json=SPEC.to_json())
+        assert raised.value.run_id == "run-120"
+        assert [run.run_id for run in journal.runs()] == ["run-120"]
 
     def test_runs_under_two_specs_are_refused(self, journal):
         other = linear_spec("x", name="other")

@@ -43,9 +43,12 @@ from fsm_runner.journal._postgres_connection import (
     reused_cursor,
 )
 from fsm_runner.journal._postgres_groups import (
+    BULK_START,
+    BULK_STARTS,
     COMMIT_PARAMS,
     INSERT_SPEC,
     ONE_STATEMENT_STARTS,
+    bulk_start_params,
     group_statement,
     start_statement,
 )
@@ -335,6 +338,9 @@ class PostgresWriter:
                         start_statement(len(runs)),
                         [*spec_row, *chain(*run_rows), *chain(*transition_rows)],
                     )
+                    return
+                if not iteration_rows and len(runs) > BULK_STARTS:  # values as arrays
+                    conn.execute(BULK_START, bulk_start_params(spec_row, run_rows, transition_rows))
                     return
                 with conn.transaction(), conn.cursor() as cursor:
                     cursor.execute(INSERT_SPEC, spec_row)
