@@ -35,13 +35,16 @@ __all__ = [
     "GROUP_NARROW",
     "INSERT_SPEC",
     "ONE_STATEMENT_STARTS",
+    "STORED_RUN_COLUMNS",
+    "STORED_TRANSITION_COLUMNS",
     "bulk_start_params",
     "group_statement",
     "start_statement",
 ]
 
-#: A run row's columns as inserted: its digest last (schema 9).
-_RUN_COLUMNS = (*_rows.RUN_COLUMNS, "digest")
+#: A run row's and a transition's columns as inserted: each digest last (schema 9).
+STORED_RUN_COLUMNS = (*_rows.RUN_COLUMNS, "digest")
+STORED_TRANSITION_COLUMNS = (*_rows.TRANSITION_COLUMNS, "digest")
 INSERT_SPEC = (
     "INSERT INTO specs (spec_hash, machine, json, created_at) VALUES (%s, %s, %s, %s)"
     " ON CONFLICT (spec_hash) DO NOTHING"
@@ -64,10 +67,10 @@ def start_statement(runs: int) -> str:
 
     return (
         f"WITH spec AS ({INSERT_SPEC}),"
-        f" new_runs AS (INSERT INTO runs ({', '.join(_RUN_COLUMNS)})"
-        f" VALUES {values(len(_RUN_COLUMNS))})"
-        f" INSERT INTO transitions ({', '.join(_rows.TRANSITION_COLUMNS)}, digest)"
-        f" VALUES {values(len(_rows.TRANSITION_COLUMNS) + 1)}"
+        f" new_runs AS (INSERT INTO runs ({', '.join(STORED_RUN_COLUMNS)})"
+        f" VALUES {values(len(STORED_RUN_COLUMNS))})"
+        f" INSERT INTO transitions ({', '.join(STORED_TRANSITION_COLUMNS)})"
+        f" VALUES {values(len(STORED_TRANSITION_COLUMNS))}"
     )
 
 
@@ -95,17 +98,16 @@ def _arrays(columns: Sequence[str]) -> str:
     return ", ".join(f"%b::{_START_TYPES[column]}[]" for column in columns)
 
 
-_TRANSITION_COLUMNS = (*_rows.TRANSITION_COLUMNS, "digest")
 #: A start of many runs: the spec, the run rows and their transitions seq 0 in one statement,
 #: each table's values bound as one array a column (:func:`bulk_start_params`), instead of a
 #: pipeline of one statement a row (each its own bind and execute on the server, and ~10 µs of
 #: psycopg's Python a row on the client).
 BULK_START = (
     f"WITH spec AS ({INSERT_SPEC}),"
-    f" new_runs AS (INSERT INTO runs ({', '.join(_RUN_COLUMNS)})"
-    f" SELECT * FROM unnest({_arrays(_RUN_COLUMNS)}))"
-    f" INSERT INTO transitions ({', '.join(_TRANSITION_COLUMNS)})"
-    f" SELECT * FROM unnest({_arrays(_TRANSITION_COLUMNS)})"
+    f" new_runs AS (INSERT INTO runs ({', '.join(STORED_RUN_COLUMNS)})"
+    f" SELECT * FROM unnest({_arrays(STORED_RUN_COLUMNS)}))"
+    f" INSERT INTO transitions ({', '.join(STORED_TRANSITION_COLUMNS)})"
+    f" SELECT * FROM unnest({_arrays(STORED_TRANSITION_COLUMNS)})"
 )
 
 

@@ -48,6 +48,8 @@ from fsm_runner.journal._postgres_groups import (
     COMMIT_PARAMS,
     INSERT_SPEC,
     ONE_STATEMENT_STARTS,
+    STORED_RUN_COLUMNS,
+    STORED_TRANSITION_COLUMNS,
     bulk_start_params,
     group_statement,
     start_statement,
@@ -66,14 +68,14 @@ from fsm_runner.run_ids import check_run_id, check_run_ids
 __all__ = ["INSERT_RUN", "PRUNE_BATCH", "TRANSITION_COLUMNS", "PostgresWriter", "utc"]
 
 # Every row written carries its digest (schema 9: see ._postgres_chain), its last value.
-_RUN_COLUMNS = (*_rows.RUN_COLUMNS, "digest")
 INSERT_RUN = (
-    f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({', '.join(['%s'] * len(_RUN_COLUMNS))})"
+    f"INSERT INTO runs ({', '.join(STORED_RUN_COLUMNS)})"
+    f" VALUES ({', '.join(['%s'] * len(STORED_RUN_COLUMNS))})"
 )
 TRANSITION_COLUMNS = _rows.TRANSITION_COLUMNS
 _INSERT_TRANSITION = (
-    f"INSERT INTO transitions ({', '.join(TRANSITION_COLUMNS)}, digest)"
-    f" VALUES ({', '.join(['%s'] * (len(TRANSITION_COLUMNS) + 1))})"
+    f"INSERT INTO transitions ({', '.join(STORED_TRANSITION_COLUMNS)})"
+    f" VALUES ({', '.join(['%s'] * len(STORED_TRANSITION_COLUMNS))})"
 )
 #: How many runs' head digests a writer remembers (a miss costs one read before a commit).
 _REMEMBERED_HEADS = 100_000
