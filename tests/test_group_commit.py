@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import sqlite3
+import time
 
 import attrs
 import pytest
@@ -449,9 +450,11 @@ class TestGroupClaims:
 
     def test_claim_many_grants_and_refuses_each_on_its_own(self, journal):
         engine = engine_for(journal)
-        free, ended, held, vetoed = (engine.start(run_id=f"r{n}") for n in range(4))
+        free, ended, held, vetoed, lapsed = (engine.start(run_id=f"r{n}") for n in range(5))
         engine.run(ended)
         journal.claim(held, "w2", ttl=60)
+        journal.claim(lapsed, "w3", ttl=0.001)
+        time.sleep(0.05)  # w3's lease has lapsed: w1 takes it over (a recovery)
         before = {r: journal.load(r) for r in (ended, held, vetoed)}
 
         def check(run):
@@ -459,12 +462,13 @@ class TestGroupClaims:
                 raise ValueError("not here")
 
         results = journal.claim_many(
-            [free, ended, "missing", held, vetoed], "w1", ttl=60, check=check
+            [free, ended, "missing", held, vetoed, lapsed], "w1", ttl=60, check=check
         )
-        claimed = results[0]
-        assert (claimed.lease_owner, claimed.lease_token) == ("w1", 1)
-        assert journal.load(free) == claimed
-        assert [type(r).__name__ for r in results[1:]] == [
+        claimed, taken = results[0], results[-1]
+        assert (claimed.lease_owner, claimed.lease_token, claimed.recoveries) == ("w1", 1, 0)
+        assert (taken.lease_owner, taken.lease_token, taken.recoveries) == ("w1", 2, 1)
+        assert [journal.load(free), journal.load(lapsed)] == [claimed, taken]  # as stored
+        assert [type(r).__name__ for r in results[1:-1]] == [
             "RunTerminalError", "RunNotFoundError", "LeaseHeldError", "ValueError",
         ]  # fmt: skip
         assert {r: journal.load(r) for r in before} == before  # nothing written for them

@@ -156,12 +156,14 @@ class TestPostgresChain:
 
     def test_a_claim_brings_the_head_its_next_commit_chains_to(self, postgres_journal):
         journal = postgres_journal
-        journal.create_run(
-            RunRecord("r1", SPEC.name, SPEC.spec_hash, "building", created_at=T0, updated_at=T0),
-            TransitionRecord("r1", 0, None, "STARTED", "building", at=T0),
-            spec_json=SPEC.to_json(),
-        )
+        for run_id in ("r1", "r2"):
+            journal.create_run(
+                RunRecord(run_id, SPEC.name, SPEC.spec_hash, "building", created_at=T0),
+                TransitionRecord(run_id, 0, None, "STARTED", "building", at=T0),
+                spec_json=SPEC.to_json(),
+            )
         (head,) = [t.digest for t in journal.transitions("r1")]
+        (head2,) = [t.digest for t in journal.transitions("r2")]
         with PostgresJournal(journal._url, schema=journal.schema) as other:
             claimed = other.claim("r1", "w", ttl=60)
             assert other._writer._heads == {"r1": (0, head)}  # private: no read before a step
@@ -171,6 +173,13 @@ class TestPostgresChain:
             assert other._writer._heads == {"r1": (0, head)}
             other.release("r1", "w", again.lease_token)
             other._writer.forget(["r1"])
+            both = other.claim_many(["r1", "r2"], "w", ttl=60)  # a group: one read of both
+            assert other._writer._heads == {"r1": (0, head), "r2": (0, head2)}
+            assert [run.lease_owner for run in both] == ["w", "w"]
+            assert both == [other.load("r1"), other.load("r2")]  # the rows as the claim left them
+            for run in both:
+                other.release(run.run_id, "w", run.lease_token)
+            other._writer.forget(["r1", "r2"])
             found = other.claim_next("w", ttl=60, machine=SPEC.name, states=["building"])
             assert found is not None
             assert other._writer._heads == {"r1": (0, head)}

@@ -204,12 +204,11 @@ class ClaimGroup:
 
     heads: PostgresHeads
     locks: OwnerLocks
-    #: A claimed run from its row and head digest (remembered by the journal's writer).
-    claimed: Callable[[Sequence[Any]], RunRecord]
+    #: Remember a claimed run's head (run id, seq, digest): its next commit chains to it.
+    remember_head: Callable[[str, int, str], None]
     #: A run from its row (:data:`~._rows.RUN_COLUMNS`).
     decode: Callable[[Sequence[Any]], RunRecord]
-    #: The claim's RETURNING (the run row, then its head digest) and a run row's columns.
-    returning: str
+    #: A run row's columns.
     select: str
 
 
@@ -236,7 +235,7 @@ def claim_group(
     def work(conn: Connection) -> list[RunRecord | Exception]:
         group.locks.hold(conn, owner)
         with conn.transaction():
-            found, now = group.heads.load_many(conn, run_ids, group.decode)
+            found, heads, now = group.heads.load_many(conn, run_ids, group.decode)
             grants: dict[str, int] = {}
             for run_id, run in found.items():
                 if isinstance(run, Exception):
@@ -254,17 +253,31 @@ def claim_group(
                 assert now is not None
                 expires = now + dt.timedelta(seconds=ttl)
                 tried.append(expires)
-                cursor = conn.execute(
+                moved = conn.execute(
                     "UPDATE runs SET lease_owner = %s, lease_expires_at = %s,"
                     " lease_token = runs.lease_token + 1, recoveries = runs.recoveries"
                     " + granted.takeover FROM unnest(%s::text[], %s::int[])"
-                    " AS granted(id, takeover) WHERE runs.run_id = granted.id"
-                    f" RETURNING {group.returning}",
+                    " AS granted(id, takeover) WHERE runs.run_id = granted.id",
                     (owner, expires, list(grants), list(grants.values())),
-                )
-                for row in cursor.fetchall():
-                    claimed = group.claimed(row)
-                    found[claimed.run_id] = claimed
+                ).rowcount
+                if moved != len(grants):  # the rows are locked: each granted one moves
+                    raise JournalError(
+                        f"a claim of {len(grants)} runs moved {moved}", path=connection.location
+                    )
+                # The rows as the UPDATE left them, from the rows read (locked: nobody else
+                # moved them): decoded once, not again from a RETURNING of every column.
+                for run_id, takeover in grants.items():
+                    run = found[run_id]
+                    assert isinstance(run, RunRecord)
+                    found[run_id] = attrs.evolve(
+                        run,
+                        lease_owner=owner,
+                        lease_expires_at=expires,
+                        lease_token=run.lease_token + 1,
+                        recoveries=run.recoveries + takeover,
+                    )
+                    if run_id in heads:
+                        group.remember_head(run_id, run.seq, heads[run_id])
         return [found[run_id] for run_id in run_ids]
 
     def resolve(conn: Connection) -> list[RunRecord | Exception] | Unresolved:

@@ -28,6 +28,8 @@ __all__ = ["PostgresHeads"]
 
 _log = logging.getLogger("fsm_runner")
 _RUN = len(RUN_DIGEST_COLUMNS)
+#: Where the head transition's seq is in :data:`_HEAD_COLUMNS` (its digest next).
+_HEAD_SEQ = 2 + _RUN
 #: What is verified: the run row's digest and values, its head transition's, and the digest
 #: of the transition before the head.
 _HEAD_COLUMNS = (
@@ -101,14 +103,17 @@ class PostgresHeads:
 
     def load_many(
         self, conn: Connection, run_ids: Sequence[str], decode: Callable[[Sequence[Any]], RunRecord]
-    ) -> tuple[dict[str, RunRecord | Exception], dt.datetime | None]:
-        """Each run's row, locked, once verified (or why it is refused), and the server's time.
+    ) -> tuple[dict[str, RunRecord | Exception], dict[str, str], dt.datetime | None]:
+        """Each run's row, locked, once verified (or why refused), heads' digests, server time.
 
         One read for them all (``claim_many``'s). A run not there is :class:`RunNotFoundError`.
+        A head digest is given for a run whose head was read at the row's seq (not for one
+        whose row moved while the read waited for its lock: its head was read again).
         """
         rows: Any = conn.execute(_LOAD_MANY_SQL, (list(run_ids),)).fetchall()
         split = len(_rows.RUN_COLUMNS)
         found: dict[str, RunRecord | Exception] = {}
+        heads: dict[str, str] = {}
         now = None
         for row in rows:
             run_id, now = row[0], row[-1]
@@ -118,9 +123,11 @@ class PostgresHeads:
                 found[run_id] = exc
             else:
                 found[run_id] = decode(row[:split])
+                if row[split + _HEAD_SEQ] == row[split]:  # t.seq = r.seq: the head as verified
+                    heads[run_id] = row[split + _HEAD_SEQ + 1]
         for run_id in run_ids:
             found.setdefault(run_id, RunNotFoundError(run_id))
-        return found, now
+        return found, heads, now
 
     def _verify_locked(self, conn: Connection, run_id: str, row: Sequence[Any]) -> None:
         """Verify the head a locking read returned; if it fails, the head as committed.

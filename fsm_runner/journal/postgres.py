@@ -262,8 +262,8 @@ class PostgresJournal:
         self._waits, self.liveness = PostgresWaits(connection), OwnerLiveness(connection)
         self._claimed = functools.partial(_claimed, self._writer, self._run_from_row)
         self._heads = PostgresHeads(self.location)
-        parts = (self._heads, self.liveness.locks, self._claimed, self._run_from_row)
-        self._group = ClaimGroup(*parts, _CLAIMED, _RUN_SELECT)  # claim_many's
+        parts = (self._heads, self.liveness.locks, self._writer.remember_head, self._run_from_row)
+        self._group = ClaimGroup(*parts, _RUN_SELECT)  # claim_many's
         # The hot path: the writer's own methods bound as this journal's (overrides are kept).
         bind_hot_path(self, PostgresJournal, self._writer, ("commit", "commit_many", "create_runs"))
         self._close = watch(self, functools.partial(_close, self._waits, connection), repr(self))
