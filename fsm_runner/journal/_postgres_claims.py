@@ -212,6 +212,34 @@ class ClaimGroup:
     select: str
 
 
+def _granted(
+    group: ClaimGroup,
+    found: dict[str, RunRecord | Exception],
+    heads: dict[str, str],
+    grants: dict[str, int],
+    *,
+    owner: str,
+    expires: dt.datetime,
+) -> None:
+    """Put the granted runs in ``found`` as the claim's UPDATE left them; remember their heads.
+
+    From the rows read (locked: nobody else moved them), decoded once, not again from a
+    ``RETURNING`` of every column.
+    """
+    for run_id, takeover in grants.items():
+        run = found[run_id]
+        assert isinstance(run, RunRecord)
+        found[run_id] = attrs.evolve(
+            run,
+            lease_owner=owner,
+            lease_expires_at=expires,
+            lease_token=run.lease_token + 1,
+            recoveries=run.recoveries + takeover,
+        )
+        if run_id in heads:
+            group.remember_head(run_id, run.seq, heads[run_id])
+
+
 def claim_group(
     connection: PostgresConnection,
     group: ClaimGroup,
@@ -264,20 +292,7 @@ def claim_group(
                     raise JournalError(
                         f"a claim of {len(grants)} runs moved {moved}", path=connection.location
                     )
-                # The rows as the UPDATE left them, from the rows read (locked: nobody else
-                # moved them): decoded once, not again from a RETURNING of every column.
-                for run_id, takeover in grants.items():
-                    run = found[run_id]
-                    assert isinstance(run, RunRecord)
-                    found[run_id] = attrs.evolve(
-                        run,
-                        lease_owner=owner,
-                        lease_expires_at=expires,
-                        lease_token=run.lease_token + 1,
-                        recoveries=run.recoveries + takeover,
-                    )
-                    if run_id in heads:
-                        group.remember_head(run_id, run.seq, heads[run_id])
+                _granted(group, found, heads, grants, owner=owner, expires=expires)
         return [found[run_id] for run_id in run_ids]
 
     def resolve(conn: Connection) -> list[RunRecord | Exception] | Unresolved:
