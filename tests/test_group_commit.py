@@ -473,22 +473,62 @@ class TestGroupClaims:
         ]  # fmt: skip
         assert {r: journal.load(r) for r in before} == before  # nothing written for them
 
-    def test_arun_claims_the_runs_it_starts_together(self, tmp_path):
-        with SqliteJournal(tmp_path / "j.db") as journal:
-            engine = engine_for(journal)
-            run_ids = [engine.start() for _ in range(50)]
-            transactions = []
-            claim_many = journal.claim_many
-            journal.claim_many = lambda *a, **k: transactions.append(a[0]) or claim_many(*a, **k)
+    @pytest.mark.parametrize("journal", ["sqlite", "postgres"], indirect=True)  # memory: none
+    def test_claim_unchanged_many_claims_only_runs_still_as_written(self, journal):
+        engine = engine_for(journal)
+        run_ids = [engine.start(run_id=f"r{n}") for n in range(5)]
+        engine.close()
+        written = {r: journal.load(r) for r in run_ids}
+        plain, claimed_elsewhere, released, stepped, aborted = run_ids
+        held = journal.claim(claimed_elsewhere, "w2", ttl=60)
+        token = journal.claim(released, "w2", ttl=60).lease_token
+        journal.release(released, "w2", token)  # as it was, but for its token
+        engine_for(journal).step(stepped)
+        journal.request_abort(aborted, "stop")
+        before = {r: journal.load(r) for r in run_ids[1:]}
+        results = journal.claim_unchanged_many([written[r] for r in run_ids], "w1", ttl=60)
+        assert results[1:] == [None] * 4  # nothing written for them
+        assert {r: journal.load(r) for r in run_ids[1:]} == before
+        assert journal.load(claimed_elsewhere) == held
+        claimed = results[0]
+        assert (claimed.lease_owner, claimed.lease_token, claimed.seq) == ("w1", 1, 0)
+        assert journal.load(plain) == claimed  # as stored
+        assert journal.claim_unchanged_many([written[plain]], "w3", ttl=60) == [None]
+        assert journal.claim_unchanged_many([], "w3", ttl=60) == []
 
-            async def main():
-                return await asyncio.gather(*(engine.arun(r, max_steps=2) for r in run_ids))
+    def test_arun_claims_the_runs_it_starts_together(self, journal):
+        engine = engine_for(journal)
+        run_ids = [engine.start() for _ in range(50)]
+        calls = []
+        for name in ("claim_many", "claim_unchanged_many"):
+            method = getattr(journal, name, None)
+            if method is None:
+                continue
+            setattr(journal, name, lambda *a, name=name, method=method, **k: (
+                calls.append((name, len(a[0]))) or method(*a, **k)
+            ))  # fmt: skip
 
-            done = asyncio.run(main())
-            engine.close()
-            assert [len(ids) for ids in transactions] == [50]
-            assert all(run.seq == 2 and run.lease_token == 1 for run in done)
-            assert all(journal.load(r).lease_owner is None for r in run_ids)  # released
+        async def main(ids):
+            runs = (engine.arun(r, max_steps=2) for r in ids)
+            return await asyncio.gather(*runs, return_exceptions=True)
+
+        done = asyncio.run(main(run_ids))
+        if not hasattr(journal, "claim_unchanged_many"):  # the memory journal: loaded, at once
+            assert calls == [("claim_many", 50)]
+            return
+        assert calls == [("claim_unchanged_many", 50)]  # as written: no load, one transaction
+        assert all(run.seq == 2 and run.lease_token == 1 for run in done)
+        assert all(journal.load(r).lease_owner is None for r in run_ids)  # released
+        with engine_for(journal) as other:
+            others = other.start_many([{}] * 30)  # not this engine's: loaded
+        run_ids[:20] = [engine.start() for _ in range(20)]
+        journal.claim_many(run_ids[15:20], "elsewhere:1:x", ttl=60)  # changed: loaded too
+        calls.clear()
+        done = asyncio.run(main(run_ids[:20] + others))
+        engine.close()
+        assert calls == [("claim_unchanged_many", 20), ("claim_many", 35)]
+        assert [type(run).__name__ for run in done[15:20]] == ["LeaseHeldError"] * 5
+        assert all(run.seq == 2 and run.lease_owner is None for run in done[:15] + done[20:])
 
     def test_a_refused_claim_fails_only_its_run(self, tmp_path):
         with SqliteJournal(tmp_path / "j.db") as journal:
@@ -511,14 +551,14 @@ class TestGroupClaims:
             engine = engine_for(journal)
             run_ids = [engine.start() for _ in range(3)]
             tasks = []
-            claim_many = journal.claim_many
+            claim_many = journal.claim_unchanged_many
 
             def claim_then_cancel(*args, **kwargs):
                 results = claim_many(*args, **kwargs)
                 asyncio.get_running_loop().call_soon(tasks[1].cancel)  # before it resumes
                 return results
 
-            journal.claim_many = claim_then_cancel
+            journal.claim_unchanged_many = claim_then_cancel  # the runs are as it wrote them
 
             async def main():
                 tasks.extend(asyncio.ensure_future(engine.arun(r)) for r in run_ids)
@@ -536,14 +576,16 @@ class TestGroupClaims:
 
         async def main():
             loop = asyncio.get_running_loop()
-            claimer = GroupClaimer(loop, lambda ids: calls.append(ids) or [f"row {i}" for i in ids])
+            claimer = GroupClaimer(
+                loop, lambda claims: calls.append(claims) or [f"row {r}" for r, _ in claims]
+            )
             futures = [claimer.submit(r) for r in ("a", "b", "c")]
             futures[1].cancel()
             await asyncio.sleep(0)
             return [f.result() for f in (futures[0], futures[2])]
 
         assert asyncio.run(main()) == ["row a", "row c"]
-        assert calls == [["a", "c"]]
+        assert calls == [[("a", None), ("c", None)]]
 
 
 class TestPostgresPipeline:

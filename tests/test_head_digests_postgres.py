@@ -109,7 +109,26 @@ def test_every_drive_refuses_it_and_writes_nothing(damaged):
         journal.claim_unchanged(run, "w1", ttl=30)
     (refused,) = journal.claim_many(["r1"], "w1", ttl=30)
     assert isinstance(refused, JournalError)
+    assert journal.claim_unchanged_many([run], "w1", ttl=30) == [None]  # left to claim_many
     assert stored(journal, "r1") == before  # no lease taken, no transition
+
+
+def test_a_group_claim_of_runs_as_written_leaves_a_damaged_one_to_claim_many(
+    postgres_journal, admin
+):
+    """``claim_unchanged_many`` (an engine's ``arun`` of runs it started) verifies the heads it
+    claimed; one failing rolls the group back, every run ``None``: ``claim_many`` then claims
+    each the usual way and refuses the damaged one alone."""
+    sound = at_seq_two(postgres_journal, "r2", n=2)
+    at_seq_two(postgres_journal)
+    runs = [postgres_journal.load(r) for r in ("r1", sound)]
+    before = {r.run_id: stored(postgres_journal, r.run_id) for r in runs}
+    damage(admin, postgres_journal.schema, DAMAGES["head-result"][0])
+    assert postgres_journal.claim_unchanged_many(runs, "w1", ttl=30) == [None, None]
+    assert {r.run_id: stored(postgres_journal, r.run_id) for r in runs} == before
+    refused, claimed = postgres_journal.claim_many(["r1", sound], "w1", ttl=30)
+    assert isinstance(refused, JournalError)
+    assert (claimed.lease_owner, stored(postgres_journal, "r1")) == ("w1", before["r1"])
 
 
 def test_an_undamaged_run_goes_on(postgres_journal):

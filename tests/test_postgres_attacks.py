@@ -358,6 +358,26 @@ class TestKilledAfterTheCommit:
         assert trap.sprung >= 8
         assert check_journal(journal) == []
 
+    def test_claims_of_runs_as_written(self, postgres_journal, killer):
+        """``claim_unchanged_many`` cut off after its commit: each run claimed exactly once."""
+        journal = postgres_journal
+        trap = Trap(journal, killer, seed=5)
+        for round_ in range(10):
+            trap.armed = False
+            engine = Engine(SPEC, handlers=Calls().handlers(), journal=journal)
+            run_ids = engine.start_many([{"n": n} for n in range(6)])
+            engine.close()
+            written = [journal.load(run_id) for run_id in run_ids]
+            trap.armed = True
+            owner = f"w{round_}"
+            claimed = journal.claim_unchanged_many(written, owner, ttl=60)
+            assert [(run.lease_owner, run.lease_token) for run in claimed] == [(owner, 1)] * 6
+            trap.armed = False
+            assert [journal.load(run_id) for run_id in run_ids] == claimed  # as stored
+            assert journal.claim_unchanged_many(written, owner, ttl=60) == [None] * 6
+        assert trap.sprung >= 3
+        assert check_journal(journal) == []
+
     def test_a_group_commit(self, postgres_journal, killer):
         """commit_many of many runs' steps, the group's COMMIT answer lost every time."""
         journal = postgres_journal

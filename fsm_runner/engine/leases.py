@@ -290,18 +290,17 @@ class LeaseKeeper:
             return held
         if not grouped:
             return self.claim(run_id)
-        with self._runs.lock:  # claimed with the loop's others, by claim_many (a load each)
-            self._started.pop(run_id, None)
+        journal = self._core.journal
+        with self._runs.lock:  # claimed with the loop's others (see _claim_group)
+            fresh = self._started.pop(run_id, None)
         loop = asyncio.get_running_loop()
         claimer = self._claimer
         if claimer is None or claimer.loop is not loop:
-            journal, worker_id, ttl = self._core.journal, self.worker_id, self.lease_ttl
-            check = self._core.check_runnable
-            claimer = self._claimer = GroupClaimer(
-                loop, lambda run_ids: journal.claim_many(run_ids, worker_id, ttl=ttl, check=check)
-            )
+            claimer = self._claimer = GroupClaimer(loop, self._claim_group)
         self.reserve(run_id)
-        future = claimer.submit(run_id)
+        future = claimer.submit(
+            run_id, fresh[1] if fresh is not None and fresh[0] is journal else None
+        )
         try:
             claimed = await future
         except BaseException as exc:
@@ -316,6 +315,38 @@ class LeaseKeeper:
                 return self.claim(run_id)  # its holder is gone: take the lease over now
             raise
         return self.take(claimed)
+
+    def _claim_group(
+        self, claims: Sequence[tuple[str, RunRecord | None]]
+    ) -> list[RunRecord | Exception]:
+        """Claim a loop turn's runs: each a row or why it was refused (:class:`GroupClaimer`).
+
+        The runs this engine started and has not claimed since (given as written) are claimed
+        without a load where the journal can (``claim_unchanged_many``: one transaction for
+        them all); the rest, and any of them that changed since, by one ``claim_many`` (a
+        load each, checked by the core's ``check_runnable``).
+        """
+        journal, worker_id, ttl = self._core.journal, self.worker_id, self.lease_ttl
+        results: list[RunRecord | Exception | None] = [None] * len(claims)
+        fresh = [(index, run) for index, (_, run) in enumerate(claims) if run is not None]
+        claim_unchanged_many = getattr(journal, "claim_unchanged_many", None)
+        if fresh and claim_unchanged_many is not None:
+            claimed = claim_unchanged_many([run for _, run in fresh], worker_id, ttl=ttl)
+            for (index, _), run in zip(fresh, claimed, strict=True):
+                results[index] = run
+        rest = [index for index, result in enumerate(results) if result is None]
+        if rest:
+            check = self._core.check_runnable
+            found = journal.claim_many(
+                [claims[index][0] for index in rest], worker_id, ttl=ttl, check=check
+            )
+            for index, answer in zip(rest, found, strict=True):
+                results[index] = answer
+        answers: list[RunRecord | Exception] = []
+        for result in results:
+            assert result is not None  # each run claimed by one of the two
+            answers.append(result)
+        return answers
 
     def claim_next(self, *, states: Sequence[str], spec_hash: str | None) -> RunRecord | None:
         """Claim the next runnable run of the core's machine and hold it, or ``None``.
@@ -496,43 +527,46 @@ class GroupClaimer:
 
     Args:
         loop: the event loop whose runs submit.
-        claim_many: claims a list of run ids at once, returning a row or an error for each.
+        claim_many: claims a turn's runs at once, each given by its id and, for a run this
+            engine started and has not claimed since, the run as written (else ``None``);
+            returns a row or an error for each.
     """
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        claim_many: Callable[[list[str]], Sequence[RunRecord | Exception]],
+        claim_many: Callable[[list[tuple[str, RunRecord | None]]], Sequence[RunRecord | Exception]],
     ) -> None:
         self.loop = loop
         self._claim_many = claim_many
-        self._run_ids: list[str] = []
+        self._claims: list[tuple[str, RunRecord | None]] = []
         self._futures: list[asyncio.Future[RunRecord]] = []
         self.calls = 0  # how many journal calls were made (for tests)
 
-    def submit(self, run_id: str) -> asyncio.Future[RunRecord]:
+    def submit(self, run_id: str, fresh: RunRecord | None = None) -> asyncio.Future[RunRecord]:
         """Queue a claim; the future holds the claimed row (or why the claim was refused).
 
-        Cancelling the future before its turn ends leaves the run unclaimed.
+        ``fresh``: the run as this engine wrote it, if it started it and has not claimed it
+        since. Cancelling the future before its turn ends leaves the run unclaimed.
         """
         future: asyncio.Future[RunRecord] = self.loop.create_future()
-        if not self._run_ids:
+        if not self._claims:
             self.loop.call_soon(self._flush)
-        self._run_ids.append(run_id)
+        self._claims.append((run_id, fresh))
         self._futures.append(future)
         return future
 
     def _flush(self) -> None:
         pending = [
-            (run_id, future)
-            for run_id, future in zip(self._run_ids, self._futures, strict=True)
+            (claim, future)
+            for claim, future in zip(self._claims, self._futures, strict=True)
             if not future.cancelled()
         ]
-        self._run_ids, self._futures = [], []
+        self._claims, self._futures = [], []
         if not pending:
             return
         try:
-            results = self._claim_many([run_id for run_id, _ in pending])
+            results = self._claim_many([claim for claim, _ in pending])
         except BaseException as exc:  # a journal that raised instead of returning the errors
             for _, future in pending:
                 future.set_exception(exc)

@@ -45,6 +45,7 @@ import attrs
 
 from fsm_runner.exceptions import InvalidRunIdError, JournalError, RunNotFoundError
 from fsm_runner.journal import _lease, _rows
+from fsm_runner.journal._head import is_head_refusal
 from fsm_runner.journal._postgres_connection import (
     UNRESOLVED,
     Connection,
@@ -63,6 +64,7 @@ __all__ = [
     "claim_group",
     "claim_next",
     "claim_next_query",
+    "claim_unchanged_group",
     "lease_holders",
 ]
 
@@ -229,13 +231,7 @@ def _granted(
     for run_id, takeover in grants.items():
         run = found[run_id]
         assert isinstance(run, RunRecord)
-        found[run_id] = attrs.evolve(
-            run,
-            lease_owner=owner,
-            lease_expires_at=expires,
-            lease_token=run.lease_token + 1,
-            recoveries=run.recoveries + takeover,
-        )
+        found[run_id] = _lease.claimed(run, owner, expires, takeover=bool(takeover))
         if run_id in heads:
             group.remember_head(run_id, run.seq, heads[run_id])
 
@@ -310,6 +306,85 @@ def claim_group(
         return [runs[r] if r in taken else refused.get(r, RunNotFoundError(r)) for r in run_ids]
 
     return connection.call(work, resolve=resolve)
+
+
+#: A claim of runs as this journal wrote them: each one's lease taken only while the run is
+#: active at the seq and lease token written, no lease held and no abort requested.
+_CLAIM_UNCHANGED = (
+    "UPDATE runs SET lease_owner = %s,"
+    " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
+    " lease_token = runs.lease_token + 1"
+    " FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) AS u(id, seq, token)"
+    " WHERE runs.run_id = u.id AND runs.seq = u.seq AND runs.lease_token = u.token"
+    " AND runs.lease_owner IS NULL AND runs.abort_reason IS NULL AND runs.status = 'active'"
+    " RETURNING runs.run_id, runs.lease_expires_at"
+)
+
+
+def claim_unchanged_group(
+    connection: PostgresConnection,
+    group: ClaimGroup,
+    runs: Sequence[RunRecord],
+    owner: str,
+    *,
+    ttl: float,
+    refuse: bool = False,
+) -> list[RunRecord | None]:
+    """``PostgresJournal.claim_unchanged_many``: runs as written, claimed in ONE transaction.
+
+    Four round trips for them all: BEGIN, one UPDATE of the runs still as written (no read
+    before it), one read of the granted runs' heads, verified, COMMIT. ``None`` for a run not
+    claimed (it changed: nothing was written for it). A head that fails its digest rolls the
+    whole claim back, every entry ``None``: the caller claims them the usual way
+    (``claim_many``), which refuses that run alone; with ``refuse`` (``claim_unchanged``'s)
+    the head's ``JournalError`` is raised instead. After a lost connection, a try that did
+    commit is found by the leases it set (each run's token one past the one written).
+    """
+    if not runs:
+        return []
+    run_ids = [run.run_id for run in runs]
+    params = (owner, ttl, run_ids, [r.seq for r in runs], [r.lease_token for r in runs])
+
+    def work(conn: Connection) -> tuple[dict[str, dt.datetime], dict[str, str]]:
+        group.locks.hold(conn, owner)
+        try:
+            with conn.transaction():
+                granted: dict[str, dt.datetime] = dict(
+                    conn.execute(_CLAIM_UNCHANGED, params).fetchall()
+                )
+                heads = group.heads.verify_many(conn, list(granted)) if granted else {}
+        except (JournalError, InvalidRunIdError) as exc:
+            if refuse or not is_head_refusal(exc):
+                raise
+            return {}, {}  # rolled back: nothing claimed
+        return granted, heads
+
+    def resolve(conn: Connection) -> tuple[dict[str, dt.datetime], dict[str, str]] | Unresolved:
+        rows = conn.execute(
+            f"SELECT {group.select} FROM runs WHERE run_id = ANY(%s)", (run_ids,)
+        ).fetchall()
+        stored = {run.run_id: run for run in map(group.decode, rows)}
+        taken = {
+            run.run_id: found.lease_expires_at
+            for run in runs
+            if (found := stored.get(run.run_id)) is not None
+            and found.lease_owner == owner
+            and found.lease_token == run.lease_token + 1
+            and found.lease_expires_at is not None
+        }
+        return (taken, {}) if taken else UNRESOLVED  # none taken: nothing written, again
+
+    granted, heads = connection.call(work, resolve=resolve)
+    claimed: list[RunRecord | None] = []
+    for run in runs:
+        expires = granted.get(run.run_id)
+        if expires is None:
+            claimed.append(None)
+            continue
+        claimed.append(_lease.claimed(run, owner, expires, takeover=False))
+        if run.run_id in heads:
+            group.remember_head(run.run_id, run.seq, heads[run.run_id])
+    return claimed
 
 
 #: The first key of the advisory locks lease owners hold (``"FSMR"``); the second is

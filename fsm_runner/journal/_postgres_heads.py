@@ -45,6 +45,7 @@ _HEAD_JOINS = (
     " LEFT JOIN transitions AS p ON p.run_id = r.run_id AND p.seq = r.seq - 1"
 )
 _HEAD_SQL = f"SELECT {_HEAD_COLUMNS}{_HEAD_JOINS} WHERE r.run_id = %s"
+_HEADS_SQL = f"SELECT r.run_id, {_HEAD_COLUMNS}{_HEAD_JOINS} WHERE r.run_id = ANY(%s)"
 #: A claim's read of the run (locked) with what is verified, and the server's time: one
 #: statement.
 _LOADED = (
@@ -81,6 +82,19 @@ class PostgresHeads:
         row: Any = conn.execute(_HEAD_SQL, (run_id,)).fetchone()
         if row is not None:
             self._verify(run_id, row)
+
+    def verify_many(self, conn: Connection, run_ids: Sequence[str]) -> dict[str, str]:
+        """:meth:`verify` of several runs in one read; their heads' digests (run id -> digest).
+
+        For runs whose rows this transaction holds (it just wrote them): their heads as
+        committed. Raises as :meth:`verify` does for the first run that fails.
+        """
+        heads: dict[str, str] = {}
+        for run_id, *row in conn.execute(_HEADS_SQL, (list(run_ids),)).fetchall():
+            self._verify(run_id, row)
+            if row[_HEAD_SEQ] is not None:
+                heads[run_id] = row[_HEAD_SEQ + 1]
+        return heads
 
     def load(
         self, conn: Connection, run_id: str, decode: Callable[[Sequence[Any]], RunRecord]

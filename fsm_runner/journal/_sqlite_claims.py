@@ -19,13 +19,20 @@ from __future__ import annotations
 import datetime as dt
 import sqlite3
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fsm_runner.journal import _lease
 from fsm_runner.journal._sqlite_connections import SqliteConnections
 from fsm_runner.records import RunRecord, format_utc, utc_now
 
-__all__ = ["SqliteLiveness", "claim_next", "claim_unchanged", "lease_holders"]
+__all__ = [
+    "SqliteLiveness",
+    "claim_in",
+    "claim_next",
+    "claim_unchanged",
+    "claim_unchanged_many",
+    "lease_holders",
+]
 
 #: A row of the ``runs`` view as a record: the cursor's description, the row.
 RowReader = Callable[[Any, Sequence[Any]], RunRecord]
@@ -205,6 +212,52 @@ def _claim_found(
     return None
 
 
+class RunLoad(Protocol):
+    """A journal's read of a run inside its transaction (with ``verify``, its head verified)."""
+
+    def __call__(self, conn: sqlite3.Connection, run_id: str, *, verify: bool) -> RunRecord: ...
+
+
+def claim_in(  # noqa: PLR0917 - one call shape for claim and claim_many
+    conn: sqlite3.Connection,
+    load: RunLoad,
+    run_id: str,
+    owner: str,
+    now: dt.datetime,
+    ttl: float,
+    take_over: str | None,
+    check: Callable[[RunRecord], object] | None,
+) -> RunRecord:
+    """One claim inside the caller's write transaction; returns the row it wrote.
+
+    The run is loaded with its head verified, checked by ``check``, then granted
+    (:func:`~._lease.grant`) or refused by what that raises.
+    """
+    run = load(conn, run_id, verify=True)
+    if check is not None:
+        check(run)
+    takeover = _lease.grant(run, owner, now, take_over=take_over)
+    expires = now + dt.timedelta(seconds=ttl)
+    conn.execute(
+        "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+        " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
+        (owner, format_utc(expires), int(takeover), run_id),
+    )
+    # The row as just written (read inside the same write transaction): no second read.
+    return _lease.claimed(run, owner, expires, takeover=takeover)
+
+
+#: Take a run's lease only while it is as written: active, no abort requested, no lease held,
+#: at its lease token and with no transition after its seq.
+_CLAIM_UNCHANGED = (
+    "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
+    " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
+    " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
+    " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
+    " WHERE t.run_key = run_rows.run_key AND t.seq > ?)"
+)
+
+
 def claim_unchanged(
     connections: SqliteConnections, run: RunRecord, owner: str, *, ttl: float
 ) -> RunRecord | None:
@@ -212,14 +265,31 @@ def claim_unchanged(
     expires = utc_now() + dt.timedelta(seconds=ttl)
     with connections.write() as conn:
         changed = conn.execute(
-            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-            " lease_token = lease_token + 1 WHERE run_id = ? AND lease_token = ?"
-            " AND lease_owner IS NULL AND abort_reason IS NULL AND status = 'active'"
-            " AND NOT EXISTS (SELECT 1 FROM transitions AS t"
-            " WHERE t.run_key = run_rows.run_key AND t.seq > ?)",
-            (owner, format_utc(expires), run.run_id, run.lease_token, run.seq),
+            _CLAIM_UNCHANGED, (owner, format_utc(expires), run.run_id, run.lease_token, run.seq)
         ).rowcount
     return _lease.claimed(run, owner, expires, takeover=False) if changed else None
+
+
+def claim_unchanged_many(
+    connections: SqliteConnections, runs: Sequence[RunRecord], owner: str, *, ttl: float
+) -> list[RunRecord | None]:
+    """``SqliteJournal.claim_unchanged_many``: :func:`claim_unchanged` of each, in ONE transaction.
+
+    A conditional UPDATE each, no read; ``None`` for a run not claimed.
+    """
+    expires = utc_now() + dt.timedelta(seconds=ttl)
+    stamp = format_utc(expires)
+    with connections.write() as conn:
+        changed = [
+            conn.execute(
+                _CLAIM_UNCHANGED, (owner, stamp, run.run_id, run.lease_token, run.seq)
+            ).rowcount
+            for run in runs
+        ]
+    return [
+        _lease.claimed(run, owner, expires, takeover=False) if moved else None
+        for run, moved in zip(runs, changed, strict=True)
+    ]
 
 
 def lease_holders(connections: SqliteConnections, machine: str) -> list[tuple[str, str]]:

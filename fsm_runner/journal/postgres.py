@@ -68,6 +68,7 @@ from fsm_runner.journal._postgres_claims import (
     OwnerLiveness,
     claim_group,
     claim_next,
+    claim_unchanged_group,
 )
 from fsm_runner.journal._postgres_connection import (
     DEFAULT_RETRY_FOR,
@@ -394,36 +395,27 @@ class PostgresJournal:
     def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
         """Claim ``run``'s lease if the stored run is still as ``run`` shows it; else ``None``.
 
-        One UPDATE (its expiry by the server's clock), no read beyond its ``RETURNING``:
-        granted only while the run is active at ``run.seq`` with ``run``'s lease token, no
-        lease held and no abort requested. ``None``: nothing was written.
+        One UPDATE (its expiry by the server's clock), no read before it: granted only while
+        the run is active at ``run.seq`` with ``run``'s lease token, no lease held and no abort
+        requested; then its head is read and verified (a run that fails is refused, as by
+        :meth:`claim`). ``None``: nothing was written.
         """
+        group = self._group
+        (claimed,) = claim_unchanged_group(
+            self._connection, group, [run], owner, ttl=ttl, refuse=True
+        )
+        return claimed
 
-        def work(conn: Connection) -> RunRecord | None:
-            self.liveness.locks.hold(conn, owner)
-            with conn.transaction():  # the lease rolled back if the head fails its digest
-                cursor = conn.execute(
-                    "UPDATE runs SET lease_owner = %s,"
-                    " lease_expires_at = clock_timestamp() + %s * interval '1 second',"
-                    " lease_token = lease_token + 1 WHERE run_id = %s AND seq = %s"
-                    " AND lease_token = %s AND lease_owner IS NULL AND abort_reason IS NULL"
-                    f" AND status = 'active' RETURNING {_CLAIMED}",
-                    (owner, ttl, run.run_id, run.seq, run.lease_token),
-                )
-                row = cursor.fetchone()
-                if row is not None:
-                    self._heads.verify(conn, run.run_id)
-            return None if row is None else self._claimed(row)
+    def claim_unchanged_many(
+        self, runs: Sequence[RunRecord], owner: str, *, ttl: float
+    ) -> list[RunRecord | None]:
+        """:meth:`claim_unchanged` of each run, in ONE transaction; ``None`` where not claimed.
 
-        def resolve(conn: Connection) -> RunRecord | Unresolved | None:
-            stored = self._load(conn, run.run_id)
-            if stored.lease_owner == owner and stored.lease_token == run.lease_token + 1:
-                return stored  # the lease this very claim set
-            if stored.lease_token == run.lease_token and stored.lease_owner is None:
-                return UNRESOLVED  # not written: try again
-            return None
-
-        return self._connection.call(work, resolve=resolve)
+        For the runs an engine started and now drives at once (``arun`` of each, grouped):
+        one UPDATE of them all and one read of their heads, verified
+        (:func:`~._postgres_claims.claim_unchanged_group`).
+        """
+        return claim_unchanged_group(self._connection, self._group, runs, owner, ttl=ttl)
 
     def claim_many(
         self,

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from fsm_runner._unclosed import watch
 from fsm_runner.exceptions import JournalError, RunNotFoundError, RunTerminalError
 from fsm_runner.journal import (
-    _lease,
     _sqlite_chain,
     _sqlite_check,
     _sqlite_claims,
@@ -364,7 +363,9 @@ class SqliteJournal:
         """
         now = utc_now()
         with self._connections.write() as conn:
-            claimed = self._claim_in(conn, run_id, owner, now, ttl, take_over, None)
+            claimed = _sqlite_claims.claim_in(
+                conn, self._load, run_id, owner, now, ttl, take_over, None
+            )
         self._writer.remember(claimed)
         return claimed
 
@@ -390,7 +391,11 @@ class SqliteJournal:
             with self._connections.write() as conn:
                 for run_id in run_ids:
                     try:
-                        results.append(self._claim_in(conn, run_id, owner, now, ttl, None, check))
+                        results.append(
+                            _sqlite_claims.claim_in(
+                                conn, self._load, run_id, owner, now, ttl, None, check
+                            )
+                        )
                     except sqlite3.Error:  # noqa: PERF203 - the transaction failed: every claim
                         raise
                     except Exception as exc:  # noqa: BLE001 - refused alone, returned at its index
@@ -401,30 +406,6 @@ class SqliteJournal:
             if isinstance(result, RunRecord):
                 self._writer.remember(result)
         return results
-
-    def _claim_in(  # noqa: PLR0917 - one private call shape for claim and claim_many
-        self,
-        conn: sqlite3.Connection,
-        run_id: str,
-        owner: str,
-        now: dt.datetime,
-        ttl: float,
-        take_over: str | None,
-        check: Callable[[RunRecord], object] | None,
-    ) -> RunRecord:
-        """One claim inside the caller's write transaction; returns the row it wrote."""
-        run = self._load(conn, run_id, verify=True)
-        if check is not None:
-            check(run)
-        takeover = _lease.grant(run, owner, now, take_over=take_over)
-        expires = now + dt.timedelta(seconds=ttl)
-        conn.execute(
-            "UPDATE run_rows SET lease_owner = ?, lease_expires_at = ?,"
-            " lease_token = lease_token + 1, recoveries = recoveries + ? WHERE run_id = ?",
-            (owner, format_utc(expires), int(takeover), run_id),
-        )
-        # The row as just written (read inside the same write transaction): no second read.
-        return _lease.claimed(run, owner, expires, takeover=takeover)
 
     def claim_unchanged(self, run: RunRecord, owner: str, *, ttl: float) -> RunRecord | None:
         """Claim ``run``'s lease if the stored run is still as ``run`` shows it; else ``None``.
@@ -438,6 +419,20 @@ class SqliteJournal:
         claimed = _sqlite_claims.claim_unchanged(self._connections, run, owner, ttl=ttl)
         if claimed is not None:
             self._writer.remember(claimed)
+        return claimed
+
+    def claim_unchanged_many(
+        self, runs: Sequence[RunRecord], owner: str, *, ttl: float
+    ) -> list[RunRecord | None]:
+        """:meth:`claim_unchanged` of each run, in ONE transaction; ``None`` where not claimed.
+
+        For the runs an engine started and drives at once (``arun`` of each): one commit, no
+        read. A run changed since it was written is ``None``: nothing was written for it.
+        """
+        claimed = _sqlite_claims.claim_unchanged_many(self._connections, runs, owner, ttl=ttl)
+        for run in claimed:
+            if run is not None:
+                self._writer.remember(run)
         return claimed
 
     def claim_next(
