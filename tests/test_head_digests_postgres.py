@@ -166,10 +166,16 @@ def test_a_worker_drives_the_others(postgres_journal, admin):
 
 
 @pytest.fixture
-def slow_ends(admin, postgres_journal):
-    """Each commit that moves a run of the journal holds its row a second before it commits,
-    holding an advisory lock of its own meanwhile (:func:`in_sleep` looks for it: other tests
-    sleep in the same database). Dropped after (the schema goes back to the pool)."""
+def r1_at_seq_two(postgres_journal) -> str:
+    return at_seq_two(postgres_journal)
+
+
+@pytest.fixture
+def slow_ends(admin, postgres_journal, r1_at_seq_two):
+    """Once ``r1`` is at seq 2 (its first two commits not held up), each commit that moves a run
+    of the journal holds its row a second before it commits, holding an advisory lock of its
+    own meanwhile (:func:`in_sleep` looks for it: other tests sleep in the same database).
+    Dropped after (the schema goes back to the pool)."""
     key = random.randrange(1, 2**31)
     damage(
         admin,
@@ -201,7 +207,6 @@ def test_a_claim_that_waited_for_a_commit_reads_the_head_it_committed(
     new version joined to the head rows of the read's older snapshot (none at the new seq).
     The claim reads the head again, now that the row is its own: the run is sound and ended,
     not refused as damaged (an inspector's answer to a waiting run failed so in CI)."""
-    at_seq_two(postgres_journal)
     other = type(postgres_journal)(postgres_server.url, schema=postgres_journal.schema)
     ending = threading.Thread(target=lambda: engine_for(other).run("r1"))
     ending.start()
