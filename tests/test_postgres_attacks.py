@@ -488,6 +488,19 @@ class TestKilledInsideAPipeline:
         assert journal.meta()["format"] == "fsm_runner journal"
         assert journal.backend_pid not in (None, pid)
 
+    def test_a_connection_left_busy_is_replaced(self, postgres_journal):
+        """The state a kill inside a group commit's savepoints left in CI, made on the real
+        connection: a query sent whose result was never read, outside pipeline mode. Not
+        closed nor broken, yet every statement fails on it ("another command is already in
+        progress", no SQLSTATE): the journal must take it as lost, not fail the commit."""
+        journal = postgres_journal
+        pid = journal.backend_pid
+        conn = journal._connection.conn
+        assert conn is not None
+        conn.pgconn.send_query_params(b"SELECT 1", None)
+        assert journal.meta()["format"] == "fsm_runner journal"
+        assert journal.backend_pid not in (None, pid)
+
 
 class TestRefusedConnections:
     """The server refuses the journal's new connections (its role may make none) for a while."""

@@ -78,6 +78,21 @@ def reused_cursor(conn: Connection) -> psycopg.Cursor[tuple[Any, ...]]:
     return cursor
 
 
+#: The server ended the session: an administrator's or a crash's shutdown, or not started yet.
+_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _lost(exc: psycopg.OperationalError) -> bool:
+    """Whether ``exc`` says the connection is gone, not that a statement failed on it.
+
+    No SQLSTATE: libpq's own failure (to send, to read); class 08: a connection exception;
+    57P01-57P03: the server ended the session. Errors the server reports on a live session
+    (a full disk, a statement timeout) have a SQLSTATE of another class and are not retried.
+    """
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _SESSION_ENDED
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0].strip() if text else type(exc).__name__
@@ -260,9 +275,13 @@ class PostgresConnection:
         conn = self.conn
         if conn is None or conn.closed or conn.broken:
             return True
-        if conn.pgconn.pipeline_status != pq.PipelineStatus.OFF:
+        if conn.pgconn.pipeline_status != pq.PipelineStatus.OFF or _lost(exc):
             # Cut off inside a pipeline (``executemany``): psycopg could not leave pipeline mode
-            # and did not mark the connection broken, yet no statement can run on it again.
+            # and did not mark the connection broken, yet no statement can run on it again. Or
+            # the session ended (or libpq failed to send or read) before psycopg marked it
+            # broken: "sending query failed: terminating connection due to administrator
+            # command", its transaction's rollback then "another command is already in
+            # progress" (a random kill during a group commit's savepoints, in CI).
             self.disconnect()
             return True
         return isinstance(exc, pg_errors.TransactionRollback)
