@@ -658,12 +658,33 @@ class TestPostgresPipeline:
         grouped = self.grouped(monkeypatch)
         engine = engine_for(postgres_journal)
         runs = [postgres_journal.load(engine.start()) for _ in range(3)]
-        assert postgres_journal.commit_many([next_commit(run) for run in runs]) == [None] * 3
-        assert grouped == [(3, False)]  # the row's digest not yet computed here: all of it
+        changed = [next_commit(attrs.evolve(run, context={"k": 1})) for run in runs]
+        assert postgres_journal.commit_many(changed) == [None] * 3
+        assert grouped == [(3, False)]  # a new context: all of the row
         after = [postgres_journal.load(run.run_id) for run in runs[:2]]
         assert postgres_journal.commit_many([next_commit(run) for run in after]) == [None, None]
         assert grouped == [(3, False), (2, True)]  # the same context and error: the narrow one
+        assert [postgres_journal.load(run.run_id).context for run in runs] == [{"k": 1}] * 3
         assert postgres_journal.integrity_problems() == []
+
+    def test_the_runs_an_engine_started_step_narrow_from_their_first_step(
+        self, postgres_journal, monkeypatch
+    ):
+        """A start remembers each row's digest as a commit computes it: the engine's first
+        group of steps of the runs it started keeps it, and is narrow as the next ones are."""
+        grouped = self.grouped(monkeypatch)
+        engine = engine_for(postgres_journal)
+        run_ids = engine.start_many([{"n": n} for n in range(3)] + [{}, {}])
+
+        async def main():
+            return await asyncio.gather(*(engine.arun(run_id) for run_id in run_ids))
+
+        done = asyncio.run(main())
+        engine.close()
+        assert [run.state for run in done] == ["done"] * 5
+        assert grouped == [(5, True)] * 3  # a, b, c: each group of the five narrow
+        assert postgres_journal.integrity_problems() == []
+        assert check_journal(postgres_journal) == []
 
     def test_the_narrow_group_writes_the_row_the_whole_one_would(
         self, postgres_journal, monkeypatch
@@ -684,7 +705,7 @@ class TestPostgresPipeline:
             )
             ending.append(attrs.evolve(commit, run=run))
         assert postgres_journal.commit_many(ending) == [None] * 3
-        assert [narrow for _, narrow in grouped] == [False, True, True]
+        assert [narrow for _, narrow in grouped] == [True, True, True]  # the start's digest kept
         for commit in ending:
             stored = postgres_journal.load(commit.run.run_id)
             assert (stored.state, stored.seq, stored.visit_seq, stored.status) == (
@@ -718,7 +739,7 @@ class TestPostgresPipeline:
         )
         second = [next_commit(c.run) for c in commits]
         assert postgres_journal.commit_many(second) == [None] * 3
-        assert grouped == [(3, False), (3, True)]
+        assert grouped == [(3, True), (3, True)]
         assert outcomes == [True, False]  # refused whole, then a savepoint a commit
         stored = postgres_journal.load(changed)
         # all of the row written, as the commit has it

@@ -45,6 +45,7 @@ else:  # imported on first use: a sync run never needs it (see _lazy)
 __all__ = [
     "GroupClaimer",
     "LeaseKeeper",
+    "as_loaded",
     "holder_is_dead",
     "holder_is_gone",
     "new_worker_id",
@@ -145,7 +146,7 @@ class LeaseKeeper:
     # -- claiming ------------------------------------------------------------------------------
 
     def started(self, runs: Sequence[RunRecord]) -> None:
-        """Remember runs this engine just started, the lock taken once.
+        """Remember runs this engine just started (each :func:`as_loaded`), the lock taken once.
 
         A run stored without a lease may be claimed by any worker at once; this engine,
         claiming it next, asks the journal to take the lease only if the stored run is still
@@ -154,12 +155,11 @@ class LeaseKeeper:
         renews it, and its first drive here takes the row as written and writes no claim.
         """
         journal = self._core.journal
-        loaded = [_as_loaded(run) for run in runs]
         with self._runs.lock:
             started = self._started
             held = self._held
             holding = False
-            for run in loaded:
+            for run in runs:
                 if run.lease_owner is None:
                     if len(started) >= _REMEMBERED_STARTS:
                         started.clear()
@@ -586,7 +586,7 @@ def _plain(value: object) -> bool:
     return value is None or type(value) in (str, int, float, bool)
 
 
-def _as_loaded(run: RunRecord) -> RunRecord:
+def as_loaded(run: RunRecord) -> RunRecord:
     """A run just written, as a load would read it back: its handlers see JSON values only."""
     if _plain(run.input) and not run.context:
         return run

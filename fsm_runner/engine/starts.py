@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fsm_runner import _fork
 from fsm_runner._lazy import LazyModule
 from fsm_runner.engine.core import StepCore, random_ids
-from fsm_runner.engine.leases import LeaseKeeper
+from fsm_runner.engine.leases import LeaseKeeper, as_loaded
 from fsm_runner.engine.worker import Worker
 from fsm_runner.records import IterationRecord, RunRecord, TransitionRecord
 
@@ -141,12 +141,17 @@ class Starts:
         parent_run_id: str | None,
         claim: bool,
     ) -> list[NewRun]:
-        """The runs to store, built and checked (nothing written yet)."""
+        """The runs to store, built and checked (nothing written yet), each as loaded.
+
+        As a load would read each back (:func:`~.leases.as_loaded`): the run the journal stores
+        and remembers is the very run the engine then drives.
+        """
         lease = self.lease(claim)
-        return [
+        built = [
             self.core.new_run(given, run_id, context, parent_run_id, lease)
             for given, run_id in zip(inputs, run_ids, strict=True)
         ]
+        return [(as_loaded(run), first, opened) for run, first, opened in built]
 
     def stored(self, batch: Sequence[NewRun]) -> list[str]:
         """After the runs are durable: the lease keeper, the listeners and the worker told."""

@@ -73,6 +73,8 @@ INSERT_RUN = (
     f" VALUES ({', '.join(['%s'] * len(STORED_RUN_COLUMNS))})"
 )
 TRANSITION_COLUMNS = _rows.TRANSITION_COLUMNS
+#: Where a run row's context and error are in its parameters (``_rows.RUN_COLUMNS``).
+_CONTEXT, _ERROR = _rows.RUN_COLUMNS.index("context"), _rows.RUN_COLUMNS.index("error")
 _INSERT_TRANSITION = (
     f"INSERT INTO transitions ({', '.join(STORED_TRANSITION_COLUMNS)})"
     f" VALUES ({', '.join(['%s'] * len(STORED_TRANSITION_COLUMNS))})"
@@ -320,7 +322,9 @@ class PostgresWriter:
         if not new_runs(runs):
             return
         core = self._core
-        run_rows = [(*row, run_digest(row)) for row in (core.run_params(r) for r, _, _ in runs)]
+        digest = self._run_digest  # as a commit computes it: a first step may be narrow too
+        rows = [(run, core.run_params(run)) for run, _, _ in runs]
+        run_rows = [(*row, digest(run, row[_CONTEXT], row[_ERROR])) for run, row in rows]
         transition_rows = [core.transition_params(first) for _, first, _ in runs]
         transition_rows = [(*row, transition_chain_digest(None, row)) for row in transition_rows]
         iteration_rows = [
