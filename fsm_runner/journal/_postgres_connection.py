@@ -281,7 +281,7 @@ class PostgresConnection:
             # the session ended (or libpq failed to send or read) before psycopg marked it
             # broken: "sending query failed: terminating connection due to administrator
             # command", its transaction's rollback then "another command is already in
-            # progress" (a random kill during a group commit's savepoints, in CI).
+            # progress" (a random kill during a group commit's savepoints, in a suite run).
             self.disconnect()
             return True
         return isinstance(exc, pg_errors.TransactionRollback)
