@@ -327,26 +327,22 @@ class LeaseKeeper:
         load each, checked by the core's ``check_runnable``).
         """
         journal, worker_id, ttl = self._core.journal, self.worker_id, self.lease_ttl
-        results: list[RunRecord | Exception | None] = [None] * len(claims)
+        answers: dict[int, RunRecord | Exception] = {}  # by the claim's index
         fresh = [(index, run) for index, (_, run) in enumerate(claims) if run is not None]
         claim_unchanged_many = getattr(journal, "claim_unchanged_many", None)
         if fresh and claim_unchanged_many is not None:
             claimed = claim_unchanged_many([run for _, run in fresh], worker_id, ttl=ttl)
             for (index, _), run in zip(fresh, claimed, strict=True):
-                results[index] = run
-        rest = [index for index, result in enumerate(results) if result is None]
+                if run is not None:
+                    answers[index] = run
+        rest = [index for index in range(len(claims)) if index not in answers]
         if rest:
             check = self._core.check_runnable
             found = journal.claim_many(
                 [claims[index][0] for index in rest], worker_id, ttl=ttl, check=check
             )
-            for index, answer in zip(rest, found, strict=True):
-                results[index] = answer
-        answers: list[RunRecord | Exception] = []
-        for result in results:
-            assert result is not None  # each run claimed by one of the two
-            answers.append(result)
-        return answers
+            answers.update(zip(rest, found, strict=True))
+        return [answers[index] for index in range(len(claims))]
 
     def claim_next(self, *, states: Sequence[str], spec_hash: str | None) -> RunRecord | None:
         """Claim the next runnable run of the core's machine and hold it, or ``None``.
