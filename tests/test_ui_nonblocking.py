@@ -194,8 +194,12 @@ class TestInBrowser:
             page.get_by_role("button", name="Cancel the check").click()
             page.wait_for_selector("p.summary.cancelled", timeout=60_000)
             page.get_by_role("button", name="Check again").click()
-            # The page polls the job's progress and shows what it found once it ends.
+            page.wait_for_selector("p.summary.running")
+            page.evaluate("window.sameDocument = true")
+            # The page polls the job's progress and shows what it found once it ends, in place:
+            # a reload of its own would cancel a navigation the reader has just begun.
             summary = page.wait_for_selector("p.summary.ok", timeout=120_000)
             assert summary.inner_text().endswith(f"{big_journal.runs:,} runs checked, no problems")
+            assert page.evaluate("window.sameDocument") is True
         finally:
             context.close()

@@ -109,6 +109,23 @@ function setupLive() {
   window.addEventListener("pagehide", () => window.clearTimeout(timer));
 }
 
+// The ended check's section, put in place of the running one's. Not a reload: a navigation of
+// the page's own would cancel one the reader has just begun (a link clicked mid-poll).
+async function showFound(check) {
+  const response = await fetch("/check", { headers: { Accept: "text/html" } });
+  if (!response.ok) {
+    return false;
+  }
+  const page = new DOMParser().parseFromString(await response.text(), "text/html");
+  const found = page.getElementById("check");
+  if (!found || found.dataset.state === "running") {
+    return false; // started again meanwhile: poll on
+  }
+  check.replaceWith(found);
+  localTimes(found);
+  return true;
+}
+
 function setupCheck() {
   const check = document.getElementById("check");
   if (!check || check.dataset.state !== "running") {
@@ -122,8 +139,7 @@ function setupCheck() {
       const response = await fetch("/check/progress", { headers: { Accept: "application/json" } });
       if (response.ok) {
         const progress = await response.json();
-        if (progress.state !== "running") {
-          window.location.reload(); // ended: the page shows what it found
+        if (progress.state !== "running" && (await showFound(check))) {
           return;
         }
         document.getElementById("check-done").textContent = String(progress.done);
