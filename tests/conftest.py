@@ -360,3 +360,28 @@ def browser():
         browser = playwright.chromium.launch(executable_path=CHROMIUM)
         yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def shared_page(browser):
+    """One page, 1280 x 900, for a module's browser tests: each goes to the page it looks at.
+
+    A context of its own for each test cost chromium half a CPU-second (its renderer processes),
+    more than most tests; the inspector keeps nothing in the browser (no cookie, no storage) that
+    one test could leave to the next. A test that needs another screen, zone or permission makes
+    a context of its own.
+    """
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.dialogs = []
+    page.on("dialog", lambda dialog: (page.dialogs.append(dialog.message), dialog.dismiss()))
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def page(shared_page):
+    """The module's page, for one test: no script from run data may open a dialog in it."""
+    shared_page.dialogs.clear()
+    yield shared_page
+    assert shared_page.dialogs == [], "a script from run data ran in the page"

@@ -93,24 +93,6 @@ def site(request, ui_builds):
     site.server.stop()
 
 
-@pytest.fixture(scope="module")
-def browser_context(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    yield context
-    context.close()
-
-
-@pytest.fixture
-def page(browser_context):
-    page = browser_context.new_page()
-    dialogs: list[str] = []
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-    page.dialogs = dialogs
-    yield page
-    page.close()
-    assert dialogs == [], "a script from run data ran in the page"
-
-
 #: The text of each element matching a selector that the browser laid out on more than one line.
 CUT_IN_TWO = """(selector) => [...document.querySelectorAll(selector)].filter((element) => {
     const range = document.createRange();

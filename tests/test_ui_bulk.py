@@ -133,10 +133,3 @@ def server_location(server: Server) -> str:
     """The journal location a test server was started on (its ``--journal``)."""
     args = server.proc.args
     return args[args.index("--journal") + 1]
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    yield context.new_page()
-    context.close()

@@ -123,14 +123,6 @@ def server(location, ids):
     assert "Traceback" not in err
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    yield page
-    context.close()
-
-
 def run_cli(location: str, line: str):
     """A command line the page offers, run as pasted (``fsm-runner --journal J ...``).
 

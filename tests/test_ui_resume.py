@@ -87,13 +87,6 @@ def _site(work, location):
     journal.close()
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    yield context.new_page()
-    context.close()
-
-
 def test_resume_drives_a_stopped_run_to_its_end(site, page):
     server, journal, ids = site
     assert journal.load(ids["stopped"]).state == "building"

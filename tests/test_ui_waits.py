@@ -468,17 +468,6 @@ class TestAnswer:
         assert 'data-status="consumed"' in moved["signals"]
 
 
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    dialogs: list[str] = []
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-    yield page
-    context.close()
-    assert dialogs == [], "a script from run data ran in the page"
-
-
 class Worker:
     """``Engine.work`` on a thread of its own, with its own journal (the memory one shared)."""
 
