@@ -8,9 +8,11 @@ tested on every journal, and the SVG drawing on hand-built graphs.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import time
 from urllib.parse import urlencode
 
 import pytest
@@ -101,6 +103,17 @@ class TestPages:
         assert answer.status in (302, 404, 400)
         assert server.get("/runs?before=nope").status == 200  # an unknown cursor: no rows
         assert server.get(f"/runs/{'x' * 3}?from=abc").status in (400, 404)
+
+    def test_the_check_page_shows_what_the_check_found(self, server):
+        """Over HTTP, on every Python (the browser and a big journal: test_ui_nonblocking)."""
+        assert server.get("/check").status == 200  # starts the check, in the background
+        deadline = time.monotonic() + 60
+        while json.loads(server.get("/check/progress").body)["state"] == "running":
+            assert time.monotonic() < deadline, "a check of 2 runs did not end in 60 s"
+            time.sleep(0.02)
+        done = server.get("/check")
+        assert "2 runs checked, no problems" in done.body
+        assert 'data-state="done"' in done.body
 
     def test_live_endpoint(self, server, journal_file):
         _, failed, _ = journal_file
