@@ -25,7 +25,7 @@ POSTGRES_URL = os.environ.get(
 
 
 #: Test modules whose tests run one after another on one pytest-xdist worker (``--dist
-#: loadgroup``) while the other worker runs the rest: the ones that spawn many processes and
+#: loadgroup``) while the other workers run the rest: the ones that spawn many processes and
 #: steer them by time (leases of a second or two, kills every 0.2 s), and the run inspector's
 #: browser tests, whose PostgreSQL server must not see the server restart from another worker.
 PROCESS_MODULES = frozenset(
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.browser)
     # The groups first: each is one unit of work for one worker (the process-heavy tests, the
     # browser modules: tens of seconds each), handed out in collection order; handed out last,
-    # one of them kept a worker busy while the other had nothing left to run.
+    # one of them kept a worker busy while the others had nothing left to run.
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
 
 
