@@ -79,8 +79,10 @@ def site(request, tmp_path_factory):
         assert "Traceback" not in err
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def page(browser):
+    """One page for the module's tests (as ``conftest.shared_page``), allowed the clipboard:
+    each copy clears it first, so none reads what another test copied."""
     context = browser.new_context(
         viewport={"width": 1280, "height": 900}, permissions=["clipboard-read", "clipboard-write"]
     )

@@ -185,21 +185,16 @@ def test_a_held_up_page_is_answered_after_its_timeout_and_delays_no_other(
 
 
 class TestInBrowser:
-    def test_progress_cancel_and_check_again(self, server, big_journal, browser):
-        context = browser.new_context(viewport={"width": 1280, "height": 900})
-        page = context.new_page()
-        try:
-            page.goto(f"{server.url}/check")
-            assert page.locator("#check progress").count() == 1
-            page.get_by_role("button", name="Cancel the check").click()
-            page.wait_for_selector("p.summary.cancelled", timeout=60_000)
-            page.get_by_role("button", name="Check again").click()
-            page.wait_for_selector("p.summary.running")
-            page.evaluate("window.sameDocument = true")
-            # The page polls the job's progress and shows what it found once it ends, in place:
-            # a reload of its own would cancel a navigation the reader has just begun.
-            summary = page.wait_for_selector("p.summary.ok", timeout=120_000)
-            assert summary.inner_text().endswith(f"{big_journal.runs:,} runs checked, no problems")
-            assert page.evaluate("window.sameDocument") is True
-        finally:
-            context.close()
+    def test_progress_cancel_and_check_again(self, server, big_journal, page):
+        page.goto(f"{server.url}/check")
+        assert page.locator("#check progress").count() == 1
+        page.get_by_role("button", name="Cancel the check").click()
+        page.wait_for_selector("p.summary.cancelled", timeout=60_000)
+        page.get_by_role("button", name="Check again").click()
+        page.wait_for_selector("p.summary.running")
+        page.evaluate("window.sameDocument = true")
+        # The page polls the job's progress and shows what it found once it ends, in place:
+        # a reload of its own would cancel a navigation the reader has just begun.
+        summary = page.wait_for_selector("p.summary.ok", timeout=120_000)
+        assert summary.inner_text().endswith(f"{big_journal.runs:,} runs checked, no problems")
+        assert page.evaluate("window.sameDocument") is True

@@ -288,26 +288,25 @@ class TestForEveryone:
             assert page.locator("section.error-page").count() == 1
         assert NO_SUCH_RUN in page.locator("p.detail").inner_text()  # a long word to wrap
 
-    def test_a_narrow_screen_never_scrolls_sideways(self, server, browser, ids):
-        context = browser.new_context(viewport={"width": 400, "height": 800})
-        page = context.new_page()
+    def test_a_narrow_screen_never_scrolls_sideways(self, server, page, ids):
+        wide = page.viewport_size
+        page.set_viewport_size({"width": 400, "height": 800})
         try:
             for path in self.pages(ids):
                 page.goto(server.url + path)
                 width = page.evaluate("document.documentElement.scrollWidth")
                 assert width <= 400, (path, width)
         finally:
-            context.close()
+            page.set_viewport_size(wide)
 
-    def test_dark_mode_follows_the_system(self, server, browser, ids):
-        context = browser.new_context(color_scheme="dark")
-        page = context.new_page()
+    def test_dark_mode_follows_the_system(self, server, page, ids):
+        page.emulate_media(color_scheme="dark")
         try:
             page.goto(f"{server.url}/runs/{ids['output']}")
             background = page.evaluate("getComputedStyle(document.body).backgroundColor")
             assert background == "rgb(13, 17, 23)"
         finally:
-            context.close()
+            page.emulate_media(color_scheme="light")
 
     def test_every_field_labelled_and_every_landmark_named(self, server, journal, page, ids):
         with approval_engine(journal) as engine:
