@@ -368,8 +368,9 @@ def shared_page(browser):
 
     A context of its own for each test cost chromium half a CPU-second (its renderer processes),
     more than most tests; the inspector keeps nothing in the browser (no cookie, no storage) that
-    one test could leave to the next. A test that needs another screen, zone or permission makes
-    a context of its own.
+    one test could leave to the next. A test that needs another screen size or colour scheme sets
+    it on this page and sets it back; one that needs another time zone or a permission makes a
+    context of its own.
     """
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
