@@ -396,5 +396,5 @@ class TestCommandLine:
 
 
 @pytest.fixture(autouse=True)
-def _no_git_prompts(monkeypatch, lean_child_pytest):
+def _no_git_prompts(monkeypatch):
     monkeypatch.setenv("GIT_TERMINAL_PROMPT", "0")

@@ -530,9 +530,7 @@ class TestDemo:
     """`demo` ends with commands that work as printed."""
 
     @pytest.mark.parametrize("journal_option", [[], ["--journal", "my journal.db"]])
-    def test_last_line_is_a_complete_export_command(
-        self, tmp_path, monkeypatch, lean_child_pytest, journal_option
-    ):
+    def test_last_line_is_a_complete_export_command(self, tmp_path, monkeypatch, journal_option):
         import shlex
         import tempfile
 

@@ -579,9 +579,7 @@ class TestInBrowser:
             worker.join()
 
     @pytest.mark.parametrize("site", ["sqlite"], indirect=True)  # the real agent loop: once
-    def test_approve_a_waiting_agent_loop_run(
-        self, site, page, browser, tmp_path, lean_child_pytest
-    ):
+    def test_approve_a_waiting_agent_loop_run(self, site, page, browser, tmp_path):
         """The issue's acceptance: the demo's agent loop with its approval gate, real services.
 
         A worker runs it (the scripted agent and pytest as subprocesses, git snapshots) to the
