@@ -220,7 +220,8 @@ class TestCrashDuringVerification:
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 60
-            while not marker.exists():
+            # Its process group written, not only the file made (open() makes it empty first).
+            while not (marker.exists() and marker.read_text().strip()):
                 assert runner.poll() is None, runner.stdout.read().decode()
                 assert time.monotonic() < deadline, "verification never started"
                 time.sleep(0.02)
@@ -471,5 +472,5 @@ class TestCommands:
 
 
 @pytest.fixture(autouse=True)
-def _no_git_prompts(monkeypatch, lean_child_pytest):
+def _no_git_prompts(monkeypatch):
     monkeypatch.setenv("GIT_TERMINAL_PROMPT", "0")
