@@ -14,6 +14,8 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import pytest
+
 import fsm_runner
 
 PACKAGE = Path(fsm_runner.__file__).parent
@@ -111,20 +113,24 @@ def _describe(component: tuple[str, ...], graph: Mapping[str, set[str]]) -> str:
     return "\n".join([" <-> ".join(component), *edges])
 
 
-GRAPH = import_graph(PACKAGE.parent, "fsm_runner")
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """fsm_runner's own import graph (read once, by the worker that runs these tests: parsing
+    every module costs a second of CPU, which each worker paid at collection as a constant)."""
+    return import_graph(PACKAGE.parent, "fsm_runner")
 
 
 class TestNoCycles:
     """No import cycle among fsm_runner's modules."""
 
-    def test_no_import_cycle(self):
-        found = cycles(GRAPH)
-        assert not found, "import cycles:\n" + "\n".join(_describe(c, GRAPH) for c in found)
+    def test_no_import_cycle(self, graph):
+        found = cycles(graph)
+        assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
 
-    def test_the_graph_sees_the_package(self):
+    def test_the_graph_sees_the_package(self, graph):
         # A checker that found no module would find no cycle.
-        assert "fsm_runner.cli" in GRAPH["fsm_runner.__main__"]
-        assert "fsm_runner.journal" in GRAPH["fsm_runner.ui.app"]
+        assert "fsm_runner.cli" in graph["fsm_runner.__main__"]
+        assert "fsm_runner.journal" in graph["fsm_runner.ui.app"]
 
 
 class TestTheChecker:
@@ -220,10 +226,10 @@ def _forbidden(module: str) -> bool:
 class TestPureStepLogic:
     """The pure step logic (fsm_runner.rules) imports no driver, lease or journal."""
 
-    def test_rules_import_no_engine_or_journal_implementation(self):
-        rules = [m for m in GRAPH if m == "fsm_runner.rules" or m.startswith("fsm_runner.rules.")]
+    def test_rules_import_no_engine_or_journal_implementation(self, graph):
+        rules = [m for m in graph if m == "fsm_runner.rules" or m.startswith("fsm_runner.rules.")]
         assert rules, "the checker found no module of fsm_runner.rules"
-        assert forbidden_paths(GRAPH, rules) == []
+        assert forbidden_paths(graph, rules) == []
 
     def test_the_check_follows_imports_through_other_modules(self):
         graph = {
