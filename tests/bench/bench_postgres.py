@@ -28,7 +28,9 @@ One run of this file measures, in interleaved rounds (medians), each in a schema
 Prints each rate, its ratio to raw single commits and to raw batched rows, and PASS/FAIL
 against the floors this bench holds the journal to (async at least raw single commits, sync at
 least 0.35 of them, every worker drain clean) and, on separate lines, issue 33's targets: sync
->= 0.6x single, ``--concurrent`` runs at once >= 5x single, ``start_many`` <= 2x its raw rows.
+>= 0.6x single, ``--concurrent`` runs at once >= 5x single (and >= 0.2x raw batched rows: the
+issue's other form of it, which does not move with the disk's commit), ``start_many`` <= 2x its
+raw rows. It prints what a raw single commit costs here beside the issue's machine's.
 The exit code follows the floors; a target not met prints ``not met``.
 """
 
@@ -66,6 +68,10 @@ ASYNC_TARGET = 1.0  # x raw single commits
 SYNC_TARGET = 0.35
 #: Issue 33's targets: sync and many runs at once (x raw single commits), start_many (x raw).
 ISSUE_SYNC, ISSUE_CONCURRENT, ISSUE_STARTS = 0.6, 5.0, 2.0
+#: The issue's other form of its many-at-once target (x raw batched rows), and the cost of a raw
+#: single commit on the machine it was written on (3,512 a second): every "x single" target
+#: is relative to the disk's commit, which other machines of its kind did at twice that rate.
+ISSUE_CONCURRENT_BATCHED, ISSUE_COMMIT_US = 0.2, 1e6 / 3512
 
 
 def _schema() -> str:
@@ -283,9 +289,14 @@ def main() -> int:
         )
     sync = statistics.median(figures["fsm_runner sync"]) / single
     at_once = statistics.median(figures["fsm_runner async (group commit)"]) / single
+    at_once_batched = at_once * single / batched
     print(
         f"\n  start_many of {args.starts:,} runs: {starts * 1000:,.0f} ms against their rows"
         f" inserted raw {raw_starts * 1000:,.0f} ms: {starts / raw_starts:.2f}x"
+    )
+    print(
+        f"  a raw single commit: {1e6 / single:,.0f} us here, {ISSUE_COMMIT_US:,.0f} us on the"
+        " machine issue 33 was measured on"
     )
     print("\nissue 33's targets:")
     for what, value, target, met in (
@@ -295,6 +306,12 @@ def main() -> int:
             at_once,
             f">= {ISSUE_CONCURRENT}",
             at_once >= ISSUE_CONCURRENT,
+        ),
+        (
+            f"{args.concurrent:,} runs at once, x raw batched rows",
+            at_once_batched,
+            f">= {ISSUE_CONCURRENT_BATCHED}",
+            at_once_batched >= ISSUE_CONCURRENT_BATCHED,
         ),
         (
             f"start_many of {args.starts:,} runs, x their raw rows",
