@@ -305,6 +305,29 @@ class TestCommandVerifier:
         report = CommandVerifier(levels).verify(str(tmp_path))
         assert report.passed, report.levels[-1].checks[0].output_tail
 
+    def test_bytecode_outside_the_workspace_is_compiled_once_a_process(self, tmp_path):
+        """The standard library's (and pytest's) bytecode outlives a verification; the workspace's
+        is compiled again each time (test_stale_bytecode_...: the same prefix, a fresh .pyc)."""
+        (tmp_path / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+        show = "import os, json, calc; print(os.environ['PYTHONPYCACHEPREFIX'])"
+        verifier = CommandVerifier({"L1": f'{sys.executable} -c "{show}"'})
+
+        def verified() -> tuple[Path, Path, Path]:
+            report = verifier.verify(str(tmp_path))
+            assert report.passed, report.levels[-1].checks[0].output_tail
+            prefix = Path(report.levels[-1].checks[0].output_tail.strip())
+            (library,) = prefix.rglob("json/__init__.*.pyc")
+            (calc,) = (prefix / str(tmp_path.resolve()).lstrip(os.sep)).glob("calc.*.pyc")
+            return prefix, library, calc
+
+        prefix, library, calc = verified()
+        compiled = library.stat().st_mtime_ns
+        os.utime(calc, ns=(1, 1))
+        assert verified() == (prefix, library, calc)  # one cache a process
+        assert library.stat().st_mtime_ns == compiled  # json's .pyc kept as it was
+        assert calc.stat().st_mtime_ns != 1  # calc's removed and written anew
+        assert not (tmp_path / "__pycache__").exists()
+
     def test_a_failed_level_stops_the_later_ones(self, tmp_path):
         verifier = CommandVerifier(
             {"L0": "true", "L1": "echo broken; exit 3", "L2": "touch l2-ran"}

@@ -56,6 +56,7 @@ from fsm_runner.presets.agent_loop import (
     LevelResult,
     VerificationReport,
 )
+from fsm_runner.presets.agent_loop._bytecode import bytecode_prefix
 from fsm_runner.presets.agent_loop._children import (
     WorkspaceBusyError,
     WorkspaceClaim,
@@ -198,9 +199,9 @@ class CommandVerifier:
     killed. It dies with its runner, and what a killed runner left running in the workspace is
     killed before it starts (see the module's docs; waiting for another live runner's command
     counts against its time). A command that would start after that budget is spent is not run
-    and counts as timed out. Python bytecode is cached apart for each verification
-    (``PYTHONPYCACHEPREFIX``), so a stale ``.pyc`` in the workspace is never run in place of the
-    source.
+    and counts as timed out. Python bytecode is cached apart (``PYTHONPYCACHEPREFIX``), the
+    workspace's emptied before each verification, so a stale ``.pyc`` of the workspace is never
+    run in place of its source; the rest (the standard library, pytest) is compiled once a process.
 
     Attributes:
         levels: the default levels, ``{name: command or [commands]}``; :meth:`verify` may
@@ -244,14 +245,14 @@ class CommandVerifier:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         results: list[LevelResult] = []
-        with tempfile.TemporaryDirectory(prefix="fsm-runner-pycache-") as pycache:
-            # Python bytecode goes to a cache of this verification's own: a .pyc compiled from
-            # an earlier version of a file with the same size, written in the same second, would
-            # otherwise be run instead of the file the agent just wrote.
-            environment = {**os.environ, "PYTHONPYCACHEPREFIX": pycache}
-            for name, commands in plan.items():
-                if not self._level(name, commands, workspace, deadline, environment, results):
-                    break
+        # Python bytecode goes to a cache apart, emptied of the workspace's: a .pyc compiled from
+        # an earlier version of a file with the same size, written in the same second, would
+        # otherwise be run instead of the file the agent just wrote (_bytecode).
+        environment = {**os.environ, "PYTHONPYCACHEPREFIX": bytecode_prefix(workspace)}
+        environment.pop("PYTHONDONTWRITEBYTECODE", None)  # written there, in no tree of the user's
+        for name, commands in plan.items():
+            if not self._level(name, commands, workspace, deadline, environment, results):
+                break
         return VerificationReport(
             passed=all(level.passed for level in results),
             levels=tuple(results),
