@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui-nonblocking")]
 #: journal is slower to fill and needs fewer: now checked in 2 processes, 20,000 runs there took
 #: 1.3 s on a quiet machine, the first range of 2,000 checked at 0.5 s, and every cancel (sent
 #: 5 ms after that range, or the browser's click, 0.4 s after it asked for the page) took effect
-#: at the first or second range; 30,000 (15 ranges) leaves the browser's click a wider margin.
+#: at the first or second range; 30,000 (15 ranges) leaves a wider margin (the browser's click is
+#: tested on SQLite alone now).
 RUNS = {"sqlite": 100_000, "postgres": 30_000}
 
 
