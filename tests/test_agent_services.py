@@ -31,6 +31,7 @@ from fsm_runner.presets.agent_loop import (
     Verifier,
     _children,
 )
+from fsm_runner.presets.agent_loop import _bytecode as agent_bytecode
 from fsm_runner.presets.agent_loop import services as agent_services
 from fsm_runner.presets.agent_loop.services import (
     CommandAgentDriver,
@@ -305,28 +306,41 @@ class TestCommandVerifier:
         report = CommandVerifier(levels).verify(str(tmp_path))
         assert report.passed, report.levels[-1].checks[0].output_tail
 
-    def test_bytecode_outside_the_workspace_is_compiled_once_a_process(self, tmp_path):
+    def test_bytecode_outside_the_workspace_is_compiled_once(self, tmp_path):
         """The standard library's (and pytest's) bytecode outlives a verification; the workspace's
-        is compiled again each time (test_stale_bytecode_...: the same prefix, a fresh .pyc)."""
+        is removed after each (and before: test_stale_bytecode_..., in the same prefix)."""
         (tmp_path / "calc.py").write_text("def add(a, b):\n    return a + b\n")
         show = "import os, json, calc; print(os.environ['PYTHONPYCACHEPREFIX'])"
         verifier = CommandVerifier({"L1": f'{sys.executable} -c "{show}"'})
 
-        def verified() -> tuple[Path, Path, Path]:
+        def verified() -> tuple[Path, Path]:
             report = verifier.verify(str(tmp_path))
             assert report.passed, report.levels[-1].checks[0].output_tail
             prefix = Path(report.levels[-1].checks[0].output_tail.strip())
-            (library,) = prefix.rglob("json/__init__.*.pyc")
-            (calc,) = (prefix / str(tmp_path.resolve()).lstrip(os.sep)).glob("calc.*.pyc")
-            return prefix, library, calc
+            (library,) = (prefix / Path(json.__file__).parent.relative_to("/")).glob("__init__.*")
+            assert not (prefix / tmp_path.resolve().relative_to("/")).exists()  # calc's removed
+            return prefix, library
 
-        prefix, library, calc = verified()
-        compiled = library.stat().st_mtime_ns
-        os.utime(calc, ns=(1, 1))
-        assert verified() == (prefix, library, calc)  # one cache a process
-        assert library.stat().st_mtime_ns == compiled  # json's .pyc kept as it was
-        assert calc.stat().st_mtime_ns != 1  # calc's removed and written anew
+        prefix, library = verified()
+        os.utime(library, ns=(1, 1))
+        assert verified() == (prefix, library)  # one cache
+        assert library.stat().st_mtime_ns == 1  # json's .pyc kept, not written again
         assert not (tmp_path / "__pycache__").exists()
+
+    def test_the_cache_is_the_users_own_or_a_temporary_one(self, tmp_path, monkeypatch):
+        cache = tmp_path / "cache"
+        monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+        assert agent_bytecode._Prefix().path() == str(cache / "fsm-runner" / "pycache")
+        assert (cache / "fsm-runner" / "pycache").stat().st_mode & 0o777 == 0o700
+        (cache / "fsm-runner" / "pycache").chmod(0o777)  # another user could plant bytecode
+        fallback = agent_bytecode._Prefix()  # its folder is removed when it is collected
+        elsewhere = fallback.path()
+        assert Path(elsewhere).name.startswith("fsm-runner-pycache-")
+        assert Path(elsewhere).stat().st_mode & 0o777 == 0o700
+        (cache / "fsm-runner").chmod(0o700)
+        (cache / "fsm-runner" / "pycache").rmdir()
+        (cache / "fsm-runner" / "pycache").write_text("not a folder")
+        assert agent_bytecode._Prefix().path() != str(cache / "fsm-runner" / "pycache")
 
     def test_a_failed_level_stops_the_later_ones(self, tmp_path):
         verifier = CommandVerifier(

@@ -199,9 +199,10 @@ class CommandVerifier:
     killed. It dies with its runner, and what a killed runner left running in the workspace is
     killed before it starts (see the module's docs; waiting for another live runner's command
     counts against its time). A command that would start after that budget is spent is not run
-    and counts as timed out. Python bytecode is cached apart (``PYTHONPYCACHEPREFIX``), the
-    workspace's emptied before each verification, so a stale ``.pyc`` of the workspace is never
-    run in place of its source; the rest (the standard library, pytest) is compiled once a process.
+    and counts as timed out. Python bytecode is cached apart (``PYTHONPYCACHEPREFIX``, in the
+    user's cache directory), the workspace's emptied before and after each verification, so a
+    stale ``.pyc`` of the workspace is never run in place of its source; the rest (the standard
+    library, pytest) is compiled once, not at every verification.
 
     Attributes:
         levels: the default levels, ``{name: command or [commands]}``; :meth:`verify` may
@@ -245,14 +246,15 @@ class CommandVerifier:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         results: list[LevelResult] = []
-        # Python bytecode goes to a cache apart, emptied of the workspace's: a .pyc compiled from
-        # an earlier version of a file with the same size, written in the same second, would
-        # otherwise be run instead of the file the agent just wrote (_bytecode).
-        environment = {**os.environ, "PYTHONPYCACHEPREFIX": bytecode_prefix(workspace)}
-        environment.pop("PYTHONDONTWRITEBYTECODE", None)  # written there, in no tree of the user's
-        for name, commands in plan.items():
-            if not self._level(name, commands, workspace, deadline, environment, results):
-                break
+        with bytecode_prefix(workspace) as pycache:
+            # Python bytecode goes to a cache apart, emptied of the workspace's: a .pyc compiled
+            # from an earlier version of a file with the same size, written in the same second,
+            # would otherwise be run instead of the file the agent just wrote (_bytecode).
+            environment = {**os.environ, "PYTHONPYCACHEPREFIX": pycache}
+            environment.pop("PYTHONDONTWRITEBYTECODE", None)  # written there, in no user's tree
+            for name, commands in plan.items():
+                if not self._level(name, commands, workspace, deadline, environment, results):
+                    break
         return VerificationReport(
             passed=all(level.passed for level in results),
             levels=tuple(results),
