@@ -12,7 +12,6 @@ diagram, the iteration totals, the escaped ``<script>``, a live transition appea
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,6 @@ import time
 import pytest
 
 from fsm_runner.journal import open_journal
-from tests.conftest import NO_PLUGIN_AUTOLOAD
 from tests.test_ui_diagram import MEASURE, problems
 from tests.ui_helpers import ARTIFACTS, ROOT, Server
 from tests.ui_journals import SCRIPT
@@ -52,7 +50,6 @@ def ui_builds(request, tmp_path_factory):
             subprocess.Popen(
                 [sys.executable, "-m", "tests.ui_journals", location, str(workdir)],
                 cwd=ROOT,
-                env={**os.environ, NO_PLUGIN_AUTOLOAD: "1"},  # the demo's pytest: no plugins
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
