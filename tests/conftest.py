@@ -310,9 +310,9 @@ def lean_child_pytest():
     """Child ``pytest`` processes (the agent loop's verification level) load no installed plugins.
 
     The test environment installs hypothesis and anyio, whose pytest plugins a child pytest
-    would load on start (0.7 s of CPU each time instead of 0.2, most of it importing hypothesis;
-    1-1.9 s on a loaded machine); the tiny test files the agent loop verifies use neither. The
-    child is still a real pytest run. Set for the whole session, in the processes that run tests
+    would load on start (0.7 s of CPU each time instead of 0.2 with bytecode cached, most of it
+    importing hypothesis); the tiny test files the agent loop verifies use neither. The child is
+    still a real pytest run. Set for the whole session, in the processes that run tests
     (each xdist worker has loaded its own plugins by then): every demo, guide session and inspector
     journal that verifies with pytest spawns such children, ~60 of them in a suite.
     """
